@@ -1,0 +1,109 @@
+"""Plain torch state dicts: ``torch.load(weights_only=True)`` in, ``torch.save`` out.
+
+A file that needs arbitrary pickled globals is refused: we never fall back to ``weights_only=False``,
+which would execute whatever the file asks.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import SourceFormatError, UnsafePickleError
+
+
+def load_weights_only(path: str) -> Any:
+    """torch.load with weights_only=True; a refused global becomes UnsafePickleError naming it."""
+    if not os.path.isfile(path):
+        raise SourceFormatError(f"torch file {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=_zipfile(path))
+    except pickle.UnpicklingError as exc:
+        msg = str(exc)
+        detail = next((ln.strip() for ln in msg.splitlines() if "GLOBAL" in ln or "Unsupported" in ln), msg[:200])
+        raise UnsafePickleError(
+            f"torch file {path} needs pickled globals outside the weights-only allow-list ({detail}); "
+            "refusing to unpickle it (ucp never uses weights_only=False)") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise SourceFormatError(f"torch file {path} cannot be read: {str(exc).splitlines()[0][:200]} "
+                                "(truncated or not a torch.save file?)") from None
+
+
+def _zipfile(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Nested dicts/lists of tensors -> (dotted name, leaf) pairs."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from flatten(v, f"{prefix}{k}.")
+    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, torch.Tensor)) for v in obj):
+        for i, v in enumerate(obj):
+            yield from flatten(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], obj
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, torch.Size):
+        return list(value)
+    return repr(value)
+
+
+def import_torch_file(store, path: str, run: str, step: int, *, state: str = "weight", message: str | None = None,
+                      progress: bool = True):
+    """Import a plain state dict: tensors become tensor-states, everything else JSON objects."""
+    import hashlib
+
+    from ..progress import track
+
+    data = load_weights_only(path)
+    if isinstance(data, torch.Tensor):
+        data = {"tensor": data}
+    if not isinstance(data, dict):
+        raise SourceFormatError(f"torch file {path} holds a {type(data).__name__}, expected a state dict")
+    leaves = list(flatten(data))
+    tensors = [(n, v) for n, v in leaves if isinstance(v, torch.Tensor)]
+    others = {n: _jsonable(v) for n, v in leaves if not isinstance(v, torch.Tensor)}
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    provenance = {"source_kind": "torch_file", "source_path": os.path.abspath(path),
+                  "source_hashes": {os.path.basename(path): "sha256:" + h.hexdigest()}}
+    with store.begin(run, step, message=message, provenance=provenance) as w:
+        for name, tensor in track(tensors, f"import {os.path.basename(path)}", enabled=progress,
+                                  weight=lambda nv: nv[1].numel() * nv[1].element_size()):
+            w.write(name, state, tensor)
+        for name, value in others.items():
+            w.write_object(name, value)
+    return w.checkpoint
+
+
+def export_torch_file(checkpoint, path: str, *, state: str | None = None, progress: bool = True) -> int:
+    """Write ``name -> tensor`` for one state (default: ``weight``, else ``fp32``) with torch.save."""
+    from ..progress import track
+
+    states = {i.state for i in checkpoint.tensors()}
+    chosen = state or ("weight" if "weight" in states else "fp32" if "fp32" in states else None)
+    if chosen is None or chosen not in states:
+        raise SourceFormatError(f"checkpoint {checkpoint.run}@{checkpoint.step} has no state {chosen!r}; "
+                                f"states: {', '.join(sorted(states))}")
+    infos = checkpoint.tensors(state=chosen)
+    out = {i.name: checkpoint.read(i.name, i.state)
+           for i in track(infos, "export", enabled=progress, weight=lambda i: i.nbytes)}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(out, tmp)
+    os.replace(tmp, path)  # never leave a half-written file under the final name
+    return len(out)

@@ -1,0 +1,398 @@
+"""Reading a committed checkpoint: lazy tensor handles, slice reads, stats, diff, verify, manifest."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from sqlalchemy import select
+
+from . import dtypes, format as fmt
+from .catalog import models as m
+from .errors import ChecksumError, ReferenceNotFound, UcpError
+from .records import TensorInfo
+
+
+def _normalize_index(index: Any, shape: tuple[int, ...], what: str) -> tuple[fmt.Box, tuple]:
+    """Split a numpy-style basic index into the bounding box to read and the index to apply after.
+
+    Only ints, slices and Ellipsis (basic indexing): reads then touch just the chunks in the box.
+    """
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(i is Ellipsis for i in index):
+        pos = next(k for k, i in enumerate(index) if i is Ellipsis)
+        fill = len(shape) - (len(index) - 1)
+        index = index[:pos] + (slice(None),) * fill + index[pos + 1:]
+    if len(index) > len(shape):
+        raise UcpError(f"{what}: index {index!r} has {len(index)} entries for a {len(shape)}-d tensor")
+    index = index + (slice(None),) * (len(shape) - len(index))
+    box, residual = [], []
+    for i, n in zip(index, shape):
+        if isinstance(i, (int, np.integer)) and not isinstance(i, bool):
+            j = int(i) + n if i < 0 else int(i)
+            if not 0 <= j < n:
+                raise UcpError(f"{what}: index {int(i)} is out of bounds for a dimension of size {n}")
+            box.append((j, j + 1))
+            residual.append(0)
+        elif isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step < 0:
+                raise UcpError(f"{what}: negative slice steps are not supported ({i})")
+            stop = max(start, stop)
+            box.append((start, stop))
+            residual.append(slice(0, stop - start, step))
+        else:
+            raise UcpError(f"{what}: only integers, slices and ... are supported in an index, got {i!r}")
+    return tuple(box), tuple(residual)
+
+
+def parse_slice(text: str) -> tuple:
+    """Parse a CLI slice such as ``"3:5,:"`` or ``"0,::2,..."`` into an index tuple."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "...":
+            out.append(Ellipsis)
+        elif ":" in part:
+            bits = [b.strip() for b in part.split(":")]
+            if len(bits) > 3:
+                raise UcpError(f"slice {text!r}: {part!r} has too many ':'")
+            vals = [int(b) if b else None for b in bits] + [None] * (3 - len(bits))
+            out.append(slice(*vals))
+        elif part:
+            try:
+                out.append(int(part))
+            except ValueError:
+                raise UcpError(f"slice {text!r}: {part!r} is not an integer, a:b[:c] or ...") from None
+    return tuple(out)
+
+
+class TensorHandle:
+    """A lazy tensor-state: nothing is read until it is indexed or ``read()``."""
+
+    def __init__(self, checkpoint: "Checkpoint", info: TensorInfo):
+        self.checkpoint = checkpoint
+        self.info = info
+        self._handle = None
+
+    def __repr__(self) -> str:
+        i = self.info
+        return f"TensorHandle({i.name!r}, state={i.state!r}, shape={list(i.shape)}, dtype={i.dtype})"
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.info.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtypes.torch_dtype(self.info.dtype)
+
+    @property
+    def layout(self) -> fmt.ArrayLayout:
+        i = self.info
+        return fmt.ArrayLayout.from_catalog(i.dtype, i.shape, i.chunk_shape, i.shard_shape, i.codecs)
+
+    @property
+    def array_url(self) -> str:
+        return self.checkpoint.store.array_url(self.info.array)
+
+    @property
+    def what(self) -> str:
+        return f"tensor {self.info.name!r} state {self.info.state!r} of checkpoint {self.checkpoint.id}"
+
+    def ts(self):
+        if self._handle is None:
+            store = self.checkpoint.store
+            self._handle = fmt.open_array(store.location, self.info.array, self.layout, store.context)
+        return self._handle
+
+    def read_numpy(self, index: Any = ()) -> np.ndarray:
+        box, residual = _normalize_index(index, self.info.shape, self.what)
+        data = fmt.read_box(self.ts(), self.layout, box, what=self.what, array_url=self.array_url)
+        return data[residual] if residual else data
+
+    def read(self, index: Any = (), *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = dtypes.to_torch(np.array(self.read_numpy(index), copy=False))
+        return out.to(dtype) if dtype is not None and dtype != out.dtype else out
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.read(index)
+
+    def slabs(self) -> Iterator[np.ndarray]:
+        """The tensor in C-order slabs of whole chunk rows (bounded memory)."""
+        layout = self.layout
+        for box in fmt.slabs(layout):
+            yield fmt.read_box(self.ts(), layout, box, what=self.what, array_url=self.array_url)
+
+
+@dataclass
+class TensorStats:
+    name: str
+    state: str
+    shape: list
+    dtype: str
+    numel: int
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    norm: float | None
+    nan: int
+    inf: int
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def compute_stats(handle: TensorHandle) -> TensorStats:
+    """min, max, mean, std, L2 norm over finite values, and NaN/Inf counts, chunk row by chunk row."""
+    n = finite_n = nan = inf = 0
+    total = total_sq = 0.0
+    lo, hi = math.inf, -math.inf
+    for slab in handle.slabs():
+        x = slab.astype(np.float64) if slab.dtype.kind in "fiub" or slab.dtype.name == "bfloat16" else np.abs(slab)
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        n += x.size
+        nan_mask = np.isnan(x)
+        inf_mask = np.isinf(x)
+        nan += int(nan_mask.sum())
+        inf += int(inf_mask.sum())
+        finite = x[~(nan_mask | inf_mask)]
+        if finite.size:
+            finite_n += finite.size
+            total += float(finite.sum())
+            total_sq += float(np.dot(finite, finite))
+            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+    i = handle.info
+    if finite_n == 0:
+        return TensorStats(i.name, i.state, list(i.shape), i.dtype, n, None, None, None, None, None, nan, inf)
+    mean = total / finite_n
+    var = max(total_sq / finite_n - mean * mean, 0.0)
+    return TensorStats(i.name, i.state, list(i.shape), i.dtype, n, lo, hi, mean, math.sqrt(var),
+                       math.sqrt(total_sq), nan, inf)
+
+
+class Checkpoint:
+    """A committed version. Tensor rows are loaded from the catalog once, on first use."""
+
+    def __init__(self, store, checkpoint_id: str):
+        self.store = store
+        self.id = checkpoint_id
+        with store.catalog.session() as s:
+            ck = s.get(m.Checkpoint, checkpoint_id)
+            if ck is None:
+                raise ReferenceNotFound(f"checkpoint {checkpoint_id!r} not found")
+            self.run = ck.run.name
+            self.step = ck.step
+            self.status = ck.status
+            self.created_at = ck.created_at
+            self.committed_at = ck.committed_at
+            self.parent = ck.parent_id
+            self.message = ck.message
+            self.nbytes = ck.nbytes
+            self.tags = sorted(t.name for t in ck.tags)
+            p = ck.provenance
+            self.provenance: dict = {} if p is None else {
+                "source_kind": p.source_kind, "source_path": p.source_path, "source_topology": p.source_topology,
+                "tool_version": p.tool_version, "library_versions": p.library_versions, "host": p.host,
+                "source_hashes": p.source_hashes, "extra": p.extra}
+        self._infos: dict[tuple[str, str], TensorInfo] | None = None
+        self._handles: dict[tuple[str, str], TensorHandle] = {}
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.run}@{self.step}, id={self.id})"
+
+    # --- catalog rows ---------------------------------------------------------------------------
+    def _load_infos(self) -> dict[tuple[str, str], TensorInfo]:
+        if self._infos is None:
+            with self.store.catalog.session() as s:
+                q = (select(m.Tensor, m.Array).join(m.Array, m.Tensor.array_id == m.Array.id)
+                     .where(m.Tensor.checkpoint_id == self.id).order_by(m.Tensor.position))
+                self._infos = {
+                    (t.name, t.state): TensorInfo(
+                        name=t.name, state=t.state, shape=tuple(t.shape), dtype=t.dtype, pattern=t.pattern,
+                        chunk_shape=tuple(a.chunk_shape), shard_shape=tuple(a.shard_shape), array=a.path,
+                        array_id=a.id, codecs=a.codecs, nbytes=t.nbytes, content_hash=t.content_hash,
+                        position=t.position)
+                    for t, a in s.execute(q)}
+        return self._infos
+
+    def tensors(self, name: str | None = None, state: str | None = None) -> list[TensorInfo]:
+        return [i for i in self._load_infos().values()
+                if (name is None or i.name == name) and (state is None or i.state == state)]
+
+    def names(self) -> list[str]:
+        return list(dict.fromkeys(i.name for i in self._load_infos().values()))
+
+    def states(self, name: str) -> list[str]:
+        return [i.state for i in self.tensors(name)]
+
+    def info(self, name: str, state: str | None = None) -> TensorInfo:
+        infos = self._load_infos()
+        if state is None:
+            states = self.states(name)
+            if not states:
+                raise self._missing(name, None)
+            state = next((s for s in ("fp32", "weight") if s in states), states[0])
+        try:
+            return infos[(name, state)]
+        except KeyError:
+            raise self._missing(name, state) from None
+
+    def _missing(self, name: str, state: str | None) -> ReferenceNotFound:
+        import difflib
+
+        all_names = self.names()
+        if name in all_names:
+            return ReferenceNotFound(f"tensor {name!r} of checkpoint {self.run}@{self.step} has no state {state!r}; "
+                                     f"states: {', '.join(self.states(name))}")
+        near = difflib.get_close_matches(name, all_names, n=5, cutoff=0.5)
+        hint = f"; did you mean: {', '.join(near)}?" if near else ""
+        return ReferenceNotFound(f"checkpoint {self.run}@{self.step} has no tensor {name!r}{hint}")
+
+    def tensor(self, name: str, state: str | None = None) -> TensorHandle:
+        info = self.info(name, state)
+        key = (info.name, info.state)
+        if key not in self._handles:
+            self._handles[key] = TensorHandle(self, info)
+        return self._handles[key]
+
+    def __getitem__(self, key) -> TensorHandle:
+        if isinstance(key, tuple):
+            return self.tensor(*key)
+        return self.tensor(key)
+
+    def read(self, name: str, state: str | None = None, index: Any = (), *, dtype=None) -> torch.Tensor:
+        return self.tensor(name, state).read(index, dtype=dtype)
+
+    def state_dict(self, state: str = "fp32", *, lazy: bool = False) -> dict[str, Any]:
+        """``name -> tensor`` for one state (``lazy``: handles that read on access)."""
+        out = {}
+        for info in self.tensors(state=state):
+            handle = self.tensor(info.name, info.state)
+            out[info.name] = handle if lazy else handle.read()
+        return out
+
+    # --- objects --------------------------------------------------------------------------------
+    def objects(self) -> dict[str, Any]:
+        out = {}
+        with self.store.catalog.session() as s:
+            for o in s.scalars(select(m.StoredObject).where(m.StoredObject.checkpoint_id == self.id)):
+                if o.kind == "json":
+                    out[o.name] = o.value
+                else:
+                    a = o.array
+                    layout = fmt.ArrayLayout.from_catalog(a.dtype, a.shape, a.chunk_shape, a.shard_shape, a.codecs)
+                    h = fmt.open_array(self.store.location, a.path, layout, self.store.context)
+                    data = fmt.read_box(h, layout, tuple((0, n) for n in a.shape), what=f"object {o.name!r}",
+                                        array_url=self.store.array_url(a.path))
+                    out[o.name] = dtypes.to_torch(np.array(data, copy=False))
+        return out
+
+    # --- derived views --------------------------------------------------------------------------
+    def manifest(self) -> dict:
+        """The public record ``ucp show --json`` prints (schemas/manifest.schema.json)."""
+        with self.store.catalog.session() as s:
+            objects = {o.name: ({"kind": "json", "value": o.value} if o.kind == "json" else {"kind": "array"})
+                       for o in s.scalars(select(m.StoredObject).where(m.StoredObject.checkpoint_id == self.id))}
+        return {
+            "id": self.id,
+            "run": self.run,
+            "step": self.step,
+            "status": self.status,
+            "created_at": self.created_at.isoformat(),
+            "committed_at": self.committed_at.isoformat() if self.committed_at else None,
+            "parent": self.parent,
+            "message": self.message,
+            "tags": self.tags,
+            "nbytes": self.nbytes,
+            "provenance": self.provenance,
+            "objects": objects,
+            "tensors": [i.to_json(self.store.array_url(i.array)) for i in self.tensors()],
+        }
+
+    def stats(self, name: str | None = None, state: str | None = None, *, progress: bool = False) -> list[TensorStats]:
+        from .progress import track
+
+        infos = self.tensors(name, state) if name else self.tensors(state=state)
+        if name and not infos:
+            raise self._missing(name, state)
+        return [compute_stats(self.tensor(i.name, i.state))
+                for i in track(infos, "stats", enabled=progress, total=len(infos))]
+
+    def verify(self, *, progress: bool = False) -> list[dict]:
+        """Decode every chunk (crc32c) and recompute every content hash; returns the problems."""
+        from .progress import track
+
+        problems = []
+        arrays: dict[str, list[TensorInfo]] = {}
+        for info in self.tensors():
+            arrays.setdefault(info.array_id, []).append(info)
+        for infos in track(list(arrays.values()), "verify", enabled=progress, total=len(arrays),
+                           weight=lambda group: group[0].nbytes):
+            handle = self.tensor(infos[0].name, infos[0].state)
+            url = handle.array_url
+            try:
+                meta = fmt.read_metadata(self.store.location, infos[0].array)
+                expected = handle.layout.metadata()
+                if meta.get("shape") != expected["shape"] or meta.get("data_type") != expected["data_type"] \
+                        or meta.get("codecs") != expected["codecs"]:
+                    problems.append({"array": url, "tensor": infos[0].name, "state": infos[0].state, "chunk": None,
+                                     "error": "zarr.json does not match the catalog (shape, dtype or codecs)"})
+                    continue
+                report = fmt.verify_array(handle.ts(), handle.layout, url)
+            except UcpError as exc:
+                problems.append({"array": url, "tensor": infos[0].name, "state": infos[0].state, "chunk": None,
+                                 "error": str(exc)})
+                continue
+            for idx, err in report.bad_chunks:
+                problems.append({"array": url, "tensor": infos[0].name, "state": infos[0].state, "chunk": list(idx),
+                                 "shard": handle.layout.shard_key(idx), "error": f"crc32c mismatch: {err}"})
+            if report.ok:
+                for info in infos:
+                    if report.content_hash != info.content_hash:
+                        problems.append({"array": url, "tensor": info.name, "state": info.state, "chunk": None,
+                                         "error": f"content hash {report.content_hash} != catalog {info.content_hash}"})
+        return problems
+
+    def load_shard(self, topology, rank: int, *, states: Iterable[str] | None = None, dtype=None, lazy: bool = False):
+        """Tensors rank ``rank`` of ``topology`` needs, read through the planner (see ucp_store/io.py)."""
+        from .io import load_shard
+
+        return load_shard(self, topology, rank, states=states, dtype=dtype, lazy=lazy)
+
+
+def diff(a: Checkpoint, b: Checkpoint, *, progress: bool = False) -> list[dict]:
+    """same / changed / added / removed per tensor-state, with the relative change ||b-a|| / ||a||."""
+    from .progress import track
+
+    ia = {(i.name, i.state): i for i in a.tensors()}
+    ib = {(i.name, i.state): i for i in b.tensors()}
+    out = []
+    keys = list(dict.fromkeys(list(ia) + list(ib)))
+    for key in track(keys, "diff", enabled=progress, total=len(keys)):
+        x, y = ia.get(key), ib.get(key)
+        row = {"name": key[0], "state": key[1]}
+        if x is None:
+            out.append({**row, "status": "added", "shape": list(y.shape), "dtype": y.dtype})
+        elif y is None:
+            out.append({**row, "status": "removed", "shape": list(x.shape), "dtype": x.dtype})
+        elif x.content_hash == y.content_hash:
+            out.append({**row, "status": "same", "relative_change": 0.0})
+        elif x.shape != y.shape or x.dtype != y.dtype:
+            out.append({**row, "status": "changed", "relative_change": None,
+                        "detail": f"{x.dtype}{list(x.shape)} -> {y.dtype}{list(y.shape)}"})
+        else:
+            num = den = 0.0
+            for sa, sb in zip(a.tensor(*key).slabs(), b.tensor(*key).slabs()):
+                fa, fb = sa.astype(np.float64).reshape(-1), sb.astype(np.float64).reshape(-1)
+                d = fb - fa
+                num += float(np.dot(d, d))
+                den += float(np.dot(fa, fa))
+            rel = math.sqrt(num) / math.sqrt(den) if den > 0 else (math.inf if num > 0 else 0.0)
+            out.append({**row, "status": "changed", "relative_change": rel})
+    return out

@@ -1,0 +1,95 @@
+"""Data types: torch <-> numpy <-> zarr v3 names, bit-exact.
+
+Every dtype maps to a zarr v3 core name, except bfloat16, which is the zarr-extensions ``bfloat16``
+(numpy side ``ml_dtypes.bfloat16``). Conversions go through same-width views, never through a cast, so
+NaN payloads and signed zeros survive.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from .errors import DTypeError
+
+# zarr v3 name -> (torch dtype, numpy dtype)
+_TABLE: dict[str, tuple[torch.dtype, np.dtype]] = {
+    "bool": (torch.bool, np.dtype(np.bool_)),
+    "int8": (torch.int8, np.dtype(np.int8)),
+    "int16": (torch.int16, np.dtype(np.int16)),
+    "int32": (torch.int32, np.dtype(np.int32)),
+    "int64": (torch.int64, np.dtype(np.int64)),
+    "uint8": (torch.uint8, np.dtype(np.uint8)),
+    "uint16": (torch.uint16, np.dtype(np.uint16)),
+    "uint32": (torch.uint32, np.dtype(np.uint32)),
+    "uint64": (torch.uint64, np.dtype(np.uint64)),
+    "float16": (torch.float16, np.dtype(np.float16)),
+    "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16)),
+    "float32": (torch.float32, np.dtype(np.float32)),
+    "float64": (torch.float64, np.dtype(np.float64)),
+    "complex64": (torch.complex64, np.dtype(np.complex64)),
+    "complex128": (torch.complex128, np.dtype(np.complex128)),
+}
+_BY_TORCH = {t: name for name, (t, _) in _TABLE.items()}
+_BY_NUMPY = {n: name for name, (_, n) in _TABLE.items()}
+# torch views used to hand tensors to numpy without a cast (numpy has no bf16; some uints are partial)
+_VIEW_AS = {torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+SUPPORTED = tuple(_TABLE)
+
+
+def zarr_name(dtype: torch.dtype | np.dtype | str, *, what: str = "tensor") -> str:
+    """The zarr v3 data type name for a torch or numpy dtype (or a name); DTypeError if unsupported."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name in _TABLE:
+            return name
+    elif isinstance(dtype, torch.dtype):
+        if dtype in _BY_TORCH:
+            return _BY_TORCH[dtype]
+    else:
+        np_dtype = np.dtype(dtype)
+        if np_dtype.byteorder == ">":
+            np_dtype = np_dtype.newbyteorder("<")
+        if np_dtype in _BY_NUMPY:
+            return _BY_NUMPY[np_dtype]
+    raise DTypeError(f"{what}: dtype {dtype} cannot be stored bit-exactly; supported: {', '.join(SUPPORTED)}")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TABLE[zarr_name(name)][0]
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return _TABLE[zarr_name(name)][1]
+
+
+def itemsize(name: str) -> int:
+    return numpy_dtype(name).itemsize
+
+
+def to_numpy(tensor: torch.Tensor, *, what: str = "tensor") -> np.ndarray:
+    """A C-contiguous numpy array with the tensor's exact bits (a view where possible)."""
+    name = zarr_name(tensor.dtype, what=what)
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    view = _VIEW_AS.get(t.dtype)
+    if view is not None:
+        return t.view(view).numpy().view(numpy_dtype(name))
+    return t.numpy()
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor with the array's exact bits (shares memory where possible)."""
+    name = zarr_name(array.dtype)
+    target = torch_dtype(name)
+    array = np.require(array, requirements="C")  # ascontiguousarray would turn 0-d into 1-d
+    view = _VIEW_AS.get(target)
+    if view is not None:
+        carrier = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}[view]
+        return torch.from_numpy(array.view(carrier)).view(target)
+    return torch.from_numpy(array)

@@ -1,0 +1,298 @@
+"""The on-disk / in-bucket format: one chunked Zarr v3 array per tensor-state, through TensorStore.
+
+Codec chain of every array (innermost last)::
+
+    sharding_indexed(chunk_shape=inner, codecs=[bytes(little), <compression>?, crc32c],
+                     index_codecs=[bytes(little), crc32c])
+
+- ``sharding_indexed``: a tensor-state is a few shard files, each holding many inner chunks and an
+  index, so a slice read fetches only the inner chunks it intersects (byte-range reads on S3).
+- ``crc32c`` on every inner chunk and on the shard index: TensorStore refuses to decode a chunk whose
+  checksum does not match, so a flipped byte can never come back as wrong numbers.
+- compression is per store: ``none`` (default, see tools/bench_compression.py for why), ``zstd`` or
+  ``blosc`` (zstd with byte shuffle).
+0-d arrays skip sharding (one chunk, nothing to index).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import tensorstore as ts
+import xxhash
+
+from . import dtypes
+from .chunking import DEFAULT_TARGET, choose_chunking
+from .errors import ChecksumError, UcpError
+from .location import Location
+
+COMPRESSIONS = ("none", "zstd", "blosc")
+HASH_PREFIX = "xxh3-128:"
+
+Box = tuple[tuple[int, int], ...]
+
+
+def _compression_codecs(compression: str, itemsize: int) -> list[dict]:
+    if compression == "none":
+        return []
+    if compression == "zstd":
+        return [{"name": "zstd", "configuration": {"level": 3, "checksum": False}}]
+    if compression == "blosc":
+        return [{"name": "blosc", "configuration": {"cname": "zstd", "clevel": 3, "shuffle": "shuffle",
+                                                    "typesize": itemsize, "blocksize": 0}}]
+    raise UcpError(f"compression {compression!r} is unknown; expected one of {', '.join(COMPRESSIONS)}")
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """Everything needed to create or open one array without reading its metadata."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    compression: str = "none"
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.shape) > 0
+
+    def codecs(self) -> list[dict]:
+        inner = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        inner += _compression_codecs(self.compression, self.itemsize)
+        inner.append({"name": "crc32c"})
+        if not self.sharded:
+            return inner
+        return [{
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": list(self.chunk_shape),
+                "codecs": inner,
+                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                "index_location": "end",
+            },
+        }]
+
+    def metadata(self) -> dict:
+        grid = list(self.shard_shape) if self.sharded else []
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": _fill_value(self.dtype),
+            "codecs": self.codecs(),
+        }
+
+    @classmethod
+    def from_catalog(cls, dtype: str, shape, chunk_shape, shard_shape, codecs) -> "ArrayLayout":
+        return cls(dtype, tuple(shape), tuple(chunk_shape), tuple(shard_shape), compression_of(codecs))
+
+    # --- chunk geometry -----------------------------------------------------------------------
+    def chunk_grid(self) -> tuple[int, ...]:
+        return tuple(math.ceil(s / c) for s, c in zip(self.shape, self.chunk_shape))
+
+    def chunk_box(self, index: Sequence[int]) -> Box:
+        return tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(index, self.chunk_shape, self.shape))
+
+    def chunks_touching(self, box: Box) -> Iterator[tuple[int, ...]]:
+        ranges = [range(lo // c, (hi - 1) // c + 1) if hi > lo else range(0)
+                  for (lo, hi), c in zip(box, self.chunk_shape)]
+        yield from _product(ranges)
+
+    def shard_key(self, chunk_index: Sequence[int]) -> str:
+        if not self.sharded:
+            return "c"
+        per_shard = [sh // c for sh, c in zip(self.shard_shape, self.chunk_shape)]
+        return "c/" + "/".join(str(i // p) for i, p in zip(chunk_index, per_shard))
+
+
+def _fill_value(dtype: str):
+    if dtype == "bool":
+        return False
+    if dtype.startswith("complex"):
+        return [0.0, 0.0]
+    return 0
+
+
+def _product(ranges):
+    if not ranges:
+        yield ()
+        return
+    first, rest = ranges[0], ranges[1:]
+    for i in first:
+        for tail in _product(rest):
+            yield (i,) + tail
+
+
+def compression_of(codecs: list[dict]) -> str:
+    chain = codecs
+    if chain and chain[0]["name"] == "sharding_indexed":
+        chain = chain[0]["configuration"]["codecs"]
+    names = {c["name"] for c in chain}
+    return "zstd" if "zstd" in names else "blosc" if "blosc" in names else "none"
+
+
+def plan_layout(shape: Sequence[int], dtype: str, *, pattern: dict | None = None, compression: str = "none",
+                target_bytes: int = DEFAULT_TARGET, boundaries: dict | None = None,
+                shard_shape: Sequence[int] | None = None) -> ArrayLayout:
+    chunking = choose_chunking(shape, dtypes.itemsize(dtype), pattern=pattern, boundaries=boundaries,
+                               target_bytes=target_bytes)
+    shard = tuple(shard_shape) if shard_shape is not None else chunking.shard_shape
+    return ArrayLayout(dtype, tuple(int(s) for s in shape), chunking.chunk_shape, shard, compression)
+
+
+# --- TensorStore ------------------------------------------------------------------------------------
+
+def make_context(io_concurrency: int = 32) -> ts.Context:
+    """One context per store: bounded concurrency, no cache (checkpoint reads are read-once)."""
+    return ts.Context({
+        "cache_pool": {"total_bytes_limit": 0},
+        "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
+        "file_io_concurrency": {"limit": io_concurrency},
+        "s3_request_concurrency": {"limit": io_concurrency},
+    })
+
+
+def _spec(location: Location, rel: str, layout: ArrayLayout) -> dict:
+    return {"driver": "zarr3", "kvstore": location.kvstore(rel), "metadata": layout.metadata()}
+
+
+def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.Context) -> ts.TensorStore:
+    return ts.open(_spec(location, rel, layout), create=True, open=False, context=context).result()
+
+
+def open_array(location: Location, rel: str, layout: ArrayLayout | None, context: ts.Context,
+               *, assume_metadata: bool = True) -> ts.TensorStore:
+    """Open an array; with ``assume_metadata`` the catalog's layout stands in for reading zarr.json."""
+    if layout is not None and assume_metadata:
+        return ts.open(_spec(location, rel, layout), open=True, assume_metadata=True, context=context).result()
+    spec = {"driver": "zarr3", "kvstore": location.kvstore(rel)}
+    try:
+        return ts.open(spec, open=True, context=context).result()
+    except ValueError as exc:
+        raise UcpError(f"array {location.display(rel)} cannot be opened: {exc}") from None
+
+
+def read_metadata(location: Location, rel: str) -> dict:
+    import json
+    kv = ts.KvStore.open(location.kvstore(rel)).result()
+    raw = kv.read("zarr.json").result()
+    if raw.state != "value":
+        raise UcpError(f"array {location.display(rel)} has no zarr.json")
+    return json.loads(bytes(raw.value))
+
+
+def box_index(box: Box):
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+_CORRUPT = re.compile(r"checksum|crc|DATA_LOSS|corrupt|Invalid shard index|Error decoding", re.I)
+
+
+def is_corruption(exc: BaseException) -> bool:
+    return isinstance(exc, ValueError) and bool(_CORRUPT.search(str(exc)))
+
+
+def locate_bad_chunks(handle: ts.TensorStore, layout: ArrayLayout, box: Box, limit: int = 16) -> list[tuple]:
+    """Read chunk by chunk to find which inner chunks in ``box`` fail to decode."""
+    bad = []
+    for idx in layout.chunks_touching(box):
+        try:
+            handle[box_index(layout.chunk_box(idx))].read().result()
+        except ValueError as exc:
+            bad.append((idx, str(exc).splitlines()[0][:200]))
+            if len(bad) >= limit:
+                break
+    return bad
+
+
+def read_box(handle: ts.TensorStore, layout: ArrayLayout, box: Box, *, what: str, array_url: str) -> np.ndarray:
+    """Read a box; a checksum failure becomes a ChecksumError naming the array and the chunk."""
+    try:
+        return handle[box_index(box)].read().result()
+    except ValueError as exc:
+        if not is_corruption(exc):
+            raise UcpError(f"{what}: reading {array_url} failed: {exc}") from None
+        bad = locate_bad_chunks(handle, layout, box) or [((), str(exc)[:200])]
+        first = bad[0][0]
+        raise ChecksumError(
+            f"{what}: array {array_url} chunk {list(first)} (shard file {layout.shard_key(first) if first else '?'}) "
+            f"failed its crc32c check; the data is corrupt and was not returned ({len(bad)} bad chunk(s) in the "
+            f"region read)"
+        ) from None
+
+
+# --- content hashes ------------------------------------------------------------------------------
+
+class ContentHasher:
+    """xxh3-128 over (dtype, shape, C-order bytes). Fed in row-major order, slab by slab."""
+
+    def __init__(self, dtype: str, shape: Sequence[int]):
+        self._h = xxhash.xxh3_128()
+        self._h.update(f"{dtype}:{','.join(map(str, shape))};".encode())
+
+    def update(self, array: np.ndarray) -> None:
+        self._h.update(np.require(array, requirements="C").reshape(-1).view(np.uint8))
+
+    def hexdigest(self) -> str:
+        return HASH_PREFIX + self._h.hexdigest()
+
+
+def content_hash(array: np.ndarray, dtype: str | None = None) -> str:
+    h = ContentHasher(dtype or dtypes.zarr_name(array.dtype), array.shape)
+    h.update(array)
+    return h.hexdigest()
+
+
+def slabs(layout: ArrayLayout, max_bytes: int = 64 << 20) -> Iterator[Box]:
+    """Boxes along dim 0 in chunk-row multiples, each covering all other dims, in C order."""
+    if not layout.shape:
+        yield ()
+        return
+    row_bytes = math.prod(layout.shape[1:]) * layout.itemsize
+    rows = layout.chunk_shape[0] * max(1, max_bytes // max(row_bytes * layout.chunk_shape[0], 1))
+    full_rest = tuple((0, s) for s in layout.shape[1:])
+    for lo in range(0, layout.shape[0], rows):
+        yield ((lo, min(lo + rows, layout.shape[0])),) + full_rest
+
+
+@dataclass
+class VerifyReport:
+    array_url: str
+    bad_chunks: list[tuple]
+    content_hash: str | None
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad_chunks
+
+
+def verify_array(handle: ts.TensorStore, layout: ArrayLayout, array_url: str) -> VerifyReport:
+    """Decode every chunk (crc32c) and recompute the content hash, slab by slab."""
+    hasher = ContentHasher(layout.dtype, layout.shape)
+    bad: list[tuple] = []
+    for box in slabs(layout):
+        try:
+            data = handle[box_index(box)].read().result()
+        except ValueError:
+            bad.extend(locate_bad_chunks(handle, layout, box, limit=1 << 30))
+            continue
+        if not bad:
+            hasher.update(data)
+    return VerifyReport(array_url, bad, None if bad else hasher.hexdigest())

@@ -1,0 +1,67 @@
+"""Names that come from users: runs, tensors, states, tags.
+
+Array paths never derive from these names (arrays live at ``arrays/<id>.zarr``), but exporters
+write folders named after tensors (DeepSpeed's ``zero/<param>/``), so a name must never be able to
+escape a root: no absolute paths, no ``..`` or ``.`` components, no empty components, no backslashes,
+no control characters.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import InvalidNameError
+
+_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_STATE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_path_like(kind: str, name: str, max_len: int) -> str:
+    if not isinstance(name, str) or not name:
+        raise InvalidNameError(f"{kind} name must be a non-empty string, got {name!r}")
+    if len(name) > max_len:
+        raise InvalidNameError(f"{kind} name {name[:60]!r}... is longer than {max_len} characters")
+    if _CONTROL.search(name):
+        raise InvalidNameError(f"{kind} name {name!r} contains control characters")
+    if "\\" in name:
+        raise InvalidNameError(f"{kind} name {name!r} contains a backslash; use '/' or '.' as separator")
+    if name.startswith("/") or re.match(r"^[A-Za-z]:", name) or name.startswith("~"):
+        raise InvalidNameError(f"{kind} name {name!r} is an absolute path; it would escape the store")
+    for part in name.split("/"):
+        if part in ("", ".", ".."):
+            raise InvalidNameError(
+                f"{kind} name {name!r} has a {part or 'empty'!r} path component; it would escape the store"
+            )
+    return name
+
+
+def tensor_name(name: str) -> str:
+    """Validate a tensor (parameter) name such as ``layers.0.attn.qkv.weight``."""
+    return _check_path_like("tensor", name, 1024)
+
+
+def object_name(name: str) -> str:
+    return _check_path_like("object", name, 1024)
+
+
+def run_name(name: str) -> str:
+    """Run names are plain identifiers: letters, digits, ``.``, ``_``, ``-``; no ``..``."""
+    if not isinstance(name, str) or not _RUN_RE.match(name) or ".." in name:
+        raise InvalidNameError(
+            f"run name {name!r} is invalid: use 1-200 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit, without '..' (run names never become paths outside the store)"
+        )
+    return name
+
+
+def tag_name(name: str) -> str:
+    if not isinstance(name, str) or not _RUN_RE.match(name) or ".." in name:
+        raise InvalidNameError(f"tag name {name!r} is invalid: use 1-200 letters, digits, '.', '_' or '-'")
+    return name
+
+
+def state_name(name: str) -> str:
+    if not isinstance(name, str) or not _STATE_RE.match(name):
+        raise InvalidNameError(f"state name {name!r} is invalid: use letters, digits, '_', '.', '-' (max 64)")
+    return name

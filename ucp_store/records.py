@@ -1,0 +1,43 @@
+"""Plain records handed between the catalog, the planner and the readers (no SQL, no I/O)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor-state of a checkpoint as the catalog records it."""
+
+    name: str
+    state: str
+    shape: tuple[int, ...]
+    dtype: str
+    pattern: dict | None
+    chunk_shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    array: str  # location relative to the store root
+    array_id: str
+    codecs: list = field(default_factory=list, compare=False, repr=False)
+    nbytes: int = 0
+    content_hash: str = ""
+    position: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self, array_url: str | None = None) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "pattern": self.pattern,
+            "nbytes": self.nbytes,
+            "array": array_url or self.array,
+            "chunk_shape": list(self.chunk_shape),
+            "content_hash": self.content_hash,
+        }

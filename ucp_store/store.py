@@ -1,0 +1,726 @@
+"""The store: a versioned checkpoint registry over chunked arrays and a SQL catalog.
+
+Commit protocol (why a crashed save is never listed):
+1. ``begin`` inserts a ``pending`` checkpoint row naming its owner (host, pid).
+2. Each tensor-state is hashed, then either references an existing ready array with the same
+   content (dedup) or is written to a fresh array at ``arrays/<checkpoint>/<array>.zarr``.
+   TensorStore's file kvstore writes by atomic rename, so an array is durable when its write returns.
+3. Rows (arrays, tensors, objects) are inserted under the pending checkpoint in batches.
+4. ``commit`` waits for every write, then flips the status to ``committed`` in one transaction.
+A pending checkpoint whose owner died (or that is older than the pending timeout) is removed by
+``gc`` with everything it wrote. Reference counts are derived from tensor/object rows, never stored.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import difflib
+import math
+import os
+import socket
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+from sqlalchemy import and_, exists, func, select, text, update
+
+from . import dtypes, format as fmt, names
+from .catalog import models as m
+from .catalog.db import open_catalog
+from .errors import CatalogError, InvalidNameError, ReferenceNotFound, ShapeMismatch, UcpError
+from .location import Location
+from .records import TensorInfo
+
+FORMAT_VERSION = 1
+DEFAULT_STORE = "./ucp-store"
+_ROW_BATCH = 512
+_MAX_INFLIGHT_BYTES = 1 << 30
+DEFAULT_PENDING_TIMEOUT = _dt.timedelta(hours=24)
+
+
+def _tool_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("torch", "tensorstore", "numpy", "zarr", "numcodecs", "sqlalchemy"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _utcnow() -> _dt.datetime:
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def open_store(url: str | None = None, *, create: bool = False, catalog: str | None = None,
+               compression: str | None = None, chunk_target_bytes: int | None = None) -> "Store":
+    """Open (or with ``create`` make) a store. ``url`` defaults to ``$UCP_STORE`` or ``./ucp-store``."""
+    url = url or os.environ.get("UCP_STORE") or DEFAULT_STORE
+    location = Location.parse(url, catalog)
+    if location.kind == "file" and not create and not os.path.exists(os.path.join(location.root, "catalog.db")) \
+            and location.catalog_url.startswith("sqlite"):
+        raise CatalogError(f"no store at {location.root} (no catalog.db); create one with `ucp init` or create=True")
+    if create:
+        location.ensure_root()
+    catalog_db = open_catalog(location.catalog_url, create=create)
+    store = Store(location, catalog_db)
+    if create:
+        store._init_settings(compression, chunk_target_bytes)
+    return store
+
+
+@dataclass
+class GcReport:
+    removed_checkpoints: list[str] = field(default_factory=list)
+    removed_pending: list[str] = field(default_factory=list)
+    removed_arrays: int = 0
+    freed_bytes: int = 0
+    dry_run: bool = False
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+class Store:
+    def __init__(self, location: Location, catalog):
+        self.location = location
+        self.catalog = catalog
+        self.context = fmt.make_context()
+        with self.catalog.session() as s:
+            rows = {r.key: r.value for r in s.scalars(select(m.Setting))}
+        self.settings: dict[str, Any] = {"compression": "none", "chunk_target_bytes": 1 << 20,
+                                         "format_version": FORMAT_VERSION, **rows}
+
+    def __repr__(self) -> str:
+        return f"Store({self.location.url!r})"
+
+    def _init_settings(self, compression: str | None, chunk_target_bytes: int | None) -> None:
+        wanted = {"format_version": FORMAT_VERSION}
+        if compression is not None:
+            fmt._compression_codecs(compression, 4)  # validates the name
+            wanted["compression"] = compression
+        if chunk_target_bytes is not None:
+            from .chunking import MAX_TARGET, MIN_TARGET
+
+            if not MIN_TARGET <= chunk_target_bytes <= MAX_TARGET:
+                raise UcpError(f"chunk target {chunk_target_bytes} bytes: expected 1 MiB to 8 MiB")
+            wanted["chunk_target_bytes"] = int(chunk_target_bytes)
+        with self.catalog.write_session() as s:
+            for key, value in wanted.items():
+                row = s.get(m.Setting, key)
+                if row is None:
+                    s.add(m.Setting(key=key, value=value))
+                elif key != "format_version":
+                    row.value = value
+        self.settings.update(wanted)
+
+    def array_url(self, rel: str) -> str:
+        return self.location.display(rel)
+
+    # --- runs and references ----------------------------------------------------------------
+    def runs(self) -> list[dict]:
+        with self.catalog.session() as s:
+            q = (select(m.Run.name, func.count(m.Checkpoint.id), func.max(m.Checkpoint.step), m.Run.retention)
+                 .outerjoin(m.Checkpoint, and_(m.Checkpoint.run_id == m.Run.id, m.Checkpoint.status == "committed"))
+                 .group_by(m.Run.id).order_by(m.Run.name))
+            return [{"run": n, "checkpoints": c, "latest_step": st, "retention": r} for n, c, st, r in s.execute(q)]
+
+    def list_checkpoints(self, run: str | None = None, *, include_pending: bool = False) -> list[dict]:
+        with self.catalog.session() as s:
+            q = select(m.Checkpoint, m.Run.name).join(m.Run)
+            if run is not None:
+                q = q.where(m.Run.name == run)
+            if not include_pending:
+                q = q.where(m.Checkpoint.status == "committed")
+            q = q.order_by(m.Run.name, m.Checkpoint.step, m.Checkpoint.created_at)
+            out = []
+            tags = self._tags_by_checkpoint(s)
+            for ck, run_name in s.execute(q):
+                out.append({"id": ck.id, "run": run_name, "step": ck.step, "status": ck.status,
+                            "created_at": ck.created_at.isoformat(), "parent": ck.parent_id,
+                            "message": ck.message, "nbytes": ck.nbytes, "tags": tags.get(ck.id, [])})
+            if run is not None and not out and s.scalar(select(m.Run.id).where(m.Run.name == run)) is None:
+                raise ReferenceNotFound(f"run {run!r} not found{self._near(run, self._run_names(s))}")
+            return out
+
+    @staticmethod
+    def _tags_by_checkpoint(s) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for cid, name in s.execute(select(m.Tag.checkpoint_id, m.Tag.name).order_by(m.Tag.name)):
+            out.setdefault(cid, []).append(name)
+        return out
+
+    @staticmethod
+    def _run_names(s) -> list[str]:
+        return list(s.scalars(select(m.Run.name)))
+
+    @staticmethod
+    def _near(word: str, candidates: Iterable[str]) -> str:
+        near = difflib.get_close_matches(word, list(candidates), n=5, cutoff=0.5)
+        return f"; did you mean: {', '.join(near)}?" if near else ""
+
+    def resolve(self, ref: str) -> str:
+        """Checkpoint id of a committed version: ``RUN@STEP``, ``RUN@latest``, ``RUN:TAG`` or an id."""
+        if not isinstance(ref, str) or not ref:
+            raise ReferenceNotFound(f"empty checkpoint reference {ref!r}")
+        with self.catalog.session() as s:
+            committed = m.Checkpoint.status == "committed"
+            if "@" in ref:
+                run, _, step = ref.rpartition("@")
+                run_id = s.scalar(select(m.Run.id).where(m.Run.name == run))
+                if run_id is None:
+                    raise ReferenceNotFound(f"reference {ref!r}: run {run!r} not found"
+                                            f"{self._near(run, self._run_names(s))}")
+                q = select(m.Checkpoint.id).where(m.Checkpoint.run_id == run_id, committed)
+                if step == "latest":
+                    cid = s.scalar(q.order_by(m.Checkpoint.step.desc()).limit(1))
+                else:
+                    try:
+                        cid = s.scalar(q.where(m.Checkpoint.step == int(step)))
+                    except ValueError:
+                        raise ReferenceNotFound(f"reference {ref!r}: step {step!r} is not an integer or 'latest'") \
+                            from None
+                if cid is None:
+                    steps = [str(x) for x in s.scalars(select(m.Checkpoint.step).where(
+                        m.Checkpoint.run_id == run_id, committed).order_by(m.Checkpoint.step))]
+                    near = difflib.get_close_matches(step, steps, n=5, cutoff=0.3)
+                    raise ReferenceNotFound(f"reference {ref!r}: run {run!r} has no committed step {step}; "
+                                            f"steps: {', '.join(near or steps[-5:]) or 'none'}")
+                return cid
+            if ":" in ref:
+                run, _, tag = ref.partition(":")
+                cid = s.scalar(select(m.Tag.checkpoint_id).join(m.Run).where(m.Run.name == run, m.Tag.name == tag))
+                if cid is None:
+                    tags = [f"{r}:{t}" for r, t in s.execute(select(m.Run.name, m.Tag.name).join(m.Tag.run))]
+                    raise ReferenceNotFound(f"reference {ref!r}: no such tag{self._near(ref, tags)}")
+                return cid
+            ck = s.get(m.Checkpoint, ref)
+            if ck is not None and ck.status == "committed":
+                return ck.id
+            ids = list(s.scalars(select(m.Checkpoint.id).where(committed).where(m.Checkpoint.id.startswith(ref))))
+            if len(ids) == 1:
+                return ids[0]
+            if len(ids) > 1:
+                raise ReferenceNotFound(f"reference {ref!r} is an ambiguous id prefix: {', '.join(ids[:5])}")
+            candidates = [f"{r}@{st}" for r, st in s.execute(
+                select(m.Run.name, m.Checkpoint.step).join(m.Checkpoint.run).where(committed))]
+            candidates += self._run_names(s)
+            raise ReferenceNotFound(f"reference {ref!r} matches no committed checkpoint (expected RUN@STEP, "
+                                    f"RUN@latest, RUN:TAG or a version id){self._near(ref, candidates)}")
+
+    def checkpoint(self, ref: str):
+        from .checkpoint import Checkpoint
+
+        return Checkpoint(self, self.resolve(ref))
+
+    # --- writing ------------------------------------------------------------------------------
+    def begin(self, run: str, step: int, *, parent: str | None = "auto", message: str | None = None,
+              provenance: Mapping[str, Any] | None = None) -> "CheckpointWriter":
+        """Start a checkpoint. ``parent="auto"`` links the run's latest committed version."""
+        names.run_name(run)
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise UcpError(f"step must be a non-negative integer, got {step!r}")
+        prov = self._provenance_record(provenance)
+        with self.catalog.write_session() as s:
+            run_row = s.scalar(select(m.Run).where(m.Run.name == run))
+            if run_row is None:
+                run_row = m.Run(name=run)
+                s.add(run_row)
+                s.flush()
+            taken = s.scalar(select(m.Checkpoint.id).where(m.Checkpoint.run_id == run_row.id,
+                                                           m.Checkpoint.step == int(step),
+                                                           m.Checkpoint.status == "committed"))
+            if taken:
+                raise UcpError(f"run {run!r} already has a committed checkpoint at step {step} ({taken}); "
+                               f"remove it first (`ucp rm {run}@{step}`) or use another step")
+            if parent == "auto":
+                parent_id = s.scalar(select(m.Checkpoint.id).where(
+                    m.Checkpoint.run_id == run_row.id, m.Checkpoint.status == "committed")
+                    .order_by(m.Checkpoint.step.desc()).limit(1))
+            elif parent is None:
+                parent_id = None
+            else:
+                parent_id = None  # resolved below, outside this transaction's lock
+            ck = m.Checkpoint(run_id=run_row.id, step=int(step), status="pending", message=message,
+                              owner_host=socket.gethostname(), owner_pid=os.getpid(), parent_id=parent_id,
+                              format_version=FORMAT_VERSION)
+            s.add(ck)
+            s.flush()
+            s.add(m.Provenance(checkpoint_id=ck.id, **prov))
+            cid = ck.id
+        if parent not in ("auto", None):
+            pid = self.resolve(parent)
+            with self.catalog.write_session() as s:
+                s.execute(update(m.Checkpoint).where(m.Checkpoint.id == cid).values(parent_id=pid))
+        return CheckpointWriter(self, cid, owner=True)
+
+    def join(self, checkpoint_id: str) -> "CheckpointWriter":
+        """Attach another process (e.g. a torch.distributed rank) to a pending checkpoint."""
+        with self.catalog.session() as s:
+            ck = s.get(m.Checkpoint, checkpoint_id)
+            if ck is None or ck.status != "pending":
+                raise UcpError(f"checkpoint {checkpoint_id!r} is not a pending save; cannot join it")
+        return CheckpointWriter(self, checkpoint_id, owner=False)
+
+    def save(self, run: str, step: int, tensors: Mapping[str, Any], *, patterns: Mapping[str, dict] | None = None,
+             objects: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None,
+             message: str | None = None, parent: str | None = "auto", state: str = "weight"):
+        """Save a dict of tensors (``name -> tensor`` or ``name -> {state: tensor}``) as one version."""
+        patterns = patterns or {}
+        with self.begin(run, step, parent=parent, message=message, provenance=provenance) as w:
+            for name, value in tensors.items():
+                states = value if isinstance(value, Mapping) else {state: value}
+                for st, tensor in states.items():
+                    w.write(name, st, tensor, pattern=patterns.get(name))
+            for name, value in (objects or {}).items():
+                w.write_object(name, value)
+        return w.checkpoint
+
+    def _provenance_record(self, provenance: Mapping[str, Any] | None) -> dict:
+        from .schema import validate
+
+        prov = dict(provenance or {})
+        prov.setdefault("source_kind", "api")
+        prov.setdefault("tool_version", _tool_version())
+        prov.setdefault("host", socket.gethostname())
+        libs = _library_versions()
+        libs.update(prov.get("library_versions") or {})
+        prov["library_versions"] = libs
+        prov.setdefault("source_hashes", {})
+        prov.setdefault("extra", {})
+        validate("provenance", prov)
+        allowed = {"source_kind", "source_path", "source_topology", "tool_version", "library_versions", "host",
+                   "source_hashes", "extra"}
+        return {k: v for k, v in prov.items() if k in allowed}
+
+    # --- tags, removal, retention, gc ---------------------------------------------------------------
+    def tag(self, ref: str, tag: str, *, force: bool = False) -> str:
+        names.tag_name(tag)
+        cid = self.resolve(ref)
+        with self.catalog.write_session() as s:
+            ck = s.get(m.Checkpoint, cid)
+            row = s.scalar(select(m.Tag).where(m.Tag.run_id == ck.run_id, m.Tag.name == tag))
+            if row is not None:
+                if not force and row.checkpoint_id != cid:
+                    raise UcpError(f"tag {tag!r} already names checkpoint {row.checkpoint_id}; use --force to move it")
+                row.checkpoint_id = cid
+            else:
+                s.add(m.Tag(run_id=ck.run_id, name=tag, checkpoint_id=cid))
+        return cid
+
+    def untag(self, run: str, tag: str) -> None:
+        with self.catalog.write_session() as s:
+            row = s.scalar(select(m.Tag).join(m.Run).where(m.Run.name == run, m.Tag.name == tag))
+            if row is None:
+                raise ReferenceNotFound(f"tag {run}:{tag} not found")
+            s.delete(row)
+
+    def rm(self, ref: str, *, force: bool = False) -> str:
+        """Remove a committed version from the catalog; its arrays go when nothing else needs them."""
+        cid = self.resolve(ref)
+        with self.catalog.write_session() as s:
+            tags = list(s.scalars(select(m.Tag.name).where(m.Tag.checkpoint_id == cid)))
+            if tags and not force:
+                raise UcpError(f"checkpoint {ref} ({cid}) is tagged {', '.join(tags)}; untag it or use --force")
+            s.execute(update(m.Checkpoint).where(m.Checkpoint.parent_id == cid).values(parent_id=None))
+            s.delete(s.get(m.Checkpoint, cid))
+        self._sweep_arrays(dry_run=False)
+        return cid
+
+    def set_retention(self, run: str, *, keep_last: int | None = None, keep_every: int | None = None,
+                      keep_tagged: bool = True) -> dict | None:
+        policy = None
+        if keep_last is not None or keep_every is not None:
+            policy = {"keep_last": keep_last, "keep_every": keep_every, "keep_tagged": keep_tagged}
+        with self.catalog.write_session() as s:
+            row = s.scalar(select(m.Run).where(m.Run.name == run))
+            if row is None:
+                raise ReferenceNotFound(f"run {run!r} not found{self._near(run, self._run_names(s))}")
+            row.retention = policy
+        return policy
+
+    def retention_victims(self, run: str | None = None, *, keep_last: int | None = None,
+                          keep_every: int | None = None, keep_tagged: bool = True) -> list[str]:
+        """Committed versions a retention policy would remove (explicit arguments beat stored policies)."""
+        victims = []
+        with self.catalog.session() as s:
+            q = select(m.Run)
+            if run is not None:
+                q = q.where(m.Run.name == run)
+            for r in s.scalars(q):
+                policy = r.retention or {}
+                kl = keep_last if keep_last is not None else policy.get("keep_last")
+                ke = keep_every if keep_every is not None else policy.get("keep_every")
+                kt = keep_tagged if (keep_last is not None or keep_every is not None) else policy.get("keep_tagged", True)
+                if kl is None and ke is None:
+                    continue
+                cks = list(s.execute(select(m.Checkpoint.id, m.Checkpoint.step).where(
+                    m.Checkpoint.run_id == r.id, m.Checkpoint.status == "committed").order_by(m.Checkpoint.step)))
+                tagged = set(s.scalars(select(m.Tag.checkpoint_id).where(m.Tag.run_id == r.id)))
+                keep = set()
+                if kl:
+                    keep |= {cid for cid, _ in cks[-kl:]}
+                if ke:
+                    keep |= {cid for cid, st in cks if st % ke == 0}
+                if kt:
+                    keep |= tagged
+                if cks:
+                    keep.add(cks[-1][0])  # never remove a run's newest version by policy
+                victims += [cid for cid, _ in cks if cid not in keep]
+        return victims
+
+    def gc(self, *, run: str | None = None, keep_last: int | None = None, keep_every: int | None = None,
+           keep_tagged: bool = True, dry_run: bool = False,
+           pending_timeout: _dt.timedelta = DEFAULT_PENDING_TIMEOUT) -> GcReport:
+        """Apply retention, drop dead pending saves, then delete arrays nothing committed references."""
+        report = GcReport(dry_run=dry_run)
+        victims = self.retention_victims(run, keep_last=keep_last, keep_every=keep_every, keep_tagged=keep_tagged)
+        host = socket.gethostname()
+        now = _utcnow()
+        with self.catalog.write_session() as s:
+            for cid in victims:
+                report.removed_checkpoints.append(cid)
+                if not dry_run:
+                    s.execute(update(m.Checkpoint).where(m.Checkpoint.parent_id == cid).values(parent_id=None))
+                    s.delete(s.get(m.Checkpoint, cid))
+            for ck in s.scalars(select(m.Checkpoint).where(m.Checkpoint.status == "pending")):
+                dead = (ck.owner_host == host and not _pid_alive(ck.owner_pid)) or (now - ck.created_at) > pending_timeout
+                if dead:
+                    report.removed_pending.append(ck.id)
+                    if not dry_run:
+                        s.delete(ck)
+        n, freed = self._sweep_arrays(dry_run=dry_run, also=set(report.removed_pending))
+        report.removed_arrays, report.freed_bytes = n, freed
+        return report
+
+    def _sweep_arrays(self, *, dry_run: bool, also: set[str] = frozenset()) -> tuple[int, int]:
+        """Delete arrays with no referencing tensor/object row and files no row knows about."""
+        removed, freed = 0, 0
+        with self.catalog.write_session() as s:
+            referenced = exists().where(m.Tensor.array_id == m.Array.id)
+            referenced_obj = exists().where(m.StoredObject.array_id == m.Array.id)
+            orphans = list(s.scalars(select(m.Array).where(~referenced, ~referenced_obj)))
+            # arrays of live pending saves have no rows yet or are referenced by pending rows: keep them
+            live_pending = set(s.scalars(select(m.Checkpoint.id).where(m.Checkpoint.status == "pending")))
+            for a in orphans:
+                if a.path.split("/")[1] in live_pending:
+                    continue
+                removed += 1
+                freed += a.nbytes
+                if not dry_run:
+                    s.delete(a)
+                    self.location.delete_tree(a.path)
+        # files on disk without any row (a killed save before its rows were flushed). List the folders
+        # first: a checkpoint row is inserted before its folder exists, so a folder seen here whose
+        # row is absent afterwards belongs to a save that is gone, never to one that just started.
+        folders = self.location.list_dirs("arrays")
+        with self.catalog.session() as s:
+            live_ids = set(s.scalars(select(m.Checkpoint.id)))
+            known_paths = set(s.scalars(select(m.Array.path)))
+        for folder in folders:
+            if folder in live_ids and folder not in also:
+                continue
+            for entry in self.location.list_dirs(f"arrays/{folder}"):
+                rel = f"arrays/{folder}/{entry}"
+                if rel in known_paths:
+                    continue
+                removed += 1
+                if not dry_run:
+                    self.location.delete_tree(rel)
+            if not dry_run and self.location.kind == "file":
+                try:
+                    os.rmdir(os.path.join(self.location.root, "arrays", folder))
+                except OSError:
+                    pass
+        return removed, freed
+
+    # --- queries ----------------------------------------------------------------------------------
+    def query(self, sql: str) -> tuple[list[str], list[tuple]]:
+        """Run read-only SQL against the catalog (SQLite: query_only; PostgreSQL: READ ONLY transaction)."""
+        return read_only_query(self.catalog.engine, sql)
+
+    def resolve_many(self, refs: Iterable[str]) -> list[str]:
+        return [self.resolve(r) for r in refs]
+
+
+def read_only_query(engine, sql: str) -> tuple[list[str], list[tuple]]:
+    """Run one SQL statement with writes refused by the database itself, not by parsing the SQL."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            conn.exec_driver_sql("PRAGMA query_only = ON")
+            try:
+                res = conn.exec_driver_sql(sql)
+                cols, rows = list(res.keys()), [tuple(r) for r in res.fetchall()] if res.returns_rows else []
+            except Exception as exc:
+                raise UcpError(f"query failed: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+            finally:
+                conn.exec_driver_sql("PRAGMA query_only = OFF")
+                conn.rollback()
+            return cols, rows
+        with conn.begin():
+            conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+            try:
+                res = conn.exec_driver_sql(sql)
+                return list(res.keys()), [tuple(r) for r in res.fetchall()] if res.returns_rows else []
+            except Exception as exc:
+                raise UcpError(f"query failed: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+
+
+class CheckpointWriter:
+    """Writes tensor-states and objects into one pending checkpoint; ``commit`` makes it visible."""
+
+    def __init__(self, store: Store, checkpoint_id: str, *, owner: bool):
+        self.store = store
+        self.id = checkpoint_id
+        self.owner = owner
+        self._rows: list = []
+        self._inflight: deque = deque()
+        self._inflight_bytes = 0
+        self._seen: set[tuple[str, str]] = set()
+        self._objects: set[str] = set()
+        self._local_arrays: dict[str, str] = {}  # content hash -> array id written by this writer
+        self._position = 0
+        self._closed = False
+        self.checkpoint = None
+        self.nbytes = 0
+
+    # context manager: commit on success (owner) / flush (joined rank); abort on error
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self.owner:
+            self.commit()
+        else:
+            self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UcpError(f"checkpoint writer {self.id} is closed")
+
+    def _layout(self, shape, dtype: str, pattern, boundaries=None, shard_shape=None) -> fmt.ArrayLayout:
+        st = self.store.settings
+        return fmt.plan_layout(shape, dtype, pattern=pattern, compression=st["compression"],
+                               target_bytes=st["chunk_target_bytes"], boundaries=boundaries, shard_shape=shard_shape)
+
+    def _dedup(self, h: str, dtype: str, shape) -> str | None:
+        if h in self._local_arrays:
+            return self._local_arrays[h]
+        with self.store.catalog.session() as s:
+            q = (select(m.Array.id, m.Array.shape, m.Array.dtype)
+                 .where(m.Array.content_hash == h, m.Array.status == "ready")
+                 .where(exists().where(m.Tensor.array_id == m.Array.id, m.Tensor.checkpoint_id == m.Checkpoint.id,
+                                       m.Checkpoint.status == "committed")))
+            for aid, ashape, adtype in s.execute(q):
+                if adtype == dtype and list(ashape) == list(shape):
+                    return aid
+        return None
+
+    def _put_array(self, array: np.ndarray, dtype: str, pattern, what: str) -> tuple[str, str, int]:
+        """Write (or dedup) one array; returns (array id, content hash, stored bytes written)."""
+        h = fmt.content_hash(array, dtype)
+        aid = self._dedup(h, dtype, array.shape)
+        if aid is not None:
+            return aid, h, 0
+        layout = self._layout(array.shape, dtype, pattern)
+        aid = m.new_id(32)
+        rel = f"arrays/{self.id}/{aid}.zarr"
+        handle = fmt.create_array(self.store.location, rel, layout, self.store.context)
+        future = handle.write(array)
+        self._inflight.append((future, array, what))
+        self._inflight_bytes += array.nbytes
+        self._rows.append(m.Array(id=aid, path=rel, dtype=dtype, shape=list(layout.shape),
+                                  chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
+                                  codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
+        self._local_arrays[h] = aid
+        while self._inflight_bytes > _MAX_INFLIGHT_BYTES:
+            self._wait_one()
+        return aid, h, array.nbytes
+
+    def _wait_one(self) -> None:
+        future, array, what = self._inflight.popleft()
+        self._inflight_bytes -= array.nbytes
+        try:
+            future.result()
+        except Exception as exc:  # TensorStore raises ValueError with the kvstore's message
+            raise UcpError(f"writing {what} into checkpoint {self.id} failed: {exc}") from None
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._wait_one()
+
+    def write(self, name: str, state: str, tensor: torch.Tensor | np.ndarray, *, pattern: dict | None = None,
+              expect_shape=None, expect_dtype=None) -> TensorInfo | None:
+        """Store one tensor-state (bit-exact, native dtype). ``pattern`` says how it maps onto ranks."""
+        self._check_open()
+        names.tensor_name(name)
+        names.state_name(state)
+        what = f"tensor {name!r} state {state!r}"
+        if (name, state) in self._seen:
+            raise UcpError(f"{what} was already written to checkpoint {self.id}")
+        if isinstance(tensor, torch.Tensor):
+            array = dtypes.to_numpy(tensor, what=what)
+        elif isinstance(tensor, np.ndarray):
+            dtypes.zarr_name(tensor.dtype, what=what)
+            array = np.require(tensor, requirements="C")
+        else:
+            raise UcpError(f"{what}: expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
+        dtype = dtypes.zarr_name(array.dtype, what=what)
+        if expect_shape is not None and tuple(expect_shape) != tuple(array.shape):
+            raise ShapeMismatch(f"{what}: shape {tuple(array.shape)} does not match the declared {tuple(expect_shape)}")
+        if expect_dtype is not None and dtypes.zarr_name(expect_dtype) != dtype:
+            raise ShapeMismatch(f"{what}: dtype {dtype} does not match the declared {dtypes.zarr_name(expect_dtype)}")
+        if pattern is not None:
+            self._validate_pattern(name, pattern, array.shape)
+        aid, h, _ = self._put_array(array, dtype, pattern, what)
+        self._seen.add((name, state))
+        self._rows.append(m.Tensor(checkpoint_id=self.id, name=name, state=state, array_id=aid, shape=list(array.shape),
+                                   dtype=dtype, pattern=pattern, nbytes=array.nbytes, content_hash=h,
+                                   position=self._next_position()))
+        self.nbytes += array.nbytes
+        if len(self._rows) >= _ROW_BATCH:
+            self.flush()
+        return None
+
+    def _next_position(self) -> int:
+        self._position += 1
+        return self._position
+
+    @staticmethod
+    def _validate_pattern(name: str, pattern: dict, shape) -> None:
+        from .schema import validate
+
+        validate("pattern", pattern)
+        try:
+            from . import patterns as pat
+        except ImportError:  # the pattern algebra is optional for plain saves
+            return
+        check = getattr(pat, "validate_pattern", None)
+        if check is not None:
+            check(pattern, tuple(shape), name=name)
+
+    def write_object(self, name: str, value: Any) -> None:
+        """Store non-tensor state: JSON (dicts, lists, numbers, strings) or a tensor/array. Never pickle."""
+        self._check_open()
+        names.object_name(name)
+        if name in self._objects:
+            raise UcpError(f"object {name!r} was already written to checkpoint {self.id}")
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            array = dtypes.to_numpy(value, what=f"object {name!r}") if isinstance(value, torch.Tensor) else value
+            dtype = dtypes.zarr_name(array.dtype, what=f"object {name!r}")
+            aid, _, _ = self._put_array(np.require(array, requirements="C"), dtype, None, f"object {name!r}")
+            row = m.StoredObject(checkpoint_id=self.id, name=name, kind="array", array_id=aid)
+        else:
+            row = m.StoredObject(checkpoint_id=self.id, name=name, kind="json", value=_check_json(name, value))
+        self._objects.add(name)
+        self._rows.append(row)
+
+    def flush(self) -> None:
+        """Wait for in-flight writes, then record their rows under the pending checkpoint."""
+        self._drain()
+        if not self._rows:
+            return
+        rows, self._rows = self._rows, []
+        arrays = [r for r in rows if isinstance(r, m.Array)]
+        others = [r for r in rows if not isinstance(r, m.Array)]
+        with self.store.catalog.write_session() as s:
+            ck = s.get(m.Checkpoint, self.id)
+            if ck is None or ck.status != "pending":
+                raise UcpError(f"checkpoint {self.id} is no longer pending (removed by gc?); the save is lost")
+            s.add_all(arrays)
+            s.flush()
+            s.add_all(others)
+
+    def close(self) -> None:
+        """For a joined writer: flush and detach (the owner commits)."""
+        if not self._closed:
+            self.flush()
+            self._closed = True
+
+    def commit(self):
+        """Make the checkpoint visible: one transaction, after every array write has returned."""
+        from .checkpoint import Checkpoint
+
+        self._check_open()
+        if not self.owner:
+            raise UcpError(f"only the process that began checkpoint {self.id} can commit it")
+        try:
+            self.flush()
+            with self.store.catalog.write_session() as s:
+                ck = s.get(m.Checkpoint, self.id)
+                if ck is None or ck.status != "pending":
+                    raise UcpError(f"checkpoint {self.id} is no longer pending; cannot commit")
+                taken = s.scalar(select(m.Checkpoint.id).where(
+                    m.Checkpoint.run_id == ck.run_id, m.Checkpoint.step == ck.step,
+                    m.Checkpoint.status == "committed"))
+                if taken:
+                    raise UcpError(f"step {ck.step} of this run was committed meanwhile by {taken}")
+                total = s.scalar(select(func.coalesce(func.sum(m.Tensor.nbytes), 0)).where(
+                    m.Tensor.checkpoint_id == self.id))
+                ck.nbytes = int(total)
+                ck.status = "committed"
+                ck.committed_at = _utcnow()
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self.checkpoint = Checkpoint(self.store, self.id)
+        return self.checkpoint
+
+    def abort(self) -> None:
+        """Drop the pending checkpoint and every array it wrote (nothing is ever listed)."""
+        if self._closed:
+            return
+        self._closed = True
+        for future, _, _ in self._inflight:
+            try:
+                future.result()
+            except Exception:
+                pass
+        self._inflight.clear()
+        self._rows.clear()
+        if not self.owner:
+            return
+        try:
+            with self.store.catalog.write_session() as s:
+                ck = s.get(m.Checkpoint, self.id)
+                if ck is not None and ck.status == "pending":
+                    s.delete(ck)
+            self.store._sweep_arrays(dry_run=False, also={self.id})
+        except Exception:
+            pass  # gc will reclaim what is left; the checkpoint is not listed either way
+
+
+def _check_json(name: str, value: Any) -> Any:
+    import json
+
+    try:
+        text_ = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise UcpError(f"object {name!r} is not JSON-serialisable ({exc}); store tensors as arrays, never pickle") \
+            from None
+    return json.loads(text_)
