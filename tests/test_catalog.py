@@ -1,0 +1,523 @@
+"""The SQL catalog: migrations on open, constraints, cascades, concurrent writers, record schemas.
+
+Real SQLite files under tmp_path; the same tests run against PostgreSQL when UCP_TEST_POSTGRES_URL is
+set (e.g. postgresql+psycopg2://ucp:ucp@localhost/ucp_test), each test in a schema of its own.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import multiprocessing as mp
+import os
+import sqlite3
+import traceback
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Table, MetaData, create_engine, delete, func, inspect, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.pool import NullPool
+
+from ucp_store.catalog import (
+    Array,
+    Base,
+    Catalog,
+    Checkpoint,
+    Provenance,
+    Run,
+    Setting,
+    StoredObject,
+    Tag,
+    Tensor,
+    current_revision,
+    downgrade_to,
+    head_revision,
+    known_revisions,
+    new_id,
+    open_catalog,
+    sqlite_url,
+    upgrade,
+    utcnow,
+)
+from ucp_store.catalog.db import _alembic_config
+from ucp_store.errors import CatalogError, SchemaVersionError, ValidationError
+from ucp_store.schema import validate
+
+PG_ENV = "UCP_TEST_POSTGRES_URL"
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def url(request, tmp_path):
+    """A URL where no catalog exists yet."""
+    if request.param == "sqlite":
+        yield sqlite_url(tmp_path / "catalog.db")
+        return
+    base = os.environ.get(PG_ENV)
+    if not base:
+        pytest.skip(f"{PG_ENV} is not set (e.g. postgresql+psycopg2://ucp:ucp@localhost/ucp_test)")
+    schema = f"ucp_test_{new_id(12)}"
+    admin = create_engine(base, poolclass=NullPool)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    yield make_url(base).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+        hide_password=False
+    )
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+    admin.dispose()
+
+
+@pytest.fixture
+def opened():
+    """open_catalog that closes what it opened at teardown (before the PostgreSQL schema is dropped)."""
+    catalogs: list[Catalog] = []
+
+    def _open(url: str, **kw) -> Catalog:
+        kw.setdefault("create", True)
+        catalog = open_catalog(url, **kw)
+        catalogs.append(catalog)
+        return catalog
+
+    yield _open
+    for catalog in catalogs:
+        catalog.close()
+
+
+def _checkpoint(run: Run, step: int, status: str = "committed", **kw) -> Checkpoint:
+    return Checkpoint(
+        run=run,
+        step=step,
+        status=status,
+        committed_at=utcnow() if status == "committed" else None,
+        format_version=1,
+        owner_host="host",
+        owner_pid=os.getpid(),
+        **kw,
+    )
+
+
+def _array(**kw) -> Array:
+    aid = new_id(32)
+    fields = dict(
+        id=aid,
+        path=f"arrays/{aid}.zarr",
+        dtype="float32",
+        shape=[4, 2],
+        chunk_shape=[2, 2],
+        shard_shape=[4, 2],
+        codecs=[{"name": "bytes"}, {"name": "crc32c"}],
+        nbytes=32,
+        content_hash="xxh3-128:" + "0" * 32,
+        status="ready",
+    )
+    fields.update(kw)
+    return Array(**fields)
+
+
+def _count(session, model) -> int:
+    return session.scalar(select(func.count()).select_from(model))
+
+
+# ---------------------------------------------------------------------------------------------- opening
+
+
+def test_revisions_are_linear():
+    assert known_revisions() == ["0001", "0002"]
+    assert head_revision() == "0002"
+
+
+def test_create_at_head(url, opened):
+    catalog = opened(url, create=True)
+    assert current_revision(catalog) == head_revision()
+    tables = set(inspect(catalog.engine).get_table_names())
+    assert {"runs", "checkpoints", "arrays", "tensors", "provenance", "objects", "tags", "settings"} <= tables
+    assert "retention" in {c["name"] for c in inspect(catalog.engine).get_columns("runs")}
+
+    with catalog.write_session() as s:
+        s.add(Setting(key="format_version", value=1))
+        s.add(Run(name="llama", retention={"keep_last": 3, "keep_every": 1000, "keep_tagged": True}))
+    with catalog.session() as s:
+        run = s.scalars(select(Run)).one()
+        assert run.retention == {"keep_last": 3, "keep_every": 1000, "keep_tagged": True}
+        assert run.created_at.tzinfo is not None and run.created_at.utcoffset() == dt.timedelta(0)
+        assert s.get(Setting, "format_version").value == 1
+
+
+def test_models_match_migrations(url, opened):
+    catalog = opened(url)
+    with catalog.engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
+        assert compare_metadata(ctx, Base.metadata) == []
+
+
+def test_sqlite_connection_settings(tmp_path, opened):
+    catalog = opened(sqlite_url(tmp_path / "c.db"))
+    with catalog.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+
+
+def test_open_existing(url, opened):
+    first = opened(url, create=True)
+    with first.write_session() as s:
+        s.add(Run(name="r1", description="first run"))
+    first.close()
+
+    again = opened(url, create=False)
+    assert current_revision(again) == head_revision()
+    with again.session() as s:
+        assert s.scalars(select(Run.description)).all() == ["first run"]
+
+
+def test_missing_catalog_is_not_created(url, tmp_path):
+    with pytest.raises(CatalogError, match="create=True"):
+        open_catalog(url, create=False)
+    if url.startswith("sqlite"):
+        assert not (tmp_path / "catalog.db").exists()
+
+
+def test_upgrade_from_0001_keeps_rows(url, opened):
+    assert upgrade(url, "0001", create=True) == (None, "0001")
+    # write rows the way a 0001-era ucp_store did (no runs.retention), through reflected tables
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            meta = MetaData()
+            runs = Table("runs", meta, autoload_with=conn)
+            checkpoints = Table("checkpoints", meta, autoload_with=conn)
+            assert "retention" not in runs.c
+            created = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+            conn.execute(runs.insert().values(id=1, name="old-run", created_at=created, description="from 0001"))
+            conn.execute(
+                checkpoints.insert().values(
+                    id="abcdef0123456789", run_id=1, step=100, status="committed", created_at=created,
+                    committed_at=created, format_version=1, nbytes=1234,
+                )
+            )
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0001"
+    finally:
+        engine.dispose()
+
+    with pytest.raises(SchemaVersionError, match=r"'0001', older than .*'0002'.*ucp db upgrade"):
+        open_catalog(url, create=False, upgrade=False)
+
+    catalog = opened(url, create=False)  # upgrade=True by default
+    assert current_revision(catalog) == "0002"
+    assert "retention" in {c["name"] for c in inspect(catalog.engine).get_columns("runs")}
+    with catalog.session() as s:
+        run = s.scalars(select(Run)).one()
+        assert (run.name, run.description, run.retention) == ("old-run", "from 0001", None)
+        assert run.created_at == dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+        ckpt = s.get(Checkpoint, "abcdef0123456789")
+        assert (ckpt.run_id, ckpt.step, ckpt.status, ckpt.nbytes) == (1, 100, "committed", 1234)
+    with catalog.write_session() as s:
+        s.get(Run, 1).retention = {"keep_last": 2}
+    with catalog.session() as s:
+        assert s.get(Run, 1).retention == {"keep_last": 2}
+
+
+def test_downgrade_then_upgrade(url, opened):
+    catalog = opened(url)
+    with catalog.write_session() as s:
+        s.add(Run(name="r", retention={"keep_last": 1}))
+    catalog.close()
+    downgrade_to(url, "0001")
+    assert upgrade(url) == ("0001", "0002")
+    assert upgrade(url) == ("0002", "0002")
+    with opened(url, create=False).session() as s:
+        assert s.scalars(select(Run.retention)).one() is None  # the 0002 column came back empty
+
+
+def test_newer_revision_is_refused(url, opened):
+    catalog = opened(url)
+    with catalog.write_session() as s:
+        s.execute(text("UPDATE alembic_version SET version_num = '0099_from_the_future'"))
+    catalog.close()
+    for create in (False, True):
+        with pytest.raises(SchemaVersionError) as info:
+            open_catalog(url, create=create)
+        msg = str(info.value)
+        assert "'0099_from_the_future', newer than this ucp_store" in msg
+        assert "knows up to '0002'" in msg and "upgrade ucp_store" in msg
+    with pytest.raises(SchemaVersionError, match="0099_from_the_future"):
+        upgrade(url)
+
+
+def test_foreign_tables_without_revision_are_refused(url):
+    engine = create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE runs (id INTEGER PRIMARY KEY)")
+    engine.dispose()
+    with pytest.raises(CatalogError, match="no schema revision"):
+        open_catalog(url, create=True)
+
+
+def test_offline_sql_generation():
+    cfg = _alembic_config(url="postgresql+psycopg2://u:p%40ss@h/db")
+    buf = io.StringIO()
+    cfg.output_buffer = buf
+    command.upgrade(cfg, "head", sql=True)
+    sql = buf.getvalue()
+    assert "CREATE TABLE checkpoints" in sql
+    assert "CREATE UNIQUE INDEX uq_checkpoints_committed_run_step" in sql and "WHERE status = 'committed'" in sql
+    assert "ALTER TABLE runs ADD COLUMN retention JSON" in sql
+    assert "UPDATE alembic_version SET version_num='0002'" in sql
+
+
+# ---------------------------------------------------------------------------------------------- constraints
+
+
+def test_one_committed_checkpoint_per_step(url, opened):
+    catalog = opened(url)
+    with catalog.write_session() as s:
+        run = Run(name="r")
+        s.add_all([run, _checkpoint(run, 10)])
+    with pytest.raises(IntegrityError):
+        with catalog.write_session() as s:
+            s.add(_checkpoint(s.get(Run, run.id), 10))
+    with catalog.write_session() as s:  # pending saves of the same step are allowed, several of them
+        r = s.get(Run, run.id)
+        s.add_all([_checkpoint(r, 10, status="pending"), _checkpoint(r, 10, status="pending"), _checkpoint(r, 11)])
+    with catalog.session() as s:
+        rows = s.execute(select(Checkpoint.step, Checkpoint.status).order_by(Checkpoint.step, Checkpoint.status)).all()
+        assert rows == [(10, "committed"), (10, "pending"), (10, "pending"), (11, "committed")]
+    # committing a pending one at an already-committed step is refused as well
+    with pytest.raises(IntegrityError):
+        with catalog.write_session() as s:
+            pending = s.scalars(select(Checkpoint).where(Checkpoint.status == "pending")).first()
+            pending.status = "committed"
+    with pytest.raises(IntegrityError):  # CHECK constraint on status
+        with catalog.write_session() as s:
+            s.add(_checkpoint(s.get(Run, run.id), 12, status="deleted"))
+
+
+def test_naive_timestamps_are_refused(url, opened):
+    catalog = opened(url)
+    with pytest.raises(Exception, match="naive datetime"):
+        with catalog.write_session() as s:
+            s.add(Run(name="r", created_at=dt.datetime(2025, 1, 1)))
+
+
+def _populate(catalog: Catalog) -> tuple[str, str, str]:
+    """A run with a parent and a child checkpoint; the child has tensors, objects, provenance, a tag."""
+    with catalog.write_session() as s:
+        run = Run(name="r")
+        parent = _checkpoint(run, 1)
+        child = _checkpoint(run, 2, parent=parent, message="second")
+        arr, arr2 = _array(), _array()
+        child.tensors = [
+            Tensor(name="layers.0.w", state=state, array=arr, shape=[4, 2], dtype="float32",
+                   pattern={"kind": "partitioned", "dim": 0}, nbytes=32, content_hash=arr.content_hash, position=i)
+            for i, state in enumerate(["fp32", "exp_avg"])
+        ]
+        child.objects = [
+            StoredObject(name="args", kind="json", value={"lr": 1e-4}),
+            StoredObject(name="rng", kind="array", array=arr2),
+        ]
+        child.provenance = Provenance(source_kind="training", tool_version="0.1.0", host="h",
+                                      library_versions={"torch": "2.5"}, source_hashes={}, extra={})
+        child.tags = [Tag(run=run, name="best")]
+        s.add_all([run, parent, child])
+    return parent.id, child.id, arr.id
+
+
+@pytest.mark.parametrize("how", ["core", "orm"])
+def test_delete_checkpoint_cascades(url, opened, how):
+    catalog = opened(url)
+    parent_id, child_id, array_id = _populate(catalog)
+    with catalog.session() as s:
+        assert [_count(s, m) for m in (Tensor, StoredObject, Provenance, Tag, Array)] == [2, 2, 1, 1, 2]
+        tensor = s.scalars(select(Tensor).where(Tensor.state == "fp32")).one()
+        assert tensor.pattern == {"kind": "partitioned", "dim": 0}
+        assert s.get(StoredObject, s.scalars(select(StoredObject.id).where(StoredObject.name == "args")).one()).value == {"lr": 1e-4}
+
+    with catalog.write_session() as s:
+        if how == "core":  # the database's ON DELETE CASCADE alone
+            s.execute(delete(Checkpoint).where(Checkpoint.id == child_id))
+        else:
+            s.delete(s.get(Checkpoint, child_id))
+    with catalog.session() as s:
+        assert [_count(s, m) for m in (Tensor, StoredObject, Provenance, Tag)] == [0, 0, 0, 0]
+        assert _count(s, Array) == 2  # arrays outlive their references; gc removes them
+        assert s.get(Checkpoint, parent_id) is not None
+
+    # deleting a parent leaves its children with parent_id NULL
+    with catalog.write_session() as s:
+        child = _checkpoint(s.get(Run, 1), 3, parent_id=parent_id)
+        s.add(child)
+    with catalog.write_session() as s:
+        s.execute(delete(Checkpoint).where(Checkpoint.id == parent_id))
+    with catalog.session() as s:
+        assert s.get(Checkpoint, child.id).parent_id is None
+
+
+def test_referenced_array_cannot_be_deleted(url, opened):
+    catalog = opened(url)
+    _, _, array_id = _populate(catalog)
+    with pytest.raises(IntegrityError):
+        with catalog.write_session() as s:
+            s.execute(delete(Array).where(Array.id == array_id))
+
+
+def test_tensor_state_unique_per_checkpoint(url, opened):
+    catalog = opened(url)
+    _, child_id, array_id = _populate(catalog)
+    with pytest.raises(IntegrityError):
+        with catalog.write_session() as s:
+            s.add(Tensor(checkpoint_id=child_id, name="layers.0.w", state="fp32", array_id=array_id, shape=[4, 2],
+                         dtype="float32", nbytes=32, content_hash="x", position=9))
+
+
+# ---------------------------------------------------------------------------------------------- concurrency
+
+
+N_PROCS = 4
+N_WRITES = 25
+
+
+def _writer(url: str, worker: int, barrier, errors) -> None:
+    try:
+        barrier.wait(timeout=120)
+        catalog = open_catalog(url, create=True)  # all at once, on a catalog nobody has created yet
+        with catalog.write_session() as s:
+            s.add(Run(name=f"worker-{worker}"))
+            if worker == 0:
+                s.add(Setting(key="counter", value=0))
+        barrier.wait(timeout=120)
+        for step in range(N_WRITES):
+            with catalog.write_session() as s:
+                # read-modify-write: lost updates would show in the final counter
+                counter = s.get(Setting, "counter", with_for_update=True)
+                counter.value = counter.value + 1
+                run = s.scalars(select(Run).where(Run.name == f"worker-{worker}")).one()
+                s.add(_checkpoint(run, step))
+        catalog.close()
+    except BaseException:
+        errors.put(f"worker {worker}:\n{traceback.format_exc()}")
+        raise SystemExit(1)
+
+
+def test_concurrent_writers_lose_nothing(url, tmp_path):
+    # fork: separate processes without re-importing ucp_store (torch) in each; the engine's fork guard
+    # would discard any pooled connection inherited from this process
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    barrier = ctx.Barrier(N_PROCS)
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(url, i, barrier, errors)) for i in range(N_PROCS)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not failures, "\n".join(failures)
+    assert [p.exitcode for p in procs] == [0] * N_PROCS
+
+    with open_catalog(url, create=False) as catalog, catalog.session() as s:
+        assert current_revision(catalog) == head_revision()
+        assert s.get(Setting, "counter").value == N_PROCS * N_WRITES
+        per_run = dict(s.execute(select(Run.name, func.count(Checkpoint.id)).join(Checkpoint.run).group_by(Run.name)).all())
+        assert per_run == {f"worker-{i}": N_WRITES for i in range(N_PROCS)}
+
+
+def test_write_lock_timeout_is_reported(tmp_path):
+    url = sqlite_url(tmp_path / "c.db")
+    with open_catalog(url, create=True, busy_timeout_ms=50) as catalog:
+        holder = sqlite3.connect(tmp_path / "c.db", isolation_level=None)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            with pytest.raises(CatalogError, match="could not start a write transaction after 2 attempts"):
+                with catalog.write_session(attempts=2):
+                    pass
+            with pytest.raises(CatalogError, match="after 2 attempts"):
+                catalog.run_write(lambda s: s.add(Run(name="x")), attempts=2)
+            with catalog.session() as s:  # WAL: readers are not blocked by the writer
+                assert s.scalars(select(Run)).all() == []
+            holder.execute("ROLLBACK")
+        finally:
+            holder.close()
+        assert catalog.run_write(lambda s: s.add(Run(name="x")) or "done") == "done"
+        with catalog.session() as s:
+            assert s.scalars(select(Run.name)).all() == ["x"]
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+
+
+GOOD_PROVENANCE = {
+    "source_kind": "deepspeed",
+    "source_path": "/ckpt/global_step100",
+    "source_topology": {"tp": 2, "pp": 1, "dp": 4},
+    "tool_version": "0.1.0",
+    "library_versions": {"torch": "2.5.1", "deepspeed": None},
+    "host": "node-1",
+    "source_hashes": {"mp_rank_00_model_states.pt": "xxh3-128:00ff"},
+    "extra": {"anything": [1, {"goes": True}]},
+}
+
+
+def test_provenance_schema_accepts_good_record():
+    validate("provenance", GOOD_PROVENANCE)
+    validate("provenance", {"source_kind": "training"})
+
+
+@pytest.mark.parametrize(
+    "change, where, expectation",
+    [
+        ({"library_versions": {"torch": 2}}, "$.library_versions.torch", "is not of type"),
+        ({"source_kind": "Has Spaces"}, "$.source_kind", "does not match"),
+        ({"host": ["a"]}, "$.host", "is not of type 'string'"),
+        ({"surprise": 1}, "top level", "'surprise' was unexpected"),
+        ({"source_hashes": {"../escape": "h"}}, "$.source_hashes", "does not match"),
+    ],
+)
+def test_provenance_schema_rejects_bad_record(change, where, expectation):
+    with pytest.raises(ValidationError) as info:
+        validate("provenance", {**GOOD_PROVENANCE, **change})
+    msg = str(info.value)
+    assert msg.startswith("invalid provenance record")
+    assert where in msg and expectation in msg
+
+
+def test_provenance_schema_requires_source_kind():
+    record = dict(GOOD_PROVENANCE)
+    del record["source_kind"]
+    with pytest.raises(ValidationError, match="'source_kind' is a required property"):
+        validate("provenance", record)
+
+
+def test_manifest_schema():
+    manifest = {
+        "id": "0123456789abcdef", "run": "llama", "step": 100, "status": "committed",
+        "created_at": "2025-01-02T03:04:05+00:00", "committed_at": "2025-01-02T03:04:06+00:00",
+        "parent": None, "message": None, "tags": ["best"], "nbytes": 64,
+        "provenance": GOOD_PROVENANCE,
+        "objects": {"args": {"kind": "json", "value": {"lr": 0.1}}, "rng": {"kind": "array", "array": "arrays/x.zarr"}},
+        "tensors": [{
+            "name": "layers.0.w", "state": "fp32", "shape": [4, 2], "dtype": "float32", "pattern": None,
+            "nbytes": 32, "array": "arrays/0a.zarr", "chunk_shape": [2, 2], "content_hash": "xxh3-128:00",
+        }],
+    }
+    validate("manifest", manifest)
+    validate("manifest", {**manifest, "provenance": None})
+    bad = {**manifest, "provenance": {**GOOD_PROVENANCE, "host": 7}}
+    with pytest.raises(ValidationError, match=r"invalid manifest record at \$\.provenance\.host"):
+        validate("manifest", bad)
+    bad = {**manifest, "tensors": [{**manifest["tensors"][0], "shape": [4, -1]}]}
+    with pytest.raises(ValidationError, match=r"\$\.tensors\[0\]\.shape\[1\]"):
+        validate("manifest", bad)
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match="unknown record kind 'nope'"):
+        validate("nope", {})

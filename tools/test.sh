@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install ucp_store with its test extras into .venv and run the test suite.
+# CPU torch is pinned through constraints-cpu.txt so no CUDA build is ever downloaded.
+# As root, it also installs and starts a local PostgreSQL 15 so the PostgreSQL catalog tests run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -c "import ucp_store, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+  || { echo "ucp_store did not install"; exit 1; }
+
+if [ -z "${UCP_TEST_POSTGRES_URL:-}" ] && [ "$(id -u)" = 0 ]; then
+  if ! command -v pg_ctlcluster >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) || true
+  fi
+  if command -v pg_ctlcluster >/dev/null 2>&1; then
+    ver=$(ls /etc/postgresql | sort -n | tail -1)
+    pg_ctlcluster "$ver" main start 2>/dev/null || true
+    for _ in $(seq 1 30); do su postgres -c "pg_isready -q" && break; sleep 1; done
+    su postgres -c "psql -qtAc \"SELECT 1 FROM pg_roles WHERE rolname='ucp'\"" | grep -q 1 \
+      || su postgres -c "psql -qc \"CREATE USER ucp PASSWORD 'ucp' SUPERUSER\""
+    su postgres -c "psql -qtAc \"SELECT 1 FROM pg_database WHERE datname='ucp_test'\"" | grep -q 1 \
+      || su postgres -c "createdb -O ucp ucp_test"
+    export UCP_TEST_POSTGRES_URL="postgresql+psycopg2://ucp:ucp@127.0.0.1:5432/ucp_test"
+  fi
+fi
+
+export UCP_PROGRESS=0
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"

@@ -1,0 +1,536 @@
+"""Engine set-up, sessions, write transactions and schema migrations of the SQL catalog.
+
+One code path for SQLite and PostgreSQL:
+
+- SQLite: every connection gets ``busy_timeout`` (30 s), ``journal_mode=WAL``,
+  ``synchronous=FULL`` and ``foreign_keys=ON``. pysqlite's own transaction handling is switched off
+  (``isolation_level = None``) and SQLAlchemy emits ``BEGIN`` itself (the recipe of the SQLAlchemy
+  SQLite dialect documentation): ``BEGIN`` for reads, ``BEGIN IMMEDIATE`` for writes, so a writer takes
+  the write lock up front and several processes writing at once queue instead of deadlocking on a
+  read-to-write lock upgrade.
+- PostgreSQL: a plain pool with pre-ping; schema migrations serialise on an advisory lock.
+
+Opening a catalog (``open_catalog``) brings its schema to the head revision through the Alembic
+migrations shipped as ``ucp_store._migrations`` (the ``migrations/`` folder of a source checkout),
+under the write lock, so processes opening a new catalog at once create it once.
+
+Writing::
+
+    with catalog.write_session() as session:      # BEGIN IMMEDIATE on SQLite
+        session.add(Run(name="llama"))
+    # committed here; rolled back if the block raised
+
+    catalog.run_write(lambda s: ...)               # the same, re-running the whole function on
+                                                   # transient conflicts (lock timeouts, deadlocks)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.resources
+import logging
+import os
+import random
+import sqlite3
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional, TypeVar
+
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine, event, exc, inspect, text
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..errors import CatalogError, SchemaVersionError
+
+__all__ = [
+    "Catalog",
+    "open_catalog",
+    "current_revision",
+    "head_revision",
+    "known_revisions",
+    "upgrade",
+    "downgrade_to",
+    "migrations_dir",
+    "sqlite_url",
+    "display_url",
+    "DEFAULT_BUSY_TIMEOUT_MS",
+    "DEFAULT_WRITE_ATTEMPTS",
+]
+
+log = logging.getLogger("ucp_store.catalog")
+
+T = TypeVar("T")
+
+DEFAULT_BUSY_TIMEOUT_MS = 30_000
+DEFAULT_WRITE_ATTEMPTS = 5
+#: tables created by revision 0001; a database holding any of them but no alembic_version is refused
+_OUR_TABLES = frozenset({"runs", "checkpoints", "arrays", "tensors", "provenance", "objects", "tags", "settings"})
+#: pg_advisory_xact_lock key serialising schema migrations ("ucpS")
+_PG_MIGRATION_LOCK = 0x75637053
+_WRITE_OPTION = "ucp_write"
+_VERSION_TABLE = "alembic_version"
+
+
+# --------------------------------------------------------------------------------------------------
+# URLs
+
+
+def sqlite_url(path: str | os.PathLike) -> str:
+    """The SQLAlchemy URL of a SQLite catalog file (absolute)."""
+    return URL.create("sqlite", database=str(Path(path).expanduser().resolve())).render_as_string()
+
+
+def display_url(url: str | URL) -> str:
+    """``url`` with its password masked, for messages and logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except exc.ArgumentError:
+        return str(url)
+
+
+def _parse_url(url: str | URL) -> URL:
+    try:
+        return make_url(url)
+    except exc.ArgumentError as e:
+        raise CatalogError(
+            f"catalog URL {url!r} is not a SQLAlchemy URL (expected e.g. 'sqlite:////abs/path/catalog.db' "
+            f"or 'postgresql+psycopg2://user:pass@host/db'): {e}"
+        ) from None
+
+
+def _sqlite_file(u: URL) -> Optional[Path]:
+    """The file of a file-backed SQLite URL; None for in-memory / URI-style databases."""
+    if u.get_backend_name() != "sqlite":
+        return None
+    db = u.database
+    if not db or db == ":memory:" or db.startswith("file:") or u.query.get("uri"):
+        return None
+    return Path(db)
+
+
+# --------------------------------------------------------------------------------------------------
+# Migrations (Alembic, programmatic)
+
+
+def migrations_dir() -> Path:
+    """The Alembic script directory: ``ucp_store._migrations`` if installed, else ``<checkout>/migrations``."""
+    try:
+        res = importlib.resources.files("ucp_store._migrations")
+    except ModuleNotFoundError:
+        res = None
+    if res is not None:
+        if isinstance(res, Path) and (res / "env.py").is_file():
+            return res
+        path = Path(str(res))
+        if (path / "env.py").is_file():
+            return path
+        raise CatalogError(
+            f"the ucp_store migrations package ({res}) is not a folder on a file system with env.py; "
+            "install ucp_store unzipped"
+        )
+    checkout = Path(__file__).resolve().parents[2] / "migrations"
+    if (checkout / "env.py").is_file():
+        return checkout
+    raise CatalogError(
+        "cannot find the ucp_store migrations: neither the package ucp_store._migrations nor "
+        f"{checkout}/env.py exists; reinstall ucp_store"
+    )
+
+
+def _alembic_config(url: Optional[str] = None, connection: Optional[Connection] = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("path_separator", "os")
+    if url is not None:
+        # ConfigParser interpolation: a literal '%' (e.g. in a URL-encoded password) must be doubled
+        cfg.set_main_option("sqlalchemy.url", str(url).replace("%", "%%"))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def _script() -> ScriptDirectory:
+    return ScriptDirectory.from_config(_alembic_config())
+
+
+def head_revision() -> str:
+    """The newest schema revision this ucp_store knows (e.g. ``'0002'``)."""
+    head = _script().get_current_head()
+    if head is None:  # pragma: no cover - broken installation
+        raise CatalogError(f"no migrations found in {migrations_dir()}")
+    return head
+
+
+def known_revisions() -> list[str]:
+    """Every schema revision this ucp_store knows, oldest first."""
+    return [rev.revision for rev in reversed(list(_script().walk_revisions()))]
+
+
+def _read_revision(conn: Connection, shown: str) -> Optional[str]:
+    # Read alembic_version directly: MigrationContext.configure() logs at INFO on every call.
+    if not inspect(conn).has_table(_VERSION_TABLE):
+        return None
+    heads = tuple(conn.execute(text(f"SELECT version_num FROM {_VERSION_TABLE}")).scalars())
+    if not heads:
+        return None
+    if len(heads) > 1:
+        raise SchemaVersionError(
+            f"catalog {shown} has several schema revisions {sorted(heads)!r} in alembic_version; "
+            "expected exactly one"
+        )
+    return heads[0]
+
+
+def _refuse_unknown(rev: str, shown: str) -> None:
+    if rev not in known_revisions():
+        raise SchemaVersionError(
+            f"catalog {shown} has schema revision {rev!r}, newer than this ucp_store "
+            f"(knows up to {head_revision()!r}); upgrade ucp_store"
+        )
+
+
+def _has_our_tables(conn: Connection) -> bool:
+    return bool(_OUR_TABLES & set(inspect(conn).get_table_names()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine
+
+
+def _is_transient(e: BaseException) -> bool:
+    """A conflict that succeeds when the transaction is simply tried again."""
+    orig = getattr(e, "orig", e)
+    if isinstance(orig, sqlite3.OperationalError):
+        code = getattr(orig, "sqlite_errorcode", None)
+        msg = str(orig).lower()
+        return code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in msg or "busy" in msg
+    pgcode = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    return pgcode in ("40001", "40P01")  # serialization_failure, deadlock_detected
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(2.0, 0.05 * (2**attempt)) * (0.5 + random.random()))
+
+
+def _install_fork_guard(engine: Engine) -> None:
+    # SQLAlchemy's recipe for pools used across os.fork(): a connection opened by another process is
+    # discarded on checkout instead of being shared (sharing corrupts SQLite and confuses PostgreSQL).
+    @event.listens_for(engine, "connect")
+    def _remember_pid(dbapi_connection, connection_record):
+        connection_record.info["pid"] = os.getpid()
+
+    @event.listens_for(engine, "checkout")
+    def _check_pid(dbapi_connection, connection_record, connection_proxy):
+        pid = os.getpid()
+        if connection_record.info.get("pid", pid) != pid:
+            connection_record.dbapi_connection = connection_proxy.dbapi_connection = None
+            raise exc.DisconnectionError(
+                f"connection belongs to pid {connection_record.info['pid']}, checked out in pid {pid}"
+            )
+
+
+def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str) -> None:
+    warned = []
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, connection_record):
+        # Take transaction control away from pysqlite; SQLAlchemy emits BEGIN in _on_begin.
+        dbapi_connection.isolation_level = None
+        cur = dbapi_connection.cursor()
+        try:
+            cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            mode = cur.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            cur.execute("PRAGMA synchronous = FULL")
+            cur.execute("PRAGMA foreign_keys = ON")
+        finally:
+            cur.close()
+        if str(mode).lower() not in ("wal", "memory") and not warned:
+            warned.append(True)
+            log.warning("catalog %s: SQLite refused WAL journal mode (got %r); writers will block readers", shown, mode)
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        if conn.get_execution_options().get(_WRITE_OPTION):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            conn.exec_driver_sql("BEGIN")
+
+
+def _make_engine(u: URL, busy_timeout_ms: int) -> Engine:
+    shown = u.render_as_string(hide_password=True)
+    backend = u.get_backend_name()
+    kwargs: dict = {}
+    if backend == "sqlite":
+        kwargs["connect_args"] = {"timeout": busy_timeout_ms / 1000.0}
+    else:
+        kwargs["pool_pre_ping"] = True
+    try:
+        engine = create_engine(u, **kwargs)
+    except (ImportError, exc.NoSuchModuleError) as e:
+        hint = " (pip install 'ucp_store[postgres]')" if backend == "postgresql" else ""
+        raise CatalogError(f"catalog {shown}: the database driver is not available{hint}: {e}") from e
+    _install_fork_guard(engine)
+    if backend == "sqlite":
+        _install_sqlite_events(engine, busy_timeout_ms, shown)
+    return engine
+
+
+# --------------------------------------------------------------------------------------------------
+# Catalog
+
+
+class Catalog:
+    """An open catalog: the engine, a read/write ``session`` factory and serialised write transactions.
+
+    ``catalog.session()`` is a plain ``sessionmaker(expire_on_commit=False)`` session (``BEGIN``: fine
+    for reads and for writes that cannot conflict). Writes should go through ``write_session()`` or
+    ``run_write()``, which take SQLite's write lock at BEGIN (``BEGIN IMMEDIATE``).
+    """
+
+    def __init__(self, url: str, engine: Engine, *, write_attempts: int = DEFAULT_WRITE_ATTEMPTS):
+        self.url = str(url)
+        self.engine = engine
+        self.write_attempts = write_attempts
+        self.session: sessionmaker[Session] = sessionmaker(bind=engine, expire_on_commit=False)
+        self._write_engine = engine.execution_options(**{_WRITE_OPTION: True})
+        self._write_session: sessionmaker[Session] = sessionmaker(bind=self._write_engine, expire_on_commit=False)
+
+    @property
+    def dialect(self) -> str:
+        """``'sqlite'`` or ``'postgresql'``."""
+        return self.engine.dialect.name
+
+    @property
+    def display_url(self) -> str:
+        return display_url(self.url)
+
+    def _locked_out(self, attempts: int, e: BaseException) -> CatalogError:
+        return CatalogError(
+            f"catalog {self.display_url}: could not start a write transaction after {attempts} attempts "
+            f"(another writer held the lock); last error: {getattr(e, 'orig', e)}"
+        )
+
+    @contextlib.contextmanager
+    def write_session(self, *, attempts: Optional[int] = None) -> Iterator[Session]:
+        """A session inside one write transaction; commits when the block ends, rolls back if it raises.
+
+        On SQLite the transaction starts with ``BEGIN IMMEDIATE`` (each attempt waits up to
+        ``busy_timeout`` for the lock; a lock still held after that is retried ``attempts`` times).
+        The block itself runs once: to re-run it on transient conflicts, use ``run_write``.
+        """
+        attempts = attempts or self.write_attempts
+        for attempt in range(attempts):
+            session = self._write_session()
+            try:
+                session.connection()  # BEGIN (IMMEDIATE) now, not at the first statement
+            except exc.OperationalError as e:
+                session.close()
+                if not _is_transient(e):
+                    raise
+                if attempt + 1 == attempts:
+                    raise self._locked_out(attempts, e) from e
+                log.debug("catalog %s is locked; retrying BEGIN IMMEDIATE (%d/%d)", self.display_url, attempt + 1, attempts)
+                _backoff(attempt)
+                continue
+            break
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    def run_write(self, fn: Callable[[Session], T], *, attempts: Optional[int] = None) -> T:
+        """Run ``fn(session)`` in a write transaction and commit; re-run it all on transient conflicts.
+
+        Transient: SQLite lock timeouts, PostgreSQL serialization failures and deadlocks. Other errors
+        (IntegrityError, ...) propagate at once. ``fn`` must not have side effects outside the session.
+        """
+        attempts = attempts or self.write_attempts
+        for attempt in range(attempts):
+            try:
+                with self.write_session(attempts=1) as session:
+                    return fn(session)
+            except (exc.OperationalError, CatalogError) as e:
+                cause = e.__cause__ if isinstance(e, CatalogError) else e
+                if cause is None or not _is_transient(cause):
+                    raise
+                if attempt + 1 == attempts:
+                    raise self._locked_out(attempts, cause) from e
+                _backoff(attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextlib.contextmanager
+    def _migration_connection(self) -> Iterator[Connection]:
+        """A connection inside a transaction that holds the schema lock; committed on success."""
+        engine = self._write_engine if self.dialect == "sqlite" else self.engine
+        for attempt in range(self.write_attempts):
+            conn = engine.connect()
+            try:
+                conn.begin()
+            except exc.OperationalError as e:
+                conn.close()
+                if not _is_transient(e) or attempt + 1 == self.write_attempts:
+                    raise self._locked_out(attempt + 1, e) from e
+                _backoff(attempt)
+                continue
+            break
+        try:
+            if self.dialect == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+            yield conn
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        self.engine.dispose()
+
+    def __enter__(self) -> "Catalog":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Catalog({self.display_url!r})"
+
+
+def current_revision(catalog: Catalog) -> Optional[str]:
+    """The schema revision recorded in the catalog's alembic_version (None: not created)."""
+    with catalog.engine.connect() as conn:
+        return _read_revision(conn, catalog.display_url)
+
+
+def _migrate(catalog: Catalog, target: str, *, create: bool, allow_upgrade: bool) -> tuple[Optional[str], str]:
+    """Bring the schema to ``target`` (a known revision or 'head') under the schema lock.
+
+    Returns (revision before, revision after).
+    """
+    shown = catalog.display_url
+    target_rev = head_revision() if target == "head" else target
+    if target_rev not in known_revisions():
+        raise SchemaVersionError(f"unknown schema revision {target!r}; this ucp_store knows {known_revisions()!r}")
+
+    with catalog._migration_connection() as conn:
+        rev = _read_revision(conn, shown)
+        if rev is None:
+            if _has_our_tables(conn):
+                raise CatalogError(
+                    f"catalog {shown} holds ucp_store tables but no schema revision (alembic_version is "
+                    "missing or empty); it was not created by ucp_store's migrations, refusing to touch it"
+                )
+            if not create:
+                raise CatalogError(f"catalog {shown} has not been created (no schema revision); pass create=True")
+            log.info("creating catalog %s at schema revision %s", shown, target_rev)
+        else:
+            _refuse_unknown(rev, shown)
+            order = known_revisions()
+            if order.index(rev) > order.index(target_rev):
+                raise SchemaVersionError(
+                    f"catalog {shown} has schema revision {rev!r}, newer than the requested {target_rev!r}; "
+                    "use downgrade_to() to go back"
+                )
+            if rev == target_rev:
+                return rev, rev
+            if not allow_upgrade:
+                raise SchemaVersionError(
+                    f"catalog {shown} has schema revision {rev!r}, older than this ucp_store's "
+                    f"{target_rev!r}; run 'ucp db upgrade' (or open it with upgrade=True)"
+                )
+            log.warning(
+                "upgrading catalog %s schema %s -> %s (older ucp_store versions will refuse it afterwards)",
+                shown,
+                rev,
+                target_rev,
+            )
+        command.upgrade(_alembic_config(connection=conn), target_rev)
+        after = _read_revision(conn, shown)
+        if after != target_rev:  # pragma: no cover - a broken migration chain
+            raise CatalogError(f"catalog {shown}: migration to {target_rev!r} ended at {after!r}")
+        return rev, target_rev
+
+
+def _connect(
+    url: str | URL, *, create: bool, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS
+) -> Catalog:
+    u = _parse_url(url)
+    shown = u.render_as_string(hide_password=True)
+    path = _sqlite_file(u)
+    if path is not None and not path.exists():
+        if not create:
+            raise CatalogError(f"catalog {shown} does not exist (no file {path}); pass create=True to create it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return Catalog(u.render_as_string(hide_password=False), _make_engine(u, busy_timeout_ms))
+
+
+def open_catalog(
+    url: str,
+    *,
+    create: bool,
+    upgrade: bool = True,
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+) -> Catalog:
+    """Open the catalog at ``url`` (``sqlite:////abs/catalog.db``, ``postgresql+psycopg2://...``).
+
+    - no schema yet: created at the head revision if ``create``, else ``CatalogError``;
+    - an older revision: upgraded (logged as a warning) if ``upgrade``, else ``SchemaVersionError``;
+    - a revision this ucp_store does not know (written by a newer one): ``SchemaVersionError``.
+    """
+    catalog = _connect(url, create=create, busy_timeout_ms=busy_timeout_ms)
+    try:
+        head = head_revision()
+        with catalog.engine.connect() as conn:  # fast path: no write lock when already at head
+            rev = _read_revision(conn, catalog.display_url)
+        if rev != head:
+            _migrate(catalog, "head", create=create, allow_upgrade=upgrade)
+    except exc.OperationalError as e:
+        catalog.close()
+        raise CatalogError(f"catalog {catalog.display_url} cannot be opened: {getattr(e, 'orig', e)}") from e
+    except BaseException:
+        catalog.close()
+        raise
+    return catalog
+
+
+def upgrade(url: str, revision: str = "head", *, create: bool = False) -> tuple[Optional[str], str]:
+    """Upgrade the catalog at ``url`` to ``revision`` (``ucp db upgrade``); returns (before, after).
+
+    ``create=True`` also creates a catalog that does not exist yet (at ``revision``).
+    """
+    catalog = _connect(url, create=create)
+    try:
+        return _migrate(catalog, revision, create=create, allow_upgrade=True)
+    except exc.OperationalError as e:
+        raise CatalogError(f"catalog {catalog.display_url} cannot be upgraded: {getattr(e, 'orig', e)}") from e
+    finally:
+        catalog.close()
+
+
+def downgrade_to(url: str, revision: str) -> None:
+    """Downgrade the catalog at ``url`` to ``revision`` (``'base'`` drops everything). For tests and
+    emergencies: a downgrade drops the columns and tables added after ``revision``, with their data."""
+    if revision != "base" and revision not in known_revisions():
+        raise SchemaVersionError(f"unknown schema revision {revision!r}; this ucp_store knows {known_revisions()!r}")
+    catalog = _connect(url, create=False)
+    try:
+        with catalog._migration_connection() as conn:
+            rev = _read_revision(conn, catalog.display_url)
+            if rev is None:
+                raise CatalogError(f"catalog {catalog.display_url} has no schema revision to downgrade from")
+            _refuse_unknown(rev, catalog.display_url)
+            log.warning("downgrading catalog %s schema %s -> %s", catalog.display_url, rev, revision)
+            command.downgrade(_alembic_config(connection=conn), revision)
+    finally:
+        catalog.close()

@@ -1,0 +1,334 @@
+"""SQLAlchemy models of the catalog (SQLAlchemy 2 typed declarative).
+
+The schema itself is owned by the Alembic migrations in ``migrations/versions`` (shipped as
+``ucp_store._migrations``); these models must describe exactly what the head revision creates.
+``tests/test_catalog.py`` checks that the two agree.
+
+Conventions:
+- string ids are lowercase hex (``new_id()``); integer ids are surrogate keys;
+- timestamps are timezone-aware UTC (``UTCDateTime``; SQLite stores them without an offset, so the
+  offset is re-attached on load);
+- JSON columns use ``sqlalchemy.JSON`` (TEXT on SQLite, JSON on PostgreSQL); a nullable JSON column
+  stores Python ``None`` as SQL NULL;
+- reference counts of arrays are never stored: they are derived from ``tensors.array_id`` and
+  ``objects.array_id``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import secrets
+from typing import Any, Optional
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+__all__ = [
+    "NAMING_CONVENTION",
+    "CHECKPOINT_STATUSES",
+    "ARRAY_STATUSES",
+    "OBJECT_KINDS",
+    "UTCDateTime",
+    "utcnow",
+    "new_id",
+    "Base",
+    "Run",
+    "Checkpoint",
+    "Array",
+    "Tensor",
+    "Provenance",
+    "StoredObject",
+    "Tag",
+    "Setting",
+]
+
+#: Constraint names are explicit (and stable across SQLite/PostgreSQL) so migrations can refer to them.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+CHECKPOINT_STATUSES = ("pending", "committed")
+ARRAY_STATUSES = ("pending", "ready")
+OBJECT_KINDS = ("json", "array")
+
+
+def utcnow() -> _dt.datetime:
+    """The current time, timezone-aware, in UTC."""
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+def new_id(nchars: int = 16) -> str:
+    """A random lowercase hex id of ``nchars`` characters (at most 32, the width of the id columns).
+
+    16 characters (64 random bits) for checkpoint versions, 32 (128 bits) for arrays.
+    """
+    if not 1 <= nchars <= 32:
+        raise ValueError(f"new_id: nchars must be in 1..32 (the id columns are 32 wide), got {nchars}")
+    return secrets.token_hex((nchars + 1) // 2)[:nchars]
+
+
+class UTCDateTime(TypeDecorator):
+    """``DateTime(timezone=True)`` that only accepts aware datetimes and always returns aware UTC ones."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Optional[_dt.datetime], dialect) -> Optional[_dt.datetime]:
+        if value is None:
+            return None
+        if not isinstance(value, _dt.datetime):
+            raise TypeError(f"UTCDateTime: expected a datetime, got {type(value).__name__}")
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(
+                f"UTCDateTime: naive datetime {value.isoformat()} given; pass a timezone-aware one "
+                "(e.g. ucp_store.catalog.models.utcnow())"
+            )
+        value = value.astimezone(_dt.timezone.utc)
+        if dialect.name == "sqlite":
+            # SQLite has no offset type; store UTC wall time, re-attach UTC on load.
+            value = value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Optional[_dt.datetime], dialect) -> Optional[_dt.datetime]:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=_dt.timezone.utc)
+        return value.astimezone(_dt.timezone.utc)
+
+
+def _json_nullable() -> JSON:
+    return JSON(none_as_null=True)
+
+
+# BIGINT surrogate keys autoincrement on PostgreSQL; on SQLite only "INTEGER PRIMARY KEY" does.
+_BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        _dt.datetime: UTCDateTime(),
+        dict[str, Any]: JSON(),
+        list[Any]: JSON(),
+    }
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[_dt.datetime] = mapped_column(default=utcnow)
+    description: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    #: {"keep_last": N, "keep_every": K, "keep_tagged": bool} or NULL (keep everything). Added by 0002.
+    retention: Mapped[Optional[dict[str, Any]]] = mapped_column(_json_nullable(), nullable=True)
+
+    checkpoints: Mapped[list["Checkpoint"]] = relationship(back_populates="run", passive_deletes=True)
+    tags: Mapped[list["Tag"]] = relationship(back_populates="run", passive_deletes=True)
+
+    def __repr__(self) -> str:
+        return f"Run(id={self.id!r}, name={self.name!r})"
+
+
+class Checkpoint(Base):
+    """One version of a run: its tensors, objects, provenance and tags hang off it."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        CheckConstraint("status IN ('pending', 'committed')", name="status"),
+        Index("ix_checkpoints_run_id_step", "run_id", "step"),
+        # At most one *committed* version per (run, step); pending saves may overlap it.
+        Index(
+            "uq_checkpoints_committed_run_step",
+            "run_id",
+            "step",
+            unique=True,
+            sqlite_where=text("status = 'committed'"),
+            postgresql_where=text("status = 'committed'"),
+        ),
+        Index("ix_checkpoints_parent_id", "parent_id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    created_at: Mapped[_dt.datetime] = mapped_column(default=utcnow)
+    committed_at: Mapped[Optional[_dt.datetime]] = mapped_column(nullable=True)
+    parent_id: Mapped[Optional[str]] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="SET NULL"), nullable=True
+    )
+    message: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    #: host and pid of the writer, so gc can recognise a pending save whose process died
+    owner_host: Mapped[Optional[str]] = mapped_column(String(255), nullable=True)
+    owner_pid: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    nbytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    format_version: Mapped[int] = mapped_column(Integer)
+
+    run: Mapped[Run] = relationship(back_populates="checkpoints")
+    parent: Mapped[Optional["Checkpoint"]] = relationship(remote_side="Checkpoint.id")
+    tensors: Mapped[list["Tensor"]] = relationship(
+        back_populates="checkpoint",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="Tensor.position",
+    )
+    objects: Mapped[list["StoredObject"]] = relationship(
+        back_populates="checkpoint", cascade="all, delete-orphan", passive_deletes=True
+    )
+    provenance: Mapped[Optional["Provenance"]] = relationship(
+        back_populates="checkpoint", cascade="all, delete-orphan", passive_deletes=True, uselist=False
+    )
+    tags: Mapped[list["Tag"]] = relationship(
+        back_populates="checkpoint", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(id={self.id!r}, run_id={self.run_id!r}, step={self.step!r}, status={self.status!r})"
+
+
+class Array(Base):
+    """One Zarr v3 array under the store root; shared by every tensor-state with the same content."""
+
+    __tablename__ = "arrays"
+    __table_args__ = (CheckConstraint("status IN ('pending', 'ready')", name="status"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id(32))
+    #: location relative to the store root, e.g. ``arrays/<id>.zarr``
+    path: Mapped[str] = mapped_column(String(1024), unique=True)
+    #: zarr v3 data type name (``float32``, ``bfloat16``, ...)
+    dtype: Mapped[str] = mapped_column(String(64))
+    shape: Mapped[list[Any]] = mapped_column(JSON)
+    #: inner (read) chunk shape
+    chunk_shape: Mapped[list[Any]] = mapped_column(JSON)
+    shard_shape: Mapped[list[Any]] = mapped_column(JSON)
+    #: the zarr codec chain, as in zarr.json
+    codecs: Mapped[list[Any]] = mapped_column(JSON)
+    #: logical bytes (product of shape x itemsize)
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    content_hash: Mapped[Optional[str]] = mapped_column(String(128), nullable=True, index=True)
+    created_at: Mapped[_dt.datetime] = mapped_column(default=utcnow)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+
+    def __repr__(self) -> str:
+        return f"Array(id={self.id!r}, path={self.path!r}, status={self.status!r})"
+
+
+class Tensor(Base):
+    """One tensor-state ``(name, state)`` of a checkpoint, pointing at the array holding its values."""
+
+    __tablename__ = "tensors"
+    __table_args__ = (
+        UniqueConstraint("checkpoint_id", "name", "state"),
+        Index("ix_tensors_name", "name"),
+        Index("ix_tensors_array_id", "array_id"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigIntPK, primary_key=True)
+    checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(1024))
+    state: Mapped[str] = mapped_column(String(64))
+    array_id: Mapped[str] = mapped_column(ForeignKey("arrays.id"))
+    shape: Mapped[list[Any]] = mapped_column(JSON)
+    dtype: Mapped[str] = mapped_column(String(64))
+    #: pattern record (schemas/pattern.schema.json) or NULL (replicated everywhere)
+    pattern: Mapped[Optional[dict[str, Any]]] = mapped_column(_json_nullable(), nullable=True)
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    content_hash: Mapped[str] = mapped_column(String(128))
+    #: order in which the tensor-states were saved
+    position: Mapped[int] = mapped_column(Integer)
+
+    checkpoint: Mapped[Checkpoint] = relationship(back_populates="tensors")
+    array: Mapped[Array] = relationship()
+
+    def __repr__(self) -> str:
+        return f"Tensor(checkpoint_id={self.checkpoint_id!r}, name={self.name!r}, state={self.state!r})"
+
+
+class Provenance(Base):
+    """Where a checkpoint came from (schemas/provenance.schema.json describes the public record)."""
+
+    __tablename__ = "provenance"
+
+    checkpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    #: e.g. ``deepspeed``, ``torch_file``, ``training``
+    source_kind: Mapped[str] = mapped_column(String(64))
+    source_path: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    #: topology record of the source (schemas/topology.schema.json) or NULL
+    source_topology: Mapped[Optional[dict[str, Any]]] = mapped_column(_json_nullable(), nullable=True)
+    tool_version: Mapped[str] = mapped_column(String(64))
+    library_versions: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    host: Mapped[str] = mapped_column(String(255))
+    #: {path relative to source_path: hash}
+    source_hashes: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    extra: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+    checkpoint: Mapped[Checkpoint] = relationship(back_populates="provenance")
+
+
+class StoredObject(Base):
+    """A named non-tensor object of a checkpoint: JSON data, or a reference to an array. Never a pickle."""
+
+    __tablename__ = "objects"
+    __table_args__ = (
+        UniqueConstraint("checkpoint_id", "name"),
+        CheckConstraint("kind IN ('json', 'array')", name="kind"),
+        Index("ix_objects_array_id", "array_id"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigIntPK, primary_key=True)
+    checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(1024))
+    kind: Mapped[str] = mapped_column(String(16))
+    value: Mapped[Optional[Any]] = mapped_column(_json_nullable(), nullable=True)
+    array_id: Mapped[Optional[str]] = mapped_column(ForeignKey("arrays.id"), nullable=True)
+
+    checkpoint: Mapped[Checkpoint] = relationship(back_populates="objects")
+    array: Mapped[Optional[Array]] = relationship()
+
+
+class Tag(Base):
+    __tablename__ = "tags"
+    __table_args__ = (
+        UniqueConstraint("run_id", "name"),
+        Index("ix_tags_checkpoint_id", "checkpoint_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    name: Mapped[str] = mapped_column(String(200))
+    checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    created_at: Mapped[_dt.datetime] = mapped_column(default=utcnow)
+
+    run: Mapped[Run] = relationship(back_populates="tags")
+    checkpoint: Mapped[Checkpoint] = relationship(back_populates="tags")
+
+
+class Setting(Base):
+    """Store-level settings (compression, chunk target bytes, format version), one JSON value per key."""
+
+    __tablename__ = "settings"
+
+    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    value: Mapped[Any] = mapped_column(JSON)
