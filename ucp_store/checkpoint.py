@@ -113,10 +113,11 @@ class TensorHandle:
     def read_numpy(self, index: Any = ()) -> np.ndarray:
         box, residual = _normalize_index(index, self.info.shape, self.what)
         data = fmt.read_box(self.ts(), self.layout, box, what=self.what, array_url=self.array_url)
-        return data[residual] if residual else data
+        # an all-integer index yields a numpy scalar; keep it a 0-d array (np.array(copy=False) refuses scalars)
+        return np.asarray(data[residual]) if residual else data
 
     def read(self, index: Any = (), *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        out = dtypes.to_torch(np.array(self.read_numpy(index), copy=False))
+        out = dtypes.to_torch(np.asarray(self.read_numpy(index)))
         return out.to(dtype) if dtype is not None and dtype != out.dtype else out
 
     def __getitem__(self, index: Any) -> torch.Tensor:
@@ -196,7 +197,7 @@ class Checkpoint:
             self.nbytes = ck.nbytes
             self.tags = sorted(t.name for t in ck.tags)
             p = ck.provenance
-            self.provenance: dict = {} if p is None else {
+            self.provenance: dict | None = None if p is None else {
                 "source_kind": p.source_kind, "source_path": p.source_path, "source_topology": p.source_topology,
                 "tool_version": p.tool_version, "library_versions": p.library_versions, "host": p.host,
                 "source_hashes": p.source_hashes, "extra": p.extra}
@@ -290,7 +291,7 @@ class Checkpoint:
                     h = fmt.open_array(self.store.location, a.path, layout, self.store.context)
                     data = fmt.read_box(h, layout, tuple((0, n) for n in a.shape), what=f"object {o.name!r}",
                                         array_url=self.store.array_url(a.path))
-                    out[o.name] = dtypes.to_torch(np.array(data, copy=False))
+                    out[o.name] = dtypes.to_torch(np.asarray(data))
         return out
 
     # --- derived views --------------------------------------------------------------------------
@@ -337,12 +338,13 @@ class Checkpoint:
             handle = self.tensor(infos[0].name, infos[0].state)
             url = handle.array_url
             try:
-                meta = fmt.read_metadata(self.store.location, infos[0].array)
-                expected = handle.layout.metadata()
-                if meta.get("shape") != expected["shape"] or meta.get("data_type") != expected["data_type"] \
-                        or meta.get("codecs") != expected["codecs"]:
+                fmt.read_metadata(self.store.location, infos[0].array)  # UcpError if zarr.json is missing
+                mismatch = fmt.metadata_mismatch(self.store.location, infos[0].array, handle.layout,
+                                                 self.store.context)
+                if mismatch is not None:
                     problems.append({"array": url, "tensor": infos[0].name, "state": infos[0].state, "chunk": None,
-                                     "error": "zarr.json does not match the catalog (shape, dtype or codecs)"})
+                                     "error": f"zarr.json does not match the catalog (shape, dtype or codecs): "
+                                              f"{mismatch}"})
                     continue
                 report = fmt.verify_array(handle.ts(), handle.layout, url)
             except UcpError as exc:
@@ -353,6 +355,11 @@ class Checkpoint:
                 problems.append({"array": url, "tensor": infos[0].name, "state": infos[0].state, "chunk": list(idx),
                                  "shard": handle.layout.shard_key(idx), "error": f"crc32c mismatch: {err}"})
             if report.ok:
+                with self.store.catalog.session() as s:
+                    array_hash = s.scalar(select(m.Array.content_hash).where(m.Array.id == infos[0].array_id))
+                if array_hash != report.content_hash:  # the arrays row drives dedup: it must be right too
+                    problems.append({"array": url, "tensor": infos[0].name, "state": infos[0].state, "chunk": None,
+                                     "error": f"content hash {report.content_hash} != catalog array row {array_hash}"})
                 for info in infos:
                     if report.content_hash != info.content_hash:
                         problems.append({"array": url, "tensor": info.name, "state": info.state, "chunk": None,

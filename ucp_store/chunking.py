@@ -92,11 +92,13 @@ def choose_chunking(
     boundaries: dict[int, Iterable[int]] | None = None,
     target_bytes: int = DEFAULT_TARGET,
     shard_target_bytes: int = DEFAULT_SHARD_TARGET,
+    units: dict[int, int] | None = None,
 ) -> Chunking:
     """Pick inner-chunk and shard shapes for one tensor-state.
 
-    ``boundaries`` adds logical coordinates per dim that must fall on chunk edges (e.g. the split
-    points of declared source and target topologies, computed by the planner).
+    ``boundaries`` adds logical coordinates per dim that must fall on chunk edges. ``units`` sets the
+    aligned extent of a dim outright: the planner's ``chunk_alignment`` for declared source and target
+    topologies (it already trades alignment against a minimum chunk size).
     """
     if not MIN_TARGET <= target_bytes <= MAX_TARGET:
         raise ValueError(f"chunk target must be between 1 and 8 MiB, got {target_bytes} bytes")
@@ -123,6 +125,9 @@ def choose_chunking(
             if 0 < e < shape[d]:
                 unit = math.gcd(unit, e)
         chunk[d] = unit
+    for d, unit in (units or {}).items():
+        split.setdefault(int(d), set())
+        chunk[int(d)] = max(1, min(int(unit), shape[int(d)]))
 
     # Cut until the chunk fits the target: non-split dims first, from the last (keeps rows long),
     # then split dims, always by a prime factor so boundaries stay aligned.

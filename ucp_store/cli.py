@@ -102,7 +102,7 @@ def cmd_show(args) -> int:
         _print_json(manifest)
         return EXIT_OK
     print(f"{ck.run}@{ck.step}  id {ck.id}  {_fmt_bytes(ck.nbytes)}  tags: {', '.join(ck.tags) or '-'}  "
-          f"parent: {ck.parent or '-'}  source: {ck.provenance.get('source_kind')}")
+          f"parent: {ck.parent or '-'}  source: {(ck.provenance or {}).get('source_kind')}")
     _table([[t["name"], t["state"], "x".join(map(str, t["shape"])) or "()", t["dtype"],
              (t["pattern"] or {}).get("kind", "-"), _fmt_bytes(t["nbytes"]), t["array"]] for t in manifest["tensors"]],
            ["name", "state", "shape", "dtype", "pattern", "bytes", "array"])
@@ -277,7 +277,7 @@ def cmd_log(args) -> int:
     chain = []
     while ck is not None:
         chain.append({"id": ck.id, "run": ck.run, "step": ck.step, "tags": ck.tags, "message": ck.message,
-                      "source": ck.provenance.get("source_kind")})
+                      "source": (ck.provenance or {}).get("source_kind")})
         ck = store.checkpoint(ck.parent) if ck.parent else None
     if args.json:
         _print_json(chain)
@@ -296,8 +296,20 @@ def cmd_db(args) -> int:
         before, after = db.upgrade(location.catalog_url)
         print(f"catalog {db.display_url(location.catalog_url)}: {before or 'empty'} -> {after}")
     else:
-        cat = db.open_catalog(location.catalog_url, create=False, upgrade=False)
-        print(f"catalog {cat.display_url}: revision {db.current_revision(cat)}, code knows {db.head_revision()}")
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(location.catalog_url)
+        try:
+            with engine.connect() as conn:
+                rev = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        except Exception as exc:  # no catalog, or no alembic_version table
+            raise UcpError(f"catalog {db.display_url(location.catalog_url)} has no schema revision: "
+                           f"{str(exc).splitlines()[0]}") from None
+        finally:
+            engine.dispose()
+        state = "up to date" if rev == db.head_revision() else (
+            "older: run `ucp db upgrade`" if rev in db.known_revisions() else "newer than this ucp_store")
+        print(f"catalog {db.display_url(location.catalog_url)}: revision {rev}, code knows {db.head_revision()} ({state})")
     return EXIT_OK
 
 
@@ -426,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UcpError as exc:
+        print(f"ucp: error: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except OSError as exc:  # e.g. --out into a missing folder: still one line, no traceback
         print(f"ucp: error: {exc}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:

@@ -150,9 +150,9 @@ def compression_of(codecs: list[dict]) -> str:
 
 def plan_layout(shape: Sequence[int], dtype: str, *, pattern: dict | None = None, compression: str = "none",
                 target_bytes: int = DEFAULT_TARGET, boundaries: dict | None = None,
-                shard_shape: Sequence[int] | None = None) -> ArrayLayout:
+                shard_shape: Sequence[int] | None = None, units: dict | None = None) -> ArrayLayout:
     chunking = choose_chunking(shape, dtypes.itemsize(dtype), pattern=pattern, boundaries=boundaries,
-                               target_bytes=target_bytes)
+                               target_bytes=target_bytes, units=units)
     shard = tuple(shard_shape) if shard_shape is not None else chunking.shard_shape
     return ArrayLayout(dtype, tuple(int(s) for s in shape), chunking.chunk_shape, shard, compression)
 
@@ -187,6 +187,19 @@ def open_array(location: Location, rel: str, layout: ArrayLayout | None, context
         return ts.open(spec, open=True, context=context).result()
     except ValueError as exc:
         raise UcpError(f"array {location.display(rel)} cannot be opened: {exc}") from None
+
+
+def metadata_mismatch(location: Location, rel: str, layout: ArrayLayout, context: ts.Context) -> str | None:
+    """Why the stored zarr.json does not match ``layout`` (None when it does).
+
+    TensorStore normalises zarr.json on write (drops defaults such as ``index_location: "end"`` or the
+    ``"/"`` separator), so the comparison is TensorStore's own metadata-constraint check, not dict equality.
+    """
+    try:
+        ts.open(_spec(location, rel, layout), open=True, context=context).result()
+    except ValueError as exc:
+        return str(exc).split(" [tensorstore_spec", 1)[0][:300]
+    return None
 
 
 def read_metadata(location: Location, rel: str) -> dict:

@@ -465,25 +465,50 @@ class Store:
         return [self.resolve(r) for r in refs]
 
 
+_SCHEMA_PRAGMAS = frozenset({"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+                             "foreign_key_list"})
+
+
+def _sqlite_read_authorizer(action: int, arg1, arg2, *_rest) -> int:
+    """SQLite authorizer for ``ucp query``: reading only. ``query_only`` alone still lets ATTACH create
+    files anywhere and PRAGMA switch it off; this refuses every action but SELECT, reads, functions and
+    the schema-inspection pragmas (their argument is a table or index name)."""
+    import sqlite3
+
+    allowed = (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE)
+    if action in allowed:
+        return sqlite3.SQLITE_OK
+    if action == sqlite3.SQLITE_PRAGMA and str(arg1).lower() in _SCHEMA_PRAGMAS:
+        return sqlite3.SQLITE_OK
+    return sqlite3.SQLITE_DENY
+
+
+def _result(res) -> tuple[list[str], list[tuple]]:
+    if not res.returns_rows:
+        return [], []
+    return list(res.keys()), [tuple(r) for r in res.fetchall()]
+
+
 def read_only_query(engine, sql: str) -> tuple[list[str], list[tuple]]:
     """Run one SQL statement with writes refused by the database itself, not by parsing the SQL."""
     with engine.connect() as conn:
         if engine.dialect.name == "sqlite":
             conn.exec_driver_sql("PRAGMA query_only = ON")
+            raw = conn.connection.dbapi_connection
+            raw.set_authorizer(_sqlite_read_authorizer)
             try:
-                res = conn.exec_driver_sql(sql)
-                cols, rows = list(res.keys()), [tuple(r) for r in res.fetchall()] if res.returns_rows else []
+                cols, rows = _result(conn.exec_driver_sql(sql))
             except Exception as exc:
                 raise UcpError(f"query failed: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
             finally:
+                raw.set_authorizer(None)
                 conn.exec_driver_sql("PRAGMA query_only = OFF")
                 conn.rollback()
             return cols, rows
         with conn.begin():
             conn.exec_driver_sql("SET TRANSACTION READ ONLY")
             try:
-                res = conn.exec_driver_sql(sql)
-                return list(res.keys()), [tuple(r) for r in res.fetchall()] if res.returns_rows else []
+                return _result(conn.exec_driver_sql(sql))
             except Exception as exc:
                 raise UcpError(f"query failed: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
 
@@ -505,6 +530,9 @@ class CheckpointWriter:
         self._closed = False
         self.checkpoint = None
         self.nbytes = 0
+        self._sharded: dict[tuple[str, str], tuple] = {}  # (name, state) -> (array id, path, layout, pattern)
+        self._handles: dict[tuple[str, str], Any] = {}
+        self._origin: set[tuple[str, str]] = set()
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -522,10 +550,11 @@ class CheckpointWriter:
         if self._closed:
             raise UcpError(f"checkpoint writer {self.id} is closed")
 
-    def _layout(self, shape, dtype: str, pattern, boundaries=None, shard_shape=None) -> fmt.ArrayLayout:
+    def _layout(self, shape, dtype: str, pattern, boundaries=None, shard_shape=None, units=None) -> fmt.ArrayLayout:
         st = self.store.settings
         return fmt.plan_layout(shape, dtype, pattern=pattern, compression=st["compression"],
-                               target_bytes=st["chunk_target_bytes"], boundaries=boundaries, shard_shape=shard_shape)
+                               target_bytes=st["chunk_target_bytes"], boundaries=boundaries, shard_shape=shard_shape,
+                               units=units)
 
     def _dedup(self, h: str, dtype: str, shape) -> str | None:
         if h in self._local_arrays:
@@ -612,16 +641,123 @@ class CheckpointWriter:
 
     @staticmethod
     def _validate_pattern(name: str, pattern: dict, shape) -> None:
+        """Schema first (clear field paths), then the algebra's own checks against the shape."""
+        from . import patterns as pat
         from .schema import validate
 
         validate("pattern", pattern)
-        try:
-            from . import patterns as pat
-        except ImportError:  # the pattern algebra is optional for plain saves
-            return
-        check = getattr(pat, "validate_pattern", None)
-        if check is not None:
-            check(pattern, tuple(shape), name=name)
+        pat.check_pattern(pattern, tuple(shape), name=name)
+
+    # --- sharded writes: each rank writes its shards straight into the logical arrays ---------------
+    def write_shard(self, name: str, state: str, local: torch.Tensor, *, shape, pattern: dict | None,
+                    topology, rank: int, fragment=None, targets: Iterable = ()) -> int:
+        """Write rank ``rank``'s shard of a tensor-state (its TP-local tensor, or with ``fragment`` its
+        ZeRO flat fragment) into the logical array; returns the number of elements written.
+
+        Every rank of the source topology calls this for the tensor-states it holds; only the one rank
+        that ``patterns.is_writer`` picks for each element writes it. Inner-chunk boundaries follow the
+        split points of the source and ``targets`` topologies, and shard files follow the source split so
+        that two ranks never write one shard where the layout allows it; where they must (ZeRO flat
+        fragments straddling rows), TensorStore's conditional read-modify-write merges them safely.
+        After every rank has written, each calls ``finish_shards`` (after a barrier) and rank 0 commits.
+        """
+        from . import patterns as pat
+        from .topology import as_topology
+
+        self._check_open()
+        names.tensor_name(name)
+        names.state_name(state)
+        what = f"tensor {name!r} state {state!r}"
+        topology = as_topology(topology)
+        shape = tuple(int(s) for s in shape)
+        array = dtypes.to_numpy(local, what=what) if isinstance(local, torch.Tensor) else np.require(local, requirements="C")
+        dtype = dtypes.zarr_name(array.dtype, what=what)
+        if pattern is not None:
+            self._validate_pattern(name, pattern, shape)
+        handle, layout, rel, aid = self._sharded_array(name, state, shape, dtype, pattern, topology, targets)
+        written = 0
+        if fragment is None:
+            expected = pat.local_layout(pattern, shape, topology, rank, name=name).shape
+            if tuple(array.shape) != tuple(expected):
+                raise ShapeMismatch(f"{what}: rank {rank} shard has shape {tuple(array.shape)}, its layout in "
+                                    f"{topology.describe()} expects {tuple(expected)}")
+            copies = [(c.logical, array[c.local.slices()]) for c in
+                      pat.writer_copies(pattern, shape, topology, rank, name=name)]
+        else:
+            flat = array.reshape(-1)
+            if flat.size < fragment.slot:
+                raise ShapeMismatch(f"{what}: rank {rank} fragment has {flat.size} elements, expected {fragment.slot}")
+            copies = [(fc.logical, flat[fc.flat.start:fc.flat.stop].reshape(fc.logical.shape)) for fc in
+                      pat.fragment_writer_copies(pattern, shape, topology, rank, fragment, name=name)]
+        for box, data in copies:
+            future = handle[box.slices()].write(data)
+            self._inflight.append((future, data, what))
+            self._inflight_bytes += data.nbytes
+            written += data.size
+        while self._inflight_bytes > _MAX_INFLIGHT_BYTES:
+            self._wait_one()
+        self._sharded.setdefault((name, state), (aid, rel, layout, pattern))
+        if any(all(lo == 0 for lo, _ in box.ranges) for box, _ in copies) or (not shape and copies):
+            self._origin.add((name, state))  # this rank records the row (it wrote element 0)
+        return written
+
+    def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):
+        key = (name, state)
+        if key in self._sharded:
+            aid, rel, layout, _ = self._sharded[key]
+            if layout.dtype != dtype or layout.shape != shape:
+                raise ShapeMismatch(f"tensor {name!r} state {state!r}: shard declares {dtype}{list(shape)}, "
+                                    f"earlier shards {layout.dtype}{list(layout.shape)}")
+            return self._handles[key], layout, rel, aid
+        import xxhash
+
+        from .planner import chunk_alignment, split_points
+
+        topologies = [topology, *targets]
+        units = {}
+        if shape:
+            points = split_points(pattern, shape, topologies)
+            align = chunk_alignment(pattern, shape, topologies, itemsize=dtypes.itemsize(dtype))
+            units = {d: a for d, a in enumerate(align) if points[d]}
+        layout = self._layout(shape, dtype, pattern, units=units)
+        source_points = {d: p for d, p in enumerate(split_points(pattern, shape, [topology])) if p} if shape else {}
+        layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape,
+                                 _writer_aligned_shards(layout, source_points), layout.compression)
+        # every rank derives the same array id, so all of them open one array
+        aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
+        rel = f"arrays/{self.id}/{aid}.zarr"
+        spec = {"driver": "zarr3", "kvstore": self.store.location.kvstore(rel), "metadata": layout.metadata()}
+        import tensorstore as ts
+
+        handle = ts.open(spec, create=True, open=True, context=self.store.context).result()
+        self._handles[key] = handle
+        return handle, layout, rel, aid
+
+    def finish_shards(self) -> None:
+        """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of."""
+        self._drain()
+        for key in sorted(self._origin):
+            aid, rel, layout, pattern = self._sharded[key]
+            handle = self._handles[key]
+            hasher = fmt.ContentHasher(layout.dtype, layout.shape)
+            for box in fmt.slabs(layout):
+                hasher.update(fmt.read_box(handle, layout, box, what=f"tensor {key[0]!r} state {key[1]!r}",
+                                           array_url=self.store.array_url(rel)))
+            h = hasher.hexdigest()
+            existing = self._dedup(h, layout.dtype, layout.shape)
+            if existing is not None:
+                self.store.location.delete_tree(rel)  # identical content is already stored
+                array_id = existing
+            else:
+                self._rows.append(m.Array(id=aid, path=rel, dtype=layout.dtype, shape=list(layout.shape),
+                                          chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
+                                          codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
+                array_id = aid
+            self._rows.append(m.Tensor(checkpoint_id=self.id, name=key[0], state=key[1], array_id=array_id,
+                                       shape=list(layout.shape), dtype=layout.dtype, pattern=pattern,
+                                       nbytes=layout.nbytes, content_hash=h, position=self._next_position()))
+        self._origin.clear()
+        self.flush()
 
     def write_object(self, name: str, value: Any) -> None:
         """Store non-tensor state: JSON (dicts, lists, numbers, strings) or a tensor/array. Never pickle."""
@@ -658,6 +794,8 @@ class CheckpointWriter:
     def close(self) -> None:
         """For a joined writer: flush and detach (the owner commits)."""
         if not self._closed:
+            if self._origin:
+                self.finish_shards()
             self.flush()
             self._closed = True
 
@@ -669,6 +807,8 @@ class CheckpointWriter:
         if not self.owner:
             raise UcpError(f"only the process that began checkpoint {self.id} can commit it")
         try:
+            if self._origin:
+                self.finish_shards()
             self.flush()
             with self.store.catalog.write_session() as s:
                 ck = s.get(m.Checkpoint, self.id)
@@ -709,10 +849,39 @@ class CheckpointWriter:
             with self.store.catalog.write_session() as s:
                 ck = s.get(m.Checkpoint, self.id)
                 if ck is not None and ck.status == "pending":
+                    run_id = ck.run_id
                     s.delete(ck)
+                    s.flush()
+                    # a run that begin() created for this save alone goes too (nothing listed, nothing left)
+                    run = s.get(m.Run, run_id)
+                    if run is not None and run.retention is None and not s.scalar(
+                            select(func.count()).select_from(m.Checkpoint).where(m.Checkpoint.run_id == run_id)) \
+                            and not s.scalar(select(func.count()).select_from(m.Tag).where(m.Tag.run_id == run_id)):
+                        s.delete(run)
             self.store._sweep_arrays(dry_run=False, also={self.id})
         except Exception:
             pass  # gc will reclaim what is left; the checkpoint is not listed either way
+
+
+def _writer_aligned_shards(layout: fmt.ArrayLayout, source_points: dict[int, Iterable[int]]) -> tuple[int, ...]:
+    """Shard extents that divide the source topology's split points (in whole inner chunks) where they can.
+
+    Then each writer rank owns whole shard files; where a split point is not a multiple of the inner
+    chunk, the shard stays as planned and concurrent writers merge through conditional writes."""
+    import math as _math
+
+    shard = list(layout.shard_shape)
+    for d, points in source_points.items():
+        pts = [p for p in points if 0 < p < layout.shape[d]]
+        if not pts:
+            continue
+        g = 0
+        for p in pts:
+            g = _math.gcd(g, p)
+        c = layout.chunk_shape[d]
+        if g % c == 0:
+            shard[d] = min(shard[d], g)
+    return tuple(shard)
 
 
 def _check_json(name: str, value: Any) -> Any:

@@ -1,0 +1,226 @@
+"""Executes read plans: fills preallocated torch tensors concurrently through TensorStore.
+
+The planner (pure) says, for one rank of a target topology, which logical boxes of which arrays land
+where; this module is the only place that turns that into I/O. Reads are issued as TensorStore
+futures (many in flight, bounded by bytes) and copied into their destinations as they complete,
+casting on the way when the target asks for another dtype (bf16 weights from fp32 masters).
+Everything no read covers stays zero: vocab padding rows, ZeRO alignment gaps, clipped tails.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from . import dtypes, format as fmt
+from .errors import ChecksumError, UcpError
+from .planner import Plan, TensorPlan, plan as make_plan
+from .records import TensorInfo
+
+_MAX_INFLIGHT_BYTES = 512 << 20
+
+
+def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:
+    if dtype is None:
+        return dtypes.torch_dtype(stored)
+    if isinstance(dtype, Mapping):
+        chosen = dtype.get(state)
+        return dtypes.torch_dtype(stored) if chosen is None else chosen
+    return dtype
+
+
+class _Reader:
+    """Opens each array once and keeps a bounded window of reads in flight."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+        self.store = checkpoint.store
+        self.infos: dict[tuple[str, str], TensorInfo] = {(i.name, i.state): i for i in checkpoint.tensors()}
+        self._handles: dict[str, Any] = {}
+        self._inflight: deque = deque()
+        self._bytes = 0
+        self.bytes_copied = 0
+
+    def handle(self, info: TensorInfo):
+        h = self._handles.get(info.array_id)
+        if h is None:
+            layout = fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape, info.shard_shape,
+                                                  info.codecs)
+            h = self._handles[info.array_id] = (fmt.open_array(self.store.location, info.array, layout,
+                                                               self.store.context), layout)
+        return h
+
+    def submit(self, info: TensorInfo, box, sink) -> None:
+        handle, layout = self.handle(info)
+        future = handle[box.slices()].read()
+        nbytes = box.numel * layout.itemsize
+        self._inflight.append((future, sink, info, box, nbytes))
+        self._bytes += nbytes
+        while self._bytes > _MAX_INFLIGHT_BYTES:
+            self._complete_one()
+
+    def _complete_one(self) -> None:
+        future, sink, info, box, nbytes = self._inflight.popleft()
+        self._bytes -= nbytes
+        try:
+            data = future.result()
+        except ValueError as exc:
+            handle, layout = self.handle(info)
+            what = f"tensor {info.name!r} state {info.state!r} of checkpoint {self.checkpoint.id}"
+            if fmt.is_corruption(exc):
+                fmt.read_box(handle, layout, box.ranges, what=what, array_url=self.store.array_url(info.array))
+            raise UcpError(f"{what}: reading {self.store.array_url(info.array)} failed: {exc}") from None
+        sink(data)
+        self.bytes_copied += nbytes
+
+    def drain(self) -> None:
+        while self._inflight:
+            self._complete_one()
+
+
+def _to_torch(data: np.ndarray) -> torch.Tensor:
+    return dtypes.to_torch(np.require(data, requirements="C"))
+
+
+def _box_sink(dest: torch.Tensor, dst_box):
+    view = dest[dst_box.slices()] if dest.dim() else dest
+
+    def sink(data: np.ndarray) -> None:
+        view.copy_(_to_torch(data).reshape(view.shape))
+    return sink
+
+
+def _flat_sink(dest_flat: torch.Tensor, start: int, stop: int):
+    view = dest_flat[start:stop]
+
+    def sink(data: np.ndarray) -> None:
+        view.copy_(_to_torch(data).reshape(-1))
+    return sink
+
+
+@dataclass
+class ShardState:
+    """What one rank loads: TP-local tensors, per-parameter ZeRO-3 partitions and ZeRO group buffers.
+
+    ``tensors[(local_name, state)]``: the TP/EP-local tensor, or for ZeRO-3 weights the rank's flat
+    partition. ``buffers[key]``: a ZeRO-1/2/3 flat group buffer (``plan.buffers``); ``views`` gives each
+    parameter's slot in it under ``(local_name, state)``.
+    """
+
+    plan: Plan
+    tensors: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    views: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    bytes_read: int = 0
+
+    def __getitem__(self, key: tuple[str, str]) -> torch.Tensor:
+        if key in self.tensors:
+            return self.tensors[key]
+        return self.views[key]
+
+    def state_dict(self, state: str) -> dict[str, torch.Tensor]:
+        out = {n: t for (n, s), t in self.tensors.items() if s == state}
+        out.update({n: t for (n, s), t in self.views.items() if s == state})
+        return out
+
+
+def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str]] | None = None) -> ShardState:
+    """Run every read of ``plan`` (or of the ``only`` tensor-states), concurrently."""
+    reader = _Reader(checkpoint)
+    out = ShardState(plan)
+    wanted = None if only is None else set(only)
+    for b in plan.buffers:
+        out.buffers[b.key] = torch.zeros(b.numel, dtype=_target_dtype(dtype, b.state, b.dtype))
+    for tp in plan.tensors:
+        if wanted is not None and (tp.name, tp.state) not in wanted:
+            continue
+        _submit_tensor(reader, out, tp, dtype)
+    reader.drain()
+    out.bytes_read = reader.bytes_copied
+    return out
+
+
+def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> None:
+    info = reader.infos.get((tp.name, tp.state))
+    if info is None:
+        raise UcpError(f"plan names tensor {tp.name!r} state {tp.state!r}, which checkpoint {reader.checkpoint.id} "
+                       "does not hold")
+    target = _target_dtype(dtype, tp.state, tp.dtype)
+    key = (tp.local_name, tp.state)
+    if tp.fragment is None:
+        dest = torch.zeros(tp.local_shape, dtype=target)
+        out.tensors[key] = dest
+        for r in tp.reads:
+            reader.submit(info, r.box, _box_sink(dest, r.dst))
+        return
+    if tp.buffer is None:  # ZeRO-3 weight: the parameter's own partition
+        slot = torch.zeros(tp.fragment.slot, dtype=target)
+        out.tensors[key] = slot
+    else:
+        buf = out.buffers[tp.buffer]
+        slot = buf[tp.fragment.buffer_start:tp.fragment.buffer_start + tp.fragment.slot]
+        out.views[key] = slot
+    for r in tp.reads:
+        reader.submit(info, r.box, _flat_sink(slot, r.dst.start, r.dst.stop))
+
+
+class LazyShardState(ShardState):
+    """Like ShardState, but each tensor-state is read on first access (a group buffer as a whole)."""
+
+    def __init__(self, checkpoint, plan: Plan, dtype):
+        super().__init__(plan)
+        self._checkpoint = checkpoint
+        self._dtype = dtype
+        self._by_key = {(t.local_name, t.state): t for t in plan.tensors}
+        self._loaded_buffers: set[str] = set()
+
+    def keys(self):
+        return self._by_key.keys()
+
+    def __getitem__(self, key: tuple[str, str]) -> torch.Tensor:
+        tp = self._by_key.get(key)
+        if tp is None:
+            raise KeyError(key)
+        if tp.buffer is not None:
+            self.buffer(tp.buffer)
+            return self.views[key]
+        if key not in self.tensors:
+            reader = _Reader(self._checkpoint)
+            _submit_tensor(reader, self, tp, self._dtype)
+            reader.drain()
+            self.bytes_read += reader.bytes_copied
+        return self.tensors[key]
+
+    def buffer(self, key: str) -> torch.Tensor:
+        if key not in self._loaded_buffers:
+            b = next(b for b in self.plan.buffers if b.key == key)
+            self.buffers[key] = torch.zeros(b.numel, dtype=_target_dtype(self._dtype, b.state, b.dtype))
+            reader = _Reader(self._checkpoint)
+            for tp in self.plan.tensors:
+                if tp.buffer == key:
+                    _submit_tensor(reader, self, tp, self._dtype)
+            reader.drain()
+            self.bytes_read += reader.bytes_copied
+            self._loaded_buffers.add(key)
+        return self.buffers[key]
+
+
+def load_shard(checkpoint, topology, rank: int, *, states: Iterable[str] | None = None, dtype=None,
+               lazy: bool = False, **plan_kwargs) -> ShardState:
+    """Plan and load what ``rank`` of ``topology`` needs from ``checkpoint`` (see ``ShardState``).
+
+    ``dtype``: one torch dtype for everything, or ``{state: dtype}`` (e.g. ``{"weight": torch.bfloat16}``
+    to build bf16 weights from fp32 masters); default: the stored dtype.
+    """
+    p = make_plan(checkpoint.tensors(), topology, rank, states=None if states is None else list(states),
+                  **plan_kwargs)
+    if lazy:
+        return LazyShardState(checkpoint, p, dtype)
+    return execute(checkpoint, p, dtype=dtype)
+
+
+__all__ = ["ChecksumError", "LazyShardState", "ShardState", "execute", "load_shard"]
