@@ -1,0 +1,240 @@
+"""Benchmark the pure planner: plan time for a 1,000-layer model and read amplification of TP changes.
+
+    .venv/bin/python tools/bench_planner.py            # full run (well under a minute on 2 cores)
+    .venv/bin/python tools/bench_planner.py --layers 100 --quick
+
+Part 1 plans one rank of a ~100k tensor-state model (1,000 layers x 25 parameters x 4 states:
+bf16 weight, fp32 master, Adam moments) for realistic topologies, with cold caches (every parse and
+layout computed afresh) and reports the time per plan and per tensor-state.
+
+Part 2 plans every rank of a Llama-7B-like layer (GQA 32/8 heads of 128, SwiGLU 11008, vocab 32000)
+after a TP change and reports read amplification (bytes read / bytes needed, whole chunks read) for chunk
+grids aligned by ``chunk_alignment`` to the source and target topologies, next to a grid aligned only to
+powers of two; tp=3 uses head-granular uneven widths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+from ucp_store import patterns
+from ucp_store.planner import chunk_alignment, plan
+from ucp_store.topology import Topology
+
+STATES = ("weight", "fp32", "exp_avg", "exp_avg_sq")
+MIB = 1 << 20
+
+
+def _even_units(total_units: int, parts: int, unit: int) -> list[int]:
+    """Split ``total_units`` units of ``unit`` elements over ``parts`` ranks, earlier ranks larger."""
+    base, extra = divmod(total_units, parts)
+    return [(base + (1 if r < extra else 0)) * unit for r in range(parts)]
+
+
+# ---------------------------------------------------------------------- the model
+def layer_params(i: int, h: int, heads: int, kv_heads: int, head_dim: int, ffn: int, experts: int, expert_ffn: int,
+                 uneven_tp: int | None = None):
+    """25 parameters of one layer: attention (GQA), dense SwiGLU MLP, a small MoE block, norms and biases."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+
+    def at(pattern):
+        return {**pattern, "placement": {"layer": i}}
+
+    qkv_widths = ffn_widths = down_widths = None
+    if uneven_tp:
+        t = uneven_tp
+        kv_w = _even_units(kv_heads, t, head_dim)
+        q_w = [w * (heads // kv_heads) for w in kv_w]  # query groups follow their kv head
+        qkv_widths = {str(t): [q_w, kv_w, kv_w]}
+        ffn_widths = {str(t): [_even_units(ffn // 128, t, 128)] * 2}
+        down_widths = {str(t): _even_units(ffn // 128, t, 128)}
+    fused_qkv = {"kind": "fused", "dim": 0, "sizes": [q, kv, kv]}
+    if qkv_widths:
+        fused_qkv["widths"] = qkv_widths
+    gate_up = {"kind": "fused", "dim": 0, "sizes": [ffn, ffn]}
+    if ffn_widths:
+        gate_up["widths"] = ffn_widths
+    down = {"kind": "partitioned", "dim": 1}
+    if down_widths:
+        down["widths"] = down_widths
+    o_proj = {"kind": "partitioned", "dim": 1}
+    if qkv_widths:
+        o_proj["widths"] = {k: v[0] for k, v in qkv_widths.items()}
+    rep = {"kind": "replicated"}
+    p = f"layers.{i}."
+    out = [
+        (p + "input_norm.weight", at(rep), (h,)),
+        (p + "input_norm.bias", at(rep), (h,)),
+        (p + "attn.qkv.weight", at(fused_qkv), (q + 2 * kv, h)),
+        (p + "attn.qkv.bias", at(fused_qkv), (q + 2 * kv,)),
+        (p + "attn.q_norm.weight", at(rep), (head_dim,)),
+        (p + "attn.k_norm.weight", at(rep), (head_dim,)),
+        (p + "attn.o.weight", at(o_proj), (h, q)),
+        (p + "attn.o.bias", at(rep), (h,)),
+        (p + "post_norm.weight", at(rep), (h,)),
+        (p + "post_norm.bias", at(rep), (h,)),
+        (p + "mlp.gate_up.weight", at(gate_up), (2 * ffn, h)),
+        (p + "mlp.gate_up.bias", at({**gate_up, "dim": 0}), (2 * ffn,)),
+        (p + "mlp.down.weight", at(down), (h, ffn)),
+        (p + "mlp.down.bias", at(rep), (h,)),
+        (p + "moe.router.weight", at(rep), (experts, h)),
+        (p + "moe.router.bias", at(rep), (experts,)),
+        (p + "moe.experts.w13", at({"kind": "expert", "num_experts": experts,
+                                    "inner": {"kind": "fused", "dim": 0, "sizes": [expert_ffn, expert_ffn]}}),
+         (experts, 2 * expert_ffn, h)),
+        (p + "moe.experts.w2", at({"kind": "expert", "num_experts": experts,
+                                   "inner": {"kind": "partitioned", "dim": 1}}), (experts, h, expert_ffn)),
+        (p + "moe.experts.b2", at({"kind": "expert", "num_experts": experts, "inner": rep}), (experts, h)),
+        (p + "moe.shared.gate_up.weight", at({"kind": "fused", "dim": 0, "sizes": [expert_ffn, expert_ffn]}),
+         (2 * expert_ffn, h)),
+        (p + "moe.shared.down.weight", at({"kind": "partitioned", "dim": 1}), (h, expert_ffn)),
+        (p + "moe.shared.gate.weight", at(rep), (1, h)),
+        (p + "moe.norm.weight", at(rep), (h,)),
+        (p + "layer_scale.attn", at(rep), (h,)),
+        (p + "layer_scale.mlp", at(rep), (h,)),
+    ]
+    return out
+
+
+def model_records(layers: int, h=1024, heads=16, kv_heads=8, head_dim=64, ffn=4096, experts=8, expert_ffn=512,
+                  vocab=32000):
+    params = [("embedding.weight", {"kind": "vocab", "original_size": vocab,
+                                    "placement": {"stages": ["first", "last"]}}, (vocab, h))]
+    for i in range(layers):
+        params += layer_params(i, h, heads, kv_heads, head_dim, ffn, experts, expert_ffn)
+    params.append(("final_norm.weight", {"kind": "replicated", "placement": {"stages": ["last"]}}, (h,)))
+    recs = []
+    for name, pj, shape in params:
+        chunk = (min(shape[0], 256),) + tuple(shape[1:])  # chunk shapes only feed the counts here
+        for state in STATES:
+            recs.append({"name": name, "state": state, "shape": shape, "pattern": pj, "chunk_shape": chunk,
+                         "dtype": "bfloat16" if state == "weight" else "float32"})
+    return recs
+
+
+# ---------------------------------------------------------------------- part 1: plan time
+def bench_plan_time(layers: int, repeats: int) -> None:
+    recs = model_records(layers)
+    topologies = [
+        ("tp8 pp8 dp16 zero1 ep8 (1024 ranks)", Topology(tp=8, pp=8, dp=16, zero_stage=1, ep=8, layers=layers)),
+        ("tp4 pp1 dp8 zero3 (32 ranks)", Topology(tp=4, dp=8, zero_stage=3, layers=layers)),
+        ("tp1 pp1 dp1 zero0 (1 rank)", Topology(layers=layers)),
+        ("tp8 pp16 dp4 zero2 sp2 (1024 ranks)", Topology(tp=8, pp=16, dp=4, sp=2, zero_stage=2, layers=layers)),
+    ]
+    print(f"\nPlan time: {layers} layers, {len(recs):,} tensor-states in the catalog, one rank, cold caches "
+          f"(best of {repeats}); JSON = Plan.to_json_text()")
+    header = (f"{'topology':38} {'rank':>5} {'planned':>8} {'reads':>8} {'plan s':>7} {'us/planned':>10} "
+              f"{'us/record':>9} {'json s':>7} {'json MB':>8}")
+    print(header)
+    print("-" * len(header))
+    for label, t in topologies:
+        for rank in sorted({0, t.world_size - 1}):
+            best = math.inf
+            for _ in range(repeats):
+                patterns.clear_caches()
+                t0 = time.perf_counter()
+                p = plan(recs, t, rank)
+                best = min(best, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            text = p.to_json_text()
+            json_s = time.perf_counter() - t0
+            print(f"{label:38} {rank:>5} {len(p.tensors):>8,} {p.num_reads:>8,} {best:>7.3f} "
+                  f"{best / len(p.tensors) * 1e6:>10.1f} {best / len(recs) * 1e6:>9.1f} {json_s:>7.2f} "
+                  f"{len(text) / 1e6:>8.1f}")
+
+
+# ---------------------------------------------------------------------- part 2: read amplification
+def llama_layer(uneven_tp: int | None):
+    return layer_params(0, 4096, 32, 8, 128, 11008, 8, 1792, uneven_tp=uneven_tp)[:14] + [
+        ("embedding.weight", {"kind": "vocab", "original_size": 32000}, (32000, 4096))]
+
+
+def byte_target_chunk(shape, align, itemsize, target=1 * MIB):
+    """Chunk extents from per-dim alignment units: split dims keep a divisor of their unit (so every
+    aligned boundary stays a chunk edge), and the leading dim is thinned first, because ZeRO fragments
+    cut the row-major flattening inside rows and a thin chunk bounds what a partial row over-reads."""
+    chunk = [max(1, min(a, n)) for a, n in zip(align, shape)]
+
+    def too_big():
+        return math.prod(chunk) * itemsize > target
+
+    # ZeRO fragments are row ranges of the TP-local tensor: keep a chunk under 1/16 of the rows when the
+    # alignment allows, so that a fragment over-reads at most a thin slab at each end
+    if shape and shape[0] >= 64:
+        while chunk[0] > shape[0] // 16 and chunk[0] % 2 == 0:
+            chunk[0] //= 2
+    for d in range(len(shape)):
+        while too_big() and chunk[d] > 1:
+            p = next(q for q in range(2, chunk[d] + 1) if chunk[d] % q == 0)  # smallest prime factor
+            if p == chunk[d] and p > 64:  # a large prime extent: plain ceil-division (loses alignment)
+                chunk[d] = -(-chunk[d] // -(-math.prod(chunk) * itemsize // target))
+            else:
+                chunk[d] //= p
+    return tuple(chunk)
+
+
+def pow2_align(pattern, shape):
+    """A chunking that ignores the topologies: every power-of-two split <= 64 of the split dims."""
+    out = []
+    for d, n in enumerate(shape):
+        unit = n
+        for _ in range(6):
+            if unit % 2:
+                break
+            unit //= 2
+        out.append(unit if d == 0 or (pattern or {}).get("dim") == d else n)
+    return tuple(out)
+
+
+def amplification(src: Topology, tgt: Topology, aligned: bool) -> tuple[float, float, int]:
+    uneven = next((t.tp for t in (src, tgt) if t.tp not in (1, 2, 4, 8)), None)
+    params = llama_layer(uneven)
+    recs = []
+    for name, pj, shape in params:
+        align = chunk_alignment(pj, shape, [src, tgt], itemsize=4) if aligned else pow2_align(pj, shape)
+        recs.append({"name": name, "state": "fp32", "shape": shape, "pattern": pj, "dtype": "float32",
+                     "chunk_shape": byte_target_chunk(shape, align, 4)})
+    needed = read = chunks = 0
+    for rank in range(tgt.world_size):
+        p = plan(recs, tgt, rank)
+        needed += p.bytes_needed
+        read += p.bytes_read
+        chunks += p.chunks_touched
+    return read / needed, read / 1e9, chunks
+
+
+def bench_amplification() -> None:
+    cases = [
+        ("TP 1 -> 8", Topology(tp=1), Topology(tp=8)),
+        ("TP 8 -> 2", Topology(tp=8), Topology(tp=2)),
+        ("TP 4 -> 3 (uneven)", Topology(tp=4), Topology(tp=3)),
+        ("TP 2 -> 8, ZeRO-1 dp=4", Topology(tp=2), Topology(tp=8, dp=4, zero_stage=1)),
+        ("TP 4 -> 3, ZeRO-3 dp=2", Topology(tp=4), Topology(tp=3, dp=2, zero_stage=3)),
+    ]
+    print("\nRead amplification (bytes read / bytes needed, all target ranks), one Llama-7B-like layer + "
+          "embedding, fp32, ~1 MiB chunks")
+    header = f"{'change':26} {'aligned':>9} {'GB read':>8} {'chunks':>7}   {'pow2 only':>9} {'GB read':>8} {'chunks':>7}"
+    print(header)
+    print("-" * len(header))
+    for label, src, tgt in cases:
+        a, ga, ca = amplification(src, tgt, True)
+        b, gb, cb = amplification(src, tgt, False)
+        print(f"{label:26} {a:>9.3f} {ga:>8.2f} {ca:>7}   {b:>9.3f} {gb:>8.2f} {cb:>7}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one repeat")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    bench_plan_time(args.layers, 1 if args.quick else args.repeats)
+    bench_amplification()
+    print(f"\ntotal {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

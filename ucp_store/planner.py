@@ -1,0 +1,619 @@
+"""Layout planner (pure): what one rank of a target topology reads from a checkpoint, and where it goes.
+
+``plan(records, topology, rank)`` takes the catalog's tensor records (objects or dicts with ``name,
+state, shape, dtype, pattern, chunk_shape``) and returns a ``Plan``: for every tensor-state the rank needs
+
+- a *tensor* destination: the TP/EP-local tensor (``local_shape``); each ``Read`` copies logical box
+  ``box`` into local box ``dst``;
+- or a *flat* destination (ZeRO 1-3 optimizer state, ZeRO-3 weights): the rank's ``Fragment`` of the
+  flattened TP-local tensor; each ``Read`` copies logical ``box`` (contiguous in the local tensor) into
+  ``dst``, a ``FlatRange`` of the fragment's *slot* (``buffer[fragment.buffer_start + dst.start : ...]``).
+  Optimizer states live in per-group flat buffers (``Plan.buffers``, DeepSpeed's
+  ``single_partition_of_fp32_groups`` / ``fp32_flat_groups``); ZeRO-3 weights (``state == "weight"``) are
+  per-parameter partitions (``buffer is None``, the slot is the whole buffer, DeepSpeed's ``ds_tensor``).
+
+Everything not covered by a read is zero: ``TensorPlan.padding`` (vocab rows, ZeRO-3 clip tails) and
+``BufferPlan.padding`` (ZeRO-1/2 alignment gaps and the tail). ``io.py`` allocates zeros, then executes the
+reads. Which tensor-states a rank gets: those whose placement includes its stage (layers of its stage,
+tied tensors on first and last); expert tensors give each ``ep`` rank its experts.
+
+Counts per tensor-state: ``bytes_needed`` (sum of read boxes), ``chunks_touched`` (distinct stored chunks
+intersecting any read box, from ``chunk_shape``; ``None`` means one chunk), ``bytes_read`` (those chunks'
+bytes, clipped at the array edge); ``Plan.read_amplification = bytes_read / bytes_needed``.
+
+ZeRO groups. Parameters are grouped by ``zero_groups`` (a mapping or function name -> group; default
+``"default"``, and ``"expert"`` for expert patterns, whose ZeRO world is ``sp * dp / ep``); within a group
+the flat order is the records' order. A group's members are the parameters of this stage with at least one
+optimizer state among the records (the layout does not depend on the ``states`` filter); a member lacking
+some state has zeros in that buffer's slot.
+
+Chunk boundaries for writers: ``split_points`` and ``chunk_alignment``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+
+from .errors import PlanError
+from .patterns import (
+    Box,
+    Expert,
+    FlatRange,
+    Fragment,
+    LocalLayout,
+    Pattern,
+    stages_of_placement,
+    without_placement,
+    flat_layout,
+    parse_pattern,
+    stage_local_name,
+    tp_layout,
+    zero_group_layout,
+)
+from .topology import Topology, as_topology
+
+PLAN_FORMAT = "ucp_store.plan"
+PLAN_VERSION = 1
+DEFAULT_GROUP = "default"
+EXPERT_GROUP = "expert"
+NOT_FLAT_STATES = frozenset({"weight", "step"})
+
+_ITEMSIZE = {
+    "bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "uint32": 4, "float32": 4,
+    "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
+}
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16",
+                  "fp16": "float16", "fp32": "float32", "long": "int64", "int": "int32"}
+
+
+_ITEMSIZE_CACHE: dict[str, int] = {}
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of a dtype name (zarr v3 / torch / numpy spelling)."""
+    hit = _ITEMSIZE_CACHE.get(dtype) if type(dtype) is str else None
+    if hit is not None:
+        return hit
+    name = str(dtype).removeprefix("torch.").removeprefix("<class 'numpy.").rstrip("'>")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name in _ITEMSIZE:
+        if type(dtype) is str:
+            _ITEMSIZE_CACHE[dtype] = _ITEMSIZE[name]
+        return _ITEMSIZE[name]
+    raise PlanError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(_ITEMSIZE))}")
+
+
+# ====================================================================== plan records
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Read logical ``box`` into ``dst``: a box of the local tensor, or a range of the fragment's slot."""
+
+    box: Box
+    dst: Box | FlatRange
+
+    def to_json(self) -> dict[str, Any]:
+        if isinstance(self.dst, FlatRange):
+            return {"box": self.box.to_json(), "flat": self.dst.to_json()}
+        return {"box": self.box.to_json(), "dst": self.dst.to_json()}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlan:
+    name: str
+    state: str
+    local_name: str            # the name this rank's stage uses (placement.local_name / layer_names)
+    dtype: str
+    shape: tuple[int, ...]     # logical shape
+    local_shape: tuple[int, ...]  # TP/EP-local shape (before ZeRO)
+    reads: tuple[Read, ...]
+    padding: tuple[Box | FlatRange, ...]  # local boxes, or slot ranges when flat, that must be zero
+    bytes_needed: int
+    chunks_touched: int
+    bytes_read: int
+    fragment: Fragment | None = None  # flat destinations only
+    buffer: str | None = None         # flat: key of the group buffer; None = the tensor's own buffer
+
+    @property
+    def flat(self) -> bool:
+        return self.fragment is not None
+
+    def to_json(self) -> dict[str, Any]:
+        f = self.fragment
+        return {
+            "name": self.name, "state": self.state, "local_name": self.local_name, "dtype": self.dtype,
+            "shape": list(self.shape), "local_shape": list(self.local_shape),
+            "buffer": self.buffer,
+            "fragment": None if f is None else {"start": f.start, "stop": f.stop, "buffer_start": f.buffer_start,
+                                                "slot": f.slot},
+            "reads": [r.to_json() for r in self.reads],
+            "padding": [p.to_json() for p in self.padding],
+            "bytes_needed": self.bytes_needed, "chunks_touched": self.chunks_touched, "bytes_read": self.bytes_read,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BufferPlan:
+    """One ZeRO flat buffer of the rank: a parameter group's partition of one optimizer state."""
+
+    key: str
+    group: str
+    state: str
+    dtype: str
+    numel: int
+    members: tuple[str, ...]          # parameters with a slot in this buffer, in flat order
+    padding: tuple[FlatRange, ...]    # ranges outside every planned slot: must be zero
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "group": self.group, "state": self.state, "dtype": self.dtype, "numel": self.numel,
+                "members": list(self.members), "padding": [p.to_json() for p in self.padding]}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    topology: Topology
+    rank: int
+    coords: Mapping[str, int]
+    tensors: tuple[TensorPlan, ...]
+    buffers: tuple[BufferPlan, ...]
+
+    @property
+    def bytes_needed(self) -> int:
+        return sum(t.bytes_needed for t in self.tensors)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(t.bytes_read for t in self.tensors)
+
+    @property
+    def chunks_touched(self) -> int:
+        return sum(t.chunks_touched for t in self.tensors)
+
+    @property
+    def num_reads(self) -> int:
+        return sum(len(t.reads) for t in self.tensors)
+
+    @property
+    def read_amplification(self) -> float:
+        needed = self.bytes_needed
+        return self.bytes_read / needed if needed else 1.0
+
+    def tensor(self, name: str, state: str) -> TensorPlan:
+        for t in self.tensors:
+            if t.name == name and t.state == state:
+                return t
+        raise PlanError(f"plan for rank {self.rank} has no tensor-state ({name!r}, {state!r})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT, "version": PLAN_VERSION,
+            "topology": self.topology.to_json(), "rank": self.rank, "coords": dict(self.coords),
+            "tensors": [t.to_json() for t in self.tensors],
+            "buffers": [b.to_json() for b in self.buffers],
+            "totals": {"tensor_states": len(self.tensors), "reads": self.num_reads,
+                       "bytes_needed": self.bytes_needed, "chunks_touched": self.chunks_touched,
+                       "bytes_read": self.bytes_read, "read_amplification": self.read_amplification},
+        }
+
+    def to_json_text(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+
+# ====================================================================== coalescing and chunk counts
+def coalesce_reads(reads: Sequence[Read]) -> tuple[Read, ...]:
+    """Merge reads whose boxes and destinations are adjacent and contiguous along one dim.
+
+    Tensor reads merge when box and dst differ in the same single dim and abut there; flat reads also
+    need the merged box to stay contiguous in row-major order (every dim before the merge dim of extent 1)
+    and the two flat ranges to abut."""
+    if len(reads) < 2:
+        return tuple(reads)
+    flat = isinstance(reads[0].dst, FlatRange)
+    items = sorted(reads, key=(lambda r: r.dst.start) if flat else (lambda r: r.dst.ranges))
+    out = [items[0]]
+    for cur in items[1:]:
+        merged = _merge(out[-1], cur, flat)
+        if merged is None:
+            out.append(cur)
+        else:
+            out[-1] = merged
+    if not flat and len(out) > 1 and len(out) < len(items):
+        # a merge can make two earlier-separated reads adjacent in another dim; run again until stable
+        again = coalesce_reads(out)
+        return again if len(again) < len(out) else tuple(out)
+    return tuple(out)
+
+
+def _merge_dim(a: Box, b: Box) -> int | None:
+    dim = None
+    for d, (ra, rb) in enumerate(zip(a.ranges, b.ranges)):
+        if ra != rb:
+            if dim is not None or ra[1] != rb[0]:
+                return None
+            dim = d
+    return dim
+
+
+def _merge(a: Read, b: Read, flat: bool) -> Read | None:
+    d = _merge_dim(a.box, b.box)
+    if d is None:
+        return None
+    box = a.box.with_dim(d, a.box.ranges[d][0], b.box.ranges[d][1])
+    if flat:
+        if a.dst.stop != b.dst.start or any(hi - lo != 1 for lo, hi in a.box.ranges[:d]):
+            return None
+        return Read(box, FlatRange(a.dst.start, b.dst.stop))
+    if _merge_dim(a.dst, b.dst) != d:
+        return None
+    return Read(box, a.dst.with_dim(d, a.dst.ranges[d][0], b.dst.ranges[d][1]))
+
+
+def chunk_footprint(boxes: Iterable[Box], shape: Sequence[int], chunk_shape: Sequence[int] | None,
+                    itemsize: int) -> tuple[int, int]:
+    """``(chunks, bytes)``: distinct chunks of the stored array touched by any box, and their bytes
+    (edge chunks clipped to the array)."""
+    shape = tuple(shape)
+    chunk = tuple(shape) if chunk_shape is None else tuple(chunk_shape)
+    chunk = tuple(max(1, c) for c in chunk)
+    if len(chunk) != len(shape):
+        raise PlanError(f"chunk_shape {list(chunk)} does not match shape {list(shape)}")
+    cboxes = set()
+    for box in boxes:
+        if box.empty:
+            continue
+        cboxes.add(tuple((a // c, -(-b // c)) for (a, b), c in zip(box.ranges, chunk)))
+    if not cboxes:
+        return 0, 0
+    count, extent = _union(list(cboxes), 0, shape, chunk)
+    return count, extent * itemsize
+
+
+def _extent(lo: int, hi: int, size: int, c: int) -> int:
+    # elements along one dim of chunks lo..hi-1, the last one clipped at the array edge
+    return min(hi * c, size) - lo * c
+
+
+def _union(cboxes: list[tuple[tuple[int, int], ...]], dim: int, shape: tuple[int, ...],
+           chunk: tuple[int, ...]) -> tuple[int, int]:
+    """Chunk count and element count of the union of chunk-index boxes (exact, by sweeping dims)."""
+    if dim == len(shape):
+        return 1, 1
+    if len(cboxes) == 1:
+        count = elems = 1
+        for d in range(dim, len(shape)):
+            lo, hi = cboxes[0][d]
+            count *= hi - lo
+            elems *= _extent(lo, hi, shape[d], chunk[d])
+        return count, elems
+    points = sorted({p for b in cboxes for p in b[dim]})
+    count = elems = 0
+    prev_active: list | None = None
+    prev_result = (0, 0)
+    for lo, hi in zip(points, points[1:]):
+        active = [b for b in cboxes if b[dim][0] <= lo and b[dim][1] >= hi]
+        if not active:
+            continue
+        if active != prev_active:
+            prev_active, prev_result = active, _union(active, dim + 1, shape, chunk)
+        c, e = prev_result
+        count += (hi - lo) * c
+        elems += _extent(lo, hi, shape[dim], chunk[dim]) * e
+    return count, elems
+
+
+# ====================================================================== the planner
+_RECORD_FIELDS = ("name", "state", "shape", "dtype", "pattern", "chunk_shape")
+_OPTIONAL = frozenset({"pattern", "chunk_shape"})
+
+
+def _fields(rec: Any) -> tuple:
+    """``(name, state, shape, dtype, pattern, chunk_shape)`` of a dict or an object record."""
+    if type(rec) is dict:  # the common case, kept cheap
+        try:
+            return rec["name"], rec["state"], rec["shape"], rec["dtype"], rec.get("pattern"), rec.get("chunk_shape")
+        except KeyError:
+            pass
+    out = []
+    for f in _RECORD_FIELDS:
+        if isinstance(rec, Mapping):
+            present, value = f in rec, rec.get(f)
+        else:
+            present, value = hasattr(rec, f), getattr(rec, f, None)
+        if not present and f not in _OPTIONAL:
+            raise PlanError(f"tensor record {rec!r} lacks field {f!r}")
+        out.append(value)
+    return tuple(out)
+
+
+def _shape(value: Any, name: str, what: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if type(value) is not tuple:
+        if isinstance(value, str):
+            value = json.loads(value)
+        try:
+            value = tuple(value)
+        except TypeError:
+            raise PlanError(f"tensor {name!r}: {what} {value!r} is not a list of integers") from None
+    for v in value:
+        if type(v) is not int or v < 0:
+            try:
+                value = tuple(int(x) for x in value)
+            except (TypeError, ValueError):
+                raise PlanError(f"tensor {name!r}: {what} {list(value)!r} is not a list of integers") from None
+            if any(x < 0 for x in value):
+                raise PlanError(f"tensor {name!r}: {what} {list(value)} has a negative extent")
+            break
+    return value
+
+
+@dataclass(slots=True)
+class _Entry:
+    name: str
+    state: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunk: tuple[int, ...] | None
+    pattern: Pattern
+    layout_pattern: Pattern  # the pattern without placement (layouts do not depend on it)
+    layout: LocalLayout
+    flat: str | None  # None, "group" or "own"
+
+
+def default_flat_kind(topology: Topology, state: str, flat_states: Collection[str] | None = None) -> str | None:
+    """How a state is held under ZeRO: ``None`` (TP-local tensor), ``"group"`` (flat group buffer) or
+    ``"own"`` (a per-parameter flat partition: ZeRO-3 weights)."""
+    if topology.zero_stage == 0:
+        return None
+    if state == "weight":
+        return "own" if topology.zero_stage == 3 else None
+    if flat_states is not None:
+        return "group" if state in flat_states else None
+    return None if state in NOT_FLAT_STATES else "group"
+
+
+def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: int, *,
+         states: Collection[str] | None = None,
+         flat_states: Collection[str] | None = None,
+         zero_groups: Mapping[str, str] | Callable[[str], str] | None = None,
+         coalesce: bool = True) -> Plan:
+    """Plan every read ``rank`` of ``topology`` needs (see the module docstring).
+
+    ``states``: only plan these states (ZeRO layouts still account for every optimizer state).
+    ``flat_states``: the optimizer states ZeRO partitions (default: every state but ``weight``/``step``).
+    ``zero_groups``: parameter name -> ZeRO parameter group (default ``"default"`` / ``"expert"``).
+
+    Patterns of tensors placed on another stage's layer are not parsed (so not validated) here."""
+    topo = as_topology(topology)
+    coords = topo.coords(rank)
+    stage, tp, tp_rank, ep, ep_rank, vmult = (coords["pp"], topo.tp, coords["tp"], topo.ep, coords["ep"],
+                                              topo.vocab_multiple)
+    wanted = None if states is None else frozenset(states)
+    # stage of every layer, so that other stages' layers are skipped before their pattern is parsed
+    layer_stage = [topo.stage_of_layer(i) for i in range(topo.layers)] if topo.pp > 1 else None
+
+    # pass 1: the records this stage holds, with their TP/EP-local layouts
+    entries: list[_Entry] = []
+    seen: set[tuple[str, str]] = set()
+    on_stage: dict[Any, bool] = {}
+    flat_kind: dict[str, str | None] = {}
+    layouts: dict[tuple, LocalLayout] = {}
+    for rec in records:
+        name, state, shape, dtype, pattern_rec, chunk = _fields(rec)
+        if type(pattern_rec) is dict:
+            pl_raw = pattern_rec.get("placement")
+            if layer_stage is not None and type(pl_raw) is dict:
+                layer = pl_raw.get("layer")
+                if type(layer) is int and 0 <= layer < len(layer_stage) and layer_stage[layer] != stage:
+                    continue
+        elif isinstance(pattern_rec, str):
+            pattern_rec = json.loads(pattern_rec)
+        p = parse_pattern(pattern_rec, name=name)
+        pl = p.placement
+        if pl is not None:
+            held = on_stage.get(pl)
+            if held is None:
+                held = on_stage[pl] = stage in stages_of_placement(pl, topo, name)
+            if not held:
+                continue
+        key = (name, state)
+        if key in seen:
+            raise PlanError(f"tensor-state ({name!r}, {state!r}) is listed twice")
+        seen.add(key)
+        shape = _shape(shape, name, "shape")
+        chunk = _shape(chunk, name, "chunk_shape")
+        if chunk is not None and len(chunk) != len(shape):
+            raise PlanError(f"tensor {name!r} state {state!r}: chunk_shape {list(chunk)} does not match shape "
+                            f"{list(shape)}")
+        bare = without_placement(p)
+        lkey = (bare, shape)
+        layout = layouts.get(lkey)
+        if layout is None:
+            layout = layouts[lkey] = tp_layout(bare, shape, tp, tp_rank, ep=ep, ep_rank=ep_rank,
+                                               vocab_multiple=vmult, name=name)
+        if type(dtype) is not str:
+            dtype = str(dtype)
+        fk = flat_kind.get(state, ...)
+        if fk is ...:
+            fk = flat_kind[state] = default_flat_kind(topo, state, flat_states)
+        entries.append(_Entry(name, state, dtype, shape, chunk, p, bare, layout, fk))
+
+    # ZeRO groups: members in record order, one layout per group shared by all its optimizer states
+    fragments: dict[str, tuple[str, Fragment]] = {}
+    group_members: dict[str, list[str]] = {}
+    group_layouts = {}
+    if topo.zero_stage > 0:
+        member_numel: dict[str, int] = {}
+        member_expert: dict[str, bool] = {}
+        for e in entries:
+            if e.flat != "group" or e.name in member_numel:
+                continue
+            group = _group_of(e.name, e.pattern, zero_groups)
+            expert = isinstance(e.pattern, Expert)
+            members = group_members.setdefault(group, [])
+            if members and member_expert[members[0]] != expert:
+                raise PlanError(f"ZeRO group {group!r} mixes expert ({members[0]!r} or {e.name!r}) and non-expert "
+                                f"parameters, which are partitioned over different ranks; put them in separate groups")
+            members.append(e.name)
+            member_numel[e.name] = math.prod(e.layout.shape)
+            member_expert[e.name] = expert
+        for group, members in group_members.items():
+            expert = member_expert[members[0]]
+            layout = zero_group_layout([member_numel[m] for m in members], topo.zero_world(expert), topo.zero_stage,
+                                       alignment=topo.zero_alignment, param_alignment=topo.zero_param_alignment)
+            group_layouts[group] = layout
+            zrank = topo.zero_rank(rank, expert)
+            for index, frag in layout.fragments(zrank):
+                fragments[members[index]] = (group, frag)
+
+    # pass 2: one TensorPlan per wanted tensor-state
+    tensors: list[TensorPlan] = []
+    memo: dict[tuple, tuple] = {}
+    own_fragments: dict[tuple[int, bool], Fragment] = {}
+    default_names = topo.layer_names is None
+    buffer_dtypes: dict[str, str] = {}
+    buffer_slots: dict[str, list[tuple[int, int]]] = {}
+    for e in entries:
+        if wanted is not None and e.state not in wanted:
+            continue
+        size = itemsize(e.dtype)
+        fragment = buffer = frag_key = None
+        if e.flat == "group":
+            hit = fragments.get(e.name)
+            if hit is None:
+                continue  # this rank holds no part of the parameter
+            group, fragment = hit
+            buffer = f"{group}/{e.state}"
+            if buffer_dtypes.setdefault(buffer, e.dtype) != e.dtype:
+                raise PlanError(f"ZeRO buffer {buffer!r} mixes dtypes {buffer_dtypes[buffer]} and {e.dtype} "
+                                f"(tensor {e.name!r})")
+            buffer_slots.setdefault(buffer, []).append((fragment.buffer_start, fragment.buffer_start + fragment.slot))
+            frag_key = (fragment.start, fragment.stop, fragment.slot)
+        elif e.flat == "own":
+            expert = isinstance(e.pattern, Expert)
+            numel = math.prod(e.layout.shape)
+            fragment = own_fragments.get((numel, expert))
+            if fragment is None:
+                own = zero_group_layout([numel], topo.zero_world(expert), 3)
+                fragment = own_fragments[(numel, expert)] = own.fragment(0, topo.zero_rank(rank, expert))
+            frag_key = (fragment.start, fragment.stop, fragment.slot)
+        key = (e.layout_pattern, e.shape, e.chunk, size, frag_key)
+        cached = memo.get(key)
+        if cached is None:
+            cached = memo[key] = _reads_for(e.layout, fragment, e.shape, e.chunk, size, coalesce)
+        reads, padding, needed, chunks, read_bytes = cached
+        pl = e.pattern.placement
+        if default_names and (pl is None or (pl.local_name is None and not pl.local_names)):
+            local_name = e.name
+        else:
+            local_name = stage_local_name(e.name, e.pattern, topo, stage)
+        tensors.append(TensorPlan(e.name, e.state, local_name, e.dtype, e.shape, e.layout.shape, reads, padding,
+                                  needed, chunks, read_bytes, fragment, buffer))
+
+    buffers = []
+    for group, members in group_members.items():
+        layout = group_layouts[group]
+        member_set = set(members)
+        for state in sorted({e.state for e in entries if e.flat == "group" and e.name in member_set}):
+            if wanted is not None and state not in wanted:
+                continue
+            key = f"{group}/{state}"
+            slots = sorted(buffer_slots.get(key, []))
+            padding, at = [], 0
+            for a, b in slots:
+                if a > at:
+                    padding.append(FlatRange(at, a))
+                at = max(at, b)
+            if layout.partition_numel > at:
+                padding.append(FlatRange(at, layout.partition_numel))
+            holders = tuple(m for m in members if m in fragments)
+            dtype = buffer_dtypes.get(key) or next(e.dtype for e in entries
+                                                   if e.state == state and e.name in member_set)
+            buffers.append(BufferPlan(key, group, state, dtype, layout.partition_numel, holders, tuple(padding)))
+    return Plan(topo, rank, coords, tuple(tensors), tuple(buffers))
+
+
+def _group_of(name: str, pattern: Pattern, zero_groups: Mapping[str, str] | Callable[[str], str] | None) -> str:
+    if zero_groups is None:
+        return EXPERT_GROUP if isinstance(pattern, Expert) else DEFAULT_GROUP
+    if callable(zero_groups):
+        return str(zero_groups(name))
+    if name in zero_groups:
+        return str(zero_groups[name])
+    return EXPERT_GROUP if isinstance(pattern, Expert) else DEFAULT_GROUP
+
+
+def _reads_for(layout: LocalLayout, fragment: Fragment | None, shape: tuple[int, ...],
+               chunk: tuple[int, ...] | None, size: int, coalesce: bool) -> tuple:
+    if fragment is None:
+        reads = [Read(c.logical, c.local) for c in layout.copies]
+        padding: tuple = layout.padding
+    else:
+        fl = flat_layout(layout, fragment)
+        reads = [Read(c.logical, c.flat) for c in fl.copies]
+        padding = fl.padding
+    if coalesce:
+        reads = coalesce_reads(reads)
+    reads = tuple(reads)
+    needed = sum(r.box.numel for r in reads) * size
+    chunks, read_bytes = chunk_footprint((r.box for r in reads), shape, chunk, size)
+    return reads, padding, needed, chunks, read_bytes
+
+
+# ====================================================================== chunk boundaries for writers
+def split_points(pattern: Any, shape: Sequence[int], topologies: Iterable[Topology | Mapping[str, Any]], *,
+                 name: str | None = None) -> tuple[tuple[int, ...], ...]:
+    """Per dim, the sorted logical coordinates (strictly inside the dim) where some rank of some listed
+    topology starts or stops its slice. Chunks whose edges include these serve each of those topologies
+    without reading data it does not need (ZeRO flat cuts excepted: they fall inside rows)."""
+    shape = tuple(int(s) for s in shape)
+    p = parse_pattern(pattern, name=name)
+    points: list[set[int]] = [set() for _ in shape]
+    for t in topologies:
+        topo = as_topology(t)
+        for tp_rank in range(topo.tp):
+            for ep_rank in range(topo.ep if isinstance(p, Expert) else 1):
+                layout = tp_layout(p, shape, topo.tp, tp_rank, ep=topo.ep, ep_rank=ep_rank,
+                                   vocab_multiple=topo.vocab_multiple, name=name)
+                for c in layout.copies:
+                    for d, (a, b) in enumerate(c.logical.ranges):
+                        points[d].add(a)
+                        points[d].add(b)
+    return tuple(tuple(sorted(x for x in pts if 0 < x < n)) for pts, n in zip(points, shape))
+
+
+def chunk_alignment(pattern: Any, shape: Sequence[int], topologies: Iterable[Topology | Mapping[str, Any]], *,
+                    itemsize: int = 4, min_chunk_bytes: int = 64 << 10, name: str | None = None) -> tuple[int, ...]:
+    """Suggested chunk extent per dim so that chunk edges fall on ``split_points``.
+
+    Along a split dim: the gcd of all its split points, so that every boundary is a chunk edge (any
+    divisor of it keeps that property, so a writer may cut further). When the gcd would make chunks
+    thinner than ``min_chunk_bytes`` (counting the other dims at full extent), as for 1024 rows over 3
+    ranks, the fallback is the smallest extent at or above that floor (below twice it) putting the most
+    boundaries on chunk edges: each remaining boundary costs at most one partly used chunk per reader.
+    A dim too small for the floor is one chunk. Dims nobody splits get their full extent (no constraint:
+    the writer cuts them to its byte target)."""
+    shape = tuple(int(s) for s in shape)
+    points = split_points(pattern, shape, topologies, name=name)
+    out = []
+    for d, (n, pts) in enumerate(zip(shape, points)):
+        if not pts:
+            out.append(max(n, 1))
+            continue
+        others = math.prod(shape[:d] + shape[d + 1:]) * itemsize
+        floor = max(1, -(-min_chunk_bytes // max(others, 1)))
+        g = math.gcd(*pts)
+        if g >= floor:
+            out.append(g)
+        elif floor >= n:
+            out.append(n)
+        else:
+            # most boundaries aligned; ties to the most power-of-two-like extent, then the smallest
+            best = max(range(floor, min(2 * floor, n + 1)),
+                       key=lambda c: (sum(1 for b in pts if b % c == 0), c & -c, -c))
+            out.append(best)
+    return tuple(out)
