@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ucp_store
-from conftest import python_env, run_python
+from ucp_test_helpers import python_env, run_python
 
 WORKER = r'''
 import os, sys, torch, torch.distributed as dist

@@ -4,11 +4,7 @@
 # As root, it also installs and starts a local PostgreSQL 15 so the PostgreSQL catalog tests run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
-.venv/bin/python -c "import ucp_store, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
-  || { echo "ucp_store did not install"; exit 1; }
+bash tools/install.sh
 
 if [ -z "${UCP_TEST_POSTGRES_URL:-}" ] && [ "$(id -u)" = 0 ]; then
   if ! command -v pg_ctlcluster >/dev/null 2>&1; then

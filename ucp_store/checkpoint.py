@@ -43,6 +43,8 @@ def _normalize_index(index: Any, shape: tuple[int, ...], what: str) -> tuple[fmt
             if step < 0:
                 raise UcpError(f"{what}: negative slice steps are not supported ({i})")
             stop = max(start, stop)
+            if stop > start:  # end the box at the last selected element, not at the slice's stop
+                stop = start + (stop - 1 - start) // step * step + 1
             box.append((start, stop))
             residual.append(slice(0, stop - start, step))
         else:
@@ -61,7 +63,10 @@ def parse_slice(text: str) -> tuple:
             bits = [b.strip() for b in part.split(":")]
             if len(bits) > 3:
                 raise UcpError(f"slice {text!r}: {part!r} has too many ':'")
-            vals = [int(b) if b else None for b in bits] + [None] * (3 - len(bits))
+            try:
+                vals = [int(b) if b else None for b in bits] + [None] * (3 - len(bits))
+            except ValueError:
+                raise UcpError(f"slice {text!r}: {part!r} is not an integer, a:b[:c] or ...") from None
             out.append(slice(*vals))
         elif part:
             try:
@@ -353,7 +358,8 @@ class Checkpoint:
                 continue
             for idx, err in report.bad_chunks:
                 problems.append({"array": url, "tensor": infos[0].name, "state": infos[0].state, "chunk": list(idx),
-                                 "shard": handle.layout.shard_key(idx), "error": f"crc32c mismatch: {err}"})
+                                 "shard": handle.layout.shard_key(idx), "error": (f"missing chunk: {err}" if "NOT_FOUND" in err or "missing" in err
+                                           else f"crc32c mismatch: {err}")})
             if report.ok:
                 with self.store.catalog.session() as s:
                     array_hash = s.scalar(select(m.Array.content_hash).where(m.Array.id == infos[0].array_id))

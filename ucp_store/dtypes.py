@@ -83,11 +83,23 @@ def to_numpy(tensor: torch.Tensor, *, what: str = "tensor") -> np.ndarray:
     return t.numpy()
 
 
+def _c_strides(array: np.ndarray) -> tuple[int, ...]:
+    strides, step = [], array.itemsize
+    for n in reversed(array.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def to_torch(array: np.ndarray) -> torch.Tensor:
     """A torch tensor with the array's exact bits (shares memory where possible)."""
     name = zarr_name(array.dtype)
     target = torch_dtype(name)
     array = np.require(array, requirements="C")  # ascontiguousarray would turn 0-d into 1-d
+    if array.strides != _c_strides(array):
+        # numpy calls a strided size-1 dim "C-contiguous"; torch would keep the odd stride, and e.g.
+        # ``.view(torch.uint8)`` then fails on the returned tensor
+        array = array.copy(order="C")
     view = _VIEW_AS.get(target)
     if view is not None:
         carrier = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}[view]

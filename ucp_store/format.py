@@ -170,7 +170,10 @@ def make_context(io_concurrency: int = 32) -> ts.Context:
 
 
 def _spec(location: Location, rel: str, layout: ArrayLayout) -> dict:
-    return {"driver": "zarr3", "kvstore": location.kvstore(rel), "metadata": layout.metadata()}
+    # Every chunk is stored, zeros included, and a missing chunk is an error on read: otherwise a lost
+    # shard file would silently read back as zeros.
+    return {"driver": "zarr3", "kvstore": location.kvstore(rel), "metadata": layout.metadata(),
+            "fill_missing_data_reads": False, "store_data_equal_to_fill_value": True}
 
 
 def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.Context) -> ts.TensorStore:
@@ -182,7 +185,7 @@ def open_array(location: Location, rel: str, layout: ArrayLayout | None, context
     """Open an array; with ``assume_metadata`` the catalog's layout stands in for reading zarr.json."""
     if layout is not None and assume_metadata:
         return ts.open(_spec(location, rel, layout), open=True, assume_metadata=True, context=context).result()
-    spec = {"driver": "zarr3", "kvstore": location.kvstore(rel)}
+    spec = {"driver": "zarr3", "kvstore": location.kvstore(rel), "fill_missing_data_reads": False}
     try:
         return ts.open(spec, open=True, context=context).result()
     except ValueError as exc:
@@ -215,7 +218,7 @@ def box_index(box: Box):
     return tuple(slice(lo, hi) for lo, hi in box)
 
 
-_CORRUPT = re.compile(r"checksum|crc|DATA_LOSS|corrupt|Invalid shard index|Error decoding", re.I)
+_CORRUPT = re.compile(r"checksum|crc|DATA_LOSS|corrupt|Invalid shard index|Error decoding|NOT_FOUND|is missing", re.I)
 
 
 def is_corruption(exc: BaseException) -> bool:

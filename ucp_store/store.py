@@ -726,9 +726,9 @@ class CheckpointWriter:
         # every rank derives the same array id, so all of them open one array
         aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
         rel = f"arrays/{self.id}/{aid}.zarr"
-        spec = {"driver": "zarr3", "kvstore": self.store.location.kvstore(rel), "metadata": layout.metadata()}
         import tensorstore as ts
 
+        spec = fmt._spec(self.store.location, rel, layout)
         handle = ts.open(spec, create=True, open=True, context=self.store.context).result()
         self._handles[key] = handle
         return handle, layout, rel, aid
@@ -789,6 +789,15 @@ class CheckpointWriter:
                 raise UcpError(f"checkpoint {self.id} is no longer pending (removed by gc?); the save is lost")
             s.add_all(arrays)
             s.flush()
+            # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
+            new_ids = {a.id for a in arrays}
+            wanted = {r.array_id for r in others if getattr(r, "array_id", None)} - new_ids
+            if wanted:
+                found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(wanted))))
+                if wanted - found:
+                    raise UcpError(f"checkpoint {self.id}: array(s) {', '.join(sorted(wanted - found))[:200]} this "
+                                   "save deduplicated against were removed by a concurrent rm/gc; the save is "
+                                   "aborted, retry it")
             s.add_all(others)
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import SourceFormatError, UnsafePickleError
+from ..errors import SourceFormatError, UcpError, UnsafePickleError
 
 
 def load_weights_only(path: str) -> Any:
@@ -103,6 +103,9 @@ def export_torch_file(checkpoint, path: str, *, state: str | None = None, progre
     infos = checkpoint.tensors(state=chosen)
     out = {i.name: checkpoint.read(i.name, i.state)
            for i in track(infos, "export", enabled=progress, weight=lambda i: i.nbytes)}
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UcpError(f"cannot write torch file {path}: folder {parent} does not exist")
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(out, tmp)
     os.replace(tmp, path)  # never leave a half-written file under the final name

@@ -1,0 +1,114 @@
+"""Helpers shared by the foundation tests (format, store, CLI, crash, concurrency, security).
+
+A module of its own, not conftest.py: ``tests/deepspeed/conftest.py`` would shadow ``from conftest import``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """The exact bytes of a tensor (C order), independent of ucp_store's own conversions."""
+    fresh = torch.empty(t.shape, dtype=t.dtype)  # standard strides, whatever the source's (size-1 dims)
+    fresh.copy_(t.detach())
+    return fresh.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def random_bits(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A tensor of ``dtype`` whose bytes are uniformly random (NaN payloads, -0.0, Inf, subnormals...)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (math.prod(shape) * itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def shard_file_and_range(store_root: Path, info, chunk_index) -> tuple[Path, int, int]:
+    """Where inner chunk ``chunk_index`` of a sharded array lies: (shard file, byte offset, length).
+
+    Computed from the zarr v3 sharding spec (index at the end: per chunk (offset, nbytes) uint64 LE,
+    followed by a crc32c), not from ucp_store's helpers.
+    """
+    chunk, shard = info.chunk_shape, info.shard_shape
+    per_shard = [s // c for s, c in zip(shard, chunk)]
+    shard_idx = [i // p for i, p in zip(chunk_index, per_shard)]
+    inner = [i % p for i, p in zip(chunk_index, per_shard)]
+    path = store_root / info.array / "c" / Path(*map(str, shard_idx))
+    raw = path.read_bytes()
+    n = math.prod(per_shard)
+    index = np.frombuffer(raw[len(raw) - 4 - 16 * n:len(raw) - 4], dtype="<u8").reshape(*per_shard, 2)
+    offset, length = (int(v) for v in index[tuple(inner)])
+    assert offset != 2**64 - 1, f"chunk {chunk_index} is not stored (empty chunk)"
+    return path, offset, length
+
+
+def flip_chunk_byte(store_root: Path, info, chunk_index, at: int = 3) -> tuple[Path, int]:
+    """Flip one byte inside an inner chunk's encoded bytes; returns (file, position) for flipping back."""
+    path, offset, length = shard_file_and_range(store_root, info, chunk_index)
+    pos = offset + min(at, length - 1)
+    flip_byte(path, pos)
+    return path, pos
+
+
+def flip_byte(path: Path, pos: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under ``folder``."""
+    out = {}
+    for p in sorted(Path(folder).rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(folder))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def array_folders(store_root: Path) -> set[str]:
+    """``arrays/<checkpoint>/<array>.zarr`` folders present on disk."""
+    base = Path(store_root) / "arrays"
+    return {f"arrays/{p.parent.name}/{p.name}" for p in base.glob("*/*.zarr")}
+
+
+def python_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.pop("UCP_STORE", None)
+    env.pop("UCP_CATALOG", None)
+    env["UCP_PROGRESS"] = "0"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_python(args: list[str], *, timeout: float = 180, **env) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` (this interpreter) in a real subprocess."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env=python_env(**env), cwd=str(REPO))
+
+
+def wait_for(predicate, *, timeout: float = 180, what: str = "condition", procs=()) -> None:
+    """Poll until ``predicate()``; fails (never hangs) if it does not happen or a child dies first."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for p in procs:
+            if p.poll() is not None:
+                out, err = p.communicate()
+                raise AssertionError(f"child exited (rc {p.returncode}) before {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

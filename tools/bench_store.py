@@ -1,0 +1,242 @@
+"""Store write/read throughput and single-row/column reads, side by side with the peers, in one run.
+
+    python tools/bench_store.py --gib 2 --out bench-out/store.json
+
+Peers on the same tensors: torch.save / torch.load(weights_only=True), safetensors save_file /
+load_file, and for the partial reads safetensors ``get_slice`` and loading the whole file.
+Every write is followed by fsync of what it wrote (ucp's TensorStore writes fsync themselves), so
+the figures compare durable writes. Reads run twice: with the page cache dropped (cold; needs root,
+skipped otherwise) and warm. No assertion here: the figures go in the closing note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import ucp_store  # noqa: E402
+from ucp_store import format as fmt  # noqa: E402
+
+
+def fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def make_tensors(gib: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A training-state-like mix: 3/4 fp32 masters/moments, 1/4 bf16 weights, 64 MiB each."""
+    g = torch.Generator().manual_seed(seed)
+    n = max(4, int(round(gib * 16)))  # 64 MiB tensors
+    out = {}
+    for i in range(n):
+        if i % 4 == 3:
+            out[f"layers.{i}.weight.bf16"] = torch.randn(4096, 8192, generator=g).bfloat16()
+        else:
+            out[f"layers.{i}.weight"] = torch.randn(4096, 4096, generator=g)
+    return out
+
+
+def bench_full(tensors, work: str, cold: bool) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    res: dict = {"bytes": total}
+
+    # ucp
+    store_dir = os.path.join(work, "store")
+    store = ucp_store.open_store(store_dir, create=True)
+    t_w, ck = timed(lambda: store.save("bench", 1, tensors))
+    res["ucp_write_s"] = t_w
+
+    def ucp_read():
+        c = store.checkpoint("bench@1")
+        return c.state_dict("weight")
+
+    # torch
+    pt = os.path.join(work, "state.pt")
+
+    def torch_save():
+        torch.save(tensors, pt)
+        fd = os.open(pt, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    res["torch_save_s"], _ = timed(torch_save)
+
+    # safetensors
+    sf = os.path.join(work, "state.safetensors")
+
+    def st_save():
+        save_file(tensors, sf)
+        fd = os.open(sf, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    res["safetensors_save_s"], _ = timed(st_save)
+
+    readers = {
+        "ucp_read_s": ucp_read,
+        "torch_load_s": lambda: torch.load(pt, weights_only=True),
+        "safetensors_load_s": lambda: load_file(sf),
+    }
+    for mode in (["cold"] if cold else []) + ["warm"]:
+        for key, fn in readers.items():
+            if mode == "cold":
+                drop_caches()
+            else:
+                fn()  # warm the page cache
+            t, out = timed(fn)
+            # touch the data so lazily mapped readers pay for it too
+            s = sum(float(v.view(torch.uint8)[:: 1 << 20].sum()) for v in out.values())
+            res[f"{key}_{mode}"] = t
+            del out, s
+    ref = ucp_store.open_store(store_dir).checkpoint("bench@1")
+    for name, t in list(tensors.items())[:3]:
+        assert torch.equal(ref.read(name, "weight").view(torch.uint8), t.view(torch.uint8)), name
+    res["disk_bytes"] = {"ucp": _du(store_dir), "torch": os.path.getsize(pt), "safetensors": os.path.getsize(sf)}
+    return res
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def bench_partial(work: str, cold: bool, repeats: int = 5) -> dict:
+    """One row and one column of a 256 MiB fp32 parameter."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    w = torch.randn(8192, 8192)
+    name = "big.weight"
+    store = ucp_store.open_store(os.path.join(work, "store-partial"), create=True)
+    store.save("p", 1, {name: w}, state="fp32")
+    sf = os.path.join(work, "big.safetensors")
+    save_file({name: w}, sf)
+    pt = os.path.join(work, "big.pt")
+    torch.save({name: w}, pt)
+    row, col = 4097, 4097
+    info = store.checkpoint("p@1").info(name, "fp32")
+    layout = fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape, info.shard_shape, info.codecs)
+    chunk_bytes = math.prod(layout.chunk_shape) * layout.itemsize
+    row_box = ((row, row + 1), (0, 8192))
+    col_box = ((0, 8192), (col, col + 1))
+
+    def ucp_row():
+        return ucp_store.open_store(store.location.url).checkpoint("p@1").tensor(name, "fp32")[row]
+
+    def ucp_col():
+        return ucp_store.open_store(store.location.url).checkpoint("p@1").tensor(name, "fp32")[:, col]
+
+    def st_row():
+        with safe_open(sf, "pt") as f:
+            return f.get_slice(name)[row:row + 1, :].clone()
+
+    def st_col():
+        with safe_open(sf, "pt") as f:
+            return f.get_slice(name)[:, col:col + 1].clone()
+
+    def whole_row():
+        return torch.load(pt, weights_only=True)[name][row].clone()
+
+    def whole_col():
+        return torch.load(pt, weights_only=True)[name][:, col].clone()
+
+    cases = {"ucp_row": ucp_row, "ucp_col": ucp_col, "safetensors_row": st_row, "safetensors_col": st_col,
+             "torch_load_row": whole_row, "torch_load_col": whole_col}
+    res: dict = {"param_bytes": w.numel() * 4, "chunk_shape": list(layout.chunk_shape)}
+    for mode in (["cold"] if cold else []) + ["warm"]:
+        for key, fn in cases.items():
+            times = []
+            for _ in range(repeats if mode == "warm" else 2):
+                if mode == "cold":
+                    drop_caches()
+                else:
+                    fn()
+                t, out = timed(fn)
+                times.append(t)
+            res[f"{key}_{mode}_s"] = min(times)
+            expect = w[row] if "row" in key else w[:, col]
+            assert torch.equal(out.reshape(-1), expect.reshape(-1)), key
+    res["bytes_read"] = {
+        "ucp_row": sum(1 for _ in layout.chunks_touching(row_box)) * chunk_bytes,
+        "ucp_col": sum(1 for _ in layout.chunks_touching(col_box)) * chunk_bytes,
+        "safetensors_row": 8192 * 4,
+        "safetensors_col_pages": 8192 * 4096,  # one 4 KiB page per row through mmap
+        "torch_load": os.path.getsize(pt),
+    }
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--out", default="bench-out/store.json")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--no-cold", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("UCP_PROGRESS", "0")
+    work = tempfile.mkdtemp(prefix="ucp-bench-", dir=args.workdir)
+    cold = not args.no_cold and drop_caches()
+    try:
+        tensors = make_tensors(args.gib)
+        full = bench_full(tensors, work, cold)
+        del tensors
+        partial = bench_partial(work, cold)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gb = full["bytes"] / 1e9
+    print(f"\n== full state: {full['bytes'] / 2**30:.2f} GiB, {os.cpu_count()} cores ==")
+    print(f"{'':26}{'seconds':>9}{'GB/s':>8}{'vs torch':>10}")
+    for key, base in (("ucp_write_s", "torch_save_s"), ("torch_save_s", "torch_save_s"),
+                      ("safetensors_save_s", "torch_save_s")):
+        print(f"{key:26}{full[key]:9.2f}{gb / full[key]:8.2f}{full[base] / full[key]:9.2f}x")
+    for mode in ("cold", "warm"):
+        if f"ucp_read_s_{mode}" not in full:
+            continue
+        for key in ("ucp_read_s", "torch_load_s", "safetensors_load_s"):
+            k = f"{key}_{mode}"
+            print(f"{k:26}{full[k]:9.2f}{gb / full[k]:8.2f}{full[f'torch_load_s_{mode}'] / full[k]:9.2f}x")
+    print(f"disk bytes: {full['disk_bytes']}")
+    print(f"\n== one row / one column of a 256 MiB fp32 parameter (chunks {partial['chunk_shape']}) ==")
+    for k, v in partial.items():
+        if k.endswith("_s"):
+            print(f"{k:28}{v * 1e3:10.2f} ms")
+    print(f"bytes read: {partial['bytes_read']}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"full": full, "partial": partial, "cores": os.cpu_count(), "cold_cache": cold}, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
