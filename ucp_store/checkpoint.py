@@ -276,12 +276,14 @@ class Checkpoint:
         return self.tensor(name, state).read(index, dtype=dtype)
 
     def state_dict(self, state: str = "fp32", *, lazy: bool = False) -> dict[str, Any]:
-        """``name -> tensor`` for one state (``lazy``: handles that read on access)."""
-        out = {}
-        for info in self.tensors(state=state):
-            handle = self.tensor(info.name, info.state)
-            out[info.name] = handle if lazy else handle.read()
-        return out
+        """``name -> tensor`` for one state, read concurrently (``lazy``: handles that read on access)."""
+        infos = self.tensors(state=state)
+        if lazy:
+            return {i.name: self.tensor(i.name, i.state) for i in infos}
+        from .io import read_tensors
+
+        got = read_tensors(self, infos)
+        return {i.name: got[(i.name, i.state)] for i in infos}
 
     # --- objects --------------------------------------------------------------------------------
     def objects(self) -> dict[str, Any]:

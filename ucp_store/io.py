@@ -209,6 +209,22 @@ class LazyShardState(ShardState):
         return self.buffers[key]
 
 
+def read_tensors(checkpoint, infos: Iterable[TensorInfo]) -> dict[tuple[str, str], torch.Tensor]:
+    """Whole tensor-states, read concurrently (the results own the buffers TensorStore filled)."""
+    from .patterns import Box
+
+    reader = _Reader(checkpoint)
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for info in infos:
+        key = (info.name, info.state)
+
+        def sink(data, key=key):
+            out[key] = _to_torch(data)
+        reader.submit(info, Box(tuple((0, n) for n in info.shape)), sink)
+    reader.drain()
+    return out
+
+
 def load_shard(checkpoint, topology, rank: int, *, states: Iterable[str] | None = None, dtype=None,
                lazy: bool = False, **plan_kwargs) -> ShardState:
     """Plan and load what ``rank`` of ``topology`` needs from ``checkpoint`` (see ``ShardState``).
