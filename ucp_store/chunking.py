@@ -2,7 +2,7 @@
 
 Why: a target topology reads whole chunks, so the chunk grid must contain the boundaries of every
 likely split. Along each *split dimension* (the partition dim of a pattern, the boundaries of fused
-sub-parameters, dims 0 and 1 when no pattern is known), inner chunks divide evenly every
+sub-parameters, dim 0 when no pattern is known), inner chunks divide evenly every
 power-of-two split up to 64 where the dimension allows (chunk extent divides ``n / 2**k`` for the
 largest ``k <= 6`` with ``2**k | n``), and every extra boundary the caller names (uneven widths,
 sub-parameter sizes, declared source/target topologies). The other dimensions are cut only to reach
@@ -125,13 +125,24 @@ def choose_chunking(
             if 0 < e < shape[d]:
                 unit = math.gcd(unit, e)
         chunk[d] = unit
+    # Several split dims each cut to their 64-way unit can make a chunk tiny (an [E, out, in] expert
+    # tensor): give back factors of two, innermost split dim first, until the chunk reaches the floor.
+    grown = True
+    while grown and math.prod(chunk) * itemsize < MIN_CHUNK_BYTES:
+        grown = False
+        for d in sorted(split, reverse=True):
+            if d < len(shape) and chunk[d] * 2 <= shape[d] and shape[d] % (chunk[d] * 2) == 0:
+                chunk[d] *= 2
+                grown = True
+                break
     for d, unit in (units or {}).items():
         split.setdefault(int(d), set())
         chunk[int(d)] = max(1, min(int(unit), shape[int(d)]))
 
-    # Cut until the chunk fits the target: non-split dims first, from the last (keeps rows long),
-    # then split dims, always by a prime factor so boundaries stay aligned.
-    order = [d for d in reversed(range(len(shape))) if d not in split] + sorted(split)
+    # Cut until the chunk fits the target: leading dims first, the last dim last, always by a prime
+    # factor so aligned extents keep their boundaries. Whole rows stay in one chunk as long as they
+    # fit, so a row read (inspection) or a row-major ZeRO fragment touches few chunks.
+    order = list(range(len(shape)))
     def nbytes() -> int:
         return math.prod(chunk) * itemsize
     for d in order:
