@@ -1,0 +1,242 @@
+#!/usr/bin/env python
+"""Benchmark: DeepSpeed's offline ``ds_to_universal`` vs ucp_store's direct import, side by side.
+
+1. Builds (or reuses, with the same --workdir) a real DeepSpeed checkpoint: a stack of big Linear
+   layers (default 36 x 2048^2 = 151M parameters), bf16, ZeRO-2, DP=2, trained 1 step on CPU under
+   torchrun (tools/ds_train.py).
+2. Runs, each in its own subprocess with wall time and peak RSS measured (the whole process tree,
+   polled with psutil, plus ``ru_maxrss`` of the largest process):
+   - ``python -m deepspeed.checkpoint.ds_to_universal --input_folder TAG --output_folder OUT``
+     (its default worker counts);
+   - ``python -m ucp_store.adapters.deepspeed STORE TAG --run bench`` (our import, source hashing on);
+   - our export of that checkpoint to a universal folder (for the full round trip).
+3. Measures the raw rate of the same bytes: read every input file + write the same number of bytes.
+
+Prints a table and writes JSON to --out. The page cache is warm for every row (every run reads the
+same files right after the previous one); nothing drops caches, the machine is shared.
+
+    python tools/bench_deepspeed.py --workdir bench-out/ds --out bench-out/ds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update({"DS_ACCELERATOR": "cpu", "UCP_PROGRESS": "0", "PYTHONWARNINGS": "ignore",
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    return env
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+REPEAT = 1
+
+
+def measure(cmd: list[str], label: str, env: dict | None = None, before_each=None) -> dict:
+    """The fastest of REPEAT runs (peak memory: the highest seen)."""
+    runs = []
+    for _ in range(REPEAT):
+        if before_each is not None:
+            before_each()
+        runs.append(_measure_once(cmd, label, env))
+    best = min(runs, key=lambda r: r["wall_s"])
+    best["runs_wall_s"] = [r["wall_s"] for r in runs]
+    best["peak_rss_tree_mb"] = max(r["peak_rss_tree_mb"] for r in runs)
+    return best
+
+
+def _measure_once(cmd: list[str], label: str, env: dict | None = None) -> dict:
+    """Run ``cmd``; wall seconds, peak RSS of the process tree (sum, polled) and of its largest process."""
+    import psutil
+
+    t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+    stop = threading.Event()
+
+    def poll():
+        try:
+            p = psutil.Process(proc.pid)
+        except psutil.Error:
+            return
+        while not stop.is_set():
+            try:
+                procs = [p] + p.children(recursive=True)
+                rss = 0
+                for q in procs:
+                    try:
+                        rss += q.memory_info().rss
+                    except psutil.Error:
+                        pass
+                peak[0] = max(peak[0], rss)
+            except psutil.Error:
+                pass
+            stop.wait(0.02)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    out, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if proc.returncode != 0:
+        sys.stderr.write(out[-4000:] + err[-8000:])
+        raise SystemExit(f"{label} failed with exit code {proc.returncode}")
+    return {"label": label, "cmd": " ".join(cmd), "wall_s": round(wall, 3), "peak_rss_tree_mb": round(peak[0] / 2**20, 1),
+            "max_rss_largest_process_mb": round(max(after, before) / 1024, 1) if after > before else None,
+            "stdout_tail": out[-400:]}
+
+
+def build_checkpoint(workdir: Path, width: int, layers: int) -> Path:
+    save = workdir / "ckpt"
+    tag = save / "global_step1"
+    if (tag / "mp_rank_00_model_states.pt").exists():
+        return tag
+    job = {"kind": "train", "model": "big", "width": width, "layers": layers, "zero": 2, "dtype": "bf16",
+           "steps": 1, "save_dir": str(save), "tag": "global_step1", "out": str(workdir / "train.json")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_port()}",
+           str(REPO / "tools" / "ds_train.py"), "--job", json.dumps(job)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit("building the DeepSpeed checkpoint failed")
+    print(f"built {tag} in {time.time() - t0:.1f} s", flush=True)
+    return tag
+
+
+def raw_rate(files: list[Path], scratch: Path) -> dict:
+    """Read every input file (8 MiB reads), then write the same number of bytes to one file."""
+    buf = bytearray(8 << 20)
+    total = 0
+    t0 = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while True:
+                n = fh.readinto(buf)
+                if not n:
+                    break
+                total += n
+    t_read = time.perf_counter() - t0
+    left = total
+    t1 = time.perf_counter()
+    with open(scratch, "wb", buffering=0) as fh:
+        view = memoryview(buf)
+        while left > 0:
+            n = fh.write(view[: min(left, len(buf))])
+            left -= n
+    t_write = time.perf_counter() - t1
+    scratch.unlink()
+    return {"bytes": total, "read_s": round(t_read, 3), "write_s": round(t_write, 3),
+            "read_plus_write_s": round(t_read + t_write, 3), "gb_per_s": round(total / 1e9 / (t_read + t_write), 3)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default=str(REPO / "bench-out" / "deepspeed"))
+    ap.add_argument("--out", default=None, help="JSON results file")
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--skip-ds", action="store_true", help="do not run ds_to_universal (ours only)")
+    ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="run every row N times, keep the fastest (shared machines)")
+    args = ap.parse_args(argv)
+    global REPEAT
+    REPEAT = max(1, args.repeat)
+    work = Path(args.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    tag = build_checkpoint(work, args.width, args.layers)
+    files = sorted(p for p in tag.iterdir() if p.suffix == ".pt")
+    in_bytes = sum(p.stat().st_size for p in files)
+    params = args.layers * (args.width * args.width + args.width)
+    results: dict = {"checkpoint": str(tag), "parameters": params, "input_bytes": in_bytes,
+                     "files": [p.name for p in files], "cpus": os.cpu_count(), "rows": []}
+    print(f"checkpoint {tag}: {params / 1e6:.1f}M parameters, {in_bytes / 1e9:.2f} GB in {len(files)} files",
+          flush=True)
+    # warm the page cache once, the same for everyone
+    raw_runs = [raw_rate(files, work / "raw_write.tmp") for _ in range(1 + REPEAT)]
+    results["raw"] = min(raw_runs[1:], key=lambda r: r["read_plus_write_s"])  # the first one warms the cache
+    rows = results["rows"]
+    if not args.skip_ds:
+        out = work / "ds_universal"
+        rows.append(measure([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
+                             "--output_folder", str(out), "--inject_missing_state"], "ds_to_universal",
+                            before_each=lambda: shutil.rmtree(out, ignore_errors=True)))
+        shutil.rmtree(out, ignore_errors=True)
+    store = work / "store"
+    fresh = lambda: shutil.rmtree(store, ignore_errors=True)  # noqa: E731
+    rows.append(measure([sys.executable, "-m", "ucp_store.adapters.deepspeed", str(store), str(tag), "--run", "bench"],
+                        "ucp import", before_each=fresh))
+    rows.append(measure([sys.executable, "-m", "ucp_store.adapters.deepspeed", str(store), str(tag), "--run", "bench",
+                         "--no-hash"], "ucp import, no source hashing", before_each=fresh))
+    # the ceiling: the store writing the same tensor-states from memory (no DeepSpeed files involved)
+    ceil_store = work / "store_ceiling"
+    shutil.rmtree(ceil_store, ignore_errors=True)
+    code = ("import sys, torch, time; from ucp_store import open_store; s=open_store(sys.argv[1], create=True); "
+            f"W, L = {args.width}, {args.layers}; ts=[torch.randn(W, W) for _ in range(3)]; bs=torch.randn(W); "
+            "w=s.begin('c', 1)\n"
+            "for i in range(L):\n"
+            "    for j, st in enumerate(('fp32', 'exp_avg', 'exp_avg_sq')):\n"
+            "        w.write(f'layers.{i}.weight', st, ts[j] + i); w.write(f'layers.{i}.bias', st, bs + i + j)\n"
+            "w.commit()")
+    rows.append(measure([sys.executable, "-c", code, str(ceil_store)], "store write ceiling (same states)",
+                        before_each=lambda: shutil.rmtree(ceil_store, ignore_errors=True)))
+    shutil.rmtree(ceil_store, ignore_errors=True)
+    if not args.no_export:
+        exp = work / "ucp_universal"
+        code = ("import sys; from ucp_store import open_store; from ucp_store.adapters.deepspeed_universal import "
+                "export_universal; s=open_store(sys.argv[1]); print(export_universal(s.checkpoint('bench@1'), "
+                "sys.argv[2], progress=False))")
+        rows.append(measure([sys.executable, "-c", code, str(store), str(exp)], "ucp export (universal folder)",
+                            before_each=lambda: shutil.rmtree(exp, ignore_errors=True)))
+        shutil.rmtree(exp, ignore_errors=True)
+    raw = results["raw"]
+    for r in rows:
+        r["gb_per_s"] = round(in_bytes / 1e9 / r["wall_s"], 3)
+        r["fraction_of_raw_rate"] = round(r["gb_per_s"] / raw["gb_per_s"], 3)
+    by = {r["label"]: r for r in rows}
+    if "ds_to_universal" in by:
+        ds, ours = by["ds_to_universal"], by["ucp import"]
+        results["speedup_vs_ds_to_universal"] = round(ds["wall_s"] / ours["wall_s"], 2)
+        results["peak_rss_ratio_ours_over_ds"] = round(ours["peak_rss_tree_mb"] / ds["peak_rss_tree_mb"], 3)
+        results["goals"] = {"speedup>=5": results["speedup_vs_ds_to_universal"] >= 5,
+                            "lower_peak_memory": ours["peak_rss_tree_mb"] < ds["peak_rss_tree_mb"]}
+    hdr = f"{'step':34s} {'wall s':>8s} {'GB/s':>7s} {'x raw':>6s} {'peak RSS MB (tree)':>19s} {'largest proc MB':>16s}"
+    print(hdr)
+    print("-" * len(hdr))
+    print(f"{'raw read+write of the same bytes':34s} {raw['read_plus_write_s']:8.2f} {raw['gb_per_s']:7.2f} {1:6.2f}")
+    for r in rows:
+        print(f"{r['label']:34s} {r['wall_s']:8.2f} {r['gb_per_s']:7.2f} {r['fraction_of_raw_rate']:6.2f} "
+              f"{r['peak_rss_tree_mb']:19.1f} {str(r['max_rss_largest_process_mb']):>16s}")
+    for k in ("speedup_vs_ds_to_universal", "peak_rss_ratio_ours_over_ds", "goals"):
+        if k in results:
+            print(f"{k}: {results[k]}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
