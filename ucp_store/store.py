@@ -533,6 +533,7 @@ class CheckpointWriter:
         self._sharded: dict[tuple[str, str], tuple] = {}  # (name, state) -> (array id, path, layout, pattern)
         self._handles: dict[tuple[str, str], Any] = {}
         self._origin: set[tuple[str, str]] = set()
+        self._committed_hashes: dict[str, list] | None = None
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -557,16 +558,24 @@ class CheckpointWriter:
                                units=units)
 
     def _dedup(self, h: str, dtype: str, shape) -> str | None:
+        """An existing ready array of a committed version with this content, or None.
+
+        The committed arrays' hashes are read once per writer (one query instead of one per write); an
+        array swept meanwhile by a concurrent rm/gc is caught when the rows are flushed."""
         if h in self._local_arrays:
             return self._local_arrays[h]
-        with self.store.catalog.session() as s:
-            q = (select(m.Array.id, m.Array.shape, m.Array.dtype)
-                 .where(m.Array.content_hash == h, m.Array.status == "ready")
-                 .where(exists().where(m.Tensor.array_id == m.Array.id, m.Tensor.checkpoint_id == m.Checkpoint.id,
-                                       m.Checkpoint.status == "committed")))
-            for aid, ashape, adtype in s.execute(q):
-                if adtype == dtype and list(ashape) == list(shape):
-                    return aid
+        if self._committed_hashes is None:
+            with self.store.catalog.session() as s:
+                q = (select(m.Array.content_hash, m.Array.id, m.Array.shape, m.Array.dtype)
+                     .where(m.Array.status == "ready", m.Array.content_hash.is_not(None))
+                     .where(exists().where(m.Tensor.array_id == m.Array.id, m.Tensor.checkpoint_id == m.Checkpoint.id,
+                                           m.Checkpoint.status == "committed")))
+                self._committed_hashes = {}
+                for ch, aid, ashape, adtype in s.execute(q):
+                    self._committed_hashes.setdefault(ch, []).append((aid, list(ashape), adtype))
+        for aid, ashape, adtype in self._committed_hashes.get(h, ()):
+            if adtype == dtype and ashape == list(shape):
+                return aid
         return None
 
     def _put_array(self, array: np.ndarray, dtype: str, pattern, what: str) -> tuple[str, str, int]:
@@ -603,8 +612,11 @@ class CheckpointWriter:
             self._wait_one()
 
     def write(self, name: str, state: str, tensor: torch.Tensor | np.ndarray, *, pattern: dict | None = None,
-              expect_shape=None, expect_dtype=None) -> TensorInfo | None:
-        """Store one tensor-state (bit-exact, native dtype). ``pattern`` says how it maps onto ranks."""
+              expect_shape=None, expect_dtype=None, position: int | None = None) -> TensorInfo | None:
+        """Store one tensor-state (bit-exact, native dtype). ``pattern`` says how it maps onto ranks.
+
+        ``position`` orders tensor-states in the checkpoint (the planner lays ZeRO groups out in this
+        order); by default the order of writing. Distributed writers pass the global parameter order."""
         self._check_open()
         names.tensor_name(name)
         names.state_name(state)
@@ -629,7 +641,7 @@ class CheckpointWriter:
         self._seen.add((name, state))
         self._rows.append(m.Tensor(checkpoint_id=self.id, name=name, state=state, array_id=aid, shape=list(array.shape),
                                    dtype=dtype, pattern=pattern, nbytes=array.nbytes, content_hash=h,
-                                   position=self._next_position()))
+                                   position=self._next_position() if position is None else int(position)))
         self.nbytes += array.nbytes
         if len(self._rows) >= _ROW_BATCH:
             self.flush()

@@ -1190,7 +1190,7 @@ INFLIGHT_BYTES = int(os.environ.get("UCP_IMPORT_INFLIGHT_MB", "256")) << 20
 
 def write_records(writer, records: Iterable[ParamRecord], *, progress: bool = False, total: int | None = None,
                   on_record: Callable[[ParamRecord], None] | None = None,
-                  inflight_bytes: int = INFLIGHT_BYTES) -> int:
+                  inflight_bytes: int = INFLIGHT_BYTES, positions: dict[str, int] | None = None) -> int:
     """Write every state of every record into a CheckpointWriter; returns bytes written.
 
     Every ``inflight_bytes`` written the writer is flushed (its asynchronous array writes complete and
@@ -1199,8 +1199,11 @@ def write_records(writer, records: Iterable[ParamRecord], *, progress: bool = Fa
 
     n = since = 0
     for rec in track(records, "import", enabled=progress, total=total):
-        for state, t in rec.states.items():
-            writer.write(rec.name, state, t.contiguous(), pattern=rec.pattern_for(state))
+        base = None if positions is None else positions.get(rec.name)
+        for k, (state, t) in enumerate(rec.states.items()):
+            # under torchrun every rank writes a share: the global parameter order keeps ZeRO layouts
+            position = None if base is None else base * 16 + k
+            writer.write(rec.name, state, t.contiguous(), pattern=rec.pattern_for(state), position=position)
             nb = t.numel() * t.element_size()
             n += nb
             since += nb
@@ -1299,7 +1302,10 @@ def import_deepspeed(store, tag_dir: str | os.PathLike, run: str, step: int | No
                 recs = _chain(recs, reader._weight_records(None))
         else:
             recs = reader.records()
-        write_records(writer, _prefetch(recs), progress=progress and rank == 0, total=total, on_record=note)
+        everything = list(reader.param_names()) + list(reader.frozen) + list(reader.buffers)
+        positions = {n: i for i, n in enumerate(dict.fromkeys(everything))} if multi else None
+        write_records(writer, _prefetch(recs), progress=progress and rank == 0, total=total, on_record=note,
+                      positions=positions)
 
     def phase2():
         objs = reader.objects()
@@ -1371,13 +1377,26 @@ def main(argv=None) -> int:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-    store = open_store(args.store, create=True)
-    t0 = time.time()
-    cid = import_deepspeed(store, args.tag_dir, args.run, args.step, lp_weights=args.lp_weights,
-                           hash_sources=not args.no_hash, progress=False)
-    _, rank, _ = _dist_info()
-    if rank == 0:
-        print(json.dumps({"checkpoint": cid, "seconds": round(time.time() - t0, 3)}))
+    try:
+        store = open_store(args.store, create=True)
+        t0 = time.time()
+        cid = import_deepspeed(store, args.tag_dir, args.run, args.step, lp_weights=args.lp_weights,
+                               hash_sources=not args.no_hash, progress=False)
+        _, rank, _ = _dist_info()
+        if rank == 0:
+            print(json.dumps({"checkpoint": cid, "seconds": round(time.time() - t0, 3)}), flush=True)
+        if args.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank tears down while a peer is still in the commit's last collective
+    finally:
+        if args.distributed:
+            # tear gloo down explicitly: a process group left to interpreter exit can abort
+            # ("terminate called without an active exception") while a peer is still in its last collective
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 
