@@ -79,3 +79,9 @@ def test_states_filter_reads_only_those_states(transformer_store):
     got = ck.load_shard(Topology(tp=4, layers=4), 1, states=["weight"])
     assert {s for _, s in got.tensors} == {"weight"}
     assert not got.buffers
+
+
+def test_unknown_state_is_an_error_not_an_empty_shard(transformer_store):
+    ck, _ = transformer_store
+    with pytest.raises(ucp_store.errors.UcpError, match=r"no state 'fp16'.*exp_avg.*weight"):
+        ck.load_shard(Topology(tp=2, layers=4), 0, states=["weight", "fp16"])

@@ -79,9 +79,14 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
     """Open (or with ``create`` make) a store. ``url`` defaults to ``$UCP_STORE`` or ``./ucp-store``."""
     url = url or os.environ.get("UCP_STORE") or DEFAULT_STORE
     location = Location.parse(url, catalog)
-    if location.kind == "file" and not create and not os.path.exists(os.path.join(location.root, "catalog.db")) \
-            and location.catalog_url.startswith("sqlite"):
-        raise CatalogError(f"no store at {location.root} (no catalog.db); create one with `ucp init` or create=True")
+    if not create and location.catalog_url.startswith("sqlite"):
+        # opening must not conjure an empty SQLite catalog out of a typo'd path
+        from sqlalchemy.engine import make_url
+
+        db = make_url(location.catalog_url).database or ""
+        if db not in ("", ":memory:") and not os.path.exists(db):
+            raise CatalogError(f"no store at {location.root} (no catalog {db}); create one with `ucp init` "
+                               "or create=True")
     if create:
         location.ensure_root()
     catalog_db = open_catalog(location.catalog_url, create=create)
