@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ucp_store  # noqa: E402
-from ucp_store import format as fmt  # noqa: E402
+from ucp_store import dtypes, format as fmt  # noqa: E402
+from ucp_store.location import Location  # noqa: E402
 
 
 def fsync_tree(path: str) -> None:
@@ -45,6 +46,51 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def touch(out: dict) -> dict:
+    for v in out.values():
+        float(v.reshape(-1).view(torch.uint8)[::4096].sum())
+    return out
+
+
+def ceilings(tensors, work: str, cold: bool) -> dict:
+    """What this machine's disk and memory allow for the same bytes, with no format at all:
+    one raw file written and fsynced, the same bytes through TensorStore alone (our layout and codecs,
+    no catalog, no hashing), and the raw file read back into fresh memory."""
+    res: dict = {}
+    raw = os.path.join(work, "raw.bin")
+
+    def raw_write():
+        with open(raw, "wb", buffering=0) as f:
+            for t in tensors.values():
+                f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+            os.fsync(f.fileno())
+
+    res["raw_write_fsync_s"], _ = timed(raw_write)
+    ctx = fmt.make_context()
+    loc = Location.parse(os.path.join(work, "ts-only"))
+    loc.ensure_root()
+
+    def ts_write():
+        futures = []
+        for i, t in enumerate(tensors.values()):
+            layout = fmt.plan_layout(tuple(t.shape), dtypes.zarr_name(t.dtype))
+            h = fmt.create_array(loc, f"arrays/x/{i}.zarr", layout, ctx)
+            futures.append(h.write(dtypes.to_numpy(t)))
+        for f in futures:
+            f.result()
+
+    res["tensorstore_only_write_s"], _ = timed(ts_write)
+    for mode in (["cold"] if cold else []) + ["warm"]:
+        if mode == "cold":
+            drop_caches()
+        else:
+            np.fromfile(raw, dtype=np.uint8)
+        res[f"raw_read_s_{mode}"], _ = timed(lambda: np.fromfile(raw, dtype=np.uint8))
+    os.remove(raw)
+    shutil.rmtree(os.path.join(work, "ts-only"), ignore_errors=True)
+    return res
 
 
 def timed(fn):
@@ -115,11 +161,11 @@ def bench_full(tensors, work: str, cold: bool) -> dict:
                 drop_caches()
             else:
                 fn()  # warm the page cache
-            t, out = timed(fn)
-            # touch every 4 KiB page so lazily mapped readers (safetensors mmap) pay for all of it too
-            s = sum(float(v.reshape(-1).view(torch.uint8)[::4096].sum()) for v in out.values())
+            # touch every 4 KiB page inside the timed region, so lazily mapped readers (safetensors
+            # mmap) pay for all of their bytes too
+            t, out = timed(lambda: touch(fn()))
             res[f"{key}_{mode}"] = t
-            del out, s
+            del out
     ref = ucp_store.open_store(store_dir).checkpoint("bench@1")
     for name, t in list(tensors.items())[:3]:
         assert torch.equal(ref.read(name, "weight").view(torch.uint8), t.view(torch.uint8)), name
@@ -161,6 +207,12 @@ def bench_partial(work: str, cold: bool, repeats: int = 5) -> dict:
     # training job or an inspection loop holds it; the case above pays open_store + catalog query per read
     handle = ucp_store.open_store(store.location.url).checkpoint("p@1").tensor(name, "fp32")
 
+    # a store held open (engine and compiled SQL cached), each read resolving the reference again
+    held = ucp_store.open_store(store.location.url)
+
+    def ucp_row_held():
+        return held.checkpoint("p@1").tensor(name, "fp32")[row]
+
     def ucp_row_open():
         return handle[row]
 
@@ -181,7 +233,7 @@ def bench_partial(work: str, cold: bool, repeats: int = 5) -> dict:
     def whole_col():
         return torch.load(pt, weights_only=True)[name][:, col].clone()
 
-    cases = {"ucp_row": ucp_row, "ucp_col": ucp_col, "ucp_row_open": ucp_row_open, "ucp_col_open": ucp_col_open,
+    cases = {"ucp_row": ucp_row, "ucp_col": ucp_col, "ucp_row_held_store": ucp_row_held, "ucp_row_open": ucp_row_open, "ucp_col_open": ucp_col_open,
              "safetensors_row": st_row, "safetensors_col": st_col,
              "torch_load_row": whole_row, "torch_load_col": whole_col}
     res: dict = {"param_bytes": w.numel() * 4, "chunk_shape": list(layout.chunk_shape)}
@@ -221,6 +273,7 @@ def main() -> None:
     try:
         tensors = make_tensors(args.gib)
         full = bench_full(tensors, work, cold)
+        full.update(ceilings(tensors, work, cold))
         del tensors
         partial = bench_partial(work, cold)
     finally:
@@ -231,10 +284,12 @@ def main() -> None:
     for key, base in (("ucp_write_s", "torch_save_s"), ("torch_save_s", "torch_save_s"),
                       ("safetensors_save_s", "torch_save_s")):
         print(f"{key:26}{full[key]:9.2f}{gb / full[key]:8.2f}{full[base] / full[key]:9.2f}x")
+    for key in ("raw_write_fsync_s", "tensorstore_only_write_s"):
+        print(f"{key:26}{full[key]:9.2f}{gb / full[key]:8.2f}{full['torch_save_s'] / full[key]:9.2f}x   (ceiling)")
     for mode in ("cold", "warm"):
         if f"ucp_read_s_{mode}" not in full:
             continue
-        for key in ("ucp_read_s", "torch_load_s", "safetensors_load_s"):
+        for key in ("ucp_read_s", "torch_load_s", "safetensors_load_s", "raw_read_s"):
             k = f"{key}_{mode}"
             print(f"{k:26}{full[k]:9.2f}{gb / full[k]:8.2f}{full[f'torch_load_s_{mode}'] / full[k]:9.2f}x")
     print(f"disk bytes: {full['disk_bytes']}")
