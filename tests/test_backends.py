@@ -12,23 +12,20 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from urllib.parse import quote
 
 import numpy as np
 import pytest
 import torch
-from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
 
 import ucp_store
 from ucp_store.catalog import new_id
 from ucp_store.errors import InvalidNameError, UcpError
 from ucp_store.location import Location
 
-from ucp_test_helpers import REPO, bits, python_env
+from ucp_test_helpers import REPO, bits, postgres_schema_url, python_env
 
-PG_ENV = "UCP_TEST_POSTGRES_URL"
 BUCKET = "ucp-test"
 
 
@@ -38,18 +35,8 @@ BUCKET = "ucp-test"
 @pytest.fixture
 def pg_catalog():
     """A PostgreSQL catalog URL in a fresh schema, dropped afterwards."""
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"{PG_ENV} is not set (e.g. postgresql+psycopg2://ucp:ucp@localhost/ucp_test)")
-    schema = f"ucp_test_{new_id(12)}"
-    admin = create_engine(base, poolclass=NullPool)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    yield make_url(base).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
-        hide_password=False)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-    admin.dispose()
+    with postgres_schema_url() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -183,10 +170,50 @@ def test_folder_store_with_postgres_catalog(tmp_path, pg_catalog, monkeypatch, u
     assert ck.verify() == []
 
 
+@pytest.mark.postgres
+def test_first_saves_of_a_run_race_on_postgres(tmp_path, pg_catalog):
+    """Another writer has inserted the run row but not committed yet: our first save of the same run
+    waits on the unique name, then uses the winner's row instead of failing (deterministic race)."""
+    import threading
+
+    from sqlalchemy import create_engine, func, select
+    from sqlalchemy.orm import Session
+    from sqlalchemy.pool import NullPool
+
+    from ucp_store.catalog import models as m
+
+    store = ucp_store.open_store(str(tmp_path / "store"), create=True, catalog=pg_catalog)
+    engine = create_engine(pg_catalog, poolclass=NullPool)
+    other = Session(engine)
+    other.add(m.Run(name="race"))
+    other.flush()  # row inserted, transaction open
+    result = {}
+
+    def save():
+        try:
+            result["ck"] = store.save("race", 1, {"w": torch.ones(4)})
+        except Exception as exc:  # reported below
+            result["error"] = exc
+
+    t = threading.Thread(target=save)
+    t.start()
+    t.join(1.5)
+    assert t.is_alive(), f"the save should wait for the other transaction: {result}"
+    other.commit()
+    other.close()
+    t.join(60)
+    assert "error" not in result, result.get("error")
+    with store.catalog.session() as s:
+        assert s.scalar(select(func.count()).select_from(m.Run).where(m.Run.name == "race")) == 1
+    assert [c["step"] for c in store.list_checkpoints("race")] == [1]
+    engine.dispose()
+
+
 CHILD = textwrap.dedent("""
-    import sys, torch, ucp_store
-    root, i = sys.argv[1], int(sys.argv[2])
+    import sys, time, torch, ucp_store
+    root, i, start_at = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     store = ucp_store.open_store(root)
+    time.sleep(max(0.0, start_at - time.time()))  # all first saves of the run at once: the run row races
     for j in range(4):
         g = torch.Generator().manual_seed(100 * i + j)
         store.save("shared", 10 * i + j, {"w": torch.randn(64, 64, generator=g),
@@ -199,7 +226,8 @@ def test_processes_saving_into_one_postgres_catalog_lose_nothing(tmp_path, pg_ca
     root = tmp_path / "store"
     ucp_store.open_store(str(root), create=True, catalog=pg_catalog)
     env = python_env(UCP_CATALOG=pg_catalog)
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(i)], env=env, cwd=str(REPO),
+    start_at = time.time() + 8
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(i), str(start_at)], env=env, cwd=str(REPO),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
     for p in procs:
         _, err = p.communicate(timeout=300)

@@ -18,7 +18,6 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Table, MetaData, create_engine, delete, func, inspect, select, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
@@ -47,7 +46,8 @@ from ucp_store.catalog.db import _alembic_config
 from ucp_store.errors import CatalogError, SchemaVersionError, ValidationError
 from ucp_store.schema import validate
 
-PG_ENV = "UCP_TEST_POSTGRES_URL"
+from ucp_test_helpers import postgres_schema_url
+
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -59,19 +59,8 @@ def url(request, tmp_path):
     if request.param == "sqlite":
         yield sqlite_url(tmp_path / "catalog.db")
         return
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"{PG_ENV} is not set (e.g. postgresql+psycopg2://ucp:ucp@localhost/ucp_test)")
-    schema = f"ucp_test_{new_id(12)}"
-    admin = create_engine(base, poolclass=NullPool)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    yield make_url(base).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
-        hide_password=False
-    )
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-    admin.dispose()
+    with postgres_schema_url() as pg:
+        yield pg
 
 
 @pytest.fixture

@@ -11,12 +11,40 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+PG_ENV = "UCP_TEST_POSTGRES_URL"
+
+
+@contextmanager
+def postgres_schema_url():
+    """A PostgreSQL URL whose search_path is a fresh schema, dropped on exit; skips without a server."""
+    import pytest
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.pool import NullPool
+
+    from ucp_store.catalog import new_id
+
+    base = os.environ.get(PG_ENV)
+    if not base:
+        pytest.skip(f"{PG_ENV} is not set (e.g. postgresql+psycopg2://ucp:ucp@localhost/ucp_test)")
+    schema = f"ucp_test_{new_id(12)}"
+    admin = create_engine(base, poolclass=NullPool)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield make_url(base).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+            hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
 
 
 def bits(t: torch.Tensor) -> bytes:

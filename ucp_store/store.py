@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 from sqlalchemy import and_, exists, func, select, text, update
+from sqlalchemy.exc import IntegrityError
 
 from . import dtypes, format as fmt, names
 from .catalog import models as m
@@ -251,9 +252,16 @@ class Store:
         with self.catalog.write_session() as s:
             run_row = s.scalar(select(m.Run).where(m.Run.name == run))
             if run_row is None:
-                run_row = m.Run(name=run)
-                s.add(run_row)
-                s.flush()
+                # On PostgreSQL two first saves of a run can race (no database-wide write lock as on
+                # SQLite): insert in a savepoint, and on the unique-name conflict take the winner's row.
+                try:
+                    with s.begin_nested():
+                        run_row = m.Run(name=run)
+                        s.add(run_row)
+                except IntegrityError:
+                    run_row = s.scalar(select(m.Run).where(m.Run.name == run))
+                    if run_row is None:
+                        raise
             taken = s.scalar(select(m.Checkpoint.id).where(m.Checkpoint.run_id == run_row.id,
                                                            m.Checkpoint.step == int(step),
                                                            m.Checkpoint.status == "committed"))
@@ -850,6 +858,10 @@ class CheckpointWriter:
                 ck.nbytes = int(total)
                 ck.status = "committed"
                 ck.committed_at = _utcnow()
+        except IntegrityError as exc:  # the partial unique index: a concurrent commit of the same step won
+            self.abort()
+            raise UcpError(f"checkpoint {self.id}: its step was committed meanwhile by another save of the "
+                           f"same run; nothing of this save is listed ({getattr(exc, 'orig', exc)})") from None
         except BaseException:
             self.abort()
             raise
