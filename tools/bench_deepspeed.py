@@ -10,7 +10,8 @@
      (its default worker counts);
    - ``python -m ucp_store.adapters.deepspeed STORE TAG --run bench`` (our import, source hashing on);
    - our export of that checkpoint to a universal folder (for the full round trip).
-3. Measures the raw rate of the same bytes: read every input file + write the same number of bytes.
+3. Measures the raw rate of the same bytes: copy every input file into one scratch file, without and with
+   fsync (the durable rate; ds_to_universal never fsyncs, so it is also run followed by `sync`).
 
 Prints a table and writes JSON to --out. The page cache is warm for every row (every run reads the
 same files right after the previous one); nothing drops caches, the machine is shared.
@@ -127,29 +128,34 @@ def build_checkpoint(workdir: Path, width: int, layers: int) -> Path:
 
 
 def raw_rate(files: list[Path], scratch: Path) -> dict:
-    """Read every input file (8 MiB reads), then write the same number of bytes to one file."""
+    """Copy every input file's bytes into one scratch file (8 MiB reads and writes): the raw rate of the
+    same bytes. The bytes written are the real ones: this disk writes repeated or zero buffers far faster
+    than real data, so writing one buffer over and over would overstate it. Then fsync: the durable rate."""
     buf = bytearray(8 << 20)
-    total = 0
-    t0 = time.perf_counter()
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while True:
-                n = fh.readinto(buf)
-                if not n:
-                    break
-                total += n
-    t_read = time.perf_counter() - t0
-    left = total
-    t1 = time.perf_counter()
-    with open(scratch, "wb", buffering=0) as fh:
-        view = memoryview(buf)
-        while left > 0:
-            n = fh.write(view[: min(left, len(buf))])
-            left -= n
-    t_write = time.perf_counter() - t1
+    view = memoryview(buf)
+    total, t_read, t_write = 0, 0.0, 0.0
+    with open(scratch, "wb", buffering=0) as out:
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while True:
+                    t0 = time.perf_counter()
+                    n = fh.readinto(buf)
+                    t1 = time.perf_counter()
+                    t_read += t1 - t0
+                    if not n:
+                        break
+                    out.write(view[:n])
+                    t_write += time.perf_counter() - t1
+                    total += n
+        t0 = time.perf_counter()
+        os.fsync(out.fileno())  # what it takes to make those bytes durable, as a store commit needs
+        t_sync = time.perf_counter() - t0
     scratch.unlink()
+    t_durable = t_write + t_sync
     return {"bytes": total, "read_s": round(t_read, 3), "write_s": round(t_write, 3),
-            "read_plus_write_s": round(t_read + t_write, 3), "gb_per_s": round(total / 1e9 / (t_read + t_write), 3)}
+            "read_plus_write_s": round(t_read + t_write, 3), "gb_per_s": round(total / 1e9 / (t_read + t_write), 3),
+            "durable_write_s": round(t_durable, 3), "read_plus_durable_write_s": round(t_read + t_durable, 3),
+            "durable_gb_per_s": round(total / 1e9 / (t_read + t_durable), 3)}
 
 
 def main(argv=None) -> int:
@@ -160,6 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--skip-ds", action="store_true", help="do not run ds_to_universal (ours only)")
     ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--output-dir", default=None,
+                    help="where every run writes (default: --workdir); /dev/shm takes the disk out of the figures")
     ap.add_argument("--repeat", type=int, default=1, help="run every row N times, keep the fastest (shared machines)")
     args = ap.parse_args(argv)
     global REPEAT
@@ -175,23 +183,33 @@ def main(argv=None) -> int:
     print(f"checkpoint {tag}: {params / 1e6:.1f}M parameters, {in_bytes / 1e9:.2f} GB in {len(files)} files",
           flush=True)
     # warm the page cache once, the same for everyone
-    raw_runs = [raw_rate(files, work / "raw_write.tmp") for _ in range(1 + REPEAT)]
+    outdir = Path(args.output_dir).resolve() if args.output_dir else work
+    outdir.mkdir(parents=True, exist_ok=True)
+    results["output_dir"] = str(outdir)
+    raw_runs = [raw_rate(files, outdir / "raw_write.tmp") for _ in range(1 + REPEAT)]
     results["raw"] = min(raw_runs[1:], key=lambda r: r["read_plus_write_s"])  # the first one warms the cache
     rows = results["rows"]
     if not args.skip_ds:
-        out = work / "ds_universal"
+        out = outdir / "ds_universal"
         rows.append(measure([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
                              "--output_folder", str(out), "--inject_missing_state"], "ds_to_universal",
-                            before_each=lambda: shutil.rmtree(out, ignore_errors=True)))
+                            before_each=lambda: (shutil.rmtree(out, ignore_errors=True), os.sync())))
+        # ds_to_universal never fsyncs; the store's commit waits until its arrays are durable. The same
+        # conversion followed by a sync of what it wrote is the like-for-like figure.
+        rows.append(measure(["sh", "-c", f'"{sys.executable}" -m deepspeed.checkpoint.ds_to_universal --input_folder '
+                             f'"{tag}" --output_folder "{out}" --inject_missing_state && sync'],
+                            "ds_to_universal + sync",
+                            before_each=lambda: (shutil.rmtree(out, ignore_errors=True), os.sync())))
         shutil.rmtree(out, ignore_errors=True)
-    store = work / "store"
-    fresh = lambda: shutil.rmtree(store, ignore_errors=True)  # noqa: E731
+    store = outdir / "store"
+    # every row starts with no dirty pages of an earlier row still being written back
+    fresh = lambda: (shutil.rmtree(store, ignore_errors=True), os.sync())  # noqa: E731
     rows.append(measure([sys.executable, "-m", "ucp_store.adapters.deepspeed", str(store), str(tag), "--run", "bench"],
                         "ucp import", before_each=fresh))
     rows.append(measure([sys.executable, "-m", "ucp_store.adapters.deepspeed", str(store), str(tag), "--run", "bench",
                          "--no-hash"], "ucp import, no source hashing", before_each=fresh))
     # the ceiling: the store writing the same tensor-states from memory (no DeepSpeed files involved)
-    ceil_store = work / "store_ceiling"
+    ceil_store = outdir / "store_ceiling"
     shutil.rmtree(ceil_store, ignore_errors=True)
     code = ("import sys, torch, time; from ucp_store import open_store; s=open_store(sys.argv[1], create=True); "
             f"W, L = {args.width}, {args.layers}; ts=[torch.randn(W, W) for _ in range(3)]; bs=torch.randn(W); "
@@ -201,15 +219,15 @@ def main(argv=None) -> int:
             "        w.write(f'layers.{i}.weight', st, ts[j] + i); w.write(f'layers.{i}.bias', st, bs + i + j)\n"
             "w.commit()")
     rows.append(measure([sys.executable, "-c", code, str(ceil_store)], "store write ceiling (same states)",
-                        before_each=lambda: shutil.rmtree(ceil_store, ignore_errors=True)))
+                        before_each=lambda: (shutil.rmtree(ceil_store, ignore_errors=True), os.sync())))
     shutil.rmtree(ceil_store, ignore_errors=True)
     if not args.no_export:
-        exp = work / "ucp_universal"
+        exp = outdir / "ucp_universal"
         code = ("import sys; from ucp_store import open_store; from ucp_store.adapters.deepspeed_universal import "
                 "export_universal; s=open_store(sys.argv[1]); print(export_universal(s.checkpoint('bench@1'), "
                 "sys.argv[2], progress=False))")
         rows.append(measure([sys.executable, "-c", code, str(store), str(exp)], "ucp export (universal folder)",
-                            before_each=lambda: shutil.rmtree(exp, ignore_errors=True)))
+                            before_each=lambda: (shutil.rmtree(exp, ignore_errors=True), os.sync())))
         shutil.rmtree(exp, ignore_errors=True)
     raw = results["raw"]
     for r in rows:
@@ -219,6 +237,9 @@ def main(argv=None) -> int:
     if "ds_to_universal" in by:
         ds, ours = by["ds_to_universal"], by["ucp import"]
         results["speedup_vs_ds_to_universal"] = round(ds["wall_s"] / ours["wall_s"], 2)
+        if "ds_to_universal + sync" in by:
+            results["speedup_vs_ds_to_universal_plus_sync"] = round(by["ds_to_universal + sync"]["wall_s"] /
+                                                                    ours["wall_s"], 2)
         results["peak_rss_ratio_ours_over_ds"] = round(ours["peak_rss_tree_mb"] / ds["peak_rss_tree_mb"], 3)
         results["goals"] = {"speedup>=5": results["speedup_vs_ds_to_universal"] >= 5,
                             "lower_peak_memory": ours["peak_rss_tree_mb"] < ds["peak_rss_tree_mb"]}
@@ -226,10 +247,13 @@ def main(argv=None) -> int:
     print(hdr)
     print("-" * len(hdr))
     print(f"{'raw read+write of the same bytes':34s} {raw['read_plus_write_s']:8.2f} {raw['gb_per_s']:7.2f} {1:6.2f}")
+    print(f"{'raw read + durable write (fsync)':34s} {raw['read_plus_durable_write_s']:8.2f} "
+          f"{raw['durable_gb_per_s']:7.2f} {raw['durable_gb_per_s'] / raw['gb_per_s']:6.2f}")
     for r in rows:
         print(f"{r['label']:34s} {r['wall_s']:8.2f} {r['gb_per_s']:7.2f} {r['fraction_of_raw_rate']:6.2f} "
               f"{r['peak_rss_tree_mb']:19.1f} {str(r['max_rss_largest_process_mb']):>16s}")
-    for k in ("speedup_vs_ds_to_universal", "peak_rss_ratio_ours_over_ds", "goals"):
+    for k in ("speedup_vs_ds_to_universal", "speedup_vs_ds_to_universal_plus_sync", "peak_rss_ratio_ours_over_ds",
+              "goals"):
         if k in results:
             print(f"{k}: {results[k]}")
     if args.out:

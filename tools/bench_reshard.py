@@ -51,12 +51,13 @@ def model(layers: int):
     return params
 
 
-def write_store(path: str, source: Topology, targets: list[Topology], layers: int) -> tuple[float, int]:
-    store = ucp_store.open_store(path, create=True)
+def write_store(path: str, source: Topology, targets: list[Topology], layers: int, *, run: str = "m",
+                create: bool = True) -> tuple[float, int]:
+    store = ucp_store.open_store(path, create=create)
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     nbytes = 0
-    with store.begin("m", 1) as w:
+    with store.begin(run, 1) as w:
         for name, p, shape in model(layers):
             for state in ("fp32", "exp_avg", "exp_avg_sq", "weight"):
                 full = torch.randn(*shape, generator=g)

@@ -5,7 +5,8 @@
 2. ``ucp import deepspeed`` the ZeRO tag folder straight into a store (no conversion step), and
    ``ucp import deepspeed-universal`` DeepSpeed's own universal folder next to it;
 3. inspect: ``ucp ls``, ``show``, ``stats``, ``verify``, and ``diff`` ours against DeepSpeed's (all same);
-4. plan the load into other topologies (``ucp plan``, with a picture of which rank reads which chunks);
+4. plan the load into other topologies (``ucp plan``, with pictures of which rank reads which chunks),
+   for the DeepSpeed model and for a Llama-like layer with tensor-parallel patterns (TP 2 -> 3);
 5. ``ucp export deepspeed-universal`` and resume DeepSpeed from it at DP=1 and DP=2; compare the
    losses with the uninterrupted run and draw them (demo-out/losses.png).
 
@@ -84,6 +85,18 @@ def main() -> None:
     print("\n== 4. plan loads into other topologies ==")
     ucp("plan", "demo@latest", "--dp", "4", "--zero", "2")
     ucp("plan", "demo@latest", "--dp", "3", "--zero", "1", "--plot", os.path.join(OUT, "plan.png"))
+    # the same on a Llama-like layer with tensor-parallel patterns (vocab-padded embedding, fused QKV with
+    # GQA, fused SwiGLU with uneven widths for tp=3), written shard by shard from TP=2 ranks with chunks
+    # aligned to the declared targets TP=4 and TP=3: each target rank reads whole chunks of its own
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_reshard import write_store
+
+    from ucp_store.topology import Topology
+
+    write_store(os.path.join(OUT, "store"), Topology(tp=2), [Topology(tp=4), Topology(tp=3)], layers=1,
+                run="llama", create=False)
+    ucp("plan", "llama@1", "--tp", "3", "--param", "layers.0.mlp.gate_up.weight", "--plot",
+        os.path.join(OUT, "plan-tp3.png"))
 
     print("\n== 5. export a universal folder and resume DeepSpeed from it at DP=1 and DP=2 ==")
     export = os.path.join(OUT, "export")
@@ -122,7 +135,7 @@ def main() -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(OUT, "losses.png"), dpi=110)
-    print(f"\ndrew {os.path.join(OUT, 'losses.png')} and {os.path.join(OUT, 'plan.png')}")
+    print(f"\ndrew {', '.join(os.path.join(OUT, f) for f in ('losses.png', 'plan.png', 'plan-tp3.png'))}")
 
 
 if __name__ == "__main__":
