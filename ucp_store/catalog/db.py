@@ -234,6 +234,26 @@ def _install_fork_guard(engine: Engine) -> None:
             )
 
 
+def _set_wal(cur, busy_timeout_ms: int) -> str:
+    """Switch to WAL unless the file is in it already. Switching upgrades a shared lock to an exclusive
+    one; when several first opens of a fresh file upgrade at once, SQLite answers all but one with
+    SQLITE_BUSY at once, without its busy handler (deadlock avoidance: seen in CI as "database is locked"
+    from ``PRAGMA journal_mode = WAL``). So the switch is retried here for up to the busy timeout."""
+    deadline = time.monotonic() + busy_timeout_ms / 1000.0
+    attempt = 0
+    while True:
+        try:
+            mode = str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+            if mode in ("wal", "memory"):
+                return mode
+            return str(cur.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
+        except sqlite3.OperationalError as e:
+            if not _is_transient(e) or time.monotonic() > deadline:
+                raise
+            _backoff(attempt)
+            attempt += 1
+
+
 def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str) -> None:
     warned = []
 
@@ -244,7 +264,7 @@ def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str) -> 
         cur = dbapi_connection.cursor()
         try:
             cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            mode = cur.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            mode = _set_wal(cur, busy_timeout_ms)
             cur.execute("PRAGMA synchronous = FULL")
             cur.execute("PRAGMA foreign_keys = ON")
         finally:
