@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from .errors import PlanError
+from .records import TensorInfo
 from .patterns import (
     Box,
     Expert,
@@ -312,7 +313,9 @@ _OPTIONAL = frozenset({"pattern", "chunk_shape"})
 
 def _fields(rec: Any) -> tuple:
     """``(name, state, shape, dtype, pattern, chunk_shape)`` of a dict or an object record."""
-    if type(rec) is dict:  # the common case, kept cheap
+    if type(rec) is TensorInfo:  # what Checkpoint.load_shard passes: kept cheap
+        return rec.name, rec.state, rec.shape, rec.dtype, rec.pattern, rec.chunk_shape
+    if type(rec) is dict:  # the other common case
         try:
             return rec["name"], rec["state"], rec["shape"], rec["dtype"], rec.get("pattern"), rec.get("chunk_shape")
         except KeyError:
