@@ -506,3 +506,25 @@ def test_schemas_are_valid_draft_2020_12():
                                  "inner": {"kind": "replicated", "placement": {"layer": 0}}})
     with pytest.raises(PatternError, match="cannot have a placement"):
         parse_pattern({"kind": "expert", "num_experts": 2, "inner": {"kind": "replicated", "placement": {"layer": 0}}})
+
+
+@pytest.mark.parametrize("base", [
+    {"kind": "fused", "dim": 0, "sizes": [8, 4, 4], "widths": {"3": [[3, 3, 2], [2, 1, 1], [2, 1, 1]]}},
+    {"kind": "expert", "num_experts": 4, "inner": {"kind": "partitioned", "dim": 1}},
+    {"kind": "vocab", "original_size": 1000},
+])
+@pytest.mark.parametrize("placement", [{"layer": 7}, {"stages": ["last", "first"], "local_name": "x.{local}"}])
+def test_placement_parsed_apart_equals_whole_record(base, placement):
+    """parse_pattern memoises the placement apart from the rest; the result must be the same object
+    value as parsing the whole record at once (caches cold and warm)."""
+    from ucp_store import patterns as pat
+
+    record = {**base, "placement": placement}
+    pat.clear_caches()
+    whole = pat._parse(record, "t", inner=False)
+    pat.clear_caches()
+    assert pat.parse_pattern(record, name="t") == whole
+    assert pat.parse_pattern(dict(record), name="t") == whole  # warm
+    assert pat.parse_pattern({**base, "placement": {"layer": 8}}, name="t").placement.layer == 8
+    with pytest.raises(PatternError, match="'t'.*placement"):
+        pat.parse_pattern({**base, "placement": {"layer": 1, "stages": ["first"]}}, name="t")

@@ -123,6 +123,10 @@ def bench_plan_time(layers: int, repeats: int, load_gbps: float) -> None:
         ("tp8 pp8 dp16 zero1 ep8 (1024 ranks)", Topology(tp=8, pp=8, dp=16, zero_stage=1, ep=8, layers=layers)),
         ("tp4 pp1 dp8 zero3 (32 ranks)", Topology(tp=4, dp=8, zero_stage=3, layers=layers)),
         ("tp1 pp1 dp1 zero0 (1 rank)", Topology(layers=layers)),
+        # targets of the TP changes 1 -> 8 and 8 -> 2 (this model's 16 heads do not split over
+        # tp=3; uneven TP=3 plans are timed end to end in bench_reshard.py)
+        ("tp8 (8 ranks)", Topology(tp=8, layers=layers)),
+        ("tp2 (2 ranks)", Topology(tp=2, layers=layers)),
         ("tp8 pp16 dp4 zero2 sp2 (1024 ranks)", Topology(tp=8, pp=16, dp=4, sp=2, zero_stage=2, layers=layers)),
     ]
     print(f"\nPlan time: {layers} layers, {len(recs):,} tensor-states in the catalog, one rank, cold caches "

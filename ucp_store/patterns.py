@@ -447,6 +447,7 @@ def _parse_widths(raw: Any, nested: bool, name: str | None) -> tuple:
 
 
 _PARSE_CACHE: dict[str, Pattern] = {}
+_PLACEMENT_CACHE: dict[str, Placement] = {}
 _PARSE_CACHE_MAX = 200_000
 
 
@@ -468,7 +469,20 @@ def parse_pattern(record: Any, *, name: str | None = None) -> Pattern:
     hit = _PARSE_CACHE.get(key)
     if hit is not None:
         return hit
-    pattern = _parse(record, name, inner=False)
+    placement_rec = record.get("placement")
+    if placement_rec is None:
+        pattern = _parse(record, name, inner=False)
+    else:
+        # Records of a 1000-layer model differ per layer only in their placement: parse the rest once
+        # (memoised like any record) and the placement on its own, instead of every layer's record whole.
+        bare = parse_pattern({k: v for k, v in record.items() if k != "placement"}, name=name)
+        pkey = repr(placement_rec)
+        placement = _PLACEMENT_CACHE.get(pkey)
+        if placement is None:
+            placement = _PLACEMENT_CACHE[pkey] = _parse_placement(placement_rec, name)
+            if len(_PLACEMENT_CACHE) >= _PARSE_CACHE_MAX:
+                _PLACEMENT_CACHE.clear()
+        pattern = replace(bare, placement=placement)
     if len(_PARSE_CACHE) >= _PARSE_CACHE_MAX:
         _PARSE_CACHE.clear()
     _PARSE_CACHE[key] = pattern
@@ -1061,6 +1075,7 @@ def average_replicas(replicas: Sequence[Any]) -> tuple[Any, float]:
 def clear_caches() -> None:
     """Forget memoised parses and layouts (for benchmarks; results never depend on the caches)."""
     _PARSE_CACHE.clear()
+    _PLACEMENT_CACHE.clear()
     _LAYOUT_CACHE.clear()
     _FLAT_CACHE.clear()
     without_placement.cache_clear()
