@@ -526,5 +526,11 @@ def test_placement_parsed_apart_equals_whole_record(base, placement):
     assert pat.parse_pattern(record, name="t") == whole
     assert pat.parse_pattern(dict(record), name="t") == whole  # warm
     assert pat.parse_pattern({**base, "placement": {"layer": 8}}, name="t").placement.layer == 8
+    from dataclasses import replace
+
+    bare = pat.without_placement(pat.parse_pattern(record, name="t"))
+    assert bare == replace(whole, placement=None) and bare.placement is None
+    assert bare is pat.without_placement(pat.parse_pattern({**base, "placement": {"layer": 9}}, name="t"))
+    assert pat.without_placement(whole) == bare  # a pattern built elsewhere takes the slow path, same value
     with pytest.raises(PatternError, match="'t'.*placement"):
         pat.parse_pattern({**base, "placement": {"layer": 1, "stages": ["first"]}}, name="t")

@@ -448,6 +448,7 @@ def _parse_widths(raw: Any, nested: bool, name: str | None) -> tuple:
 
 _PARSE_CACHE: dict[str, Pattern] = {}
 _PLACEMENT_CACHE: dict[str, Placement] = {}
+_BARE_BY_ID: dict[int, tuple] = {}  # id(parsed pattern) -> (pattern, its placement-less twin)
 _PARSE_CACHE_MAX = 200_000
 
 
@@ -483,8 +484,11 @@ def parse_pattern(record: Any, *, name: str | None = None) -> Pattern:
             if len(_PLACEMENT_CACHE) >= _PARSE_CACHE_MAX:
                 _PLACEMENT_CACHE.clear()
         pattern = replace(bare, placement=placement)
+        # without_placement(pattern) is then this very object, so per-layer patterns share their layouts
+        _BARE_BY_ID[id(pattern)] = (pattern, bare)
     if len(_PARSE_CACHE) >= _PARSE_CACHE_MAX:
         _PARSE_CACHE.clear()
+        _BARE_BY_ID.clear()
     _PARSE_CACHE[key] = pattern
     return pattern
 
@@ -695,11 +699,20 @@ def _full_copy(shape: tuple[int, ...]) -> LocalLayout:
     return LocalLayout(shape, () if box.empty else (Copy(box, box),), ())
 
 
-@lru_cache(maxsize=1 << 16)
 def without_placement(p: Pattern) -> Pattern:
     """The pattern with its placement removed (what layouts depend on)."""
     # layouts do not depend on the placement: strip it so every layer shares one cache entry
-    return p if p.placement is None else replace(p, placement=None)
+    if p.placement is None:
+        return p
+    hit = _BARE_BY_ID.get(id(p))
+    if hit is not None and hit[0] is p:  # the identity check makes a recycled id harmless
+        return hit[1]
+    return _strip_placement(p)
+
+
+@lru_cache(maxsize=1 << 16)
+def _strip_placement(p: Pattern) -> Pattern:
+    return replace(p, placement=None)
 
 
 _LAYOUT_CACHE: dict[tuple, LocalLayout] = {}
@@ -1076,6 +1089,7 @@ def clear_caches() -> None:
     """Forget memoised parses and layouts (for benchmarks; results never depend on the caches)."""
     _PARSE_CACHE.clear()
     _PLACEMENT_CACHE.clear()
+    _BARE_BY_ID.clear()
     _LAYOUT_CACHE.clear()
     _FLAT_CACHE.clear()
-    without_placement.cache_clear()
+    _strip_placement.cache_clear()

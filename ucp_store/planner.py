@@ -405,6 +405,7 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
     on_stage: dict[Any, bool] = {}
     flat_kind: dict[str, str | None] = {}
     layouts: dict[tuple, LocalLayout] = {}
+    bare_of: dict[int, Pattern] = {}
     for rec in records:
         name, state, shape, dtype, pattern_rec, chunk = _fields(rec)
         if type(pattern_rec) is dict:
@@ -432,8 +433,12 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
         if chunk is not None and len(chunk) != len(shape):
             raise PlanError(f"tensor {name!r} state {state!r}: chunk_shape {list(chunk)} does not match shape "
                             f"{list(shape)}")
-        bare = without_placement(p)
-        lkey = (bare, shape)
+        # per-plan memos keyed by object identity: hashing a nested pattern value costs more than the
+        # lookups it guards, and every object keyed here stays alive in ``entries`` until the plan is done
+        bare = bare_of.get(id(p))
+        if bare is None:
+            bare = bare_of[id(p)] = without_placement(p)
+        lkey = (id(bare), shape)
         layout = layouts.get(lkey)
         if layout is None:
             layout = layouts[lkey] = tp_layout(bare, shape, tp, tp_rank, ep=ep, ep_rank=ep_rank,
@@ -504,7 +509,7 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
                 own = zero_group_layout([numel], topo.zero_world(expert), 3)
                 fragment = own_fragments[(numel, expert)] = own.fragment(0, topo.zero_rank(rank, expert))
             frag_key = (fragment.start, fragment.stop, fragment.slot)
-        key = (e.layout_pattern, e.shape, e.chunk, size, frag_key)
+        key = (id(e.layout), e.chunk, size, frag_key)  # the layout object stands for (pattern, shape)
         cached = memo.get(key)
         if cached is None:
             cached = memo[key] = _reads_for(e.layout, fragment, e.shape, e.chunk, size, coalesce)
