@@ -405,7 +405,6 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
     on_stage: dict[Any, bool] = {}
     flat_kind: dict[str, str | None] = {}
     layouts: dict[tuple, LocalLayout] = {}
-    bare_of: dict[int, Pattern] = {}
     for rec in records:
         name, state, shape, dtype, pattern_rec, chunk = _fields(rec)
         if type(pattern_rec) is dict:
@@ -433,11 +432,10 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
         if chunk is not None and len(chunk) != len(shape):
             raise PlanError(f"tensor {name!r} state {state!r}: chunk_shape {list(chunk)} does not match shape "
                             f"{list(shape)}")
-        # per-plan memos keyed by object identity: hashing a nested pattern value costs more than the
-        # lookups it guards, and every object keyed here stays alive in ``entries`` until the plan is done
-        bare = bare_of.get(id(p))
-        if bare is None:
-            bare = bare_of[id(p)] = without_placement(p)
+        # per-plan memos keyed by object identity (without_placement hands every layer's pattern the same
+        # twin): hashing a nested pattern value costs more than the lookup it guards, and every object
+        # keyed here stays alive in ``entries`` until the plan is done
+        bare = without_placement(p)
         lkey = (id(bare), shape)
         layout = layouts.get(lkey)
         if layout is None:
