@@ -72,22 +72,29 @@ def ceilings(tensors, work: str, cold: bool) -> dict:
     loc = Location.parse(os.path.join(work, "ts-only"))
     loc.ensure_root()
 
+    layouts = [fmt.plan_layout(tuple(t.shape), dtypes.zarr_name(t.dtype)) for t in tensors.values()]
+
     def ts_write():
         futures = []
-        for i, t in enumerate(tensors.values()):
-            layout = fmt.plan_layout(tuple(t.shape), dtypes.zarr_name(t.dtype))
+        for i, (t, layout) in enumerate(zip(tensors.values(), layouts)):
             h = fmt.create_array(loc, f"arrays/x/{i}.zarr", layout, ctx)
             futures.append(h.write(dtypes.to_numpy(t)))
         for f in futures:
             f.result()
 
+    def ts_read():
+        handles = [fmt.open_array(loc, f"arrays/x/{i}.zarr", layout, ctx) for i, layout in enumerate(layouts)]
+        return [f.result() for f in [h.read() for h in handles]]
+
     res["tensorstore_only_write_s"], _ = timed(ts_write)
     for mode in (["cold"] if cold else []) + ["warm"]:
-        if mode == "cold":
-            drop_caches()
-        else:
-            np.fromfile(raw, dtype=np.uint8)
-        res[f"raw_read_s_{mode}"], _ = timed(lambda: np.fromfile(raw, dtype=np.uint8))
+        for key, fn in (("raw_read_s", lambda: np.fromfile(raw, dtype=np.uint8)),
+                        ("tensorstore_only_read_s", ts_read)):
+            if mode == "cold":
+                drop_caches()
+            else:
+                fn()
+            res[f"{key}_{mode}"], _ = timed(fn)
     os.remove(raw)
     shutil.rmtree(os.path.join(work, "ts-only"), ignore_errors=True)
     return res
@@ -305,7 +312,7 @@ def main() -> None:
     for mode in ("cold", "warm"):
         if f"ucp_read_s_{mode}" not in full:
             continue
-        for key in ("ucp_read_s", "torch_load_s", "safetensors_load_s", "raw_read_s"):
+        for key in ("ucp_read_s", "torch_load_s", "safetensors_load_s", "raw_read_s", "tensorstore_only_read_s"):
             k = f"{key}_{mode}"
             print(f"{k:26}{full[k]:9.2f}{gb / full[k]:8.2f}{full[f'torch_load_s_{mode}'] / full[k]:9.2f}x")
     print(f"disk bytes: {full['disk_bytes']}")

@@ -36,8 +36,9 @@ def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:
 class _Reader:
     """Opens each array once and keeps a bounded window of reads in flight."""
 
-    def __init__(self, checkpoint):
+    def __init__(self, checkpoint, window_bytes: int | None = _MAX_INFLIGHT_BYTES):
         self.checkpoint = checkpoint
+        self.window_bytes = window_bytes  # None: no bound
         self.store = checkpoint.store
         self.infos: dict[tuple[str, str], TensorInfo] = {(i.name, i.state): i for i in checkpoint.tensors()}
         self._handles: dict[str, Any] = {}
@@ -60,7 +61,7 @@ class _Reader:
         nbytes = box.numel * layout.itemsize
         self._inflight.append((future, sink, info, box, nbytes))
         self._bytes += nbytes
-        while self._bytes > _MAX_INFLIGHT_BYTES:
+        while self.window_bytes is not None and self._bytes > self.window_bytes:
             self._complete_one()
 
     def _complete_one(self) -> None:
@@ -213,7 +214,9 @@ def read_tensors(checkpoint, infos: Iterable[TensorInfo]) -> dict[tuple[str, str
     """Whole tensor-states, read concurrently (the results own the buffers TensorStore filled)."""
     from .patterns import Box
 
-    reader = _Reader(checkpoint)
+    # every result is kept, so a window on the reads in flight would save no memory; without one
+    # TensorStore keeps both cores busy (about 30% faster on 2 GiB here)
+    reader = _Reader(checkpoint, window_bytes=None)
     out: dict[tuple[str, str], torch.Tensor] = {}
     for info in infos:
         key = (info.name, info.state)
