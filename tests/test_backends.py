@@ -8,6 +8,8 @@ over HTTP (no mocking inside the process under test). Every test that needs Post
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +17,6 @@ import textwrap
 import time
 from urllib.parse import quote
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ import ucp_store
 from ucp_store.catalog import new_id
 from ucp_store.errors import InvalidNameError, UcpError
 from ucp_store.location import Location
+from ucp_store.topology import Topology
 
 from ucp_test_helpers import REPO, bits, postgres_schema_url, python_env
 
@@ -274,8 +276,6 @@ def test_s3_store_round_trip_slices_and_urls(s3_store, s3):
 
 
 def test_s3_store_zarr_metadata_is_plain_zarr_v3(s3_store, s3):
-    import json
-
     s3_store.save("meta", 1, {"w": torch.randn(8, 8).bfloat16()})
     meta_keys = [k for k in bucket_keys(s3, s3_store.test_prefix) if k.endswith("zarr.json")]
     assert len(meta_keys) == 1
@@ -328,7 +328,6 @@ def test_s3_rm_and_gc_delete_objects_but_keep_shared_data(s3_store, s3):
     assert [c["step"] for c in s3_store.list_checkpoints("gc")] == [3]
     leftover = {k for k in bucket_keys(s3, s3_store.test_prefix) if f"/arrays/{pending_id}/" in k}
     assert leftover
-    import datetime as dt
     report = s3_store.gc(pending_timeout=dt.timedelta(0))
     assert pending_id in report.removed_pending
     remaining = set(bucket_keys(s3, s3_store.test_prefix))
@@ -351,8 +350,6 @@ def test_s3_load_shard_reads_a_rank_slice(s3_store):
     w = torch.randn(512, 96, generator=torch.Generator().manual_seed(5))
     s3_store.save("tp", 1, {"lin.weight": w}, patterns={"lin.weight": {"kind": "partitioned", "dim": 0}})
     ck = s3_store.checkpoint("tp@1")
-    from ucp_store.topology import Topology
-
     shards = [ck.load_shard(Topology(tp=4), rank, states=["weight"]) for rank in range(4)]
     got = torch.cat([s.tensors[("lin.weight", "weight")] for s in shards], dim=0)
     assert bits(got) == bits(w)

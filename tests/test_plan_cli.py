@@ -48,3 +48,10 @@ def test_plan_refuses_impossible_split(tmp_path, ucp):
     rc, out, err = ucp("plan", "m@1", "--store", tmp_path / "store", "--tp", "3")
     assert rc == 1
     assert "qkv" in err and "cannot be split 3 ways" in err and err.count("\n") == 1
+
+
+def test_plan_refuses_an_unknown_state(tmp_path, ucp):
+    _store(tmp_path)
+    rc, out, err = ucp("plan", "m@1", "--store", tmp_path / "store", "--tp", "2", "--states", "fp32,exp_avgg")
+    assert rc == 1
+    assert "no state 'exp_avgg'" in err and err.count("\n") == 1

@@ -116,8 +116,8 @@ def model_records(layers: int, h=1024, heads=16, kv_heads=8, head_dim=64, ffn=40
 
 # ---------------------------------------------------------------------- part 1: plan time
 def bench_plan_time(layers: int, repeats: int, load_gbps: float) -> None:
-    """``plan/load``: plan time over the time to load the rank's bytes at ``load_gbps`` (the load rate
-    bench_reshard.py measures on this machine; loading 100k tensor-states end to end is not run here)."""
+    """``plan/load``: plan time over the time to load the rank's bytes at ``load_gbps`` (loading 100k
+    tensor-states end to end is not run here; bench_reshard.py measures real loads, 0.4-0.65 GB/s here)."""
     recs = model_records(layers)
     topologies = [
         ("tp8 pp8 dp16 zero1 ep8 (1024 ranks)", Topology(tp=8, pp=8, dp=16, zero_stage=1, ep=8, layers=layers)),
@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one repeat")
     ap.add_argument("--load-gbps", type=float, default=1.0,
-                    help="load rate for plan/load (default 1.0: above the ~0.4-0.5 GB/s bench_reshard.py "
+                    help="load rate for plan/load (default 1.0: above the 0.4-0.65 GB/s bench_reshard.py "
                          "measures here, so the ratio errs high)")
     args = ap.parse_args()
     t0 = time.perf_counter()

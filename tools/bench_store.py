@@ -55,9 +55,9 @@ def touch(out: dict) -> dict:
 
 
 def ceilings(tensors, work: str, cold: bool) -> dict:
-    """What this machine's disk and memory allow for the same bytes, with no format at all:
-    one raw file written and fsynced, the same bytes through TensorStore alone (our layout and codecs,
-    no catalog, no hashing), and the raw file read back into fresh memory."""
+    """What this machine's disk and memory allow for the same bytes: one raw file written and fsynced
+    and read back into fresh memory, and the same tensors written and read through TensorStore alone
+    (our layout and codecs, no catalog, no hashing)."""
     res: dict = {}
     raw = os.path.join(work, "raw.bin")
 

@@ -235,15 +235,8 @@ def load_shard(checkpoint, topology, rank: int, *, states: Iterable[str] | None 
     ``dtype``: one torch dtype for everything, or ``{state: dtype}`` (e.g. ``{"weight": torch.bfloat16}``
     to build bf16 weights from fp32 masters); default: the stored dtype.
     """
-    records = checkpoint.tensors()
-    if states is not None:
-        states = list(states)
-        stored = sorted({r.state for r in records})
-        unknown = [s for s in states if s not in stored]
-        if unknown:  # an empty shard would look like success; a typo'd state must not
-            raise UcpError(f"checkpoint {checkpoint.id} has no state {', '.join(map(repr, unknown))}; "
-                           f"its states are {', '.join(stored) or '(none)'}")
-    p = make_plan(records, topology, rank, states=states, **plan_kwargs)
+    p = make_plan(checkpoint.tensors(), topology, rank, states=None if states is None else list(states),
+                  **plan_kwargs)
     if lazy:
         return LazyShardState(checkpoint, p, dtype)
     return execute(checkpoint, p, dtype=dtype)

@@ -405,8 +405,10 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
     on_stage: dict[Any, bool] = {}
     flat_kind: dict[str, str | None] = {}
     layouts: dict[tuple, LocalLayout] = {}
+    stored_states: set[str] = set()
     for rec in records:
         name, state, shape, dtype, pattern_rec, chunk = _fields(rec)
+        stored_states.add(state)
         if type(pattern_rec) is dict:
             pl_raw = pattern_rec.get("placement")
             if layer_stage is not None and type(pl_raw) is dict:
@@ -447,6 +449,11 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
         if fk is ...:
             fk = flat_kind[state] = default_flat_kind(topo, state, flat_states)
         entries.append(_Entry(name, state, dtype, shape, chunk, p, bare, layout, fk))
+
+    if wanted is not None and not wanted <= stored_states:  # an empty plan would look like success
+        unknown = ", ".join(repr(x) for x in sorted(wanted - stored_states))
+        raise PlanError(f"no state {unknown} in any tensor; the states are "
+                        f"{', '.join(sorted(stored_states)) or '(none)'}")
 
     # ZeRO groups: members in record order, one layout per group shared by all its optimizer states
     fragments: dict[str, tuple[str, Fragment]] = {}
