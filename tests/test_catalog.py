@@ -118,8 +118,8 @@ def _count(session, model) -> int:
 
 
 def test_revisions_are_linear():
-    assert known_revisions() == ["0001", "0002"]
-    assert head_revision() == "0002"
+    assert known_revisions() == ["0001", "0002", "0003"]
+    assert head_revision() == "0003"
 
 
 def test_create_at_head(url, opened):
@@ -196,11 +196,11 @@ def test_upgrade_from_0001_keeps_rows(url, opened):
     finally:
         engine.dispose()
 
-    with pytest.raises(SchemaVersionError, match=r"'0001', older than .*'0002'.*ucp db upgrade"):
+    with pytest.raises(SchemaVersionError, match=r"'0001', older than .*'0003'.*ucp db upgrade"):
         open_catalog(url, create=False, upgrade=False)
 
     catalog = opened(url, create=False)  # upgrade=True by default
-    assert current_revision(catalog) == "0002"
+    assert current_revision(catalog) == "0003"
     assert "retention" in {c["name"] for c in inspect(catalog.engine).get_columns("runs")}
     with catalog.session() as s:
         run = s.scalars(select(Run)).one()
@@ -220,10 +220,55 @@ def test_downgrade_then_upgrade(url, opened):
         s.add(Run(name="r", retention={"keep_last": 1}))
     catalog.close()
     downgrade_to(url, "0001")
-    assert upgrade(url) == ("0001", "0002")
-    assert upgrade(url) == ("0002", "0002")
+    assert upgrade(url) == ("0001", "0003")
+    assert upgrade(url) == ("0003", "0003")
     with opened(url, create=False).session() as s:
         assert s.scalars(select(Run.retention)).one() is None  # the 0002 column came back empty
+
+
+def test_upgrade_from_0002_fills_tensor_layers(url, opened):
+    """0003 copies pattern.placement.layer into tensors.layer for rows written before it."""
+    assert upgrade(url, "0002", create=True) == (None, "0002")
+    engine = create_engine(url, poolclass=NullPool)
+    rows = {  # name -> (pattern, expected layer)
+        "layers.7.attn.qkv.weight": ({"kind": "fused", "dim": 0, "sizes": [4, 2, 2], "placement": {"layer": 7}}, 7),
+        "layers.0.norm.weight": ({"kind": "replicated", "placement": {"layer": 0, "local_name": "n{local}"}}, 0),
+        "embedding.weight": ({"kind": "vocab", "original_size": 10, "placement": {"stages": ["first", "last"]}},
+                             None),
+        "lm_head.bias": ({"kind": "replicated"}, None),
+        "loose": (None, None),
+        "odd": ({"kind": "replicated", "placement": {"layer": "3"}}, None),  # not an integer: left NULL
+    }
+    try:
+        with engine.begin() as conn:
+            meta = MetaData()
+            t = {n: Table(n, meta, autoload_with=conn) for n in ("runs", "checkpoints", "arrays", "tensors")}
+            assert "layer" not in t["tensors"].c
+            now = dt.datetime(2025, 6, 1, tzinfo=dt.timezone.utc)
+            conn.execute(t["runs"].insert().values(id=1, name="r", created_at=now))
+            conn.execute(t["checkpoints"].insert().values(id="c" * 16, run_id=1, step=1, status="committed",
+                                                          created_at=now, committed_at=now, format_version=1))
+            conn.execute(t["arrays"].insert().values(id="a" * 32, path="arrays/x", dtype="float32", shape=[2],
+                                                     chunk_shape=[2], shard_shape=[2], codecs=[], nbytes=8,
+                                                     created_at=now, status="ready"))
+            for pos, (name, (pattern, _)) in enumerate(rows.items()):
+                conn.execute(t["tensors"].insert().values(checkpoint_id="c" * 16, name=name, state="fp32",
+                                                          array_id="a" * 32, shape=[2], dtype="float32",
+                                                          pattern=pattern, nbytes=8, content_hash="h",
+                                                          position=pos))
+    finally:
+        engine.dispose()
+    assert upgrade(url) == ("0002", "0003")
+    with opened(url, create=False).session() as s:
+        got = dict(s.execute(select(Tensor.name, Tensor.layer)).all())
+    assert got == {name: layer for name, (_, layer) in rows.items()}
+    downgrade_to(url, "0002")
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            assert "layer" not in {c["name"] for c in inspect(conn).get_columns("tensors")}
+    finally:
+        engine.dispose()
 
 
 def test_newer_revision_is_refused(url, opened):
@@ -236,7 +281,7 @@ def test_newer_revision_is_refused(url, opened):
             open_catalog(url, create=create)
         msg = str(info.value)
         assert "'0099_from_the_future', newer than this ucp_store" in msg
-        assert "knows up to '0002'" in msg and "upgrade ucp_store" in msg
+        assert "knows up to '0003'" in msg and "upgrade ucp_store" in msg
     with pytest.raises(SchemaVersionError, match="0099_from_the_future"):
         upgrade(url)
 
@@ -260,6 +305,11 @@ def test_offline_sql_generation():
     assert "CREATE UNIQUE INDEX uq_checkpoints_committed_run_step" in sql and "WHERE status = 'committed'" in sql
     assert "ALTER TABLE runs ADD COLUMN retention JSON" in sql
     assert "UPDATE alembic_version SET version_num='0002'" in sql
+    assert "ALTER TABLE tensors ADD COLUMN layer INTEGER" in sql
+    assert "CREATE INDEX ix_tensors_checkpoint_id_layer ON tensors (checkpoint_id, layer)" in sql
+    assert "CREATE INDEX ix_tensors_checkpoint_id_position ON tensors (checkpoint_id, position)" in sql
+    assert "UPDATE tensors SET layer = (pattern -> 'placement' ->> 'layer')::integer" in sql  # backfill
+    assert "UPDATE alembic_version SET version_num='0003'" in sql
 
 
 # ---------------------------------------------------------------------------------------------- constraints
@@ -510,3 +560,18 @@ def test_manifest_schema():
 def test_unknown_kind():
     with pytest.raises(ValueError, match="unknown record kind 'nope'"):
         validate("nope", {})
+
+
+def test_tensor_info_from_catalog_sets_every_field():
+    import dataclasses
+
+    from ucp_store.records import TensorInfo
+
+    values = dict(name="w", state="fp32", shape=(2, 3), dtype="float32", pattern={"kind": "replicated"},
+                  chunk_shape=(2, 3), shard_shape=(2, 3), array="arrays/ab/cd", array_id="a" * 32,
+                  codecs=[{"name": "bytes"}], nbytes=24, content_hash="xxh3-128:0", position=5)
+    assert set(values) == {f.name for f in dataclasses.fields(TensorInfo)}  # a new field must be added here
+    fast = TensorInfo.from_catalog(**values)
+    assert fast == TensorInfo(**values) and vars(fast) == values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.name = "x"

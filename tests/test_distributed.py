@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ucp_store
+from ucp_store.topology import Topology
 from ucp_test_helpers import python_env, run_python
 
 WORKER = r'''
@@ -30,7 +31,7 @@ rank = dist.get_rank()
 g = torch.Generator().manual_seed(0)
 params = {
     "qkv": ((48, 16), {"kind": "fused", "dim": 0, "sizes": [32, 8, 8]}),
-    "o": ((16, 32), {"kind": "partitioned", "dim": 1}),
+    "o": ((16, 32), {"kind": "partitioned", "dim": 1, "placement": {"layer": 1}}),
     "norm": ((16,), {"kind": "replicated"}),
     "odd": ((7, 13), None),
 }
@@ -95,6 +96,10 @@ def test_tp_and_zero_ranks_write_one_checkpoint(tmp_path):
         for name, x in _logical().items():
             assert torch.equal(ck.read(name, "fp32"), x), (case, name)
         assert not ck.verify()
+        # the commit recorded o's layer: a 2-stage plan fetches its row for the second stage only
+        two_stages = Topology(pp=2, layers=2)
+        stage_rows = [{i.name for i in store.checkpoint(f"dist@{step}").plan_records(two_stages, r)} for r in (0, 1)]
+        assert stage_rows == [{"qkv", "norm", "odd"}, {"qkv", "o", "norm", "odd"}], case
     # the ZeRO straddling parameter really shared a shard between the two writers
     assert [c["step"] for c in store.list_checkpoints("dist")] == [1, 2]
 

@@ -85,3 +85,34 @@ def test_unknown_state_is_an_error_not_an_empty_shard(transformer_store):
     ck, _ = transformer_store
     with pytest.raises(ucp_store.errors.UcpError, match=r"no state 'fp16'.*exp_avg.*weight"):
         ck.load_shard(Topology(tp=2, layers=4), 0, states=["weight", "fp16"])
+
+
+def _layer(info):
+    placement = (info.pattern or {}).get("placement") or {}
+    return placement.get("layer")
+
+
+@pytest.mark.parametrize("ti", [i for i, t in enumerate(TOPOLOGIES) if t.pp > 1])
+def test_pipeline_stage_fetches_only_its_rows(transformer_store, ti):
+    """With pp > 1 the catalog returns a stage's layers plus the unlayered tensors, and the plan made from
+    them equals the plan made from every row."""
+    ck, _ = transformer_store
+    topo = TOPOLOGIES[ti]
+    every = ck.store.checkpoint("tf@1").tensors()
+    for rank in range(topo.world_size):
+        fresh = ck.store.checkpoint("tf@1")
+        records = fresh.plan_records(topo, rank)
+        assert fresh._infos is None  # the full row set was never loaded
+        layers = topo.layers_of_stage(topo.coords(rank)["pp"])
+        assert records == [i for i in every if _layer(i) is None or _layer(i) in layers]
+        assert len(records) < len(every)
+        assert plan(records, topo, rank) == plan(every, topo, rank)
+
+
+def test_pipeline_stage_on_too_few_layers_names_the_tensor(transformer_store):
+    ck, _ = transformer_store
+    fresh = ck.store.checkpoint("tf@1")
+    short = Topology(tp=2, pp=2, layers=2)  # the checkpoint has 4 layers
+    with pytest.raises(ucp_store.errors.UcpError, match=r"layers\.[23]\..* is placed on layer [23] but the topology "
+                                                        r"has layers=2"):
+        fresh.load_shard(short, 0)

@@ -115,11 +115,8 @@ def model_records(layers: int, h=1024, heads=16, kv_heads=8, head_dim=64, ffn=40
 
 
 # ---------------------------------------------------------------------- part 1: plan time
-def bench_plan_time(layers: int, repeats: int, load_gbps: float) -> None:
-    """``plan/load``: plan time over the time to load the rank's bytes at ``load_gbps`` (loading 100k
-    tensor-states end to end is not run here; bench_reshard.py measures real loads, 0.4-0.65 GB/s here)."""
-    recs = model_records(layers)
-    topologies = [
+def _topologies(layers: int) -> list[tuple[str, Topology]]:
+    return [
         ("tp8 pp8 dp16 zero1 ep8 (1024 ranks)", Topology(tp=8, pp=8, dp=16, zero_stage=1, ep=8, layers=layers)),
         ("tp4 pp1 dp8 zero3 (32 ranks)", Topology(tp=4, dp=8, zero_stage=3, layers=layers)),
         ("tp1 pp1 dp1 zero0 (1 rank)", Topology(layers=layers)),
@@ -129,6 +126,13 @@ def bench_plan_time(layers: int, repeats: int, load_gbps: float) -> None:
         ("tp2 (2 ranks)", Topology(tp=2, layers=layers)),
         ("tp8 pp16 dp4 zero2 sp2 (1024 ranks)", Topology(tp=8, pp=16, dp=4, sp=2, zero_stage=2, layers=layers)),
     ]
+
+
+def bench_plan_time(layers: int, repeats: int, load_gbps: float) -> None:
+    """``plan/load``: plan time over the time to load the rank's bytes at ``load_gbps`` (loading 100k
+    tensor-states end to end is not run here; bench_reshard.py measures real loads, 0.4-0.65 GB/s here)."""
+    recs = model_records(layers)
+    topologies = _topologies(layers)
     print(f"\nPlan time: {layers} layers, {len(recs):,} tensor-states in the catalog, one rank, cold caches "
           f"(best of {repeats}); JSON = Plan.to_json_text(); load at {load_gbps} GB/s")
     header = (f"{'topology':38} {'rank':>5} {'planned':>8} {'reads':>8} {'plan s':>7} {'us/planned':>10} "
@@ -139,6 +143,7 @@ def bench_plan_time(layers: int, repeats: int, load_gbps: float) -> None:
         for rank in sorted({0, t.world_size - 1}):
             best = math.inf
             for _ in range(repeats):
+                p = None  # the previous plan is freed outside the timed region
                 patterns.clear_caches()
                 t0 = time.perf_counter()
                 p = plan(recs, t, rank)
@@ -150,6 +155,81 @@ def bench_plan_time(layers: int, repeats: int, load_gbps: float) -> None:
                   f"{best / len(p.tensors) * 1e6:>10.1f} {best / len(recs) * 1e6:>9.1f} {json_s:>7.2f} "
                   f"{len(text) / 1e6:>8.1f} {p.bytes_needed / 1e9:>9.2f} "
                   f"{best / (p.bytes_needed / (load_gbps * 1e9)):>8.2%}")
+
+
+# ---------------------------------------------------------------------- part 1b: from a real catalog
+def catalog_store(root: str, recs: list[dict], catalog: str | None = None):
+    """A store whose catalog lists ``recs`` as one committed checkpoint ``bench@1``: catalog rows only.
+
+    Planning reads no array, so none is written (100k real arrays would take hours to write here); the
+    rows are what a save commits (``tensors.layer`` included), inserted in one transaction."""
+    import datetime as dt
+
+    from sqlalchemy import insert
+
+    import ucp_store
+    from ucp_store.catalog import models as m
+    from ucp_store.store import _layer_of
+
+    store = ucp_store.open_store(root, create=True, catalog=catalog)
+    now = dt.datetime.now(dt.timezone.utc)
+    arrays, tensors = [], []
+    for pos, r in enumerate(recs):
+        aid = f"{pos:032x}"
+        arrays.append(dict(id=aid, path=f"arrays/bench/{aid}", dtype=r["dtype"], shape=list(r["shape"]),
+                           chunk_shape=list(r["chunk_shape"]), shard_shape=list(r["shape"]),
+                           codecs=[{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                           nbytes=0, content_hash=None, created_at=now, status="ready"))
+        tensors.append(dict(checkpoint_id="b" * 16, name=r["name"], state=r["state"], array_id=aid,
+                            shape=list(r["shape"]), dtype=r["dtype"], pattern=r["pattern"], nbytes=0,
+                            content_hash="none", position=pos, layer=_layer_of(r["pattern"])))
+    with store.catalog.write_session() as s:
+        run = m.Run(name="bench")
+        s.add(run)
+        s.flush()
+        s.add(m.Checkpoint(id="b" * 16, run_id=run.id, step=1, status="committed", committed_at=now,
+                           format_version=1))
+        s.flush()
+        s.execute(insert(m.Array), arrays)
+        s.execute(insert(m.Tensor), tensors)
+    return store
+
+
+def bench_catalog_plan(layers: int, repeats: int, load_gbps: float, catalog: str | None, label: str) -> None:
+    """What ``Checkpoint.load_shard`` pays before its first read: fetch the rank's rows from the catalog
+    (a fresh ``Checkpoint`` each time, so nothing is cached) and plan them."""
+    import tempfile
+
+    recs = model_records(layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        store = catalog_store(f"{tmp}/store", recs, catalog)
+        print(f"\nCatalog fetch + plan ({label}): {len(recs):,} tensor rows inserted in "
+              f"{time.perf_counter() - t0:.1f} s; each rank: fresh Checkpoint, plan_records, plan (best of {repeats})")
+        header = (f"{'topology':38} {'rank':>5} {'rows':>8} {'planned':>8} {'fetch s':>7} {'plan s':>7} "
+                  f"{'total s':>7} {'GB needed':>9} {'plan/load':>9} {'total/load':>10}")
+        print(header)
+        print("-" * len(header))
+        for name, t in _topologies(layers):
+            for rank in sorted({0, t.world_size - 1}):
+                best = (math.inf, math.inf)
+                p = None
+                for _ in range(repeats):
+                    p = None  # the previous plan is freed outside the timed region
+                    patterns.clear_caches()
+                    ck = store.checkpoint("bench@1")
+                    t0 = time.perf_counter()
+                    rows = ck.plan_records(t, rank)
+                    t1 = time.perf_counter()
+                    p = plan(rows, t, rank)
+                    t2 = time.perf_counter()
+                    if t2 - t0 < sum(best):
+                        best = (t1 - t0, t2 - t1)
+                load = p.bytes_needed / (load_gbps * 1e9)
+                print(f"{name:38} {rank:>5} {len(rows):>8,} {len(p.tensors):>8,} {best[0]:>7.3f} {best[1]:>7.3f} "
+                      f"{sum(best):>7.3f} {p.bytes_needed / 1e9:>9.2f} {best[1] / load:>8.2%} "
+                      f"{sum(best) / load:>9.2%}")
+        store.catalog.close()
 
 
 # ---------------------------------------------------------------------- part 2: read amplification
@@ -239,9 +319,15 @@ def main() -> None:
     ap.add_argument("--load-gbps", type=float, default=1.0,
                     help="load rate for plan/load (default 1.0: above the 0.4-0.65 GB/s bench_reshard.py "
                          "measures here, so the ratio errs high)")
+    ap.add_argument("--postgres-url", default=None,
+                    help="also fetch from this PostgreSQL catalog (an empty database: the bench creates its rows)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    bench_plan_time(args.layers, 1 if args.quick else args.repeats, args.load_gbps)
+    repeats = 1 if args.quick else args.repeats
+    bench_plan_time(args.layers, repeats, args.load_gbps)
+    bench_catalog_plan(args.layers, repeats, args.load_gbps, None, "SQLite")
+    if args.postgres_url:
+        bench_catalog_plan(args.layers, repeats, args.load_gbps, args.postgres_url, "PostgreSQL")
     bench_amplification()
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
-from sqlalchemy import select
+from sqlalchemy import Text, cast, select
 
 from . import dtypes, format as fmt
 from .catalog import models as m
 from .errors import ChecksumError, ReferenceNotFound, UcpError
+from .planner import gc_paused
 from .records import TensorInfo
 
 
@@ -182,6 +184,9 @@ def compute_stats(handle: TensorHandle) -> TensorStats:
                        math.sqrt(total_sq), nan, inf)
 
 
+_MISSING = object()
+
+
 class Checkpoint:
     """A committed version. Tensor rows are loaded from the catalog once, on first use."""
 
@@ -215,17 +220,67 @@ class Checkpoint:
     # --- catalog rows ---------------------------------------------------------------------------
     def _load_infos(self) -> dict[tuple[str, str], TensorInfo]:
         if self._infos is None:
-            with self.store.catalog.session() as s:
-                q = (select(m.Tensor, m.Array).join(m.Array, m.Tensor.array_id == m.Array.id)
-                     .where(m.Tensor.checkpoint_id == self.id).order_by(m.Tensor.position))
-                self._infos = {
-                    (t.name, t.state): TensorInfo(
-                        name=t.name, state=t.state, shape=tuple(t.shape), dtype=t.dtype, pattern=t.pattern,
-                        chunk_shape=tuple(a.chunk_shape), shard_shape=tuple(a.shard_shape), array=a.path,
-                        array_id=a.id, codecs=a.codecs, nbytes=t.nbytes, content_hash=t.content_hash,
-                        position=t.position)
-                    for t, a in s.execute(q)}
+            with gc_paused():
+                self._infos = {(i.name, i.state): i for i in self._fetch_infos()}
         return self._infos
+
+    def _fetch_infos(self, layers: range | None = None, layer_limit: int | None = None) -> list[TensorInfo]:
+        """Tensor rows in saved order; with ``layers``, only rows on those layers or on none (plus any on a
+        layer at or past ``layer_limit``, so that the planner reports them).
+
+        Core rows, not ORM objects, and JSON columns read as text and decoded once per distinct value: a
+        1000-layer model has 100k rows but a few thousand distinct values, and the four states of a
+        parameter then share one pattern record, which the planner recognises by identity. Treat the
+        records' patterns, shapes and codecs as read-only: equal values are one object."""
+        t, a = m.Tensor, m.Array
+        q = (select(t.name, t.state, cast(t.shape, Text), t.dtype, cast(t.pattern, Text), cast(a.chunk_shape, Text),
+                    cast(a.shard_shape, Text), a.path, a.id, cast(a.codecs, Text), t.nbytes, t.content_hash,
+                    t.position)
+             .join(a, t.array_id == a.id).where(t.checkpoint_id == self.id))
+        if layers is not None:
+            cond = t.layer.is_(None) | t.layer.between(layers.start, layers.stop - 1)
+            if layer_limit is not None:
+                cond = cond | (t.layer >= layer_limit)
+            q = q.where(cond)
+        q = q.order_by(t.position)
+        values: dict[str, Any] = {None: None}  # JSON text -> decoded value (pattern, codecs)
+        tuples: dict[str, tuple] = {}          # JSON text of a list of ints -> tuple
+        loads = json.loads
+        out = []
+        # a Core connection: an ORM session would add its own per-row loading to plain column tuples
+        with gc_paused(), self.store.catalog.engine.connect() as conn:  # 100k acyclic records: see gc_paused
+            for (name, state, shape, dtype, pattern, chunk, shard, path, aid, codecs, nbytes, chash,
+                 pos) in conn.execute(q).fetchall():  # one DBAPI fetchall, not a fetchone per row
+                row = []
+                for text in (shape, chunk, shard):
+                    v = tuples.get(text)
+                    if v is None:
+                        v = tuples[text] = tuple(loads(text))
+                    row.append(v)
+                p = values.get(pattern, _MISSING)
+                if p is _MISSING:
+                    p = values[pattern] = loads(pattern)
+                c = values.get(codecs, _MISSING)
+                if c is _MISSING:
+                    c = values[codecs] = loads(codecs)
+                out.append(TensorInfo.from_catalog(name, state, row[0], dtype, p, row[1], row[2], path, aid, c,
+                                                   nbytes, chash, pos))
+        return out
+
+    def plan_records(self, topology, rank: int) -> list[TensorInfo]:
+        """The records a plan for ``rank`` of ``topology`` reads, in saved order.
+
+        With pipeline stages, the catalog returns only the rank's stage's layers and the tensors on no
+        layer (tied, unplaced), using ``tensors.layer``: a stage of a 1000-layer model then fetches a
+        fraction of the rows. Everything else (or when the rows are already loaded) gets all rows; the
+        planner skips what the rank does not hold either way."""
+        from .topology import as_topology
+
+        topo = as_topology(topology)
+        if self._infos is not None or topo.pp == 1:
+            return self.tensors()
+        stage = topo.coords(rank)["pp"]
+        return self._fetch_infos(topo.layers_of_stage(stage), layer_limit=topo.layers)
 
     def tensors(self, name: str | None = None, state: str | None = None) -> list[TensorInfo]:
         return [i for i in self._load_infos().values()

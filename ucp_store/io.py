@@ -36,11 +36,14 @@ def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:
 class _Reader:
     """Opens each array once and keeps a bounded window of reads in flight."""
 
-    def __init__(self, checkpoint, window_bytes: int | None = _MAX_INFLIGHT_BYTES):
+    def __init__(self, checkpoint, window_bytes: int | None = _MAX_INFLIGHT_BYTES,
+                 infos: Mapping[tuple[str, str], TensorInfo] | None = None):
         self.checkpoint = checkpoint
         self.window_bytes = window_bytes  # None: no bound
         self.store = checkpoint.store
-        self.infos: dict[tuple[str, str], TensorInfo] = {(i.name, i.state): i for i in checkpoint.tensors()}
+        # the records the plan was made from (a stage's rows), else every row of the checkpoint
+        self.infos: Mapping[tuple[str, str], TensorInfo] = (
+            _by_key(checkpoint.tensors()) if infos is None else infos)
         self._handles: dict[str, Any] = {}
         self._inflight: deque = deque()
         self._bytes = 0
@@ -129,9 +132,16 @@ class ShardState:
         return out
 
 
-def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str]] | None = None) -> ShardState:
-    """Run every read of ``plan`` (or of the ``only`` tensor-states), concurrently."""
-    reader = _Reader(checkpoint)
+def _by_key(infos: Iterable[TensorInfo]) -> dict[tuple[str, str], TensorInfo]:
+    return {(i.name, i.state): i for i in infos}
+
+
+def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str]] | None = None,
+            infos: Iterable[TensorInfo] | None = None) -> ShardState:
+    """Run every read of ``plan`` (or of the ``only`` tensor-states), concurrently.
+
+    ``infos``: the catalog records the plan was made from (default: all of the checkpoint's)."""
+    reader = _Reader(checkpoint, infos=None if infos is None else _by_key(infos))
     out = ShardState(plan)
     wanted = None if only is None else set(only)
     for b in plan.buffers:
@@ -172,10 +182,12 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
 class LazyShardState(ShardState):
     """Like ShardState, but each tensor-state is read on first access (a group buffer as a whole)."""
 
-    def __init__(self, checkpoint, plan: Plan, dtype):
+    def __init__(self, checkpoint, plan: Plan, dtype, infos: Iterable[TensorInfo] | None = None):
         super().__init__(plan)
         self._checkpoint = checkpoint
         self._dtype = dtype
+        # built once: every access opens a reader over the same records
+        self._infos = _by_key(checkpoint.tensors() if infos is None else infos)
         self._by_key = {(t.local_name, t.state): t for t in plan.tensors}
         self._loaded_buffers: set[str] = set()
 
@@ -190,7 +202,7 @@ class LazyShardState(ShardState):
             self.buffer(tp.buffer)
             return self.views[key]
         if key not in self.tensors:
-            reader = _Reader(self._checkpoint)
+            reader = _Reader(self._checkpoint, infos=self._infos)
             _submit_tensor(reader, self, tp, self._dtype)
             reader.drain()
             self.bytes_read += reader.bytes_copied
@@ -200,7 +212,7 @@ class LazyShardState(ShardState):
         if key not in self._loaded_buffers:
             b = next(b for b in self.plan.buffers if b.key == key)
             self.buffers[key] = torch.zeros(b.numel, dtype=_target_dtype(self._dtype, b.state, b.dtype))
-            reader = _Reader(self._checkpoint)
+            reader = _Reader(self._checkpoint, infos=self._infos)
             for tp in self.plan.tensors:
                 if tp.buffer == key:
                     _submit_tensor(reader, self, tp, self._dtype)
@@ -235,11 +247,11 @@ def load_shard(checkpoint, topology, rank: int, *, states: Iterable[str] | None 
     ``dtype``: one torch dtype for everything, or ``{state: dtype}`` (e.g. ``{"weight": torch.bfloat16}``
     to build bf16 weights from fp32 masters); default: the stored dtype.
     """
-    p = make_plan(checkpoint.tensors(), topology, rank, states=None if states is None else list(states),
-                  **plan_kwargs)
+    records = checkpoint.plan_records(topology, rank)  # a pipeline stage gets its own layers' rows
+    p = make_plan(records, topology, rank, states=None if states is None else list(states), **plan_kwargs)
     if lazy:
-        return LazyShardState(checkpoint, p, dtype)
-    return execute(checkpoint, p, dtype=dtype)
+        return LazyShardState(checkpoint, p, dtype, infos=records)
+    return execute(checkpoint, p, dtype=dtype, infos=records)
 
 
 __all__ = ["ChecksumError", "LazyShardState", "ShardState", "execute", "load_shard"]

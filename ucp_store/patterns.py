@@ -45,11 +45,12 @@ only uses array arithmetic and works on numpy arrays and torch tensors alike).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from .errors import PatternError, TopologyError
 from .topology import Topology
@@ -180,9 +181,8 @@ class LocalLayout:
     padding: tuple[Box, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Fragment:
-    """A rank's ZeRO fragment of one parameter.
+class Fragment(NamedTuple):
+    """A rank's ZeRO fragment of one parameter (a named tuple: a ZeRO-3 plan makes one per parameter).
 
     Elements ``[start, stop)`` of the flattened TP-local tensor land at ``buffer_start`` of the rank's
     flat buffer; ``slot`` buffer elements are reserved there (``slot > stop - start`` only for the ZeRO-3
@@ -1005,11 +1005,28 @@ class ZeroGroupLayout:
 
     def fragments(self, zero_rank: int) -> list[tuple[int, Fragment]]:
         """``(parameter index, fragment)`` for every parameter rank ``zero_rank`` holds a slot of."""
+        numels, offsets = self.numels, self.offsets
+        if self.zero_stage == 3:  # every parameter has a piece on every rank (empty for tiny ones)
+            world = self.world
+            out = []
+            for i, n in enumerate(numels):
+                piece = -(-n // world)
+                if piece:
+                    start = min(zero_rank * piece, n)
+                    out.append((i, Fragment(start, min(start + piece, n), offsets[i], piece)))
+            return out
+        # stage 1/2: only the parameters overlapping [lo, hi) of the flat group; offsets ascend
+        lo = zero_rank * self.partition_numel
+        hi = lo + self.partition_numel
+        first = max(bisect.bisect_right(offsets, lo) - 1, 0)
         out = []
-        for i in range(len(self.numels)):
-            f = self.fragment(i, zero_rank)
-            if f is not None and f.slot > 0:
-                out.append((i, f))
+        for i in range(first, len(numels)):
+            off = offsets[i]
+            if off >= hi:
+                break
+            a, b = max(off, lo), min(off + numels[i], hi)
+            if b > a:
+                out.append((i, Fragment(a - off, b - off, a - lo, b - a)))
         return out
 
     def gaps(self, zero_rank: int) -> tuple[FlatRange, ...]:

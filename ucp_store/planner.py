@@ -32,10 +32,13 @@ Chunk boundaries for writers: ``split_points`` and ``chunk_alignment``.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
+import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Sequence
 
 from .errors import PlanError
 from .records import TensorInfo
@@ -103,8 +106,12 @@ class Read:
         return {"box": self.box.to_json(), "dst": self.dst.to_json()}
 
 
-@dataclass(frozen=True, slots=True)
-class TensorPlan:
+class TensorPlan(NamedTuple):
+    """One tensor-state the rank needs: where its reads land, what must be zero, and what they cost.
+
+    A named tuple, not a dataclass: a 1000-layer plan builds 100k of them, and a frozen dataclass costs
+    seven times as much to construct."""
+
     name: str
     state: str
     local_name: str            # the name this rank's stage uses (placement.local_name / layer_names)
@@ -308,6 +315,7 @@ def _union(cboxes: list[tuple[tuple[int, int], ...]], dim: int, shape: tuple[int
 
 # ====================================================================== the planner
 _RECORD_FIELDS = ("name", "state", "shape", "dtype", "pattern", "chunk_shape")
+_INFO_FIELDS = operator.attrgetter(*_RECORD_FIELDS)
 _OPTIONAL = frozenset({"pattern", "chunk_shape"})
 
 
@@ -354,19 +362,6 @@ def _shape(value: Any, name: str, what: str) -> tuple[int, ...] | None:
     return value
 
 
-@dataclass(slots=True)
-class _Entry:
-    name: str
-    state: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunk: tuple[int, ...] | None
-    pattern: Pattern
-    layout_pattern: Pattern  # the pattern without placement (layouts do not depend on it)
-    layout: LocalLayout
-    flat: str | None  # None, "group" or "own"
-
-
 def default_flat_kind(topology: Topology, state: str, flat_states: Collection[str] | None = None) -> str | None:
     """How a state is held under ZeRO: ``None`` (TP-local tensor), ``"group"`` (flat group buffer) or
     ``"own"`` (a per-parameter flat partition: ZeRO-3 weights)."""
@@ -377,6 +372,10 @@ def default_flat_kind(topology: Topology, state: str, flat_states: Collection[st
     if flat_states is not None:
         return "group" if state in flat_states else None
     return None if state in NOT_FLAT_STATES else "group"
+
+
+_SKIP = (None, None, False, None, False)  # a pattern-memo entry for a tensor another stage holds
+_UNSET = object()
 
 
 def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: int, *,
@@ -390,7 +389,31 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
     ``flat_states``: the optimizer states ZeRO partitions (default: every state but ``weight``/``step``).
     ``zero_groups``: parameter name -> ZeRO parameter group (default ``"default"`` / ``"expert"``).
 
-    Patterns of tensors placed on another stage's layer are not parsed (so not validated) here."""
+    ``records`` may hold only this stage's tensors (``Checkpoint.plan_records`` asks the catalog for
+    them) or every tensor. Patterns of tensors placed on another stage's layer are not parsed (so not
+    validated) here."""
+    with gc_paused():
+        return _plan(records, topology, rank, states, flat_states, zero_groups, coalesce)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Pause the cyclic garbage collector while a large acyclic result is built.
+
+    A 1000-layer plan allocates a few hundred thousand tuples; each allocation burst triggers collections
+    that rescan every live container (the caller's records too), which cost 40% of the plan here. Nothing
+    planned forms a cycle, so reference counting frees all of it; the collector is restored after."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _plan(records, topology, rank, states, flat_states, zero_groups, coalesce) -> Plan:
     topo = as_topology(topology)
     coords = topo.coords(rank)
     stage, tp, tp_rank, ep, ep_rank, vmult = (coords["pp"], topo.tp, coords["tp"], topo.ep, coords["ep"],
@@ -398,82 +421,119 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
     wanted = None if states is None else frozenset(states)
     # stage of every layer, so that other stages' layers are skipped before their pattern is parsed
     layer_stage = [topo.stage_of_layer(i) for i in range(topo.layers)] if topo.pp > 1 else None
+    default_names = topo.layer_names is None
 
-    # pass 1: the records this stage holds, with their TP/EP-local layouts
-    entries: list[_Entry] = []
-    seen: set[tuple[str, str]] = set()
+    # Per-plan memos keyed by object identity: a catalog hands the four states of a parameter one shared
+    # pattern record and shape, and hashing a nested JSON value costs more than the lookup it guards.
+    # Each memo value holds its key object, so no id is recycled while the plan is built.
+    by_pattern: dict[int, tuple] = {}  # id(record) -> (record, pattern, held, bare, renamed)
+    by_shape: dict[int, tuple] = {}    # id(shape value) -> (value, validated tuple)
+    by_chunk: dict[int, tuple] = {}
+    chunk_values: dict[tuple, tuple] = {}
     on_stage: dict[Any, bool] = {}
     flat_kind: dict[str, str | None] = {}
     layouts: dict[tuple, LocalLayout] = {}
+
+    # pass 1: the records this stage holds, with their TP/EP-local layouts. Consecutive records usually
+    # share their pattern, shape and chunk objects (the states of one parameter): an identity check then
+    # skips every lookup. Entries are plain tuples (name, state, dtype, shape, chunk, pattern, layout,
+    # flat kind, renamed): 100k of them per plan.
+    entries: list[tuple] = []
+    add_entry = entries.append
+    # ZeRO group members (parameters with an optimizer state held flat), in record order
+    group_members: dict[str, list[str]] = {}
+    group_states: dict[str, set[str]] = {}
+    member_group: dict[str, str] = {}
+    member_numel: dict[str, int] = {}
+    member_expert: dict[str, bool] = {}
+    seen: dict[str, set[str]] = {}
     stored_states: set[str] = set()
+    add_state = stored_states.add
+    prev_pattern = prev_shape = prev_chunk = _UNSET
+    p = bare = shape = chunk = layout = None
+    held = renamed = False
+    info_fields = _INFO_FIELDS
     for rec in records:
-        name, state, shape, dtype, pattern_rec, chunk = _fields(rec)
-        stored_states.add(state)
-        if type(pattern_rec) is dict:
-            pl_raw = pattern_rec.get("placement")
-            if layer_stage is not None and type(pl_raw) is dict:
-                layer = pl_raw.get("layer")
-                if type(layer) is int and 0 <= layer < len(layer_stage) and layer_stage[layer] != stage:
-                    continue
-        elif isinstance(pattern_rec, str):
-            pattern_rec = json.loads(pattern_rec)
-        p = parse_pattern(pattern_rec, name=name)
-        pl = p.placement
-        if pl is not None:
-            held = on_stage.get(pl)
-            if held is None:
-                held = on_stage[pl] = stage in stages_of_placement(pl, topo, name)
-            if not held:
-                continue
-        key = (name, state)
-        if key in seen:
+        if type(rec) is TensorInfo:  # what Checkpoint.load_shard passes: one C-level getter
+            name, state, shape_rec, dtype, pattern_rec, chunk_rec = info_fields(rec)
+        else:
+            name, state, shape_rec, dtype, pattern_rec, chunk_rec = _fields(rec)
+        add_state(state)
+        if pattern_rec is not prev_pattern:
+            hit = by_pattern.get(id(pattern_rec))
+            if hit is None:
+                hit = by_pattern[id(pattern_rec)] = _pattern_entry(pattern_rec, name, topo, stage, layer_stage,
+                                                                   on_stage, default_names)
+            _, p, held, bare, renamed = hit
+            prev_pattern, layout = pattern_rec, None
+        if not held:
+            continue
+        names_seen = seen.get(state)  # per state, a set of names: no (name, state) tuple per record
+        if names_seen is None:
+            names_seen = seen[state] = set()
+        n_seen = len(names_seen)
+        names_seen.add(name)
+        if len(names_seen) == n_seen:
             raise PlanError(f"tensor-state ({name!r}, {state!r}) is listed twice")
-        seen.add(key)
-        shape = _shape(shape, name, "shape")
-        chunk = _shape(chunk, name, "chunk_shape")
-        if chunk is not None and len(chunk) != len(shape):
-            raise PlanError(f"tensor {name!r} state {state!r}: chunk_shape {list(chunk)} does not match shape "
-                            f"{list(shape)}")
-        # per-plan memos keyed by object identity (without_placement hands every layer's pattern the same
-        # twin): hashing a nested pattern value costs more than the lookup it guards, and every object
-        # keyed here stays alive in ``entries`` until the plan is done
-        bare = without_placement(p)
-        lkey = (id(bare), shape)
-        layout = layouts.get(lkey)
-        if layout is None:
-            layout = layouts[lkey] = tp_layout(bare, shape, tp, tp_rank, ep=ep, ep_rank=ep_rank,
-                                               vocab_multiple=vmult, name=name)
+        if shape_rec is not prev_shape:
+            sh = by_shape.get(id(shape_rec))
+            if sh is None:
+                sh = by_shape[id(shape_rec)] = (shape_rec, _shape(shape_rec, name, "shape"))
+            shape, prev_shape, layout = sh[1], shape_rec, None
+        if chunk_rec is not prev_chunk:
+            if chunk_rec is None:
+                chunk = None
+            else:
+                ch = by_chunk.get(id(chunk_rec))
+                if ch is None:
+                    value = _shape(chunk_rec, name, "chunk_shape")
+                    value = chunk_values.setdefault(value, value)  # one object per value: pass 2 keys by id
+                    ch = by_chunk[id(chunk_rec)] = (chunk_rec, value)
+                chunk = ch[1]
+            prev_chunk, layout = chunk_rec, None
+        if layout is None:  # something changed since the previous record
+            if chunk is not None and len(chunk) != len(shape):
+                raise PlanError(f"tensor {name!r} state {state!r}: chunk_shape {list(chunk)} does not match shape "
+                                f"{list(shape)}")
+            lkey = (id(bare), shape)  # the placement-less twin is shared by every layer's pattern
+            layout = layouts.get(lkey)
+            if layout is None:
+                layout = layouts[lkey] = tp_layout(bare, shape, tp, tp_rank, ep=ep, ep_rank=ep_rank,
+                                                   vocab_multiple=vmult, name=name)
         if type(dtype) is not str:
             dtype = str(dtype)
-        fk = flat_kind.get(state, ...)
-        if fk is ...:
+        fk = flat_kind.get(state, _UNSET)
+        if fk is _UNSET:
             fk = flat_kind[state] = default_flat_kind(topo, state, flat_states)
-        entries.append(_Entry(name, state, dtype, shape, chunk, p, bare, layout, fk))
+        if fk == "group":  # ZeRO group membership, in record order
+            group = member_group.get(name)
+            if group is None:
+                group = member_group[name] = _group_of(name, p, zero_groups)
+                expert = isinstance(p, Expert)
+                members = group_members.get(group)
+                if members is None:
+                    members = group_members[group] = []
+                    group_states[group] = set()
+                elif member_expert[members[0]] != expert:
+                    raise PlanError(f"ZeRO group {group!r} mixes expert ({members[0]!r} or {name!r}) and "
+                                    f"non-expert parameters, which are partitioned over different ranks; put them "
+                                    f"in separate groups")
+                members.append(name)
+                member_numel[name] = math.prod(layout.shape)
+                member_expert[name] = expert
+            group_states[group].add(state)
+        add_entry((name, state, dtype, shape, chunk, p, layout, fk, renamed))
 
     if wanted is not None and not wanted <= stored_states:  # an empty plan would look like success
         unknown = ", ".join(repr(x) for x in sorted(wanted - stored_states))
         raise PlanError(f"no state {unknown} in any tensor; the states are "
                         f"{', '.join(sorted(stored_states)) or '(none)'}")
 
-    # ZeRO groups: members in record order, one layout per group shared by all its optimizer states
-    fragments: dict[str, tuple[str, Fragment]] = {}
-    group_members: dict[str, list[str]] = {}
+    # ZeRO groups: one layout per group shared by all its optimizer states
+    fragments: dict[str, tuple] = {}  # name -> (group, fragment, its extent, its buffer slot)
+    extents: dict[tuple, tuple] = {}
     group_layouts = {}
     if topo.zero_stage > 0:
-        member_numel: dict[str, int] = {}
-        member_expert: dict[str, bool] = {}
-        for e in entries:
-            if e.flat != "group" or e.name in member_numel:
-                continue
-            group = _group_of(e.name, e.pattern, zero_groups)
-            expert = isinstance(e.pattern, Expert)
-            members = group_members.setdefault(group, [])
-            if members and member_expert[members[0]] != expert:
-                raise PlanError(f"ZeRO group {group!r} mixes expert ({members[0]!r} or {e.name!r}) and non-expert "
-                                f"parameters, which are partitioned over different ranks; put them in separate groups")
-            members.append(e.name)
-            member_numel[e.name] = math.prod(e.layout.shape)
-            member_expert[e.name] = expert
         for group, members in group_members.items():
             expert = member_expert[members[0]]
             layout = zero_group_layout([member_numel[m] for m in members], topo.zero_world(expert), topo.zero_stage,
@@ -481,57 +541,65 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
             group_layouts[group] = layout
             zrank = topo.zero_rank(rank, expert)
             for index, frag in layout.fragments(zrank):
-                fragments[members[index]] = (group, frag)
+                extent = (frag.start, frag.stop, frag.slot)
+                extent = extents.setdefault(extent, extent)  # one object per extent: pass 2 keys by id
+                fragments[members[index]] = (group, frag, extent, (frag.buffer_start, frag.buffer_start + frag.slot))
 
     # pass 2: one TensorPlan per wanted tensor-state
     tensors: list[TensorPlan] = []
+    add_tensor = tensors.append
+    new_tuple = tuple.__new__
     memo: dict[tuple, tuple] = {}
+    sizes: dict[str, int] = {}
     own_fragments: dict[tuple[int, bool], Fragment] = {}
-    default_names = topo.layer_names is None
     buffer_dtypes: dict[str, str] = {}
     buffer_slots: dict[str, list[tuple[int, int]]] = {}
-    for e in entries:
-        if wanted is not None and e.state not in wanted:
+    for name, state, dtype, shape, chunk, p, layout, fk, renamed in entries:
+        if wanted is not None and state not in wanted:
             continue
-        size = itemsize(e.dtype)
+        size = sizes.get(dtype)
+        if size is None:
+            size = sizes[dtype] = itemsize(dtype)
         fragment = buffer = frag_key = None
-        if e.flat == "group":
-            hit = fragments.get(e.name)
+        if fk == "group":
+            hit = fragments.get(name)
             if hit is None:
                 continue  # this rank holds no part of the parameter
-            group, fragment = hit
-            buffer = f"{group}/{e.state}"
-            if buffer_dtypes.setdefault(buffer, e.dtype) != e.dtype:
-                raise PlanError(f"ZeRO buffer {buffer!r} mixes dtypes {buffer_dtypes[buffer]} and {e.dtype} "
-                                f"(tensor {e.name!r})")
-            buffer_slots.setdefault(buffer, []).append((fragment.buffer_start, fragment.buffer_start + fragment.slot))
-            frag_key = (fragment.start, fragment.stop, fragment.slot)
-        elif e.flat == "own":
-            expert = isinstance(e.pattern, Expert)
-            numel = math.prod(e.layout.shape)
+            group, fragment, frag_key, slot = hit
+            buffer = f"{group}/{state}"
+            slots = buffer_slots.get(buffer)
+            if slots is None:
+                slots = buffer_slots[buffer] = []
+                buffer_dtypes[buffer] = dtype
+            elif buffer_dtypes[buffer] != dtype:
+                raise PlanError(f"ZeRO buffer {buffer!r} mixes dtypes {buffer_dtypes[buffer]} and {dtype} "
+                                f"(tensor {name!r})")
+            slots.append(slot)
+        elif fk == "own":
+            expert = isinstance(p, Expert)
+            numel = math.prod(layout.shape)
             fragment = own_fragments.get((numel, expert))
             if fragment is None:
                 own = zero_group_layout([numel], topo.zero_world(expert), 3)
                 fragment = own_fragments[(numel, expert)] = own.fragment(0, topo.zero_rank(rank, expert))
-            frag_key = (fragment.start, fragment.stop, fragment.slot)
-        key = (id(e.layout), e.chunk, size, frag_key)  # the layout object stands for (pattern, shape)
+            frag_key = fragment  # one object per (numel, expert), kept alive by own_fragments
+        # by identity: the layout object stands for (pattern, shape), and chunk shapes and fragment
+        # extents are one object per value (interned above), so no nested tuple is hashed per record
+        key = (id(layout), id(chunk), size, id(frag_key))
         cached = memo.get(key)
         if cached is None:
-            cached = memo[key] = _reads_for(e.layout, fragment, e.shape, e.chunk, size, coalesce)
+            cached = memo[key] = _reads_for(layout, fragment, shape, chunk, size, coalesce)
         reads, padding, needed, chunks, read_bytes = cached
-        pl = e.pattern.placement
-        if default_names and (pl is None or (pl.local_name is None and not pl.local_names)):
-            local_name = e.name
-        else:
-            local_name = stage_local_name(e.name, e.pattern, topo, stage)
-        tensors.append(TensorPlan(e.name, e.state, local_name, e.dtype, e.shape, e.layout.shape, reads, padding,
-                                  needed, chunks, read_bytes, fragment, buffer))
+        local_name = stage_local_name(name, p, topo, stage) if renamed else name
+        # tuple.__new__ skips the named tuple's Python-level __new__ (a third of building 100k of them)
+        add_tensor(new_tuple(TensorPlan, (name, state, local_name, dtype, shape, layout.shape, reads, padding,
+                                          needed, chunks, read_bytes, fragment, buffer)))
 
     buffers = []
     for group, members in group_members.items():
         layout = group_layouts[group]
         member_set = set(members)
-        for state in sorted({e.state for e in entries if e.flat == "group" and e.name in member_set}):
+        for state in sorted(group_states[group]):
             if wanted is not None and state not in wanted:
                 continue
             key = f"{group}/{state}"
@@ -544,10 +612,34 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
             if layout.partition_numel > at:
                 padding.append(FlatRange(at, layout.partition_numel))
             holders = tuple(m for m in members if m in fragments)
-            dtype = buffer_dtypes.get(key) or next(e.dtype for e in entries
-                                                   if e.state == state and e.name in member_set)
+            dtype = buffer_dtypes.get(key) or next(e[2] for e in entries if e[1] == state and e[0] in member_set)
             buffers.append(BufferPlan(key, group, state, dtype, layout.partition_numel, holders, tuple(padding)))
     return Plan(topo, rank, coords, tuple(tensors), tuple(buffers))
+
+
+def _pattern_entry(pattern_rec: Any, name: str, topo: Topology, stage: int, layer_stage: list[int] | None,
+                   on_stage: dict[Any, bool], default_names: bool) -> tuple:
+    """``(record, pattern, held by this stage, placement-less twin, may be renamed)`` for a pattern record."""
+    if type(pattern_rec) is dict:
+        pl_raw = pattern_rec.get("placement")
+        if layer_stage is not None and type(pl_raw) is dict:
+            layer = pl_raw.get("layer")
+            if type(layer) is int and 0 <= layer < len(layer_stage) and layer_stage[layer] != stage:
+                return (pattern_rec,) + _SKIP[1:]  # another stage's layer: not parsed
+        p = parse_pattern(pattern_rec, name=name)
+    elif isinstance(pattern_rec, str):  # JSON text, as some catalogs hand it over
+        p = parse_pattern(json.loads(pattern_rec), name=name)
+    else:
+        p = parse_pattern(pattern_rec, name=name)
+    pl = p.placement
+    if pl is not None:
+        held = on_stage.get(pl)
+        if held is None:
+            held = on_stage[pl] = stage in stages_of_placement(pl, topo, name)
+        if not held:
+            return (pattern_rec,) + _SKIP[1:]
+    renamed = not default_names or (pl is not None and (pl.local_name is not None or bool(pl.local_names)))
+    return pattern_rec, p, True, without_placement(p), renamed
 
 
 def _group_of(name: str, pattern: Pattern, zero_groups: Mapping[str, str] | Callable[[str], str] | None) -> str:

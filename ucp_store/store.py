@@ -97,6 +97,16 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
     return store
 
 
+def _layer_of(pattern: dict | None) -> int | None:
+    """The catalog's ``tensors.layer``: the pattern's placement layer, or None."""
+    if pattern is None:
+        return None
+    from .patterns import parse_pattern
+
+    placement = parse_pattern(pattern).placement
+    return None if placement is None else placement.layer
+
+
 @dataclass
 class GcReport:
     removed_checkpoints: list[str] = field(default_factory=list)
@@ -654,7 +664,8 @@ class CheckpointWriter:
         self._seen.add((name, state))
         self._rows.append(m.Tensor(checkpoint_id=self.id, name=name, state=state, array_id=aid, shape=list(array.shape),
                                    dtype=dtype, pattern=pattern, nbytes=array.nbytes, content_hash=h,
-                                   position=self._next_position() if position is None else int(position)))
+                                   position=self._next_position() if position is None else int(position),
+                                   layer=_layer_of(pattern)))
         self.nbytes += array.nbytes
         if len(self._rows) >= _ROW_BATCH:
             self.flush()
@@ -780,7 +791,8 @@ class CheckpointWriter:
                 array_id = aid
             self._rows.append(m.Tensor(checkpoint_id=self.id, name=key[0], state=key[1], array_id=array_id,
                                        shape=list(layout.shape), dtype=layout.dtype, pattern=pattern,
-                                       nbytes=layout.nbytes, content_hash=h, position=self._next_position()))
+                                       nbytes=layout.nbytes, content_hash=h, position=self._next_position(),
+                                       layer=_layer_of(pattern)))
         self._origin.clear()
         self.flush()
 

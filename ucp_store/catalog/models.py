@@ -241,6 +241,8 @@ class Tensor(Base):
         UniqueConstraint("checkpoint_id", "name", "state"),
         Index("ix_tensors_name", "name"),
         Index("ix_tensors_array_id", "array_id"),
+        Index("ix_tensors_checkpoint_id_layer", "checkpoint_id", "layer"),
+        Index("ix_tensors_checkpoint_id_position", "checkpoint_id", "position"),
     )
 
     id: Mapped[int] = mapped_column(_BigIntPK, primary_key=True)
@@ -256,6 +258,9 @@ class Tensor(Base):
     content_hash: Mapped[str] = mapped_column(String(128))
     #: order in which the tensor-states were saved
     position: Mapped[int] = mapped_column(Integer)
+    #: ``pattern.placement.layer`` (NULL: no layer, e.g. tied or unplaced), so that a pipeline stage's
+    #: plan fetches only its own layers' rows
+    layer: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
 
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="tensors")
     array: Mapped[Array] = relationship()
