@@ -534,3 +534,23 @@ def test_placement_parsed_apart_equals_whole_record(base, placement):
     assert pat.without_placement(whole) == bare  # a pattern built elsewhere takes the slow path, same value
     with pytest.raises(PatternError, match="'t'.*placement"):
         pat.parse_pattern({**base, "placement": {"layer": 1, "stages": ["first"]}}, name="t")
+
+
+@settings(max_examples=300, deadline=None)
+@given(numels=st.lists(st.integers(0, 40), min_size=1, max_size=12), world=st.integers(1, 9),
+       stage=st.sampled_from([1, 2, 3]), alignment=st.sampled_from([1, 2, 4]),
+       param_alignment=st.sampled_from([1, 2, 8]))
+def test_zero_fragments_equal_fragment_per_parameter(numels, world, stage, alignment, param_alignment):
+    """``fragments`` (bisected for ZeRO-1/2) lists exactly the parameters ``fragment`` gives a slot, and every
+    flat element of the group lands on one rank once."""
+    layout = zero_group_layout(numels, world, stage, alignment=alignment, param_alignment=param_alignment)
+    cover = [0] * sum(numels)
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    for z in range(world):
+        want = [(i, f) for i in range(len(numels)) if (f := layout.fragment(i, z)) is not None and f.slot > 0]
+        got = layout.fragments(z)
+        assert got == want
+        for i, f in got:
+            for k in range(f.start, f.stop):
+                cover[starts[i] + k] += 1
+    assert cover == [1] * sum(numels)

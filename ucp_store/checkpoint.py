@@ -246,25 +246,30 @@ class Checkpoint:
         values: dict[str, Any] = {None: None}  # JSON text -> decoded value (pattern, codecs)
         tuples: dict[str, tuple] = {}          # JSON text of a list of ints -> tuple
         loads = json.loads
+        make = TensorInfo.from_catalog
         out = []
+        add = out.append
         # a Core connection: an ORM session would add its own per-row loading to plain column tuples
         with gc_paused(), self.store.catalog.engine.connect() as conn:  # 100k acyclic records: see gc_paused
-            for (name, state, shape, dtype, pattern, chunk, shard, path, aid, codecs, nbytes, chash,
-                 pos) in conn.execute(q).fetchall():  # one DBAPI fetchall, not a fetchone per row
-                row = []
-                for text in (shape, chunk, shard):
-                    v = tuples.get(text)
-                    if v is None:
-                        v = tuples[text] = tuple(loads(text))
-                    row.append(v)
+            rows = conn.execute(q).fetchall()  # one DBAPI fetchall, not a fetchone per row
+            for (name, state, shape, dtype, pattern, chunk, shard, path, aid, codecs, nbytes, chash, pos) in rows:
+                s = tuples.get(shape)
+                if s is None:
+                    s = tuples[shape] = tuple(loads(shape))
+                c = tuples.get(chunk)
+                if c is None:
+                    c = tuples[chunk] = tuple(loads(chunk))
+                sh = tuples.get(shard)
+                if sh is None:
+                    sh = tuples[shard] = tuple(loads(shard))
                 p = values.get(pattern, _MISSING)
                 if p is _MISSING:
                     p = values[pattern] = loads(pattern)
-                c = values.get(codecs, _MISSING)
-                if c is _MISSING:
-                    c = values[codecs] = loads(codecs)
-                out.append(TensorInfo.from_catalog(name, state, row[0], dtype, p, row[1], row[2], path, aid, c,
-                                                   nbytes, chash, pos))
+                cd = values.get(codecs, _MISSING)
+                if cd is _MISSING:
+                    cd = values[codecs] = loads(codecs)
+                add(make(name, state, s, dtype, p, c, sh, path, aid, cd, nbytes, chash, pos))
+            del rows  # freed before the collector resumes, so it never scans them
         return out
 
     def plan_records(self, topology, rank: int) -> list[TensorInfo]:

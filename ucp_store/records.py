@@ -33,9 +33,10 @@ class TensorInfo:
         field through ``object.__setattr__`` (4 us a record here), a third of fetching 100k rows. The
         instance is as frozen as any other."""
         obj = object.__new__(cls)
-        obj.__dict__.update(name=name, state=state, shape=shape, dtype=dtype, pattern=pattern,
-                            chunk_shape=chunk_shape, shard_shape=shard_shape, array=array, array_id=array_id,
-                            codecs=codecs, nbytes=nbytes, content_hash=content_hash, position=position)
+        object.__setattr__(obj, "__dict__", {
+            "name": name, "state": state, "shape": shape, "dtype": dtype, "pattern": pattern,
+            "chunk_shape": chunk_shape, "shard_shape": shard_shape, "array": array, "array_id": array_id,
+            "codecs": codecs, "nbytes": nbytes, "content_hash": content_hash, "position": position})
         return obj
 
     @property
