@@ -133,7 +133,8 @@ def _topologies(layers: int) -> list[tuple[str, Topology]]:
 
 
 def catalog_store(root: str, recs: list[dict], catalog: str | None = None):
-    """A store whose catalog lists ``recs`` as one committed checkpoint ``bench@1``: catalog rows only.
+    """``(store, ref, drop)``: a store whose catalog lists ``recs`` as one committed checkpoint ``ref``, as
+    catalog rows only, and a function deleting those rows again (a PostgreSQL catalog outlives the run).
 
     Planning reads no array, so none is written (100k real arrays would take hours to write here); the
     rows are what a save commits (``tensors.layer`` included), inserted in one transaction."""
@@ -145,28 +146,41 @@ def catalog_store(root: str, recs: list[dict], catalog: str | None = None):
     from ucp_store.catalog import models as m
     from ucp_store.store import _layer_of
 
+    from sqlalchemy import delete
+
     store = ucp_store.open_store(root, create=True, catalog=catalog)
     now = dt.datetime.now(dt.timezone.utc)
+    cid = m.new_id()  # fresh ids and run name: the catalog may hold an earlier run's rows
+    run_name = f"bench-{cid}"
     arrays, tensors = [], []
     for pos, r in enumerate(recs):
-        aid = f"{pos:032x}"
+        aid = f"{cid}{pos:016x}"
         arrays.append(dict(id=aid, path=f"arrays/bench/{aid}", dtype=r["dtype"], shape=list(r["shape"]),
                            chunk_shape=list(r["chunk_shape"]), shard_shape=list(r["shape"]),
                            codecs=[{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
                            nbytes=0, content_hash=None, created_at=now, status="ready"))
-        tensors.append(dict(checkpoint_id="b" * 16, name=r["name"], state=r["state"], array_id=aid,
+        tensors.append(dict(checkpoint_id=cid, name=r["name"], state=r["state"], array_id=aid,
                             shape=list(r["shape"]), dtype=r["dtype"], pattern=r["pattern"], nbytes=0,
                             content_hash="none", position=pos, layer=_layer_of(r["pattern"])))
     with store.catalog.write_session() as s:
-        run = m.Run(name="bench")
+        run = m.Run(name=run_name)
         s.add(run)
         s.flush()
-        s.add(m.Checkpoint(id="b" * 16, run_id=run.id, step=1, status="committed", committed_at=now,
+        s.add(m.Checkpoint(id=cid, run_id=run.id, step=1, status="committed", committed_at=now,
                            format_version=1))
         s.flush()
         s.execute(insert(m.Array), arrays)
         s.execute(insert(m.Tensor), tensors)
-    return store
+
+    def drop() -> None:
+        with store.catalog.write_session() as s:
+            s.execute(delete(m.Tensor).where(m.Tensor.checkpoint_id == cid))
+            s.execute(delete(m.Checkpoint).where(m.Checkpoint.id == cid))
+            s.execute(delete(m.Array).where(m.Array.id.startswith(cid)))
+            s.execute(delete(m.Run).where(m.Run.name == run_name))
+        store.catalog.close()
+
+    return store, f"{run_name}@1", drop
 
 
 def per_read_seconds(arrays: int = 1000) -> float:
@@ -211,7 +225,7 @@ def bench_plan_time(layers: int, repeats: int, load_gbps: float, catalog: str | 
     recs = model_records(layers)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        store = catalog_store(f"{tmp}/store", recs, catalog)
+        store, ref, drop = catalog_store(f"{tmp}/store", recs, catalog)
         print(f"\nPlan time ({label} catalog): {layers} layers, {len(recs):,} tensor rows (inserted in "
               f"{time.perf_counter() - t0:.1f} s); best of {repeats}; load at {load_gbps} GB/s, "
               f"+{read_s * 1e6:.0f} us per read for bw+reads")
@@ -229,7 +243,7 @@ def bench_plan_time(layers: int, repeats: int, load_gbps: float, catalog: str | 
                     p = rows = None  # the previous result is freed outside the timed region
                     patterns.clear_caches()
                     gc.collect()
-                    ck = store.checkpoint("bench@1")
+                    ck = store.checkpoint(ref)
                     t0 = time.perf_counter()
                     rows = ck.plan_records(t, rank)
                     gc.collect(1)  # the collection the fetched rows leave due: charged to the fetch
@@ -246,7 +260,7 @@ def bench_plan_time(layers: int, repeats: int, load_gbps: float, catalog: str | 
                       f"{plan_s:>6.3f} {plan_s / len(rows) * 1e6:>6.1f} {p.bytes_needed / 1e9:>7.2f} | "
                       f"{plan_s / bw:>12.2%} {(fetch + plan_s) / bw:>11.2%} | "
                       f"{plan_s / model:>18.2%} {(fetch + plan_s) / model:>17.2%}")
-        store.catalog.close()
+        drop()
 
 
 # ---------------------------------------------------------------------- part 2: read amplification

@@ -159,7 +159,7 @@ def _script() -> ScriptDirectory:
 
 
 def head_revision() -> str:
-    """The newest schema revision this ucp_store knows (e.g. ``'0002'``)."""
+    """The newest schema revision this ucp_store knows (e.g. ``'0003'``)."""
     head = _script().get_current_head()
     if head is None:  # pragma: no cover - broken installation
         raise CatalogError(f"no migrations found in {migrations_dir()}")
