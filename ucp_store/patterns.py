@@ -1004,7 +1004,10 @@ class ZeroGroupLayout:
         return Fragment(a - off, b - off, a - lo, b - a)
 
     def fragments(self, zero_rank: int) -> list[tuple[int, Fragment]]:
-        """``(parameter index, fragment)`` for every parameter rank ``zero_rank`` holds a slot of."""
+        """``(parameter index, fragment)`` for every parameter rank ``zero_rank`` holds a slot of.
+
+        The arithmetic of ``fragment`` inlined (a ZeRO-3 group of a 1000-layer model has 25k members),
+        and for stage 1/2 only over the members overlapping the rank; a property test holds the two equal."""
         numels, offsets = self.numels, self.offsets
         if self.zero_stage == 3:  # every parameter has a piece on every rank (empty for tiny ones)
             world = self.world

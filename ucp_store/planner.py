@@ -320,9 +320,8 @@ _OPTIONAL = frozenset({"pattern", "chunk_shape"})
 
 
 def _fields(rec: Any) -> tuple:
-    """``(name, state, shape, dtype, pattern, chunk_shape)`` of a dict or an object record."""
-    if type(rec) is TensorInfo:  # what Checkpoint.load_shard passes: kept cheap
-        return rec.name, rec.state, rec.shape, rec.dtype, rec.pattern, rec.chunk_shape
+    """``(name, state, shape, dtype, pattern, chunk_shape)`` of a dict or an object record (the planner
+    reads ``TensorInfo`` records itself, through ``_INFO_FIELDS``)."""
     if type(rec) is dict:  # the other common case
         try:
             return rec["name"], rec["state"], rec["shape"], rec["dtype"], rec.get("pattern"), rec.get("chunk_shape")
@@ -374,7 +373,6 @@ def default_flat_kind(topology: Topology, state: str, flat_states: Collection[st
     return None if state in NOT_FLAT_STATES else "group"
 
 
-_SKIP = (None, None, False, None, False)  # a pattern-memo entry for a tensor another stage holds
 _UNSET = object()
 
 
@@ -625,7 +623,7 @@ def _pattern_entry(pattern_rec: Any, name: str, topo: Topology, stage: int, laye
         if layer_stage is not None and type(pl_raw) is dict:
             layer = pl_raw.get("layer")
             if type(layer) is int and 0 <= layer < len(layer_stage) and layer_stage[layer] != stage:
-                return (pattern_rec,) + _SKIP[1:]  # another stage's layer: not parsed
+                return pattern_rec, None, False, None, False  # another stage's layer: not parsed
         p = parse_pattern(pattern_rec, name=name)
     elif isinstance(pattern_rec, str):  # JSON text, as some catalogs hand it over
         p = parse_pattern(json.loads(pattern_rec), name=name)
@@ -637,7 +635,7 @@ def _pattern_entry(pattern_rec: Any, name: str, topo: Topology, stage: int, laye
         if held is None:
             held = on_stage[pl] = stage in stages_of_placement(pl, topo, name)
         if not held:
-            return (pattern_rec,) + _SKIP[1:]
+            return pattern_rec, None, False, None, False
     renamed = not default_names or (pl is not None and (pl.local_name is not None or bool(pl.local_names)))
     return pattern_rec, p, True, without_placement(p), renamed
 
