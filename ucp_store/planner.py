@@ -418,7 +418,9 @@ def _plan(records, topology, rank, states, flat_states, zero_groups, coalesce) -
                                               topo.vocab_multiple)
     wanted = None if states is None else frozenset(states)
     # stage of every layer, so that other stages' layers are skipped before their pattern is parsed
-    layer_stage = [topo.stage_of_layer(i) for i in range(topo.layers)] if topo.pp > 1 else None
+    starts = topo.stage_starts
+    layer_stage = ([s for s in range(topo.pp) for _ in range(starts[s], starts[s + 1])] if topo.pp > 1
+                   else None)
     default_names = topo.layer_names is None
 
     # Per-plan memos keyed by object identity: a catalog hands the four states of a parameter one shared
