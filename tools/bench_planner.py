@@ -409,6 +409,9 @@ def main() -> None:
                     help="layers of the small-dimension model written to a real store and loaded end to end "
                          "(0: skip; 100 layers = 10k arrays, about a minute to write)")
     args = ap.parse_args()
+    deepest = max(t.pp for _, t in _topologies(10**6))
+    if args.layers < deepest or 0 < args.real_layers < deepest:
+        ap.error(f"--layers and --real-layers (unless 0) must be >= {deepest}: the deepest topology has pp={deepest}")
     t0 = time.perf_counter()
     repeats = 1 if args.quick else args.repeats
     read_s = per_read_seconds()
