@@ -404,7 +404,8 @@ def main() -> None:
                     help="load rate for plan/load (default 1.0: above the 0.4-0.65 GB/s bench_reshard.py "
                          "measures here, so the ratio errs high)")
     ap.add_argument("--postgres-url", default=None,
-                    help="also fetch from this PostgreSQL catalog (an empty database: the bench creates its rows)")
+                    help="also fetch from this PostgreSQL catalog (rows go in under a fresh run name and are "
+                         "deleted after)")
     ap.add_argument("--real-layers", type=int, default=100,
                     help="layers of the small-dimension model written to a real store and loaded end to end "
                          "(0: skip; 100 layers = 10k arrays, about a minute to write)")
