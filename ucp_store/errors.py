@@ -55,3 +55,7 @@ class UnsafePickleError(UcpError):
 
 class SourceFormatError(UcpError):
     """A foreign checkpoint (torch file, DeepSpeed folder) is missing, truncated or of an unknown layout."""
+
+
+class ConfigurationError(UcpError):
+    """A setting, URL or environment is wrong (not the data): e.g. no process group where one is needed."""

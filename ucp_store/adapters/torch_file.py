@@ -6,6 +6,7 @@ which would execute whatever the file asks.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 from typing import Any, Iterator
@@ -13,6 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import SourceFormatError, UcpError, UnsafePickleError
+from .base import TensorRecord, import_source
 
 
 def load_weights_only(path: str) -> Any:
@@ -61,34 +63,50 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+class TorchFileSource:
+    """A plain state dict in one ``torch.save`` file: tensors become tensor-states, the rest JSON objects.
+
+    The file is read once with ``torch.load(weights_only=True)`` (memory-mapped when it is a zip file)."""
+
+    kind = "torch_file"
+
+    def __init__(self, path: str, *, state: str = "weight"):
+        self.path = os.path.abspath(path)
+        self.state = state
+        data = load_weights_only(path)
+        if isinstance(data, torch.Tensor):
+            data = {"tensor": data}
+        if not isinstance(data, dict):
+            raise SourceFormatError(f"torch file {path} holds a {type(data).__name__}, expected a state dict")
+        leaves = list(flatten(data))
+        self._tensors = [(n, v) for n, v in leaves if isinstance(v, torch.Tensor)]
+        self._others = {n: _jsonable(v) for n, v in leaves if not isinstance(v, torch.Tensor)}
+
+    def describe(self) -> str:
+        return os.path.basename(self.path)
+
+    def provenance(self) -> dict:
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        return {"source_kind": self.kind, "source_path": self.path,
+                "source_hashes": {os.path.basename(self.path): "sha256:" + h.hexdigest()}}
+
+    def records(self) -> Iterator[TensorRecord]:
+        for name, tensor in self._tensors:
+            yield TensorRecord(name, self.state, tensor)
+
+    def objects(self) -> dict[str, Any]:
+        return dict(self._others)
+
+
 def import_torch_file(store, path: str, run: str, step: int, *, state: str = "weight", message: str | None = None,
                       progress: bool = True):
     """Import a plain state dict: tensors become tensor-states, everything else JSON objects."""
-    import hashlib
-
-    from ..progress import track
-
-    data = load_weights_only(path)
-    if isinstance(data, torch.Tensor):
-        data = {"tensor": data}
-    if not isinstance(data, dict):
-        raise SourceFormatError(f"torch file {path} holds a {type(data).__name__}, expected a state dict")
-    leaves = list(flatten(data))
-    tensors = [(n, v) for n, v in leaves if isinstance(v, torch.Tensor)]
-    others = {n: _jsonable(v) for n, v in leaves if not isinstance(v, torch.Tensor)}
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    provenance = {"source_kind": "torch_file", "source_path": os.path.abspath(path),
-                  "source_hashes": {os.path.basename(path): "sha256:" + h.hexdigest()}}
-    with store.begin(run, step, message=message, provenance=provenance) as w:
-        for name, tensor in track(tensors, f"import {os.path.basename(path)}", enabled=progress,
-                                  weight=lambda nv: nv[1].numel() * nv[1].element_size()):
-            w.write(name, state, tensor)
-        for name, value in others.items():
-            w.write_object(name, value)
-    return w.checkpoint
+    source = TorchFileSource(path, state=state)
+    ck_id = import_source(store, source, run, step, message=message, progress=progress, distributed=False)
+    return store.checkpoint(ck_id)
 
 
 def export_torch_file(checkpoint, path: str, *, state: str | None = None, progress: bool = True) -> int:

@@ -1,0 +1,242 @@
+"""The adapter interface: what a source yields, and the one function that stores it.
+
+A *source* is anything a checkpoint can come from: a DeepSpeed tag folder, a universal folder, a torch
+file, a DCP folder, a Hugging Face folder, a live sharded state dict. Each one is read by an adapter that
+turns it into a stream of :class:`TensorRecord` (name, state, logical tensor or a rank's shard, pattern)
+plus JSON objects and provenance. :func:`import_source` owns everything else, once for every source:
+
+1. (rank 0) ``store.begin`` / (other ranks) ``store.join`` the pending version;
+2. write every record (whole tensors through ``CheckpointWriter.write``, shards through
+   ``write_shard``), flushing every ``inflight_bytes`` so memory stays bounded, with a progress bar;
+3. ``source.objects()`` (called only after ``records()`` is exhausted, so a source may collect what it
+   saw), merged over ranks and written by rank 0;
+4. commit (rank 0, after every rank's arrays are durable) or abort everywhere on any error.
+
+Nothing is listed before step 4 succeeds. Under ``torch.distributed`` each rank's source yields its own
+share (the adapter decides the split); the ranks agree through ``ucp_store.distributed``.
+
+A *sink* is the reverse: it takes a committed :class:`~ucp_store.checkpoint.Checkpoint` and writes a
+foreign layout (a torch file, a universal folder, a DCP folder, an HF folder). Sinks write under a
+temporary name and rename at the end, so a crash never leaves a folder a foreign loader would accept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import torch
+
+    from ..checkpoint import Checkpoint
+    from ..store import CheckpointWriter, Store
+
+__all__ = ["ShardSpec", "TensorRecord", "Source", "Sink", "import_source", "merge_objects"]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a record's tensor sits when it is one rank's share, not the whole logical tensor.
+
+    The fields are ``CheckpointWriter.write_shard``'s: the logical ``shape``, the source ``topology`` and
+    ``rank``, and for a ZeRO flat fragment its ``fragment`` (start/numel in the rank's flat buffer)."""
+
+    shape: tuple[int, ...]
+    topology: Any
+    rank: int
+    fragment: Any = None
+    targets: tuple = ()
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor-state of a source.
+
+    ``tensor`` is the whole logical tensor (``shard is None``) or one rank's share (``shard`` set).
+    ``position`` orders tensor-states in the version (ZeRO group layouts follow it); ``None`` means the
+    order of writing. Under torch.distributed every rank must pass the global order."""
+
+    name: str
+    state: str
+    tensor: "torch.Tensor | np.ndarray"
+    pattern: dict | None = None
+    position: int | None = None
+    shard: ShardSpec | None = None
+
+    @property
+    def nbytes(self) -> int:
+        t = self.tensor
+        return int(t.nbytes) if hasattr(t, "nbytes") else t.numel() * t.element_size()
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A checkpoint to import. Call order: ``describe``/``provenance`` (any time), ``records`` once,
+    then ``objects`` once (it may depend on what ``records`` yielded)."""
+
+    #: provenance ``source_kind`` (``deepspeed``, ``torch_file``, ``dcp``, ``hf``, ``dist``, ...)
+    kind: str
+
+    def describe(self) -> str:
+        """A short human name for progress bars and messages (usually the path)."""
+        ...
+
+    def provenance(self) -> Mapping[str, Any]:
+        """``source_path``, ``source_topology``, ``source_hashes``, ``library_versions``, ``extra``."""
+        ...
+
+    def records(self) -> Iterable[TensorRecord]:
+        """Every tensor-state this rank contributes."""
+        ...
+
+    def objects(self) -> Mapping[str, Any]:
+        """JSON objects to store beside the tensors (config, scheduler, step counters, ...)."""
+        ...
+
+
+class Sink(Protocol):
+    """A foreign layout to export into: ``write(checkpoint, dest, **options)`` returns a summary."""
+
+    kind: str
+
+    def write(self, checkpoint: "Checkpoint", dest: str, **options: Any) -> Mapping[str, Any]:
+        ...
+
+
+def merge_objects(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Objects from several ranks, merged key by key: dict values one level deep (ranks contribute
+    disjoint entries), anything else from the first rank that has it."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for k, v in part.items():
+            if k in out and isinstance(out[k], dict) and isinstance(v, dict):
+                out[k] = {**v, **out[k]}
+            else:
+                out.setdefault(k, v)
+    return out
+
+
+def _default_inflight() -> int:
+    import os
+
+    return int(os.environ.get("UCP_IMPORT_INFLIGHT_MB", "256")) << 20
+
+
+def write_records(writer: "CheckpointWriter", records: Iterable[TensorRecord], *, inflight_bytes: int | None = None,
+                  progress: bool = False, description: str = "import", total: int | None = None,
+                  on_record: Callable[[TensorRecord], None] | None = None) -> int:
+    """Write records into an open writer, flushing every ``inflight_bytes``; returns bytes written."""
+    from ..progress import track
+
+    limit = _default_inflight() if inflight_bytes is None else inflight_bytes
+    n = since = 0
+    for rec in track(records, description, enabled=progress, total=total):
+        t = rec.tensor
+        if hasattr(t, "is_contiguous") and not t.is_contiguous():
+            t = t.contiguous()
+        if rec.shard is None:
+            writer.write(rec.name, rec.state, t, pattern=rec.pattern, position=rec.position)
+        else:
+            s = rec.shard
+            writer.write_shard(rec.name, rec.state, t, shape=s.shape, pattern=rec.pattern, topology=s.topology,
+                               rank=s.rank, fragment=s.fragment, targets=s.targets)
+        nb = rec.nbytes
+        n += nb
+        since += nb
+        if on_record is not None:
+            on_record(rec)
+        if since >= limit:
+            writer.flush()
+            since = 0
+    return n
+
+
+def _dist_group(distributed: bool | None, group: Any):
+    """(dist module, rank, world) when this import runs over torch.distributed, else (None, 0, 1)."""
+    if distributed is False:
+        return None, 0, 1
+    try:
+        import torch.distributed as dist
+    except Exception:  # pragma: no cover - torch without distributed
+        return None, 0, 1
+    if not (dist.is_available() and dist.is_initialized()):
+        if distributed:
+            from ..errors import ConfigurationError
+
+            raise ConfigurationError("distributed=True, but torch.distributed is not initialised "
+                                     "(call dist.init_process_group first, or run under torchrun)")
+        return None, 0, 1
+    world = dist.get_world_size(group)
+    if world == 1:
+        return None, 0, 1
+    return dist, dist.get_rank(group), world
+
+
+def import_source(store: "Store", source: Source, run: str, step: int, *, message: str | None = None,
+                  parent: str | None = "auto", progress: bool = True, distributed: bool | None = None,
+                  group: Any = None, inflight_bytes: int | None = None, total: int | None = None) -> str:
+    """Store ``source`` as ``run@step``; returns the committed version id (the same on every rank).
+
+    ``distributed=None`` runs over torch.distributed when it is initialised with more than one rank
+    (every rank must call this with its own share); ``False`` forces a single-process import. On any error,
+    on any rank, every rank raises and nothing is listed."""
+    from ..errors import UcpError
+
+    dist, rank, world = _dist_group(distributed, group)
+    prov = dict(source.provenance())
+    msg = message or f"import of {source.kind} checkpoint {source.describe()}"
+    description = f"import {source.describe()}"
+    show = progress and rank == 0
+    if dist is None:
+        writer = store.begin(run, step, parent=parent, message=msg, provenance=prov)
+        try:
+            write_records(writer, source.records(), inflight_bytes=inflight_bytes, progress=show,
+                          description=description, total=total)
+            for k, v in source.objects().items():
+                writer.write_object(k, v)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.commit().id
+
+    from ..distributed import _all_ok, distributed_begin, distributed_commit
+
+    writer = distributed_begin(store, run, step, group=group, parent=parent, message=msg, provenance=prov)
+    error: BaseException | None = None
+    objs: Mapping[str, Any] = {}
+    try:
+        write_records(writer, source.records(), inflight_bytes=inflight_bytes, progress=show,
+                      description=description, total=total)
+        objs = source.objects()
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+        error = exc
+    if not _all_ok(error is None, group):
+        writer.abort()
+        raise UcpError(f"import of {source.describe()} failed on some rank; aborted (nothing listed)") from error
+    parts: list = [None] * world
+    dist.all_gather_object(parts, dict(objs), group=group)
+    if rank == 0:
+        try:
+            for k, v in merge_objects(parts).items():
+                writer.write_object(k, v)
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+    if not _all_ok(error is None, group):
+        writer.abort()
+        raise UcpError(f"import of {source.describe()} failed while writing its objects; aborted") from error
+    return distributed_commit(writer, group=group)
+
+
+def iter_leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Nested dicts/lists -> (dotted name, leaf) pairs; lists of plain values stay one leaf."""
+    import torch
+
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from iter_leaves(v, f"{prefix}{k}.")
+    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, torch.Tensor)) for v in obj):
+        for i, v in enumerate(obj):
+            yield from iter_leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], obj
