@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
+
+from .patterns import Pattern, Vocab, parse_pattern
 
 MIB = 1 << 20
 MIN_TARGET = 1 * MIB
@@ -51,44 +53,24 @@ def _smallest_prime_factor(n: int) -> int:
     return n
 
 
-def split_dims_for_pattern(pattern: dict | None, ndim: int) -> dict[int, set[int]]:
-    """Which dims a pattern splits, with the extra boundaries it implies (fused sub-parameter edges)."""
+def split_dims_for_pattern(pattern: Mapping[str, Any] | Pattern | None, ndim: int) -> dict[int, set[int]]:
+    """Which dims a pattern splits, with the extra boundaries it implies (fused sub-parameter edges).
+
+    No pattern (unknown layout) splits dim 0: rows are what column-parallel TP and ZeRO flattening cut.
+    """
     if ndim == 0:
         return {}
     if not pattern:
-        # unknown layout: rows are what column-parallel TP and ZeRO flattening cut
         return {0: set()}
-    kind = pattern.get("kind")
-    if kind in ("replicated", "averaged"):
-        return {}
-    if kind in ("partitioned", "vocab"):
-        return {int(pattern.get("dim", 0)): set()}
-    if kind == "fused":
-        edges = set(itertools_accumulate(pattern.get("sizes", [])))
-        return {int(pattern.get("dim", 0)): edges}
-    if kind == "expert":
-        e_dim = int(pattern.get("dim", 0))
-        inner = split_dims_for_pattern(pattern.get("inner"), max(ndim - 1, 0))
-        out = {e_dim: set()}
-        for d, edges in inner.items():
-            out[d + 1 if d >= e_dim else d] = edges
-        return out
-    return {0: set()}
-
-
-def itertools_accumulate(sizes: Iterable[int]) -> list[int]:
-    total, out = 0, []
-    for s in sizes:
-        total += int(s)
-        out.append(total)
-    return out
+    p = pattern if isinstance(pattern, Pattern) else parse_pattern(pattern)
+    return {d: set(edges) for d, edges in p.split_edges().items()}
 
 
 def choose_chunking(
     shape: Sequence[int],
     itemsize: int,
     *,
-    pattern: dict | None = None,
+    pattern: Mapping[str, Any] | Pattern | None = None,
     boundaries: dict[int, Iterable[int]] | None = None,
     target_bytes: int = DEFAULT_TARGET,
     shard_target_bytes: int = DEFAULT_SHARD_TARGET,
@@ -108,7 +90,8 @@ def choose_chunking(
     if any(s == 0 for s in shape):
         return Chunking(tuple(max(s, 1) for s in shape), tuple(max(s, 1) for s in shape))
 
-    split = split_dims_for_pattern(pattern, len(shape))
+    parsed = None if not pattern else pattern if isinstance(pattern, Pattern) else parse_pattern(pattern)
+    split = split_dims_for_pattern(parsed, len(shape))
     for d, edges in (boundaries or {}).items():
         split.setdefault(int(d), set()).update(int(e) for e in edges)
 
@@ -118,9 +101,9 @@ def choose_chunking(
             continue
         row_bytes = math.prod(shape[:d] + shape[d + 1:]) * itemsize
         unit = _pow2_unit(shape[d], row_bytes, MIN_CHUNK_BYTES)
-        if pattern and pattern.get("kind") == "vocab" and d == int(pattern.get("dim", 0)):
+        if isinstance(parsed, Vocab) and d == parsed.dim:
             # padded TP splits fall on multiples of the padding multiple, not on splits of n
-            unit = min(shape[d], int(pattern.get("multiple", VOCAB_ROW_UNIT)))
+            unit = min(shape[d], VOCAB_ROW_UNIT)
         for e in edges:
             if 0 < e < shape[d]:
                 unit = math.gcd(unit, e)

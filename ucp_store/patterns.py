@@ -247,6 +247,20 @@ class Pattern:
         """Identical on every TP rank (so only TP rank 0 writes it)."""
         return False
 
+    @property
+    def layer(self) -> int | None:
+        """The global pipeline layer of ``placement`` (the catalog's ``tensors.layer``), or None."""
+        return None if self.placement is None else self.placement.layer
+
+    @property
+    def split_dims(self) -> tuple[int, ...]:
+        """The logical dims this pattern splits across ranks (TP or EP), ascending; () when none."""
+        return tuple(sorted(self.split_edges()))
+
+    def split_edges(self) -> dict[int, frozenset[int]]:
+        """Each split dim with the interior boundaries the pattern fixes on it (fused sub-parameter edges)."""
+        return {}
+
     def to_json(self) -> dict[str, Any]:
         out = {"kind": self.kind, **self._fields_json()}
         if self.placement is not None:
@@ -292,6 +306,9 @@ class Partitioned(Pattern):
     widths: tuple[tuple[int, tuple[int, ...]], ...] = ()  # ((tp, per-rank widths), ...) sorted by tp
     kind = "partitioned"
 
+    def split_edges(self) -> dict[int, frozenset[int]]:
+        return {self.dim: frozenset()}
+
     def widths_for(self, tp: int) -> tuple[int, ...] | None:
         for t, w in self.widths:
             if t == tp:
@@ -311,6 +328,9 @@ class Vocab(Pattern):
     original_size: int
     kind = "vocab"
 
+    def split_edges(self) -> dict[int, frozenset[int]]:
+        return {self.dim: frozenset()}
+
     def _fields_json(self) -> dict[str, Any]:
         return {"dim": self.dim, "original_size": self.original_size}
 
@@ -322,6 +342,9 @@ class Fused(Pattern):
     # ((tp, ((sub 0 per-rank widths), (sub 1 ...), ...)), ...) sorted by tp
     widths: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...] = ()
     kind = "fused"
+
+    def split_edges(self) -> dict[int, frozenset[int]]:
+        return {self.dim: frozenset(itertools.accumulate(self.sizes[:-1]))}
 
     def widths_for(self, tp: int) -> tuple[tuple[int, ...], ...] | None:
         for t, w in self.widths:
@@ -346,6 +369,13 @@ class Expert(Pattern):
     @property
     def tp_replicated(self) -> bool:
         return self.inner.tp_replicated
+
+    def split_edges(self) -> dict[int, frozenset[int]]:
+        # the inner pattern's dims exclude the expert dim: shift those at or past it by one
+        out: dict[int, frozenset[int]] = {self.dim: frozenset()}
+        for d, edges in self.inner.split_edges().items():
+            out[d + 1 if d >= self.dim else d] = edges
+        return out
 
     def _fields_json(self) -> dict[str, Any]:
         return {"dim": self.dim, "num_experts": self.num_experts, "inner": self.inner.to_json()}

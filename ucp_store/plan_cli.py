@@ -7,13 +7,14 @@ import math
 from typing import Any
 
 from .errors import UcpError
+from .patterns import parse_pattern
 from .planner import plan as make_plan
 from .topology import Topology
 
 
 def _infer_layers(infos) -> int:
-    layers = [((i.pattern or {}).get("placement") or {}).get("layer") for i in infos]
-    layers = [x for x in layers if isinstance(x, int)]
+    layers = [parse_pattern(i.pattern).layer for i in infos if i.pattern]
+    layers = [x for x in layers if x is not None]
     return max(layers) + 1 if layers else 0
 
 
