@@ -12,10 +12,16 @@ Codec chain of every array (innermost last)::
 - compression is per store: ``none`` (default, see tools/bench_compression.py for why), ``zstd`` or
   ``blosc`` (zstd with byte shuffle).
 0-d arrays skip sharding (one chunk, nothing to index).
+
+Everything that builds a TensorStore spec lives here (:func:`array_spec`); other modules open arrays
+through :func:`create_array` / :func:`open_array` and validate settings through
+:func:`check_compression`, never through this module's private helpers. Array paths come from
+``location.array_path``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -28,8 +34,16 @@ import xxhash
 
 from . import dtypes
 from .chunking import DEFAULT_TARGET, choose_chunking
-from .errors import ChecksumError, UcpError
+from ._window import read_failed
+from .errors import ChecksumError, ConfigurationError, ReadError
 from .location import Location
+
+__all__ = [
+    "COMPRESSIONS", "HASH_PREFIX", "Box", "ArrayLayout", "check_compression", "compression_of", "plan_layout",
+    "make_context", "array_spec", "create_array", "open_array", "metadata_mismatch", "read_metadata", "box_index",
+    "is_corruption", "locate_bad_chunks", "read_box", "ContentHasher", "content_hash", "slabs", "VerifyReport",
+    "verify_array",
+]
 
 COMPRESSIONS = ("none", "zstd", "blosc")
 HASH_PREFIX = "xxh3-128:"
@@ -45,7 +59,13 @@ def _compression_codecs(compression: str, itemsize: int) -> list[dict]:
     if compression == "blosc":
         return [{"name": "blosc", "configuration": {"cname": "zstd", "clevel": 3, "shuffle": "shuffle",
                                                     "typesize": itemsize, "blocksize": 0}}]
-    raise UcpError(f"compression {compression!r} is unknown; expected one of {', '.join(COMPRESSIONS)}")
+    raise ConfigurationError(f"compression {compression!r} is unknown; expected one of {', '.join(COMPRESSIONS)}")
+
+
+def check_compression(compression: str) -> str:
+    """``compression`` if the format knows it, else a :class:`ConfigurationError` naming the choices."""
+    _compression_codecs(compression, 4)
+    return compression
 
 
 @dataclass(frozen=True)
@@ -113,7 +133,7 @@ class ArrayLayout:
     def chunks_touching(self, box: Box) -> Iterator[tuple[int, ...]]:
         ranges = [range(lo // c, (hi - 1) // c + 1) if hi > lo else range(0)
                   for (lo, hi), c in zip(box, self.chunk_shape)]
-        yield from _product(ranges)
+        yield from itertools.product(*ranges)
 
     def shard_key(self, chunk_index: Sequence[int]) -> str:
         if not self.sharded:
@@ -128,16 +148,6 @@ def _fill_value(dtype: str):
     if dtype.startswith("complex"):
         return [0.0, 0.0]
     return 0
-
-
-def _product(ranges):
-    if not ranges:
-        yield ()
-        return
-    first, rest = ranges[0], ranges[1:]
-    for i in first:
-        for tail in _product(rest):
-            yield (i,) + tail
 
 
 def compression_of(codecs: list[dict]) -> str:
@@ -169,27 +179,32 @@ def make_context(io_concurrency: int = 32) -> ts.Context:
     })
 
 
-def _spec(location: Location, rel: str, layout: ArrayLayout) -> dict:
-    # Every chunk is stored, zeros included, and a missing chunk is an error on read: otherwise a lost
-    # shard file would silently read back as zeros.
+def array_spec(location: Location, rel: str, layout: ArrayLayout) -> dict:
+    """The TensorStore spec of the array at ``rel`` with ``layout`` (opened without reading zarr.json).
+
+    Every chunk is stored, zeros included, and a missing chunk is an error on read: otherwise a lost
+    shard file would silently read back as zeros."""
     return {"driver": "zarr3", "kvstore": location.kvstore(rel), "metadata": layout.metadata(),
             "fill_missing_data_reads": False, "store_data_equal_to_fill_value": True}
 
 
-def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.Context) -> ts.TensorStore:
-    return ts.open(_spec(location, rel, layout), create=True, open=False, context=context).result()
+def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.Context, *,
+                 shared: bool = False) -> ts.TensorStore:
+    """Create the array at ``rel``. ``shared``: several writers (ranks) open it at once, so an array that
+    another rank created already is opened instead (its metadata must match ``layout``)."""
+    return ts.open(array_spec(location, rel, layout), create=True, open=shared, context=context).result()
 
 
 def open_array(location: Location, rel: str, layout: ArrayLayout | None, context: ts.Context,
                *, assume_metadata: bool = True) -> ts.TensorStore:
     """Open an array; with ``assume_metadata`` the catalog's layout stands in for reading zarr.json."""
     if layout is not None and assume_metadata:
-        return ts.open(_spec(location, rel, layout), open=True, assume_metadata=True, context=context).result()
+        return ts.open(array_spec(location, rel, layout), open=True, assume_metadata=True, context=context).result()
     spec = {"driver": "zarr3", "kvstore": location.kvstore(rel), "fill_missing_data_reads": False}
     try:
         return ts.open(spec, open=True, context=context).result()
     except ValueError as exc:
-        raise UcpError(f"array {location.display(rel)} cannot be opened: {exc}") from None
+        raise ReadError(f"array {location.display(rel)} cannot be opened: {exc}") from None
 
 
 def metadata_mismatch(location: Location, rel: str, layout: ArrayLayout, context: ts.Context) -> str | None:
@@ -199,7 +214,7 @@ def metadata_mismatch(location: Location, rel: str, layout: ArrayLayout, context
     ``"/"`` separator), so the comparison is TensorStore's own metadata-constraint check, not dict equality.
     """
     try:
-        ts.open(_spec(location, rel, layout), open=True, context=context).result()
+        ts.open(array_spec(location, rel, layout), open=True, context=context).result()
     except ValueError as exc:
         return str(exc).split(" [tensorstore_spec", 1)[0][:300]
     return None
@@ -210,7 +225,7 @@ def read_metadata(location: Location, rel: str) -> dict:
     kv = ts.KvStore.open(location.kvstore(rel)).result()
     raw = kv.read("zarr.json").result()
     if raw.state != "value":
-        raise UcpError(f"array {location.display(rel)} has no zarr.json")
+        raise ReadError(f"array {location.display(rel)} has no zarr.json")
     return json.loads(bytes(raw.value))
 
 
@@ -244,7 +259,7 @@ def read_box(handle: ts.TensorStore, layout: ArrayLayout, box: Box, *, what: str
         return handle[box_index(box)].read().result()
     except ValueError as exc:
         if not is_corruption(exc):
-            raise UcpError(f"{what}: reading {array_url} failed: {exc}") from None
+            raise read_failed(what, array_url, exc) from None
         bad = locate_bad_chunks(handle, layout, box) or [((), str(exc)[:200])]
         first = bad[0][0]
         raise ChecksumError(

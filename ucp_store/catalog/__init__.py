@@ -7,6 +7,8 @@
         session.add(Run(name="llama-7b"))
     with catalog.session() as session:            # reads
         runs = session.scalars(select(Run)).all()
+
+Nothing in this package imports torch, TensorStore or numpy: the catalog-only commands run on it alone.
 """
 
 from .db import (
@@ -23,6 +25,7 @@ from .db import (
     sqlite_url,
     upgrade,
 )
+from .query import read_only_query
 from .models import (
     ARRAY_STATUSES,
     CHECKPOINT_STATUSES,
@@ -69,4 +72,5 @@ __all__ = [
     "UTCDateTime",
     "new_id",
     "utcnow",
+    "read_only_query",
 ]

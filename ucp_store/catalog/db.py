@@ -32,19 +32,21 @@ import importlib.resources
 import logging
 import os
 import random
+import re
 import sqlite3
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, TypeVar
 
-from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, exc, inspect, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import CatalogError, SchemaVersionError
+
+if TYPE_CHECKING:  # pragma: no cover - alembic loads only when a schema is created or migrated
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
 __all__ = [
     "Catalog",
@@ -141,7 +143,9 @@ def migrations_dir() -> Path:
     )
 
 
-def _alembic_config(url: Optional[str] = None, connection: Optional[Connection] = None) -> Config:
+def _alembic_config(url: Optional[str] = None, connection: Optional[Connection] = None) -> "Config":
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.set_main_option("path_separator", "os")
@@ -154,7 +158,9 @@ def _alembic_config(url: Optional[str] = None, connection: Optional[Connection] 
 
 
 @functools.lru_cache(maxsize=1)
-def _script() -> ScriptDirectory:
+def _script() -> "ScriptDirectory":
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(_alembic_config())
 
 
@@ -164,6 +170,28 @@ def head_revision() -> str:
     if head is None:  # pragma: no cover - broken installation
         raise CatalogError(f"no migrations found in {migrations_dir()}")
     return head
+
+
+_REVISION_LINE = re.compile(r"""^(down_revision|revision)\s*(?::[^=]*)?=\s*(None|["']([0-9A-Za-z_]+)["'])\s*$""", re.M)
+
+
+@functools.lru_cache(maxsize=1)
+def _quick_head() -> Optional[str]:
+    """The head revision read from the migration files' ``revision``/``down_revision`` lines, without
+    importing alembic (0.3 s): opening a catalog already at head then needs no alembic at all. None when
+    anything is unusual (branches, merges, computed ids); the caller then asks alembic."""
+    try:
+        revs: dict[str, Optional[str]] = {}
+        for f in (migrations_dir() / "versions").glob("*.py"):
+            found = dict((k, v) for k, _, v in _REVISION_LINE.findall(f.read_text()))
+            if "revision" in found:
+                if "down_revision" not in found or not found["revision"]:
+                    return None
+                revs[found["revision"]] = found["down_revision"] or None
+        heads = set(revs) - {d for d in revs.values() if d}
+        return heads.pop() if len(heads) == 1 else None
+    except (OSError, CatalogError):
+        return None
 
 
 def known_revisions() -> list[str]:
@@ -475,6 +503,8 @@ def _migrate(catalog: Catalog, target: str, *, create: bool, allow_upgrade: bool
                 rev,
                 target_rev,
             )
+        from alembic import command
+
         command.upgrade(_alembic_config(connection=conn), target_rev)
         after = _read_revision(conn, shown)
         if after != target_rev:  # pragma: no cover - a broken migration chain
@@ -510,10 +540,9 @@ def open_catalog(
     """
     catalog = _connect(url, create=create, busy_timeout_ms=busy_timeout_ms)
     try:
-        head = head_revision()
-        with catalog.engine.connect() as conn:  # fast path: no write lock when already at head
+        with catalog.engine.connect() as conn:  # fast path: no write lock (and no alembic) when already at head
             rev = _read_revision(conn, catalog.display_url)
-        if rev != head:
+        if rev is None or rev != (_quick_head() or head_revision()):
             _migrate(catalog, "head", create=create, allow_upgrade=upgrade)
     except exc.OperationalError as e:
         catalog.close()
@@ -551,6 +580,8 @@ def downgrade_to(url: str, revision: str) -> None:
                 raise CatalogError(f"catalog {catalog.display_url} has no schema revision to downgrade from")
             _refuse_unknown(rev, catalog.display_url)
             log.warning("downgrading catalog %s schema %s -> %s", catalog.display_url, rev, revision)
+            from alembic import command
+
             command.downgrade(_alembic_config(connection=conn), revision)
     finally:
         catalog.close()

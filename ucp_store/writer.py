@@ -1,0 +1,444 @@
+"""The checkpoint writer: tensor-states and objects into one pending version, then one commit.
+
+Commit protocol (why a crashed save is never listed):
+1. ``Store.begin`` inserts a ``pending`` checkpoint row naming its owner (host, pid).
+2. Each tensor-state is hashed, then either references an existing ready array with the same
+   content (dedup) or is written to a fresh array at ``location.array_path(checkpoint, array)``.
+   TensorStore's file kvstore writes by atomic rename, so an array is durable when its write returns.
+   Writes run asynchronously in a bounded-bytes window (``_window.FutureWindow``).
+3. Rows (arrays, tensors, objects) are inserted under the pending checkpoint in batches (``flush``).
+4. ``commit`` waits for every write, then flips the status to ``committed`` in one transaction.
+``write_shard`` is the sharded variant: every rank of a source topology writes its own share straight
+into the logical arrays; the rank holding element 0 of an array hashes and records it (``finish_shards``).
+A pending checkpoint whose owner died is removed by ``gc`` with everything it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+import torch
+from sqlalchemy import exists, func, select
+from sqlalchemy.exc import IntegrityError
+
+from . import dtypes, format as fmt, names
+from ._window import FutureWindow
+from .catalog import models as m
+from .errors import (CommitRaceError, DuplicateEntryError, ShapeMismatch, ValidationError, WriteError,
+                     WriterClosedError)
+from .location import array_path
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .store import Store
+
+__all__ = ["CheckpointWriter", "layer_of"]
+
+_ROW_BATCH = 512
+_MAX_INFLIGHT_BYTES = 1 << 30
+
+
+def layer_of(pattern: dict | None) -> int | None:
+    """The catalog's ``tensors.layer``: the pattern's placement layer, or None."""
+    if pattern is None:
+        return None
+    from .patterns import parse_pattern
+
+    return parse_pattern(pattern).layer
+
+
+def _utcnow():
+    import datetime as _dt
+
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+class CheckpointWriter:
+    """Writes tensor-states and objects into one pending checkpoint; ``commit`` makes it visible."""
+
+    def __init__(self, store: "Store", checkpoint_id: str, *, owner: bool):
+        self.store = store
+        self.id = checkpoint_id
+        self.owner = owner
+        self._rows: list = []
+        # (future, (array kept alive until written, what)) in flight, at most _MAX_INFLIGHT_BYTES
+        self._window: FutureWindow[tuple[Any, str]] = FutureWindow(_MAX_INFLIGHT_BYTES, self._complete_write)
+        self._seen: set[tuple[str, str]] = set()
+        self._objects: set[str] = set()
+        self._local_arrays: dict[str, str] = {}  # content hash -> array id written by this writer
+        self._position = 0
+        self._closed = False
+        self.checkpoint = None
+        self.nbytes = 0
+        self._sharded: dict[tuple[str, str], tuple] = {}  # (name, state) -> (array id, path, layout, pattern)
+        self._handles: dict[tuple[str, str], Any] = {}
+        self._origin: set[tuple[str, str]] = set()
+        self._committed_hashes: dict[str, list] | None = None
+
+    # context manager: commit on success (owner) / flush (joined rank); abort on error
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self.owner:
+            self.commit()
+        else:
+            self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WriterClosedError(f"checkpoint writer {self.id} is closed (committed, aborted or closed already)")
+
+    def _layout(self, shape, dtype: str, pattern, boundaries=None, shard_shape=None, units=None) -> fmt.ArrayLayout:
+        st = self.store.settings
+        return fmt.plan_layout(shape, dtype, pattern=pattern, compression=st["compression"],
+                               target_bytes=st["chunk_target_bytes"], boundaries=boundaries, shard_shape=shard_shape,
+                               units=units)
+
+    def _dedup(self, h: str, dtype: str, shape) -> str | None:
+        """An existing ready array of a committed version with this content, or None.
+
+        The committed arrays' hashes are read once per writer (one query instead of one per write); an
+        array swept meanwhile by a concurrent rm/gc is caught when the rows are flushed."""
+        if h in self._local_arrays:
+            return self._local_arrays[h]
+        if self._committed_hashes is None:
+            with self.store.catalog.session() as s:
+                q = (select(m.Array.content_hash, m.Array.id, m.Array.shape, m.Array.dtype)
+                     .where(m.Array.status == "ready", m.Array.content_hash.is_not(None))
+                     .where(exists().where(m.Tensor.array_id == m.Array.id, m.Tensor.checkpoint_id == m.Checkpoint.id,
+                                           m.Checkpoint.status == "committed")))
+                self._committed_hashes = {}
+                for ch, aid, ashape, adtype in s.execute(q):
+                    self._committed_hashes.setdefault(ch, []).append((aid, list(ashape), adtype))
+        for aid, ashape, adtype in self._committed_hashes.get(h, ()):
+            if adtype == dtype and ashape == list(shape):
+                return aid
+        return None
+
+    def _put_array(self, array: np.ndarray, dtype: str, pattern, what: str) -> tuple[str, str, int]:
+        """Write (or dedup) one array; returns (array id, content hash, stored bytes written)."""
+        h = fmt.content_hash(array, dtype)
+        aid = self._dedup(h, dtype, array.shape)
+        if aid is not None:
+            return aid, h, 0
+        layout = self._layout(array.shape, dtype, pattern)
+        aid = m.new_id(32)
+        rel = array_path(self.id, aid)
+        handle = fmt.create_array(self.store.location, rel, layout, self.store.context)
+        self._rows.append(m.Array(id=aid, path=rel, dtype=dtype, shape=list(layout.shape),
+                                  chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
+                                  codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
+        self._local_arrays[h] = aid
+        self._window.submit(handle.write(array), array.nbytes, (array, what))
+        return aid, h, array.nbytes
+
+    def _complete_write(self, future: Any, item: tuple[Any, str]) -> None:
+        try:
+            future.result()
+        except Exception as exc:  # TensorStore raises ValueError with the kvstore's message
+            raise WriteError(f"writing {item[1]} into checkpoint {self.id} failed: {exc}") from None
+
+    def _drain(self) -> None:
+        self._window.drain()
+
+    def write(self, name: str, state: str, tensor: torch.Tensor | np.ndarray, *, pattern: dict | None = None,
+              expect_shape=None, expect_dtype=None, position: int | None = None) -> None:
+        """Store one tensor-state (bit-exact, native dtype). ``pattern`` says how it maps onto ranks.
+
+        ``position`` orders tensor-states in the checkpoint (the planner lays ZeRO groups out in this
+        order); by default the order of writing. Distributed writers pass the global parameter order."""
+        self._check_open()
+        names.tensor_name(name)
+        names.state_name(state)
+        what = f"tensor {name!r} state {state!r}"
+        if (name, state) in self._seen:
+            raise DuplicateEntryError(f"{what} was already written to checkpoint {self.id}")
+        if isinstance(tensor, torch.Tensor):
+            array = dtypes.to_numpy(tensor, what=what)
+        elif isinstance(tensor, np.ndarray):
+            dtypes.zarr_name(tensor.dtype, what=what)
+            array = np.require(tensor, requirements="C")
+        else:
+            raise ValidationError(f"{what}: expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
+        dtype = dtypes.zarr_name(array.dtype, what=what)
+        if expect_shape is not None and tuple(expect_shape) != tuple(array.shape):
+            raise ShapeMismatch(f"{what}: shape {tuple(array.shape)} does not match the declared {tuple(expect_shape)}")
+        if expect_dtype is not None and dtypes.zarr_name(expect_dtype) != dtype:
+            raise ShapeMismatch(f"{what}: dtype {dtype} does not match the declared {dtypes.zarr_name(expect_dtype)}")
+        if pattern is not None:
+            self._validate_pattern(name, pattern, array.shape)
+        aid, h, _ = self._put_array(array, dtype, pattern, what)
+        self._seen.add((name, state))
+        self._rows.append(m.Tensor(checkpoint_id=self.id, name=name, state=state, array_id=aid, shape=list(array.shape),
+                                   dtype=dtype, pattern=pattern, nbytes=array.nbytes, content_hash=h,
+                                   position=self._next_position() if position is None else int(position),
+                                   layer=layer_of(pattern)))
+        self.nbytes += array.nbytes
+        if len(self._rows) >= _ROW_BATCH:
+            self.flush()
+        return None
+
+    def _next_position(self) -> int:
+        self._position += 1
+        return self._position
+
+    @staticmethod
+    def _validate_pattern(name: str, pattern: dict, shape) -> None:
+        """Schema first (clear field paths), then the algebra's own checks against the shape."""
+        from . import patterns as pat
+        from .schema import validate
+
+        validate("pattern", pattern)
+        pat.check_pattern(pattern, tuple(shape), name=name)
+
+    # --- sharded writes: each rank writes its shards straight into the logical arrays ---------------
+    def write_shard(self, name: str, state: str, local: torch.Tensor, *, shape, pattern: dict | None,
+                    topology, rank: int, fragment=None, targets: Iterable = ()) -> int:
+        """Write rank ``rank``'s shard of a tensor-state (its TP-local tensor, or with ``fragment`` its
+        ZeRO flat fragment) into the logical array; returns the number of elements written.
+
+        Every rank of the source topology calls this for the tensor-states it holds; only the one rank
+        that ``patterns.is_writer`` picks for each element writes it. Inner-chunk boundaries follow the
+        split points of the source and ``targets`` topologies, and shard files follow the source split so
+        that two ranks never write one shard where the layout allows it; where they must (ZeRO flat
+        fragments straddling rows), TensorStore's conditional read-modify-write merges them safely.
+        After every rank has written, each calls ``finish_shards`` (after a barrier) and rank 0 commits.
+        """
+        from . import patterns as pat
+        from .topology import as_topology
+
+        self._check_open()
+        names.tensor_name(name)
+        names.state_name(state)
+        what = f"tensor {name!r} state {state!r}"
+        topology = as_topology(topology)
+        shape = tuple(int(s) for s in shape)
+        array = dtypes.to_numpy(local, what=what) if isinstance(local, torch.Tensor) else np.require(local, requirements="C")
+        dtype = dtypes.zarr_name(array.dtype, what=what)
+        if pattern is not None:
+            self._validate_pattern(name, pattern, shape)
+        handle, layout, rel, aid = self._sharded_array(name, state, shape, dtype, pattern, topology, targets)
+        written = 0
+        if fragment is None:
+            expected = pat.local_layout(pattern, shape, topology, rank, name=name).shape
+            if tuple(array.shape) != tuple(expected):
+                raise ShapeMismatch(f"{what}: rank {rank} shard has shape {tuple(array.shape)}, its layout in "
+                                    f"{topology.describe()} expects {tuple(expected)}")
+            copies = [(c.logical, array[c.local.slices()]) for c in
+                      pat.writer_copies(pattern, shape, topology, rank, name=name)]
+        else:
+            flat = array.reshape(-1)
+            if flat.size < fragment.slot:
+                raise ShapeMismatch(f"{what}: rank {rank} fragment has {flat.size} elements, expected {fragment.slot}")
+            copies = [(fc.logical, flat[fc.flat.start:fc.flat.stop].reshape(fc.logical.shape)) for fc in
+                      pat.fragment_writer_copies(pattern, shape, topology, rank, fragment, name=name)]
+        for box, data in copies:
+            self._window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
+            written += data.size
+        self._sharded.setdefault((name, state), (aid, rel, layout, pattern))
+        if any(all(lo == 0 for lo, _ in box.ranges) for box, _ in copies) or (not shape and copies):
+            self._origin.add((name, state))  # this rank records the row (it wrote element 0)
+        return written
+
+    def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):
+        key = (name, state)
+        if key in self._sharded:
+            aid, rel, layout, _ = self._sharded[key]
+            if layout.dtype != dtype or layout.shape != shape:
+                raise ShapeMismatch(f"tensor {name!r} state {state!r}: shard declares {dtype}{list(shape)}, "
+                                    f"earlier shards {layout.dtype}{list(layout.shape)}")
+            return self._handles[key], layout, rel, aid
+        import xxhash
+
+        from .planner import chunk_alignment, split_points
+
+        topologies = [topology, *targets]
+        units = {}
+        if shape:
+            points = split_points(pattern, shape, topologies)
+            align = chunk_alignment(pattern, shape, topologies, itemsize=dtypes.itemsize(dtype))
+            units = {d: a for d, a in enumerate(align) if points[d]}
+        layout = self._layout(shape, dtype, pattern, units=units)
+        source_points = {d: p for d, p in enumerate(split_points(pattern, shape, [topology])) if p} if shape else {}
+        layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape,
+                                 _writer_aligned_shards(layout, source_points), layout.compression)
+        # every rank derives the same array id, so all of them open one array
+        aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
+        rel = array_path(self.id, aid)
+        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True)
+        self._handles[key] = handle
+        return handle, layout, rel, aid
+
+    def finish_shards(self) -> None:
+        """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of."""
+        self._drain()
+        for key in sorted(self._origin):
+            aid, rel, layout, pattern = self._sharded[key]
+            handle = self._handles[key]
+            hasher = fmt.ContentHasher(layout.dtype, layout.shape)
+            for box in fmt.slabs(layout):
+                hasher.update(fmt.read_box(handle, layout, box, what=f"tensor {key[0]!r} state {key[1]!r}",
+                                           array_url=self.store.array_url(rel)))
+            h = hasher.hexdigest()
+            existing = self._dedup(h, layout.dtype, layout.shape)
+            if existing is not None:
+                self.store.location.delete_tree(rel)  # identical content is already stored
+                array_id = existing
+            else:
+                self._rows.append(m.Array(id=aid, path=rel, dtype=layout.dtype, shape=list(layout.shape),
+                                          chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
+                                          codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
+                array_id = aid
+            self._rows.append(m.Tensor(checkpoint_id=self.id, name=key[0], state=key[1], array_id=array_id,
+                                       shape=list(layout.shape), dtype=layout.dtype, pattern=pattern,
+                                       nbytes=layout.nbytes, content_hash=h, position=self._next_position(),
+                                       layer=layer_of(pattern)))
+        self._origin.clear()
+        self.flush()
+
+    def write_object(self, name: str, value: Any) -> None:
+        """Store non-tensor state: JSON (dicts, lists, numbers, strings) or a tensor/array. Never pickle."""
+        self._check_open()
+        names.object_name(name)
+        if name in self._objects:
+            raise DuplicateEntryError(f"object {name!r} was already written to checkpoint {self.id}")
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            array = dtypes.to_numpy(value, what=f"object {name!r}") if isinstance(value, torch.Tensor) else value
+            dtype = dtypes.zarr_name(array.dtype, what=f"object {name!r}")
+            aid, _, _ = self._put_array(np.require(array, requirements="C"), dtype, None, f"object {name!r}")
+            row = m.StoredObject(checkpoint_id=self.id, name=name, kind="array", array_id=aid)
+        else:
+            row = m.StoredObject(checkpoint_id=self.id, name=name, kind="json", value=_check_json(name, value))
+        self._objects.add(name)
+        self._rows.append(row)
+
+    def flush(self) -> None:
+        """Wait for in-flight writes, then record their rows under the pending checkpoint."""
+        self._drain()
+        if not self._rows:
+            return
+        rows, self._rows = self._rows, []
+        arrays = [r for r in rows if isinstance(r, m.Array)]
+        others = [r for r in rows if not isinstance(r, m.Array)]
+        with self.store.catalog.write_session() as s:
+            ck = s.get(m.Checkpoint, self.id)
+            if ck is None or ck.status != "pending":
+                raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); the save is lost")
+            s.add_all(arrays)
+            s.flush()
+            # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
+            new_ids = {a.id for a in arrays}
+            wanted = {r.array_id for r in others if getattr(r, "array_id", None)} - new_ids
+            if wanted:
+                found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(wanted))))
+                if wanted - found:
+                    raise CommitRaceError(f"checkpoint {self.id}: array(s) {', '.join(sorted(wanted - found))[:200]} this "
+                                   "save deduplicated against were removed by a concurrent rm/gc; the save is "
+                                   "aborted, retry it")
+            s.add_all(others)
+
+    def close(self) -> None:
+        """For a joined writer: flush and detach (the owner commits)."""
+        if not self._closed:
+            if self._origin:
+                self.finish_shards()
+            self.flush()
+            self._closed = True
+
+    def commit(self):
+        """Make the checkpoint visible: one transaction, after every array write has returned."""
+        from .checkpoint import Checkpoint
+
+        self._check_open()
+        if not self.owner:
+            raise WriterClosedError(f"only the process that began checkpoint {self.id} can commit it (this writer "
+                                    "joined it: call close())")
+        try:
+            if self._origin:
+                self.finish_shards()
+            self.flush()
+            with self.store.catalog.write_session() as s:
+                ck = s.get(m.Checkpoint, self.id)
+                if ck is None or ck.status != "pending":
+                    raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); cannot commit")
+                taken = s.scalar(select(m.Checkpoint.id).where(
+                    m.Checkpoint.run_id == ck.run_id, m.Checkpoint.step == ck.step,
+                    m.Checkpoint.status == "committed"))
+                if taken:
+                    raise CommitRaceError(f"step {ck.step} of this run was committed meanwhile by {taken}")
+                total = s.scalar(select(func.coalesce(func.sum(m.Tensor.nbytes), 0)).where(
+                    m.Tensor.checkpoint_id == self.id))
+                ck.nbytes = int(total)
+                ck.status = "committed"
+                ck.committed_at = _utcnow()
+        except IntegrityError as exc:  # the partial unique index: a concurrent commit of the same step won
+            self.abort()
+            raise CommitRaceError(f"checkpoint {self.id}: its step was committed meanwhile by another save of the "
+                           f"same run; nothing of this save is listed ({getattr(exc, 'orig', exc)})") from None
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self.checkpoint = Checkpoint(self.store, self.id)
+        return self.checkpoint
+
+    def abort(self) -> None:
+        """Drop the pending checkpoint and every array it wrote (nothing is ever listed)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._window.cancel()
+        self._rows.clear()
+        if not self.owner:
+            return
+        try:
+            with self.store.catalog.write_session() as s:
+                ck = s.get(m.Checkpoint, self.id)
+                if ck is not None and ck.status == "pending":
+                    run_id = ck.run_id
+                    s.delete(ck)
+                    s.flush()
+                    # a run that begin() created for this save alone goes too (nothing listed, nothing left)
+                    run = s.get(m.Run, run_id)
+                    if run is not None and run.retention is None and not s.scalar(
+                            select(func.count()).select_from(m.Checkpoint).where(m.Checkpoint.run_id == run_id)) \
+                            and not s.scalar(select(func.count()).select_from(m.Tag).where(m.Tag.run_id == run_id)):
+                        s.delete(run)
+            from .retention import sweep_arrays
+
+            sweep_arrays(self.store, dry_run=False, also={self.id})
+        except Exception:
+            pass  # gc will reclaim what is left; the checkpoint is not listed either way
+
+
+def _writer_aligned_shards(layout: fmt.ArrayLayout, source_points: dict[int, Iterable[int]]) -> tuple[int, ...]:
+    """Shard extents that divide the source topology's split points (in whole inner chunks) where they can.
+
+    Then each writer rank owns whole shard files; where a split point is not a multiple of the inner
+    chunk, the shard stays as planned and concurrent writers merge through conditional writes."""
+    shard = list(layout.shard_shape)
+    for d, points in source_points.items():
+        pts = [p for p in points if 0 < p < layout.shape[d]]
+        if not pts:
+            continue
+        g = 0
+        for p in pts:
+            g = math.gcd(g, p)
+        c = layout.chunk_shape[d]
+        if g % c == 0:
+            shard[d] = min(shard[d], g)
+    return tuple(shard)
+
+
+def _check_json(name: str, value: Any) -> Any:
+    try:
+        text_ = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"object {name!r} is not JSON-serialisable ({exc}); store tensors as arrays, never pickle") \
+            from None
+    return json.loads(text_)
