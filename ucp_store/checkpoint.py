@@ -1,21 +1,44 @@
-"""Reading a committed checkpoint: lazy tensor handles, slice reads, stats, diff, verify, manifest."""
+"""Reading a committed checkpoint: lazy tensor handles, slice reads, stats, diff, verify, manifest.
+
+A :class:`Checkpoint` is the catalog's view of one committed version; its metadata (``manifest``,
+``tensors``, ``objects`` stored as JSON) comes from the catalog alone, so ``ucp show`` and friends never
+load torch or TensorStore: numpy, torch and the array format are imported on the first tensor read.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-import numpy as np
-import torch
 from sqlalchemy import Text, cast, select
 
-from . import dtypes, format as fmt
+from ._lazy import lazy_module
 from .catalog import models as m
-from .errors import ChecksumError, ReferenceNotFound, UcpError
-from .planner import gc_paused
+from .errors import ReferenceNotFound, UcpError, ValidationError
 from .records import TensorInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import torch
+
+    from . import dtypes, format as fmt
+else:
+    np = lazy_module("numpy")
+    torch = lazy_module("torch")
+    dtypes = lazy_module("ucp_store.dtypes")
+    fmt = lazy_module("ucp_store.format")
+
+__all__ = ["Checkpoint", "TensorHandle", "TensorStats", "compute_stats", "parse_slice", "diff"]
+
+
+def gc_paused() -> contextlib.AbstractContextManager:
+    """The planner's collector pause (imported on use: the planner is not needed to list rows)."""
+    from .planner import gc_paused as paused
+
+    return paused()
 
 
 def _normalize_index(index: Any, shape: tuple[int, ...], what: str) -> tuple[fmt.Box, tuple]:
@@ -30,27 +53,27 @@ def _normalize_index(index: Any, shape: tuple[int, ...], what: str) -> tuple[fmt
         fill = len(shape) - (len(index) - 1)
         index = index[:pos] + (slice(None),) * fill + index[pos + 1:]
     if len(index) > len(shape):
-        raise UcpError(f"{what}: index {index!r} has {len(index)} entries for a {len(shape)}-d tensor")
+        raise ValidationError(f"{what}: index {index!r} has {len(index)} entries for a {len(shape)}-d tensor")
     index = index + (slice(None),) * (len(shape) - len(index))
     box, residual = [], []
     for i, n in zip(index, shape):
         if isinstance(i, (int, np.integer)) and not isinstance(i, bool):
             j = int(i) + n if i < 0 else int(i)
             if not 0 <= j < n:
-                raise UcpError(f"{what}: index {int(i)} is out of bounds for a dimension of size {n}")
+                raise ValidationError(f"{what}: index {int(i)} is out of bounds for a dimension of size {n}")
             box.append((j, j + 1))
             residual.append(0)
         elif isinstance(i, slice):
             start, stop, step = i.indices(n)
             if step < 0:
-                raise UcpError(f"{what}: negative slice steps are not supported ({i})")
+                raise ValidationError(f"{what}: negative slice steps are not supported ({i})")
             stop = max(start, stop)
             if stop > start:  # end the box at the last selected element, not at the slice's stop
                 stop = start + (stop - 1 - start) // step * step + 1
             box.append((start, stop))
             residual.append(slice(0, stop - start, step))
         else:
-            raise UcpError(f"{what}: only integers, slices and ... are supported in an index, got {i!r}")
+            raise ValidationError(f"{what}: only integers, slices and ... are supported in an index, got {i!r}")
     return tuple(box), tuple(residual)
 
 
@@ -64,17 +87,17 @@ def parse_slice(text: str) -> tuple:
         elif ":" in part:
             bits = [b.strip() for b in part.split(":")]
             if len(bits) > 3:
-                raise UcpError(f"slice {text!r}: {part!r} has too many ':'")
+                raise ValidationError(f"slice {text!r}: {part!r} has too many ':'")
             try:
                 vals = [int(b) if b else None for b in bits] + [None] * (3 - len(bits))
             except ValueError:
-                raise UcpError(f"slice {text!r}: {part!r} is not an integer, a:b[:c] or ...") from None
+                raise ValidationError(f"slice {text!r}: {part!r} is not an integer, a:b[:c] or ...") from None
             out.append(slice(*vals))
         elif part:
             try:
                 out.append(int(part))
             except ValueError:
-                raise UcpError(f"slice {text!r}: {part!r} is not an integer, a:b[:c] or ...") from None
+                raise ValidationError(f"slice {text!r}: {part!r} is not an integer, a:b[:c] or ...") from None
     return tuple(out)
 
 
