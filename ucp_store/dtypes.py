@@ -3,6 +3,9 @@
 Every dtype maps to a zarr v3 core name, except bfloat16, which is the zarr-extensions ``bfloat16``
 (numpy side ``ml_dtypes.bfloat16``). Conversions go through same-width views, never through a cast, so
 NaN payloads and signed zeros survive.
+
+The names and item sizes come from ``dtype_table`` (torch-free, shared with the planner); this module adds
+the torch and numpy sides, and checks at import that the two tables agree.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from . import dtype_table
 from .errors import DTypeError
+
+__all__ = ["SUPPORTED", "zarr_name", "torch_dtype", "numpy_dtype", "itemsize", "to_numpy", "to_torch"]
 
 # zarr v3 name -> (torch dtype, numpy dtype)
 _TABLE: dict[str, tuple[torch.dtype, np.dtype]] = {
@@ -34,9 +40,12 @@ _TABLE: dict[str, tuple[torch.dtype, np.dtype]] = {
 _BY_TORCH = {t: name for name, (t, _) in _TABLE.items()}
 _BY_NUMPY = {n: name for name, (_, n) in _TABLE.items()}
 # torch views used to hand tensors to numpy without a cast (numpy has no bf16; some uints are partial)
-_VIEW_AS = {torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+_VIEW_AS = {torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32,
+            torch.uint64: torch.int64}
 
-SUPPORTED = tuple(_TABLE)
+SUPPORTED = dtype_table.SUPPORTED
+if tuple(_TABLE) != SUPPORTED or any(n.itemsize != dtype_table.ITEMSIZE[k] for k, (_, n) in _TABLE.items()):
+    raise ImportError("ucp_store.dtypes and ucp_store.dtype_table disagree on the storable dtypes")
 
 
 def zarr_name(dtype: torch.dtype | np.dtype | str, *, what: str = "tensor") -> str:
@@ -58,15 +67,18 @@ def zarr_name(dtype: torch.dtype | np.dtype | str, *, what: str = "tensor") -> s
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a stored dtype name."""
     return _TABLE[zarr_name(name)][0]
 
 
 def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a stored dtype name (``ml_dtypes.bfloat16`` for bfloat16)."""
     return _TABLE[zarr_name(name)][1]
 
 
 def itemsize(name: str) -> int:
-    return numpy_dtype(name).itemsize
+    """Bytes per element of a stored dtype name (from ``dtype_table``)."""
+    return dtype_table.ITEMSIZE[zarr_name(name)]
 
 
 def to_numpy(tensor: torch.Tensor, *, what: str = "tensor") -> np.ndarray:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .errors import PatternError
 
-__all__ = ["Ranges", "Box", "FlatRange", "flat_range_to_boxes", "row_major_strides", "split_contiguous"]
+__all__ = ["Ranges", "Box", "FlatRange", "flat_range_to_boxes", "row_major_strides", "split_contiguous", "uncovered"]
 
 Ranges = tuple[tuple[int, int], ...]
 """The raw form of a box: one half-open ``(start, stop)`` per dim."""
@@ -186,3 +186,15 @@ def split_contiguous(box: Box, shape: Sequence[int]) -> list[Box]:
     # every index combination of the dims before the last partial one is its own contiguous run
     heads = itertools.product(*(range(a, b) for a, b in ranges[:j]))
     return [Box(tuple((i, i + 1) for i in head) + ranges[j:]) for head in heads]
+
+
+def uncovered(spans: Iterable[tuple[int, int]], length: int) -> tuple[FlatRange, ...]:
+    """The ranges of ``[0, length)`` outside every half-open span (spans may overlap, in any order)."""
+    out, at = [], 0
+    for a, b in sorted(spans):
+        if a > at:
+            out.append(FlatRange(at, a))
+        at = max(at, b)
+    if length > at:
+        out.append(FlatRange(at, length))
+    return tuple(out)

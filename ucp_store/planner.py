@@ -37,26 +37,28 @@ import gc
 import json
 import math
 import operator
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
-from .errors import PlanError
-from .records import TensorInfo
+from . import dtype_table
+from .errors import DTypeError, PlanError
+from .geometry import Box, FlatRange, uncovered
 from .patterns import (
-    Box,
     Expert,
-    FlatRange,
     Fragment,
     LocalLayout,
     Pattern,
-    stages_of_placement,
-    without_placement,
+    ZeroGroupLayout,
     flat_layout,
     parse_pattern,
     stage_local_name,
+    stages_of_placement,
     tp_layout,
+    without_placement,
     zero_group_layout,
 )
+from .records import TensorInfo
 from .topology import Topology, as_topology
 
 PLAN_FORMAT = "ucp_store.plan"
@@ -65,31 +67,14 @@ DEFAULT_GROUP = "default"
 EXPERT_GROUP = "expert"
 NOT_FLAT_STATES = frozenset({"weight", "step"})
 
-_ITEMSIZE = {
-    "bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-    "int32": 4, "uint32": 4, "float32": 4,
-    "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
-}
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16",
-                  "fp16": "float16", "fp32": "float32", "long": "int64", "int": "int32"}
-
-
-_ITEMSIZE_CACHE: dict[str, int] = {}
-
-
 def itemsize(dtype: Any) -> int:
-    """Bytes per element of a dtype name (zarr v3 / torch / numpy spelling)."""
-    hit = _ITEMSIZE_CACHE.get(dtype) if type(dtype) is str else None
-    if hit is not None:
-        return hit
-    name = str(dtype).removeprefix("torch.").removeprefix("<class 'numpy.").rstrip("'>")
-    name = _DTYPE_ALIASES.get(name, name)
-    if name in _ITEMSIZE:
-        if type(dtype) is str:
-            _ITEMSIZE_CACHE[dtype] = _ITEMSIZE[name]
-        return _ITEMSIZE[name]
-    raise PlanError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(_ITEMSIZE))}")
+    """Bytes per element of a dtype name (zarr v3 / torch / numpy spelling) the store can write.
+
+    One table with ``dtypes`` (``dtype_table``): a dtype no write can produce (float8) is refused here too."""
+    try:
+        return dtype_table.itemsize(dtype, what="planner")
+    except DTypeError as exc:
+        raise PlanError(str(exc)) from None
 
 
 # ====================================================================== plan records
@@ -411,12 +396,56 @@ def gc_paused():
         gc.enable()
 
 
-def _plan(records, topology, rank, states, flat_states, zero_groups, coalesce) -> Plan:
+def _plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: int,
+          states: Collection[str] | None, flat_states: Collection[str] | None,
+          zero_groups: Mapping[str, str] | Callable[[str], str] | None, coalesce: bool) -> Plan:
+    """The phases of a plan, in order: select the stage's records (pass 1), check the ``states`` filter,
+    lay out the ZeRO groups, build one ``TensorPlan`` per wanted tensor-state (pass 2), then the buffers."""
     topo = as_topology(topology)
     coords = topo.coords(rank)
+    wanted = None if states is None else frozenset(states)
+    sel = _select(records, topo, coords, flat_states, zero_groups)
+    _check_wanted(wanted, sel.stored_states)
+    zero = _zero_fragments(sel, topo, rank)
+    tensors, buffer_slots, buffer_dtypes = _tensor_plans(sel, zero, topo, rank, coords["pp"], wanted, coalesce)
+    buffers = _buffer_plans(sel, zero, buffer_slots, buffer_dtypes, wanted)
+    return Plan(topo, rank, coords, tuple(tensors), tuple(buffers))
+
+
+# An entry of pass 1: (name, state, dtype, shape, chunk, pattern, layout, flat kind, renamed). A plain
+# tuple: a 1000-layer plan holds 100k of them.
+_Entry = tuple[str, str, str, tuple[int, ...], "tuple[int, ...] | None", Pattern, LocalLayout, "str | None", bool]
+
+
+@dataclass(slots=True)
+class _Selection:
+    """What pass 1 found: the stage's entries in record order and the ZeRO group members among them."""
+
+    entries: list[_Entry]
+    stored_states: set[str]
+    group_members: dict[str, list[str]]  # group -> parameters with a flat optimizer state, in record order
+    group_states: dict[str, set[str]]    # group -> its flat states
+    member_numel: dict[str, int]         # parameter -> TP-local numel
+    member_expert: dict[str, bool]
+
+
+@dataclass(slots=True)
+class _ZeroFragments:
+    """This rank's share of every ZeRO group: its fragments, and each group's layout."""
+
+    fragments: dict[str, tuple[str, Fragment, tuple[int, int, int], tuple[int, int]]]  # name -> (group, fragment,
+    #                                                     its extent, its buffer slot)
+    group_layouts: dict[str, ZeroGroupLayout]
+
+
+def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], flat_states: Collection[str] | None,
+            zero_groups: Mapping[str, str] | Callable[[str], str] | None) -> _Selection:
+    """Pass 1: the records this stage holds, with their TP/EP-local layouts and ZeRO group membership.
+
+    Consecutive records usually share their pattern, shape and chunk objects (the states of one
+    parameter): an identity check then skips every lookup."""
     stage, tp, tp_rank, ep, ep_rank, vmult = (coords["pp"], topo.tp, coords["tp"], topo.ep, coords["ep"],
                                               topo.vocab_multiple)
-    wanted = None if states is None else frozenset(states)
     # stage of every layer, so that other stages' layers are skipped before their pattern is parsed
     starts = topo.stage_starts
     layer_stage = ([s for s in range(topo.pp) for _ in range(starts[s], starts[s + 1])] if topo.pp > 1
@@ -434,13 +463,8 @@ def _plan(records, topology, rank, states, flat_states, zero_groups, coalesce) -
     flat_kind: dict[str, str | None] = {}
     layouts: dict[tuple, LocalLayout] = {}
 
-    # pass 1: the records this stage holds, with their TP/EP-local layouts. Consecutive records usually
-    # share their pattern, shape and chunk objects (the states of one parameter): an identity check then
-    # skips every lookup. Entries are plain tuples (name, state, dtype, shape, chunk, pattern, layout,
-    # flat kind, renamed): 100k of them per plan.
-    entries: list[tuple] = []
+    entries: list[_Entry] = []
     add_entry = entries.append
-    # ZeRO group members (parameters with an optimizer state held flat), in record order
     group_members: dict[str, list[str]] = {}
     group_states: dict[str, set[str]] = {}
     member_group: dict[str, str] = {}
@@ -449,8 +473,14 @@ def _plan(records, topology, rank, states, flat_states, zero_groups, coalesce) -
     seen: dict[str, set[str]] = {}
     stored_states: set[str] = set()
     add_state = stored_states.add
-    prev_pattern = prev_shape = prev_chunk = _UNSET
-    p = bare = shape = chunk = layout = None
+    prev_pattern: Any = _UNSET
+    prev_shape: Any = _UNSET
+    prev_chunk: Any = _UNSET
+    p: Any = None
+    bare: Any = None
+    shape: Any = None
+    chunk: Any = None
+    layout: Any = None
     held = renamed = False
     info_fields = _INFO_FIELDS
     for rec in records:
@@ -523,44 +553,59 @@ def _plan(records, topology, rank, states, flat_states, zero_groups, coalesce) -
                 member_expert[name] = expert
             group_states[group].add(state)
         add_entry((name, state, dtype, shape, chunk, p, layout, fk, renamed))
+    return _Selection(entries, stored_states, group_members, group_states, member_numel, member_expert)
 
-    if wanted is not None and not wanted <= stored_states:  # an empty plan would look like success
+
+def _check_wanted(wanted: frozenset[str] | None, stored_states: set[str]) -> None:
+    """Refuse a ``states`` filter naming a state no tensor has: an empty plan would look like success."""
+    if wanted is not None and not wanted <= stored_states:
         unknown = ", ".join(repr(x) for x in sorted(wanted - stored_states))
         raise PlanError(f"no state {unknown} in any tensor; the states are "
                         f"{', '.join(sorted(stored_states)) or '(none)'}")
 
-    # ZeRO groups: one layout per group shared by all its optimizer states
-    fragments: dict[str, tuple] = {}  # name -> (group, fragment, its extent, its buffer slot)
-    extents: dict[tuple, tuple] = {}
-    group_layouts = {}
+
+def _zero_fragments(sel: _Selection, topo: Topology, rank: int) -> _ZeroFragments:
+    """ZeRO groups: one layout per group, shared by all its optimizer states, and this rank's fragments."""
+    fragments: dict[str, tuple[str, Fragment, tuple[int, int, int], tuple[int, int]]] = {}
+    extents: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    group_layouts: dict[str, ZeroGroupLayout] = {}
     if topo.zero_stage > 0:
-        for group, members in group_members.items():
-            expert = member_expert[members[0]]
-            layout = zero_group_layout([member_numel[m] for m in members], topo.zero_world(expert), topo.zero_stage,
-                                       alignment=topo.zero_alignment, param_alignment=topo.zero_param_alignment)
+        for group, members in sel.group_members.items():
+            expert = sel.member_expert[members[0]]
+            layout = zero_group_layout([sel.member_numel[m] for m in members], topo.zero_world(expert),
+                                       topo.zero_stage, alignment=topo.zero_alignment,
+                                       param_alignment=topo.zero_param_alignment)
             group_layouts[group] = layout
             zrank = topo.zero_rank(rank, expert)
             for index, frag in layout.fragments(zrank):
                 extent = (frag.start, frag.stop, frag.slot)
                 extent = extents.setdefault(extent, extent)  # one object per extent: pass 2 keys by id
                 fragments[members[index]] = (group, frag, extent, (frag.buffer_start, frag.buffer_start + frag.slot))
+    return _ZeroFragments(fragments, group_layouts)
 
-    # pass 2: one TensorPlan per wanted tensor-state
+
+def _tensor_plans(sel: _Selection, zero: _ZeroFragments, topo: Topology, rank: int, stage: int,
+                  wanted: frozenset[str] | None, coalesce: bool,
+                  ) -> tuple[list[TensorPlan], dict[str, list[tuple[int, int]]], dict[str, str]]:
+    """Pass 2: one ``TensorPlan`` per wanted tensor-state, plus each flat buffer's slots and dtype."""
+    fragments = zero.fragments
     tensors: list[TensorPlan] = []
     add_tensor = tensors.append
     new_tuple = tuple.__new__
     memo: dict[tuple, tuple] = {}
     sizes: dict[str, int] = {}
-    own_fragments: dict[tuple[int, bool], Fragment] = {}
+    own_fragments: dict[tuple[int, bool], Fragment | None] = {}
     buffer_dtypes: dict[str, str] = {}
     buffer_slots: dict[str, list[tuple[int, int]]] = {}
-    for name, state, dtype, shape, chunk, p, layout, fk, renamed in entries:
+    for name, state, dtype, shape, chunk, p, layout, fk, renamed in sel.entries:
         if wanted is not None and state not in wanted:
             continue
         size = sizes.get(dtype)
         if size is None:
-            size = sizes[dtype] = itemsize(dtype)
-        fragment = buffer = frag_key = None
+            size = sizes[dtype] = _itemsize_of(dtype, name, state)
+        fragment: Fragment | None = None
+        buffer: str | None = None
+        frag_key: Any = None
         if fk == "group":
             hit = fragments.get(name)
             if hit is None:
@@ -578,10 +623,10 @@ def _plan(records, topology, rank, states, flat_states, zero_groups, coalesce) -
         elif fk == "own":
             expert = isinstance(p, Expert)
             numel = math.prod(layout.shape)
-            fragment = own_fragments.get((numel, expert))
-            if fragment is None:
+            if (numel, expert) not in own_fragments:
                 own = zero_group_layout([numel], topo.zero_world(expert), 3)
-                fragment = own_fragments[(numel, expert)] = own.fragment(0, topo.zero_rank(rank, expert))
+                own_fragments[(numel, expert)] = own.fragment(0, topo.zero_rank(rank, expert))
+            fragment = own_fragments[(numel, expert)]
             frag_key = fragment  # one object per (numel, expert), kept alive by own_fragments
         # by identity: the layout object stands for (pattern, shape), and chunk shapes and fragment
         # extents are one object per value (interned above), so no nested tuple is hashed per record
@@ -594,27 +639,36 @@ def _plan(records, topology, rank, states, flat_states, zero_groups, coalesce) -
         # tuple.__new__ skips the named tuple's Python-level __new__ (a third of building 100k of them)
         add_tensor(new_tuple(TensorPlan, (name, state, local_name, dtype, shape, layout.shape, reads, padding,
                                           needed, chunks, read_bytes, fragment, buffer)))
+    return tensors, buffer_slots, buffer_dtypes
 
+
+def _buffer_plans(sel: _Selection, zero: _ZeroFragments, buffer_slots: Mapping[str, list[tuple[int, int]]],
+                  buffer_dtypes: Mapping[str, str], wanted: frozenset[str] | None) -> list[BufferPlan]:
+    """One ``BufferPlan`` per (ZeRO group, wanted flat state): its planned members and its zero ranges.
+
+    The zero ranges are the buffer outside the slots actually planned for this state, so a member that
+    lacks the state leaves its slot zero too (``ZeroGroupLayout.gaps`` over the planned slots)."""
     buffers = []
-    for group, members in group_members.items():
-        layout = group_layouts[group]
+    for group, members in sel.group_members.items():
+        layout = zero.group_layouts[group]
         member_set = set(members)
-        for state in sorted(group_states[group]):
+        holders = tuple(m for m in members if m in zero.fragments)
+        for state in sorted(sel.group_states[group]):
             if wanted is not None and state not in wanted:
                 continue
             key = f"{group}/{state}"
-            slots = sorted(buffer_slots.get(key, []))
-            padding, at = [], 0
-            for a, b in slots:
-                if a > at:
-                    padding.append(FlatRange(at, a))
-                at = max(at, b)
-            if layout.partition_numel > at:
-                padding.append(FlatRange(at, layout.partition_numel))
-            holders = tuple(m for m in members if m in fragments)
-            dtype = buffer_dtypes.get(key) or next(e[2] for e in entries if e[1] == state and e[0] in member_set)
-            buffers.append(BufferPlan(key, group, state, dtype, layout.partition_numel, holders, tuple(padding)))
-    return Plan(topo, rank, coords, tuple(tensors), tuple(buffers))
+            padding = uncovered(buffer_slots.get(key, ()), layout.partition_numel)
+            dtype = buffer_dtypes.get(key) or next(e[2] for e in sel.entries if e[1] == state and e[0] in member_set)
+            buffers.append(BufferPlan(key, group, state, dtype, layout.partition_numel, holders, padding))
+    return buffers
+
+
+def _itemsize_of(dtype: str, name: str, state: str) -> int:
+    """Bytes per element of a record's dtype: only dtypes the store can write (``dtype_table``)."""
+    try:
+        return dtype_table.itemsize(dtype, what=f"tensor {name!r} state {state!r}")
+    except DTypeError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _pattern_entry(pattern_rec: Any, name: str, topo: Topology, stage: int, layer_stage: list[int] | None,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..errors import TopologyError
-from ..geometry import Box, FlatRange, flat_range_to_boxes, row_major_strides, split_contiguous
+from ..geometry import Box, FlatRange, flat_range_to_boxes, row_major_strides, split_contiguous, uncovered
 from ..topology import Topology
 from .layout import _LAYOUT_CACHE_MAX, LocalLayout, is_writer, local_layout
 from .placement import holds
@@ -97,14 +97,8 @@ def flat_layout(layout: LocalLayout, fragment: Fragment) -> FlatLayout:
                 at = sum(a * s for (a, _), s in zip(run.ranges, strides)) - fragment.start
                 copies.append(FlatCopy(run.translate(delta), FlatRange(at, at + run.numel)))
     copies.sort(key=lambda fc: fc.flat.start)
-    padding, at = [], 0
-    for fc in copies:
-        if fc.flat.start > at:
-            padding.append(FlatRange(at, fc.flat.start))
-        at = fc.flat.stop
-    if fragment.slot > at:
-        padding.append(FlatRange(at, fragment.slot))
-    out = FlatLayout(fragment.slot, tuple(copies), tuple(padding))
+    padding = uncovered(((fc.flat.start, fc.flat.stop) for fc in copies), fragment.slot)
+    out = FlatLayout(fragment.slot, tuple(copies), padding)
     if len(_FLAT_CACHE) >= _LAYOUT_CACHE_MAX:
         _FLAT_CACHE.clear()
     _FLAT_CACHE[key] = out
@@ -184,15 +178,8 @@ class ZeroGroupLayout:
 
     def gaps(self, zero_rank: int) -> tuple[FlatRange, ...]:
         """Buffer ranges of ``zero_rank`` outside every parameter's slot (alignment and tail padding)."""
-        slots = sorted((f.buffer_start, f.buffer_start + f.slot) for _, f in self.fragments(zero_rank))
-        out, at = [], 0
-        for a, b in slots:
-            if a > at:
-                out.append(FlatRange(at, a))
-            at = max(at, b)
-        if self.partition_numel > at:
-            out.append(FlatRange(at, self.partition_numel))
-        return tuple(out)
+        return uncovered(((f.buffer_start, f.buffer_start + f.slot) for _, f in self.fragments(zero_rank)),
+                         self.partition_numel)
 
 
 def zero_group_layout(numels: Sequence[int], world: int, zero_stage: int, *, alignment: int = 2,
