@@ -11,7 +11,7 @@ __all__ = [
     "ValidationError", "InvalidNameError", "ReferenceNotFound", "DTypeError", "ShapeMismatch", "ChecksumError",
     "UnsafePickleError", "SourceFormatError", "ConfigurationError", "ConflictError", "StepCommittedError",
     "TagInUseError", "CommitRaceError", "WriterClosedError", "DuplicateEntryError", "TaggedCheckpointError",
-    "ReadError", "WriteError", "QueryError",
+    "ReadError", "WriteError", "QueryError", "ImportFailedError",
 ]
 
 
@@ -113,3 +113,8 @@ class WriteError(UcpError):
 
 class QueryError(UcpError):
     """A read-only catalog query failed (bad SQL, or it tried to write)."""
+
+
+class ImportFailedError(UcpError):
+    """A distributed import or save failed on some rank; every rank raises it and nothing is listed.
+    The rank that failed first chains the original error (``__cause__``)."""

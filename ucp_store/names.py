@@ -1,6 +1,6 @@
 """Names that come from users: runs, tensors, states, tags.
 
-Array paths never derive from these names (arrays live at ``arrays/<id>.zarr``), but exporters
+Array paths never derive from these names (arrays live at ``location.array_path``), but exporters
 write folders named after tensors (DeepSpeed's ``zero/<param>/``), so a name must never be able to
 escape a root: no absolute paths, no ``..`` or ``.`` components, no empty components, no backslashes,
 no control characters.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 
 from .errors import InvalidNameError
+
+__all__ = ["tensor_name", "object_name", "run_name", "tag_name", "state_name"]
 
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _STATE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")

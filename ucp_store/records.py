@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = ["TensorInfo"]
+
 
 @dataclass(frozen=True)
 class TensorInfo:

@@ -8,6 +8,9 @@ plus JSON objects and provenance. :func:`import_source` owns everything else, on
 1. (rank 0) ``store.begin`` / (other ranks) ``store.join`` the pending version;
 2. write every record (whole tensors through ``CheckpointWriter.write``, shards through
    ``write_shard``), flushing every ``inflight_bytes`` so memory stays bounded, with a progress bar;
+   a source may yield a *group* (a tuple of records: one parameter's states), which the progress bar
+   counts as one step and a flush never splits; with ``prefetch`` the records are produced in a background
+   thread (``_window.prefetch``, bounded bytes ahead) while the caller's thread writes;
 3. ``source.objects()`` (called only after ``records()`` is exhausted, so a source may collect what it
    saw), merged over ranks and written by rank 0;
 4. commit (rank 0, after every rank's arrays are durable) or abort everywhere on any error.
@@ -23,7 +26,8 @@ temporary name and rename at the end, so a crash never leaves a folder a foreign
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, Union, \
+    runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -32,7 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..checkpoint import Checkpoint
     from ..store import CheckpointWriter, Store
 
-__all__ = ["ShardSpec", "TensorRecord", "Source", "Sink", "import_source", "merge_objects"]
+__all__ = ["ShardSpec", "TensorRecord", "RecordGroup", "Source", "Sink", "import_source", "write_records",
+           "merge_objects", "group_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,19 @@ class TensorRecord:
         return int(t.nbytes) if hasattr(t, "nbytes") else t.numel() * t.element_size()
 
 
+#: what ``Source.records`` yields: one record, or a group of records written and counted together
+RecordGroup = Union[TensorRecord, Sequence[TensorRecord]]
+
+
+def _group(item: RecordGroup) -> Sequence[TensorRecord]:
+    return (item,) if isinstance(item, TensorRecord) else item
+
+
+def group_nbytes(item: RecordGroup) -> int:
+    """Bytes of a record or a group of records (the prefetch window's measure)."""
+    return sum(r.nbytes for r in _group(item))
+
+
 @runtime_checkable
 class Source(Protocol):
     """A checkpoint to import. Call order: ``describe``/``provenance`` (any time), ``records`` once,
@@ -86,8 +104,11 @@ class Source(Protocol):
         """``source_path``, ``source_topology``, ``source_hashes``, ``library_versions``, ``extra``."""
         ...
 
-    def records(self) -> Iterable[TensorRecord]:
-        """Every tensor-state this rank contributes."""
+    def records(self) -> Iterable[RecordGroup]:
+        """Every tensor-state this rank contributes (records, or tuples of records written together).
+
+        Optional attributes ``import_source`` reads: ``total`` (number of items ``records`` yields, for
+        the progress bar) and ``prefetch`` (True: produce records in a background thread)."""
         ...
 
     def objects(self) -> Mapping[str, Any]:
@@ -95,6 +116,7 @@ class Source(Protocol):
         ...
 
 
+@runtime_checkable
 class Sink(Protocol):
     """A foreign layout to export into: ``write(checkpoint, dest, **options)`` returns a summary."""
 
@@ -106,12 +128,16 @@ class Sink(Protocol):
 
 def merge_objects(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Objects from several ranks, merged key by key: dict values one level deep (ranks contribute
-    disjoint entries), anything else from the first rank that has it."""
+    disjoint entries; on a clash the first rank wins, and entries keep rank order), anything else from the
+    first rank that has it."""
     out: dict[str, Any] = {}
     for part in parts:
         for k, v in part.items():
             if k in out and isinstance(out[k], dict) and isinstance(v, dict):
-                out[k] = {**v, **out[k]}
+                merged = dict(out[k])
+                for kk, vv in v.items():
+                    merged.setdefault(kk, vv)
+                out[k] = merged
             else:
                 out.setdefault(k, v)
     return out
@@ -123,33 +149,44 @@ def _default_inflight() -> int:
     return int(os.environ.get("UCP_IMPORT_INFLIGHT_MB", "256")) << 20
 
 
-def write_records(writer: "CheckpointWriter", records: Iterable[TensorRecord], *, inflight_bytes: int | None = None,
+def write_records(writer: "CheckpointWriter", records: Iterable[RecordGroup], *, inflight_bytes: int | None = None,
                   progress: bool = False, description: str = "import", total: int | None = None,
                   on_record: Callable[[TensorRecord], None] | None = None) -> int:
-    """Write records into an open writer, flushing every ``inflight_bytes``; returns bytes written."""
+    """Write records (or groups of records) into an open writer, flushing once ``inflight_bytes`` were
+    written since the last flush (never inside a group); returns bytes written."""
     from ..progress import track
 
     limit = _default_inflight() if inflight_bytes is None else inflight_bytes
     n = since = 0
-    for rec in track(records, description, enabled=progress, total=total):
-        t = rec.tensor
-        if hasattr(t, "is_contiguous") and not t.is_contiguous():
-            t = t.contiguous()
-        if rec.shard is None:
-            writer.write(rec.name, rec.state, t, pattern=rec.pattern, position=rec.position)
-        else:
-            s = rec.shard
-            writer.write_shard(rec.name, rec.state, t, shape=s.shape, pattern=rec.pattern, topology=s.topology,
-                               rank=s.rank, fragment=s.fragment, targets=s.targets)
-        nb = rec.nbytes
-        n += nb
-        since += nb
-        if on_record is not None:
-            on_record(rec)
+    for item in track(records, description, enabled=progress, total=total):
+        for rec in _group(item):
+            t = rec.tensor
+            if hasattr(t, "is_contiguous") and not t.is_contiguous():
+                t = t.contiguous()
+            if rec.shard is None:
+                writer.write(rec.name, rec.state, t, pattern=rec.pattern, position=rec.position)
+            else:
+                s = rec.shard
+                writer.write_shard(rec.name, rec.state, t, shape=s.shape, pattern=rec.pattern, topology=s.topology,
+                                   rank=s.rank, fragment=s.fragment, targets=s.targets)
+            nb = rec.nbytes
+            n += nb
+            since += nb
+            if on_record is not None:
+                on_record(rec)
         if since >= limit:
             writer.flush()
             since = 0
     return n
+
+
+def _records(source: Source, prefetch: bool | None) -> Iterable[RecordGroup]:
+    recs = source.records()
+    if prefetch if prefetch is not None else getattr(source, "prefetch", False):
+        from .._window import prefetch as ahead
+
+        return ahead(recs, nbytes=group_nbytes, name=f"ucp-{source.kind}-reader")
+    return recs
 
 
 def _dist_group(distributed: bool | None, group: Any):
@@ -175,23 +212,27 @@ def _dist_group(distributed: bool | None, group: Any):
 
 def import_source(store: "Store", source: Source, run: str, step: int, *, message: str | None = None,
                   parent: str | None = "auto", progress: bool = True, distributed: bool | None = None,
-                  group: Any = None, inflight_bytes: int | None = None, total: int | None = None) -> str:
+                  group: Any = None, inflight_bytes: int | None = None, total: int | None = None,
+                  prefetch: bool | None = None) -> str:
     """Store ``source`` as ``run@step``; returns the committed version id (the same on every rank).
 
     ``distributed=None`` runs over torch.distributed when it is initialised with more than one rank
     (every rank must call this with its own share); ``False`` forces a single-process import. On any error,
-    on any rank, every rank raises and nothing is listed."""
-    from ..errors import UcpError
+    on any rank, every rank raises and nothing is listed. ``total``/``prefetch`` default to the source's
+    attributes of that name (see :class:`Source`)."""
+    from ..errors import ImportFailedError
 
     dist, rank, world = _dist_group(distributed, group)
     prov = dict(source.provenance())
     msg = message or f"import of {source.kind} checkpoint {source.describe()}"
     description = f"import {source.describe()}"
     show = progress and rank == 0
+    if total is None:
+        total = getattr(source, "total", None)
     if dist is None:
         writer = store.begin(run, step, parent=parent, message=msg, provenance=prov)
         try:
-            write_records(writer, source.records(), inflight_bytes=inflight_bytes, progress=show,
+            write_records(writer, _records(source, prefetch), inflight_bytes=inflight_bytes, progress=show,
                           description=description, total=total)
             for k, v in source.objects().items():
                 writer.write_object(k, v)
@@ -206,14 +247,14 @@ def import_source(store: "Store", source: Source, run: str, step: int, *, messag
     error: BaseException | None = None
     objs: Mapping[str, Any] = {}
     try:
-        write_records(writer, source.records(), inflight_bytes=inflight_bytes, progress=show,
+        write_records(writer, _records(source, prefetch), inflight_bytes=inflight_bytes, progress=show,
                       description=description, total=total)
         objs = source.objects()
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
     if not _all_ok(error is None, group):
         writer.abort()
-        raise UcpError(f"import of {source.describe()} failed on some rank; aborted (nothing listed)") from error
+        raise ImportFailedError(f"import of {source.describe()} failed on some rank; aborted (nothing listed)") from error
     parts: list = [None] * world
     dist.all_gather_object(parts, dict(objs), group=group)
     if rank == 0:
@@ -224,7 +265,7 @@ def import_source(store: "Store", source: Source, run: str, step: int, *, messag
             error = exc
     if not _all_ok(error is None, group):
         writer.abort()
-        raise UcpError(f"import of {source.describe()} failed while writing its objects; aborted") from error
+        raise ImportFailedError(f"import of {source.describe()} failed while writing its objects; aborted") from error
     return distributed_commit(writer, group=group)
 
 

@@ -29,6 +29,10 @@ Where DeepSpeed's loader wants a DeepSpeed object, the plain form is given or th
 
 Parameter names become folder names: each is validated with ``ucp_store.names.tensor_name`` and the
 resolved path must stay under ``OUT_ROOT``.
+
+Import reads such a folder back: :class:`UniversalFolderReader` (layout, metadata, a stream of
+``ParamRecord``) and :class:`UniversalSource` (the reader as a ``Source`` for ``import_source``).
+:class:`UniversalSink` is the export as a ``Sink``.
 """
 
 from __future__ import annotations
@@ -37,20 +41,24 @@ import math
 import os
 import re
 import shutil
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .. import names as _names
 from .. import safe_pickle as sp
-from ..errors import InvalidNameError, SourceFormatError, UcpError
-from .deepspeed import (DS_MODEL_KEYS, UCI, ParamRecord, UniversalInfo, hash_files, pattern_for, write_records,
-                        _prefetch, _with_placement)
+from ..errors import ConfigurationError, ConflictError, InvalidNameError, SourceFormatError
+from ..patterns import Averaged, Fused, Partitioned, Replicated, Vocab, parse_pattern
+from .base import import_source
+from .deepspeed import param_groups
+from .deepspeed_files import (DS_MODEL_KEYS, UCI, UNIVERSAL_MODEL_FILE_RE, find_param_dirs, hash_files,
+                              pipeline_placement)
+from .deepspeed_merge import ParamRecord, UniversalInfo, pattern_for, with_placement
 
-__all__ = ["export_universal", "import_universal", "read_universal", "plan_export"]
+__all__ = ["export_universal", "import_universal", "read_universal", "plan_export", "UniversalFolderReader",
+           "UniversalSource", "UniversalSink"]
 
 STATE_FILES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -83,7 +91,7 @@ def _ds_classes():
         from deepspeed.runtime.zero.config import ZeroStageEnum
         from deepspeed.checkpoint.universal_checkpoint import SubparamShape
     except ImportError as exc:  # pragma: no cover
-        raise UcpError(f"deepspeed_objects=True needs deepspeed importable ({exc})") from None
+        raise ConfigurationError(f"deepspeed_objects=True needs deepspeed importable ({exc})") from None
     return LossScaler, DynamicLossScaler, ZeroStageEnum, SubparamShape
 
 
@@ -111,24 +119,25 @@ def _decode_objects(deepspeed_objects: bool):
 def _tp_shard(full: torch.Tensor, pattern: dict | None, tp: int, r: int, name: str,
               local_shape: tuple | None = None) -> torch.Tensor:
     """Rank ``r``'s TP-local tensor of a logical tensor (for rebuilding per-TP module weights)."""
-    if tp == 1 or pattern is None or pattern.get("kind") in ("replicated", "averaged"):
+    if tp == 1 or pattern is None:
         return full
-    if pattern.get("kind") == "vocab" and local_shape:
+    p = parse_pattern(pattern, name=name)
+    if isinstance(p, (Replicated, Averaged)):
+        return full
+    if isinstance(p, Vocab) and local_shape:
         # the source's own padding: rows per rank as recorded, zero rows past the original vocabulary
-        d = int(pattern.get("dim", 0))
+        d = p.dim
         per = int(local_shape[d])
         lo, hi = min(r * per, full.shape[d]), min((r + 1) * per, full.shape[d])
         out = torch.zeros(local_shape, dtype=full.dtype)
         out.narrow(d, 0, hi - lo).copy_(full.narrow(d, lo, hi - lo))
         return out
-    from ..patterns import tp_layout
+    from ..patterns import tp_layout, without_placement
 
-    p = {k: v for k, v in pattern.items() if k != "placement"}
-    lay = tp_layout(p, tuple(full.shape), tp, r, name=name)
+    lay = tp_layout(without_placement(p), tuple(full.shape), tp, r, name=name)
     out = torch.zeros(lay.shape, dtype=full.dtype)
     for c in lay.copies:
-        src = full[tuple(slice(a, b) for a, b in c.logical.to_json())]
-        out[tuple(slice(a, b) for a, b in c.local.to_json())] = src
+        out[c.local.slices()] = full[c.logical.slices()]
     return out
 
 
@@ -136,22 +145,22 @@ def _meta_from_pattern(pattern: dict | None, warnings: list[str], name: str) -> 
     """The keys ds_to_universal would write for a parameter with this pattern (non-DeepSpeed sources)."""
     if not pattern:
         return {"cat_dim": 0}
-    kind = pattern.get("kind")
-    if kind in ("replicated", "averaged"):
+    p = parse_pattern(pattern, name=name)
+    if isinstance(p, (Replicated, Averaged)):
         return {}
-    if kind == "partitioned":
-        return {"cat_dim": int(pattern["dim"])}
-    if kind == "vocab":
+    if isinstance(p, Partitioned):
+        return {"cat_dim": p.dim}
+    if isinstance(p, Vocab):
         return {"cat_dim": 0, "vocab_tensor": True}
-    if kind == "fused":
-        sizes = pattern["sizes"]
-        if len(set(sizes)) == 1 and not pattern.get("widths"):
-            return {"cat_dim": int(pattern["dim"]), "param_n_sub_params": len(sizes)}
+    if isinstance(p, Fused):
+        sizes = list(p.sizes)
+        if len(set(sizes)) == 1 and not p.widths:
+            return {"cat_dim": p.dim, "param_n_sub_params": len(sizes)}
         warnings.append(f"{name}: fused with unequal sub-parameters {sizes}: DeepSpeed needs a SubparamShape "
                         "object to split it for TP>1 (use deepspeed_objects=True)")
         return {"sub_param_shape": {"__object__": "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
                                     "state": {"patterns": [re.escape(name)], "shape": {"__tuple__": [
-                                        {"__tuple__": list(sizes)}, -1]}, "partition_dim": int(pattern["dim"])}}}
+                                        {"__tuple__": sizes}, -1]}, "partition_dim": p.dim}}}
     return {"cat_dim": 0}
 
 
@@ -207,13 +216,12 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
     root_real = os.path.realpath(out_root)
     final = os.path.join(root_real, tag)
     if os.path.lexists(final) and not overwrite:
-        raise UcpError(f"{final} exists; choose another tag or pass overwrite=True")
+        raise ConflictError(f"{final} exists; choose another tag or pass overwrite=True")
     out = os.path.join(root_real, f".{tag}.partial-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)
     zero = os.path.join(out, "zero")
     os.makedirs(zero)
     metas = objs.get("deepspeed/universal_meta") or {}
-    kinds = objs.get("deepspeed/kinds") or {}
     step_types = objs.get("deepspeed/step_types") or {}
     warnings: list[str] = []
 
@@ -450,139 +458,152 @@ def _synthetic_model_state(checkpoint, objs, by_name) -> dict:
 
 
 # ============================================================================================ import
-MODEL_FILE_RE = re.compile(r"^(?:mp_rank_(\d+)|(?:(?:bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+))_model_states\.pt$")
+MODEL_FILE_RE = UNIVERSAL_MODEL_FILE_RE  # old name
+_find_param_dirs = find_param_dirs  # old name
 
 
-def _find_param_dirs(zero: str) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(zero):
-        if any(f.endswith(".pt") for f in filenames) and dirpath != zero:
-            out.append(os.path.relpath(dirpath, zero).replace(os.sep, "/"))
-        dirnames.sort()
-    return sorted(out)
+class UniversalFolderReader:
+    """A universal folder (``ds_to_universal`` output): its layout and metadata on construction, then
+    ``records()`` (one ``ParamRecord`` per ``zero/<param>/`` folder, streamed) and ``objects()`` (JSON
+    state, including what ``records()`` saw: call it after them). ``info`` describes the source (folder,
+    topology, ds_version, global_steps, files)."""
 
+    def __init__(self, folder: str | os.PathLike):
+        folder = os.path.abspath(os.fspath(folder))
+        self.folder = folder
+        self.zero = zero = os.path.join(folder, "zero")
+        if not os.path.isdir(zero):
+            raise SourceFormatError(f"{folder}: not a DeepSpeed universal folder: no zero/ subfolder (expected the "
+                                    "output of ds_to_universal: zero/<param>/fp32.pt, zero/optimizer_state.pt, "
+                                    "mp_rank_*_model_states.pt)")
+        opt_path = os.path.join(zero, "optimizer_state.pt")
+        if not os.path.isfile(opt_path):
+            raise SourceFormatError(f"{opt_path}: missing (every universal folder has zero/optimizer_state.pt)")
+        model_files = sorted(f for f in os.listdir(folder) if UNIVERSAL_MODEL_FILE_RE.match(f))
+        if not model_files:
+            raise SourceFormatError(f"{folder}: no mp_rank_*_model_states.pt or zero_pp_rank_*_model_states.pt files")
+        self.notes: list[str] = []
+        self.model_states = {f: sp.load(os.path.join(folder, f), what="model state") for f in model_files}
+        self.first = first = self.model_states[model_files[0]]
+        dims = first.get("checkpoint_parallel_dimensions") or {}
+        z3 = any(f.startswith(("zero_pp_rank_", "bf16_zero", "fp16_zero")) for f in model_files)
+        self.tp = tp = int(dims.get("tp_degree", 1)) if dims else (len(model_files) if not z3 else 1)
+        self.pp = int(dims.get("pp_degree", 1)) if dims else 1
+        self.uci = next((sd[UCI] for sd in self.model_states.values() if isinstance(sd.get(UCI), dict)), None)
+        self.info_rules = UniversalInfo(self.uci, tp)
+        self.shapes: dict[str, tuple] = {}
+        self.stages_of: dict[str, set] = {}
+        for f, sd in self.model_states.items():
+            mm = UNIVERSAL_MODEL_FILE_RE.match(f)
+            mp = int(mm.group(1) if mm.group(1) is not None else mm.group(3))
+            for g in sd.get("param_shapes") or []:
+                for n, shp in g.items():
+                    self.shapes.setdefault(n, tuple(int(x) for x in shp))
+                    self.stages_of.setdefault(n, set()).add(mp // max(tp, 1))
+        self.module: dict[str, torch.Tensor] = {}
+        self.buffers: set[str] = set()
+        for sd in self.model_states.values():
+            for n, t in (sd.get("module") or {}).items():
+                self.module.setdefault(n, t)
+            self.buffers.update(sd.get("buffer_names") or [])
+        self.opt = opt = sp.load(opt_path, what="universal optimizer state")
+        zero_stage = int(opt.get("zero_stage", 3 if z3 else 2))
+        self.step_common = None
+        if isinstance(opt.get("optimizer_state_dict"), dict):
+            st0 = (opt["optimizer_state_dict"].get("state") or {}).get(0, {})
+            self.step_common = st0.get("step")
+        self.dirs = dirs = find_param_dirs(zero)
+        self.layout = {
+            "format": "deepspeed_universal", "zero_stage": zero_stage, "tp": tp, "pp": self.pp,
+            "dp": int(first.get("dp_world_size", 1) or 1), "model_files": model_files,
+            "module_in_model_states": all(sd.get("module") is not None for sd in self.model_states.values()),
+            "lp_dtype": sp._dtype_name(next((t.dtype for n, t in self.module.items() if n in self.shapes),
+                                            torch.float32))}
+        self.metas: dict[str, dict] = {}
+        self.step_types: dict[str, str] = {}
+        self.kinds: dict[str, str] = {}
+        self.info = {
+            "folder": folder,
+            "topology": {"tp": tp, "pp": self.pp, "dp": self.layout["dp"], "zero_stage": zero_stage},
+            "ds_version": first.get("ds_version"), "global_steps": first.get("global_steps"),
+            "files": ["zero/optimizer_state.pt"] + model_files +
+                     [f"zero/{n}/{f}" for n in dirs for f in sorted(os.listdir(os.path.join(zero, n)))
+                      if f.endswith(".pt")]}
 
-def read_universal(folder: str | os.PathLike):
-    """Read a universal folder: returns (records iterator factory, objects, info dict)."""
-    folder = os.path.abspath(os.fspath(folder))
-    zero = os.path.join(folder, "zero")
-    if not os.path.isdir(zero):
-        raise SourceFormatError(f"{folder}: not a DeepSpeed universal folder: no zero/ subfolder (expected the "
-                                "output of ds_to_universal: zero/<param>/fp32.pt, zero/optimizer_state.pt, "
-                                "mp_rank_*_model_states.pt)")
-    opt_path = os.path.join(zero, "optimizer_state.pt")
-    if not os.path.isfile(opt_path):
-        raise SourceFormatError(f"{opt_path}: missing (every universal folder has zero/optimizer_state.pt)")
-    model_files = sorted(f for f in os.listdir(folder) if MODEL_FILE_RE.match(f))
-    if not model_files:
-        raise SourceFormatError(f"{folder}: no mp_rank_*_model_states.pt or zero_pp_rank_*_model_states.pt files")
-    notes: list[str] = []
-    model_states = {f: sp.load(os.path.join(folder, f), what="model state") for f in model_files}
-    first = model_states[model_files[0]]
-    dims = first.get("checkpoint_parallel_dimensions") or {}
-    z3 = any(f.startswith(("zero_pp_rank_", "bf16_zero", "fp16_zero")) for f in model_files)
-    tp = int(dims.get("tp_degree", 1)) if dims else (len(model_files) if not z3 else 1)
-    pp = int(dims.get("pp_degree", 1)) if dims else 1
-    uci = next((sd[UCI] for sd in model_states.values() if isinstance(sd.get(UCI), dict)), None)
-    info = UniversalInfo(uci, tp)
-    shapes: dict[str, tuple] = {}
-    stages_of: dict[str, set] = {}
-    for f, sd in model_states.items():
-        mm = MODEL_FILE_RE.match(f)
-        mp = int(mm.group(1) if mm.group(1) is not None else mm.group(3))
-        for g in sd.get("param_shapes") or []:
-            for n, s in g.items():
-                shapes.setdefault(n, tuple(int(x) for x in s))
-                stages_of.setdefault(n, set()).add(mp // max(tp, 1))
+    def __iter__(self):
+        """``records, objects, info = read_universal(folder)``: the old tuple form still unpacks."""
+        return iter((self.records, self.objects, self.info))
 
-    def placement(name: str) -> dict | None:
+    def placement(self, name: str) -> dict | None:
         """Pipeline placement, as for a tag folder (PipelineModule names carry the global layer index)."""
-        st = stages_of.get(name, set())
-        if pp > 1 and len(st) > 1:
-            labels = [lab for lab, s_ in (("first", 0), ("last", pp - 1)) if s_ in st]
-            return {"stages": labels} if labels else None
-        m_ = re.match(r"^(\d+)\.", name)
-        return {"layer": int(m_.group(1))} if (pp > 1 and m_) else None
-    module = {}
-    buffers = set()
-    for sd in model_states.values():
-        for n, t in (sd.get("module") or {}).items():
-            module.setdefault(n, t)
-        buffers.update(sd.get("buffer_names") or [])
-    opt = sp.load(opt_path, what="universal optimizer state")
-    zero_stage = int(opt.get("zero_stage", 3 if z3 else 2))
-    step_common = None
-    if isinstance(opt.get("optimizer_state_dict"), dict):
-        st0 = (opt["optimizer_state_dict"].get("state") or {}).get(0, {})
-        step_common = st0.get("step")
-    dirs = _find_param_dirs(zero)
-    layout = {"format": "deepspeed_universal", "zero_stage": zero_stage, "tp": tp, "pp": pp,
-              "dp": int(first.get("dp_world_size", 1) or 1), "model_files": model_files,
-              "module_in_model_states": all(sd.get("module") is not None for sd in model_states.values()),
-              "lp_dtype": sp._dtype_name(next((t.dtype for n, t in module.items() if n in shapes), torch.float32))}
-    metas: dict[str, dict] = {}
-    step_types: dict[str, str] = {}
-    kinds: dict[str, str] = {}
+        return pipeline_placement(name, self.stages_of.get(name, ()), self.pp, layered=self.pp > 1)
 
-    def records():
-        for name in dirs:
-            d = os.path.join(zero, name)
-            files = sorted(f for f in os.listdir(d) if f.endswith(".pt"))
-            states: dict[str, torch.Tensor] = {}
-            meta: dict | None = None
-            raw = False
-            for f in files:
-                st = f[:-3]
-                _names.state_name(st)
-                obj = sp.load(os.path.join(d, f), what=f"universal {st} state of {name}")
-                if st == "step":
-                    t, typ = _step(obj)
-                    if t is not None:
-                        states["step"] = t
-                        step_types[name] = typ
-                    continue
-                if isinstance(obj, dict):
-                    if "param" not in obj:
-                        raise SourceFormatError(f"{os.path.join(d, f)}: a dict without 'param' (keys {list(obj)})")
-                    t = obj["param"]
-                    m = {k: sp.to_jsonable(v) for k, v in obj.items() if k != "param"}
-                    if meta is None or st == "fp32":
-                        meta = m
-                elif isinstance(obj, torch.Tensor):
-                    t = obj
-                    raw = True
-                    if name in shapes:
-                        t = t.reshape(shapes[name])
-                else:
-                    raise SourceFormatError(f"{os.path.join(d, f)}: neither a tensor nor a dict with 'param'")
-                states[st] = t.detach().clone()
-            if "step" not in states and step_common is not None and any(s in states for s in ("exp_avg",)):
-                t, typ = _step(step_common)
+    def records(self) -> Iterator[ParamRecord]:
+        """One ``ParamRecord`` per parameter folder, in folder order."""
+        for name in self.dirs:
+            yield self._record(name)
+
+    def _record(self, name: str) -> ParamRecord:
+        d = os.path.join(self.zero, name)
+        files = sorted(f for f in os.listdir(d) if f.endswith(".pt"))
+        states: dict[str, torch.Tensor] = {}
+        meta: dict | None = None
+        raw = False
+        for f in files:
+            st = f[:-3]
+            _names.state_name(st)
+            obj = sp.load(os.path.join(d, f), what=f"universal {st} state of {name}")
+            if st == "step":
+                t, typ = _step(obj)
                 if t is not None:
                     states["step"] = t
-                    step_types[name] = typ
-            optimizer_owned = any(s in states for s in ("exp_avg", "exp_avg_sq")) or name in shapes
-            if not optimizer_owned and set(states) <= {"fp32"}:
-                # ds_to_universal's fallback for a frozen parameter / buffer: fp32.pt = weight.float()
-                w = states.pop("fp32")
-                lp = module.get(name)
-                if lp is not None and lp.shape == w.shape and torch.equal(lp.float(), w):
-                    w = lp.clone()
-                states["weight"] = w
-                kind = "buffer" if name in buffers else "frozen"
+                    self.step_types[name] = typ
+                continue
+            if isinstance(obj, dict):
+                if "param" not in obj:
+                    raise SourceFormatError(f"{os.path.join(d, f)}: a dict without 'param' (keys {list(obj)})")
+                t = obj["param"]
+                m = {k: sp.to_jsonable(v) for k, v in obj.items() if k != "param"}
+                if meta is None or st == "fp32":
+                    meta = m
+            elif isinstance(obj, torch.Tensor):
+                t = obj
+                raw = True
+                if name in self.shapes:
+                    t = t.reshape(self.shapes[name])
             else:
-                kind = "param"
-            pattern = _with_placement(_pattern(name, meta or {}, info, tp, states), placement(name))
-            if "fp32" in states:
-                metas[name] = {"raw": True} if raw else (meta or {})
-            kinds[name] = kind
-            first_t = states.get("fp32", states.get("weight"))
-            yield ParamRecord(name=name, states=states, pattern=pattern, kind=kind,
-                              shape=tuple(first_t.shape) if first_t is not None else (), meta=metas.get(name, {}))
+                raise SourceFormatError(f"{os.path.join(d, f)}: neither a tensor nor a dict with 'param'")
+            states[st] = t.detach().clone()
+        if "step" not in states and self.step_common is not None and any(s in states for s in ("exp_avg",)):
+            t, typ = _step(self.step_common)
+            if t is not None:
+                states["step"] = t
+                self.step_types[name] = typ
+        optimizer_owned = any(s in states for s in ("exp_avg", "exp_avg_sq")) or name in self.shapes
+        if not optimizer_owned and set(states) <= {"fp32"}:
+            # ds_to_universal's fallback for a frozen parameter / buffer: fp32.pt = weight.float()
+            w = states.pop("fp32")
+            lp = self.module.get(name)
+            if lp is not None and lp.shape == w.shape and torch.equal(lp.float(), w):
+                w = lp.clone()
+            states["weight"] = w
+            kind = "buffer" if name in self.buffers else "frozen"
+        else:
+            kind = "param"
+        pattern = with_placement(_pattern(name, meta or {}, self.info_rules, self.tp, states), self.placement(name))
+        if "fp32" in states:
+            self.metas[name] = {"raw": True} if raw else (meta or {})
+        self.kinds[name] = kind
+        first_t = states.get("fp32", states.get("weight"))
+        return ParamRecord(name=name, states=states, pattern=pattern, kind=kind,
+                           shape=tuple(first_t.shape) if first_t is not None else (), meta=self.metas.get(name, {}))
 
-    def objects() -> dict:
+    def objects(self) -> dict:
+        """The folder's JSON state (model states, optimizer state, scheduler, ...) and what ``records``
+        saw (per-parameter ``ds_to_universal`` keys, step types, kinds)."""
+        notes, first, opt = self.notes, self.first, self.opt
         objs: dict[str, Any] = {}
-        for f, sd in model_states.items():
+        for f, sd in self.model_states.items():
             rec = {}
             for k, v in sd.items():
                 if k in ("module", "frozen_param_fragments") and v is not None:
@@ -594,32 +615,31 @@ def read_universal(folder: str | os.PathLike):
         if isinstance(common.get("optimizer_state_dict"), dict):
             inner = common["optimizer_state_dict"]
             common["optimizer_state_dict"] = {
-                "state": {k: {n: v for n, v in s.items() if n == "step"} for k, s in (inner.get("state") or {}).items()},
+                "state": {k: {n: v for n, v in st.items() if n == "step"}
+                          for k, st in (inner.get("state") or {}).items()},
                 "param_groups": inner.get("param_groups", [])}
         objs["deepspeed/optimizer_state"] = sp.to_jsonable(common, notes=notes, where="optimizer_state")
-        objs["deepspeed/layout"] = dict(layout)
+        objs["deepspeed/layout"] = dict(self.layout)
         for k in ("ds_config", "lr_scheduler", "global_steps", "global_samples", "skipped_steps", "ds_version"):
             if k in first:
                 objs[k] = sp.to_jsonable(first[k], notes=notes, where=k)
-        if uci is not None:
-            objs[UCI] = sp.to_jsonable(uci, notes=notes, where=UCI)
+        if self.uci is not None:
+            objs[UCI] = sp.to_jsonable(self.uci, notes=notes, where=UCI)
         objs["client_state"] = sp.to_jsonable({k: v for k, v in first.items() if k not in DS_MODEL_KEYS}, notes=notes)
         if "param_groups" in opt:
             objs["param_groups"] = sp.to_jsonable(opt["param_groups"], notes=notes)
         if "loss_scaler" in opt:
             objs["loss_scaler"] = sp.to_jsonable(opt["loss_scaler"], notes=notes)
-        objs["deepspeed/universal_meta"] = metas
-        objs["deepspeed/step_types"] = step_types
-        objs["deepspeed/kinds"] = kinds
+        objs["deepspeed/universal_meta"] = self.metas
+        objs["deepspeed/step_types"] = self.step_types
+        objs["deepspeed/kinds"] = self.kinds
         objs["deepspeed/notes"] = notes
         return objs
 
-    meta_info = {"folder": folder, "topology": {"tp": tp, "pp": pp, "dp": layout["dp"], "zero_stage": zero_stage},
-                 "ds_version": first.get("ds_version"), "global_steps": first.get("global_steps"),
-                 "files": ["zero/optimizer_state.pt"] + model_files +
-                          [f"zero/{n}/{f}" for n in dirs for f in sorted(os.listdir(os.path.join(zero, n)))
-                           if f.endswith(".pt")]}
-    return records, objects, meta_info
+
+def read_universal(folder: str | os.PathLike) -> UniversalFolderReader:
+    """Open a universal folder for reading (see :class:`UniversalFolderReader`)."""
+    return UniversalFolderReader(folder)
 
 
 def _step(obj):
@@ -650,7 +670,7 @@ def _pattern(name, meta, info: UniversalInfo, tp, states) -> dict | None:
         except SourceFormatError:
             return _fused_from_meta(meta, t)
     if meta.get("vocab_tensor"):
-        return {"kind": "vocab", "dim": 0, "original_size": int(t.shape[0])}
+        return Vocab(dim=0, original_size=int(t.shape[0])).to_json()
     return _fused_from_meta(meta, t)
 
 
@@ -659,42 +679,72 @@ def _fused_from_meta(meta, t) -> dict | None:
         n = int(meta["param_n_sub_params"])
         d = int(meta.get("cat_dim", 0))
         if t.dim() > d and t.shape[d] % n == 0:
-            return {"kind": "fused", "dim": d, "sizes": [t.shape[d] // n] * n}
+            return Fused(dim=d, sizes=(t.shape[d] // n,) * n).to_json()
     sps = meta.get("sub_param_shape")
     if sps:
         st = sp.from_jsonable(sps)
         shape, pd = st.get("shape", ()), int(st.get("partition_dim", 0))
         spec = shape[pd] if len(shape) > pd else None
         if isinstance(spec, (list, tuple)):
-            return {"kind": "fused", "dim": pd, "sizes": [int(x) for x in spec]}
+            return Fused(dim=pd, sizes=tuple(int(x) for x in spec)).to_json()
         if isinstance(spec, int) and t.dim() > pd and t.shape[pd] % spec == 0:
-            return {"kind": "fused", "dim": pd, "sizes": [t.shape[pd] // spec] * spec}
+            return Fused(dim=pd, sizes=(t.shape[pd] // spec,) * spec).to_json()
     return None
+
+
+class UniversalSource:
+    """A universal folder as a :class:`~ucp_store.adapters.base.Source` (one group of records per
+    parameter, read in a background thread)."""
+
+    kind = "deepspeed_universal"
+    prefetch = True
+
+    def __init__(self, folder: str | os.PathLike, *, hash_sources: bool = True):
+        self.reader = UniversalFolderReader(folder)
+        self.hash_sources = hash_sources
+        self.total = len(self.reader.dirs)
+
+    @property
+    def step(self) -> int:
+        """The folder's ``global_steps`` (the default step of the imported version)."""
+        if self.reader.info["global_steps"] is None:
+            raise SourceFormatError(f"{self.reader.folder}: model states carry no global_steps; pass step=")
+        return int(self.reader.info["global_steps"])
+
+    def describe(self) -> str:
+        return self.reader.folder
+
+    def provenance(self) -> dict:
+        info = self.reader.info
+        hashes = hash_files(info["folder"], info["files"]) if self.hash_sources else {}
+        return {"source_kind": self.kind, "source_path": info["folder"], "source_topology": info["topology"],
+                "source_hashes": hashes,
+                "library_versions": {"deepspeed": None if info["ds_version"] is None else str(info["ds_version"])},
+                "extra": {"format": "ds_to_universal output"}}
+
+    def records(self):
+        return param_groups(self.reader.records())
+
+    def objects(self) -> dict:
+        return self.reader.objects()
 
 
 def import_universal(store, folder: str | os.PathLike, run: str, step: int | None = None, *,
                      message: str | None = None, progress: bool = True, hash_sources: bool = True,
                      parent: str | None = "auto") -> str:
     """Import an existing universal folder (ds_to_universal output) as ``run@step``; returns the id."""
-    records, objects, meta = read_universal(folder)
+    source = UniversalSource(folder, hash_sources=hash_sources)
     if step is None:
-        if meta["global_steps"] is None:
-            raise SourceFormatError(f"{folder}: model states carry no global_steps; pass step=")
-        step = int(meta["global_steps"])
-    hashes = hash_files(meta["folder"], meta["files"]) if hash_sources else {}
-    provenance = {"source_kind": "deepspeed_universal", "source_path": meta["folder"],
-                  "source_topology": meta["topology"], "source_hashes": hashes,
-                  "library_versions": {"deepspeed": None if meta["ds_version"] is None else str(meta["ds_version"])},
-                  "extra": {"format": "ds_to_universal output"}}
-    writer = store.begin(run, step, parent=parent, message=message or f"import of universal folder {folder}",
-                         provenance=provenance)
-    try:
-        write_records(writer, _prefetch(records()), progress=progress)
-        for k, v in objects().items():
-            writer.write_object(k, v)
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.commit().id
+        step = source.step
+    return import_source(store, source, run, step, message=message or f"import of universal folder {folder}",
+                         parent=parent, progress=progress, distributed=False, total=None)
 
 
+class UniversalSink:
+    """The universal-folder export as a :class:`~ucp_store.adapters.base.Sink`:
+    ``UniversalSink().write(checkpoint, out_root, tag=..., style=...)`` -> ``{"path": ...}``."""
+
+    kind = "deepspeed_universal"
+
+    def write(self, checkpoint, dest: str, **options: Any) -> dict[str, Any]:
+        return {"kind": self.kind, "path": export_universal(checkpoint, dest, **options)}

@@ -13,8 +13,11 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import SourceFormatError, UcpError, UnsafePickleError
+from ..errors import ConfigurationError, SourceFormatError, UnsafePickleError
 from .base import TensorRecord, import_source
+
+__all__ = ["TorchFileSource", "TorchFileSink", "import_torch_file", "export_torch_file", "load_weights_only",
+           "flatten"]
 
 
 def load_weights_only(path: str) -> Any:
@@ -123,8 +126,20 @@ def export_torch_file(checkpoint, path: str, *, state: str | None = None, progre
            for i in track(infos, "export", enabled=progress, weight=lambda i: i.nbytes)}
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise UcpError(f"cannot write torch file {path}: folder {parent} does not exist")
+        raise ConfigurationError(f"cannot write torch file {path}: folder {parent} does not exist")
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(out, tmp)
     os.replace(tmp, path)  # never leave a half-written file under the final name
     return len(out)
+
+
+class TorchFileSink:
+    """The torch-file export as a :class:`~ucp_store.adapters.base.Sink`:
+    ``TorchFileSink().write(checkpoint, path, state=...)`` -> ``{"kind", "path", "tensors"}``."""
+
+    kind = "torch_file"
+
+    def write(self, checkpoint, dest: str, **options: Any) -> dict[str, Any]:
+        n = export_torch_file(checkpoint, dest, **options)
+        return {"kind": self.kind, "path": os.path.abspath(dest), "tensors": n}
+
