@@ -1,0 +1,50 @@
+"""What every ``ucp`` command shares: the ``--store``/``--catalog``/``--no-progress`` options and opening the store.
+
+Opening a store needs SQLAlchemy only (``ucp_store.store`` loads torch and TensorStore on first tensor
+use), so this module and the catalog-only command modules import nothing heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..store import Store
+
+__all__ = ["EXIT_OK", "EXIT_FAIL", "Command", "add_common", "open_from_args", "progress_wanted"]
+
+EXIT_OK, EXIT_FAIL = 0, 1
+
+
+def add_common(p: argparse.ArgumentParser, top: bool) -> None:
+    """Add the options every command accepts, before or after the subcommand."""
+    default = None if top else argparse.SUPPRESS
+    p.add_argument("--store", default=default, metavar="URL",
+                   help="store folder or URL (default: $UCP_STORE or ./ucp-store)")
+    p.add_argument("--catalog", default=default, metavar="URL", help="catalog URL (default: $UCP_CATALOG or "
+                   "<store>/catalog.db)")
+    p.add_argument("--no-progress", action="store_true", default=False if top else argparse.SUPPRESS,
+                   help="no progress bars")
+
+
+def open_from_args(args: Any, *, create: bool = False, **settings: Any) -> Store:
+    """The store named by ``--store`` / ``--catalog`` (or their environment defaults)."""
+    from ..store import open_store
+
+    return open_store(args.store, create=create, catalog=args.catalog, **settings)
+
+
+def progress_wanted(args: Any) -> bool:
+    """Draw progress bars unless ``--no-progress``."""
+    return not args.no_progress
+
+
+class Command(NamedTuple):
+    """One subcommand: what runs it, its help line, and the arguments it adds to its parser."""
+
+    run: Callable[[Any], int]
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    json_flag: bool = True

@@ -1,0 +1,92 @@
+"""Maintenance commands: ``gc``, ``retention``, ``db`` (catalog schema). Catalog-only: nothing heavy is imported."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from ..errors import UcpError
+from .common import EXIT_OK, Command, open_from_args
+from .output import fmt_bytes, print_json
+
+__all__ = ["COMMANDS", "cmd_gc", "cmd_retention", "cmd_db"]
+
+
+def cmd_gc(args: Any) -> int:
+    """Apply retention, drop unfinished saves, delete unreferenced arrays (``--dry-run``: only report)."""
+    store = open_from_args(args)
+    report = store.gc(run=args.run, keep_last=args.keep_last, keep_every=args.keep_every,
+                      keep_tagged=not args.no_keep_tagged, dry_run=args.dry_run)
+    if args.json:
+        print_json(report.to_json())
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {len(report.removed_checkpoints)} version(s), {len(report.removed_pending)} unfinished "
+              f"save(s), {report.removed_arrays} array(s), {fmt_bytes(report.freed_bytes)}")
+    return EXIT_OK
+
+
+def cmd_retention(args: Any) -> int:
+    """Store a run's retention policy (``gc`` applies it)."""
+    policy = open_from_args(args).set_retention(args.run, keep_last=args.keep_last, keep_every=args.keep_every,
+                                               keep_tagged=not args.no_keep_tagged)
+    print(f"retention of {args.run}: {json.dumps(policy)} (applied by `ucp gc`)")
+    return EXIT_OK
+
+
+def cmd_db(args: Any) -> int:
+    """Show the catalog's schema revision, or upgrade it."""
+    from ..catalog import db
+    from ..location import Location
+
+    location = Location.parse(args.store or os.environ.get("UCP_STORE") or "./ucp-store", args.catalog)
+    if args.action == "upgrade":
+        before, after = db.upgrade(location.catalog_url)
+        print(f"catalog {db.display_url(location.catalog_url)}: {before or 'empty'} -> {after}")
+        return EXIT_OK
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(location.catalog_url)
+    try:
+        with engine.connect() as conn:
+            rev = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    except Exception as exc:  # no catalog, or no alembic_version table
+        raise UcpError(f"catalog {db.display_url(location.catalog_url)} has no schema revision: "
+                       f"{str(exc).splitlines()[0]}") from None
+    finally:
+        engine.dispose()
+    state = "up to date" if rev == db.head_revision() else (
+        "older: run `ucp db upgrade`" if rev in db.known_revisions() else "newer than this ucp_store")
+    print(f"catalog {db.display_url(location.catalog_url)}: revision {rev}, code knows {db.head_revision()} ({state})")
+    return EXIT_OK
+
+
+def _gc_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--run", default=None)
+    _retention_flags(sp)
+    sp.add_argument("--dry-run", action="store_true")
+
+
+def _retention_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("run")
+    _retention_flags(sp)
+
+
+def _retention_flags(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--keep-last", type=int, default=None)
+    sp.add_argument("--keep-every", type=int, default=None)
+    sp.add_argument("--no-keep-tagged", action="store_true")
+
+
+def _db_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("action", choices=["upgrade", "revision"])
+
+
+COMMANDS = {
+    "gc": Command(cmd_gc, "apply retention, drop unfinished saves, delete unreferenced arrays", _gc_args),
+    "retention": Command(cmd_retention, "store a run's retention policy (applied by gc)", _retention_args,
+                         json_flag=False),
+    "db": Command(cmd_db, "catalog schema: show the revision or upgrade it", _db_args, json_flag=False),
+}

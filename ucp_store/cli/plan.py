@@ -1,0 +1,94 @@
+"""``ucp plan``: bytes and chunks per rank, read amplification, and (``--plot``, see ``plot``) who reads what.
+
+The planner does the work (``Checkpoint.tensors`` + ``planner.plan``, pure and torch-free); this module
+builds the target topology from the options and prints the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import UcpError
+from ..topology import Topology
+from .common import EXIT_OK, Command, open_from_args
+from .output import fmt_bytes, print_json, table
+
+__all__ = ["COMMANDS", "cmd_plan", "run_plan", "topology_from_args", "infer_layers"]
+
+
+def infer_layers(infos: Iterable[Any]) -> int:
+    """The number of layers a checkpoint's patterns name (deepest ``placement.layer`` + 1), or 0."""
+    from ..patterns import parse_pattern
+
+    layers = [parse_pattern(i.pattern).layer for i in infos if i.pattern]
+    known = [x for x in layers if x is not None]
+    return max(known) + 1 if known else 0
+
+
+def topology_from_args(args: Any, infos: Iterable[Any]) -> Topology:
+    """The target topology of ``--tp/--pp/--dp/--sp/--ep/--zero/--vocab-multiple/--layers``."""
+    layers = args.layers if args.layers is not None else infer_layers(infos)
+    if args.pp > 1 and layers == 0:
+        raise UcpError("--pp > 1 needs layers: the checkpoint's patterns name no layer placement; pass --layers N")
+    return Topology(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, sp=args.sp, ep=args.ep,
+                    vocab_multiple=args.vocab_multiple, layers=layers)
+
+
+def run_plan(args: Any, store: Any) -> int:
+    """Plan every rank (or ``--rank``) of the target topology for ``args.ref`` and print the totals."""
+    from ..planner import plan as make_plan
+
+    ck = store.checkpoint(args.ref)
+    infos = ck.tensors()
+    topo = topology_from_args(args, infos)
+    states = args.states.split(",") if args.states else None
+    ranks = [args.rank] if args.rank is not None else list(range(topo.world_size))
+    for r in ranks:
+        if not 0 <= r < topo.world_size:
+            raise UcpError(f"--rank {r} is outside the topology's {topo.world_size} ranks ({topo.describe()})")
+    plans = [make_plan(infos, topo, r, states=states) for r in ranks]
+    if args.json:
+        if len(plans) == 1:
+            print_json(plans[0].to_json())
+        else:
+            print_json({"topology": topo.to_json(), "ranks": [
+                {"rank": p.rank, "coords": dict(p.coords), **p.to_json()["totals"]} for p in plans]})
+    else:
+        print(f"{ck.run}@{ck.step} -> {topo.describe()}")
+        table([[p.rank, " ".join(f"{k}{v}" for k, v in p.coords.items()), len(p.tensors), p.num_reads,
+                p.chunks_touched, fmt_bytes(p.bytes_needed), fmt_bytes(p.bytes_read), f"{p.read_amplification:.3f}"]
+               for p in plans],
+              ["rank", "coords", "tensor-states", "reads", "chunks", "bytes needed", "bytes read", "amplification"])
+        needed = sum(p.bytes_needed for p in plans)
+        read = sum(p.bytes_read for p in plans)
+        print(f"all ranks: {fmt_bytes(read)} read for {fmt_bytes(needed)} needed "
+              f"(amplification {read / needed if needed else 1.0:.3f})")
+    if args.plot:
+        from .plot import draw_plan
+
+        draw_plan(ck, plans, args.param, args.plot)
+        print(f"wrote {args.plot}")
+    return EXIT_OK
+
+
+def cmd_plan(args: Any) -> int:
+    """``ucp plan``."""
+    return run_plan(args, open_from_args(args))
+
+
+def _plan_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("ref")
+    for flag in ("tp", "pp", "dp", "sp", "ep"):
+        sp.add_argument(f"--{flag}", type=int, default=1)
+    sp.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    sp.add_argument("--vocab-multiple", type=int, default=1)
+    sp.add_argument("--layers", type=int, default=None, help="number of layers (default: inferred)")
+    sp.add_argument("--rank", type=int, default=None, help="one rank (default: all)")
+    sp.add_argument("--states", default=None, help="comma-separated states (default: all)")
+    sp.add_argument("--plot", default=None, metavar="FILE.png", help="draw which ranks read which chunks")
+    sp.add_argument("--param", default=None, help="parameter to draw (default: the largest)")
+
+
+COMMANDS = {"plan": Command(cmd_plan, "read plan of a version for a target topology", _plan_args)}

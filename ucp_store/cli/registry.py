@@ -1,0 +1,157 @@
+"""Catalog commands: ``init``, ``ls``, ``show``, ``log``, ``tag``, ``rm``, ``query``.
+
+They read or change the catalog only, so this module imports no torch, TensorStore, zarr or numpy (a
+test runs ``ucp ls`` and ``ucp show`` and checks ``sys.modules``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import UcpError
+from .common import EXIT_OK, Command, open_from_args
+from .output import fmt_bytes, print_json, table
+
+__all__ = ["COMMANDS", "cmd_init", "cmd_ls", "cmd_show", "cmd_log", "cmd_tag", "cmd_rm", "cmd_query"]
+
+
+def cmd_init(args: Any) -> int:
+    """Create a store (and its catalog)."""
+    store = open_from_args(args, create=True, compression=args.compression,
+                           chunk_target_bytes=int(args.chunk_mib * (1 << 20)) if args.chunk_mib else None)
+    print(f"store ready at {store.location.url} (catalog {store.catalog.display_url}, "
+          f"compression {store.settings['compression']})")
+    return EXIT_OK
+
+
+def cmd_ls(args: Any) -> int:
+    """Runs, or the versions of one run (``--all``: of every run)."""
+    store = open_from_args(args)
+    if args.run is None and not args.all:
+        runs = store.runs()
+        if args.json:
+            print_json(runs)
+        else:
+            table([[r["run"], r["checkpoints"], r["latest_step"]] for r in runs], ["run", "versions", "latest step"])
+        return EXIT_OK
+    rows = store.list_checkpoints(args.run, include_pending=args.pending)
+    if args.json:
+        print_json(rows)
+    else:
+        table([[r["run"], r["step"], r["id"], r["status"], fmt_bytes(r["nbytes"]), ",".join(r["tags"]),
+                r["parent"], r["created_at"][:19], r["message"]] for r in rows],
+              ["run", "step", "id", "status", "bytes", "tags", "parent", "created", "message"])
+    return EXIT_OK
+
+
+def cmd_show(args: Any) -> int:
+    """A version's manifest: its tensors, patterns and arrays."""
+    from ..schema import validate
+
+    ck = open_from_args(args).checkpoint(args.ref)
+    manifest = ck.manifest()
+    validate("manifest", manifest)
+    if args.json:
+        print_json(manifest)
+        return EXIT_OK
+    print(f"{ck.run}@{ck.step}  id {ck.id}  {fmt_bytes(ck.nbytes)}  tags: {', '.join(ck.tags) or '-'}  "
+          f"parent: {ck.parent or '-'}  source: {(ck.provenance or {}).get('source_kind')}")
+    table([[t["name"], t["state"], "x".join(map(str, t["shape"])) or "()", t["dtype"],
+            (t["pattern"] or {}).get("kind", "-"), fmt_bytes(t["nbytes"]), t["array"]] for t in manifest["tensors"]],
+          ["name", "state", "shape", "dtype", "pattern", "bytes", "array"])
+    return EXIT_OK
+
+
+def cmd_log(args: Any) -> int:
+    """Lineage: a version and its ancestors through ``parent``."""
+    store = open_from_args(args)
+    ck = store.checkpoint(args.ref)
+    chain = []
+    while ck is not None:
+        chain.append({"id": ck.id, "run": ck.run, "step": ck.step, "tags": ck.tags, "message": ck.message,
+                      "source": (ck.provenance or {}).get("source_kind")})
+        ck = store.checkpoint(ck.parent) if ck.parent else None
+    if args.json:
+        print_json(chain)
+    else:
+        table([[c["run"], c["step"], c["id"], ",".join(c["tags"]), c["source"], c["message"]] for c in chain],
+              ["run", "step", "id", "tags", "source", "message"])
+    return EXIT_OK
+
+
+def cmd_tag(args: Any) -> int:
+    """Tag a version, move a tag (``--force``) or remove one (``--delete``)."""
+    store = open_from_args(args)
+    if args.delete:
+        run, _, tag = args.ref.partition(":")
+        store.untag(run, tag or args.tag)
+        print(f"removed tag {run}:{tag or args.tag}")
+        return EXIT_OK
+    if not args.tag:
+        raise UcpError("ucp tag REF TAG: missing TAG")
+    cid = store.tag(args.ref, args.tag, force=args.force)
+    print(f"tagged {cid} as {args.tag}")
+    return EXIT_OK
+
+
+def cmd_rm(args: Any) -> int:
+    """Remove versions (their arrays go at the next ``gc`` once unreferenced)."""
+    store = open_from_args(args)
+    for ref in args.refs:
+        cid = store.rm(ref, force=args.force)
+        print(f"removed {ref} ({cid})")
+    return EXIT_OK
+
+
+def cmd_query(args: Any) -> int:
+    """Read-only SQL against the catalog."""
+    cols, rows = open_from_args(args).query(args.sql)
+    if args.json:
+        print_json([dict(zip(cols, r)) for r in rows])
+    else:
+        table([list(r) for r in rows], cols)
+    return EXIT_OK
+
+
+def _init_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--compression", choices=["none", "zstd", "blosc"], default=None)
+    sp.add_argument("--chunk-mib", type=float, default=None, help="inner chunk target, 1 to 8 MiB")
+
+
+def _ls_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("run", nargs="?")
+    sp.add_argument("--all", action="store_true", help="every version of every run")
+    sp.add_argument("--pending", action="store_true", help="include unfinished saves")
+
+
+def _ref_arg(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("ref")
+
+
+def _tag_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("ref")
+    sp.add_argument("tag", nargs="?")
+    sp.add_argument("--force", action="store_true", help="move an existing tag")
+    sp.add_argument("--delete", action="store_true", help="remove tag RUN:TAG")
+
+
+def _rm_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("refs", nargs="+")
+    sp.add_argument("--force", action="store_true", help="remove even if tagged")
+
+
+def _query_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("sql")
+
+
+COMMANDS = {
+    "init": Command(cmd_init, "create a store", _init_args, json_flag=False),
+    "ls": Command(cmd_ls, "list runs, or the versions of RUN", _ls_args),
+    "show": Command(cmd_show, "show a version's tensors, patterns and arrays", _ref_arg),
+    "tag": Command(cmd_tag, "tag a version (RUN:TAG names it afterwards)", _tag_args, json_flag=False),
+    "rm": Command(cmd_rm, "remove versions (arrays are freed when nothing else references them)", _rm_args,
+                  json_flag=False),
+    "log": Command(cmd_log, "lineage of a version", _ref_arg),
+    "query": Command(cmd_query, "run read-only SQL against the catalog", _query_args),
+}

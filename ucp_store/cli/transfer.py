@@ -1,0 +1,88 @@
+"""``ucp import`` and ``ucp export``: torch files, DeepSpeed ZeRO folders, DeepSpeed universal folders.
+
+The adapters do the work; a command picks one, passes the options and prints what it did.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import UcpError
+from .common import EXIT_OK, Command, add_common, open_from_args, progress_wanted
+from .output import fmt_bytes
+
+__all__ = ["COMMANDS", "cmd_import", "cmd_export", "IMPORT_KINDS", "EXPORT_KINDS"]
+
+IMPORT_KINDS = ("torch", "deepspeed", "deepspeed-universal")
+EXPORT_KINDS = ("torch", "deepspeed-universal")
+
+
+def cmd_import(args: Any) -> int:
+    """Import a checkpoint of ``args.kind`` as a new version of ``--run``."""
+    store = open_from_args(args, create=True)
+    if args.kind == "torch":
+        from ..adapters.torch_file import import_torch_file
+
+        if args.step is None:
+            raise UcpError("ucp import torch FILE: --step N is required")
+        ck = import_torch_file(store, args.source, args.run, args.step, state=args.state or "weight",
+                               message=args.message, progress=progress_wanted(args))
+        cid = ck.id
+    elif args.kind == "deepspeed":
+        from ..adapters.deepspeed import import_deepspeed
+
+        cid = import_deepspeed(store, args.source, args.run, args.step, message=args.message,
+                               progress=progress_wanted(args))
+    else:
+        from ..adapters.deepspeed_universal import import_universal
+
+        cid = import_universal(store, args.source, args.run, args.step)
+    cid = getattr(cid, "id", cid)
+    ck = store.checkpoint(cid)
+    print(f"imported {args.source} as {ck.run}@{ck.step} ({ck.id}, {len(ck.tensors())} tensor-states, "
+          f"{fmt_bytes(ck.nbytes)})")
+    return EXIT_OK
+
+
+def cmd_export(args: Any) -> int:
+    """Export a version as ``args.kind``."""
+    store = open_from_args(args)
+    ck = store.checkpoint(args.ref)
+    if args.kind == "torch":
+        from ..adapters.torch_file import export_torch_file
+
+        n = export_torch_file(ck, args.dest, state=args.state, progress=progress_wanted(args))
+        print(f"wrote {n} tensors to {args.dest}")
+    else:
+        from ..adapters.deepspeed_universal import export_universal
+
+        path = export_universal(ck, args.dest, tag=args.tag)
+        print(f"wrote DeepSpeed universal checkpoint {path}")
+    return EXIT_OK
+
+
+def _kinds(verb: str, kinds: tuple[str, ...]) -> Any:
+    def arguments(sp: argparse.ArgumentParser) -> None:
+        sub = sp.add_subparsers(dest="kind", required=True, metavar="KIND")
+        for kind in kinds:
+            kp = sub.add_parser(kind, help=f"{verb} {kind}")
+            add_common(kp, top=False)
+            if verb == "import":
+                kp.add_argument("source")
+                kp.add_argument("--run", required=True)
+                kp.add_argument("--step", type=int, default=None)
+                kp.add_argument("--message", default=None)
+                kp.add_argument("--state", default=None)
+            else:
+                kp.add_argument("ref")
+                kp.add_argument("dest")
+                kp.add_argument("--state", default=None)
+                kp.add_argument("--tag", default=None)
+    return arguments
+
+
+COMMANDS = {
+    "import": Command(cmd_import, "import checkpoints", _kinds("import", IMPORT_KINDS), json_flag=False),
+    "export": Command(cmd_export, "export checkpoints", _kinds("export", EXPORT_KINDS), json_flag=False),
+}
