@@ -21,7 +21,6 @@ through :func:`create_array` / :func:`open_array` and validate settings through
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import re
@@ -36,6 +35,8 @@ from . import dtypes
 from .chunking import DEFAULT_TARGET, choose_chunking
 from ._window import read_failed
 from .errors import ChecksumError, ConfigurationError, ReadError
+from .geometry import Box as _GeoBox
+from .geometry import Ranges
 from .location import Location
 
 __all__ = [
@@ -48,7 +49,8 @@ __all__ = [
 COMPRESSIONS = ("none", "zstd", "blosc")
 HASH_PREFIX = "xxh3-128:"
 
-Box = tuple[tuple[int, int], ...]
+#: a box as raw ranges, one half-open ``(start, stop)`` per dim (``geometry.Ranges``)
+Box = Ranges
 
 
 def _compression_codecs(compression: str, itemsize: int) -> list[dict]:
@@ -128,12 +130,10 @@ class ArrayLayout:
         return tuple(math.ceil(s / c) for s, c in zip(self.shape, self.chunk_shape))
 
     def chunk_box(self, index: Sequence[int]) -> Box:
-        return tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(index, self.chunk_shape, self.shape))
+        return _GeoBox.of_chunk(index, self.chunk_shape, self.shape).ranges
 
     def chunks_touching(self, box: Box) -> Iterator[tuple[int, ...]]:
-        ranges = [range(lo // c, (hi - 1) // c + 1) if hi > lo else range(0)
-                  for (lo, hi), c in zip(box, self.chunk_shape)]
-        yield from itertools.product(*ranges)
+        yield from _GeoBox(tuple(box)).chunk_indices(self.chunk_shape)
 
     def shard_key(self, chunk_index: Sequence[int]) -> str:
         if not self.sharded:
