@@ -22,5 +22,10 @@ if [ -z "${UCP_TEST_POSTGRES_URL:-}" ] && [ "$(id -u)" = 0 ]; then
   fi
 fi
 
+# Static checks first: a finding fails the run (rules and strictness in pyproject.toml).
+echo "ruff check ucp_store; mypy (files from pyproject: ucp_store, strict on the pure modules)"
+.venv/bin/ruff check ucp_store
+.venv/bin/mypy
+
 export UCP_PROGRESS=0
 exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"

@@ -13,10 +13,14 @@ group whole inner chunks up to ``shard_target_bytes`` so that one tensor-state i
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from .patterns import Pattern, Vocab, parse_pattern
+
+__all__ = ["MIB", "MIN_TARGET", "MAX_TARGET", "DEFAULT_TARGET", "DEFAULT_SHARD_TARGET", "MAX_POW2_SPLIT",
+           "MIN_CHUNK_BYTES", "VOCAB_ROW_UNIT", "Chunking", "split_dims_for_pattern", "choose_chunking"]
 
 MIB = 1 << 20
 MIN_TARGET = 1 * MIB

@@ -37,9 +37,9 @@ import gc
 import json
 import math
 import operator
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from . import dtype_table
 from .errors import DTypeError, PlanError
@@ -60,6 +60,10 @@ from .patterns import (
 )
 from .records import TensorInfo
 from .topology import Topology, as_topology
+
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "DEFAULT_GROUP", "EXPERT_GROUP", "NOT_FLAT_STATES", "itemsize", "Read",
+           "TensorPlan", "BufferPlan", "Plan", "coalesce_reads", "chunk_footprint", "default_flat_kind", "plan",
+           "gc_paused", "split_points", "chunk_alignment"]
 
 PLAN_FORMAT = "ucp_store.plan"
 PLAN_VERSION = 1
@@ -206,7 +210,10 @@ def coalesce_reads(reads: Sequence[Read]) -> tuple[Read, ...]:
     if len(reads) < 2:
         return tuple(reads)
     flat = isinstance(reads[0].dst, FlatRange)
-    items = sorted(reads, key=(lambda r: r.dst.start) if flat else (lambda r: r.dst.ranges))
+    if flat:
+        items = sorted(reads, key=lambda r: cast(FlatRange, r.dst).start)
+    else:
+        items = sorted(reads, key=lambda r: cast(Box, r.dst).ranges)
     out = [items[0]]
     for cur in items[1:]:
         merged = _merge(out[-1], cur, flat)
@@ -236,13 +243,15 @@ def _merge(a: Read, b: Read, flat: bool) -> Read | None:
     if d is None:
         return None
     box = a.box.with_dim(d, a.box.ranges[d][0], b.box.ranges[d][1])
+    adst: Any = a.dst  # a FlatRange when ``flat``, else a Box (as is ``b.dst``)
+    bdst: Any = b.dst
     if flat:
-        if a.dst.stop != b.dst.start or any(hi - lo != 1 for lo, hi in a.box.ranges[:d]):
+        if adst.stop != bdst.start or any(hi - lo != 1 for lo, hi in a.box.ranges[:d]):
             return None
-        return Read(box, FlatRange(a.dst.start, b.dst.stop))
-    if _merge_dim(a.dst, b.dst) != d:
+        return Read(box, FlatRange(adst.start, bdst.stop))
+    if _merge_dim(adst, bdst) != d:
         return None
-    return Read(box, a.dst.with_dim(d, a.dst.ranges[d][0], b.dst.ranges[d][1]))
+    return Read(box, adst.with_dim(d, adst.ranges[d][0], bdst.ranges[d][1]))
 
 
 def chunk_footprint(boxes: Iterable[Box], shape: Sequence[int], chunk_shape: Sequence[int] | None,
@@ -284,7 +293,7 @@ def _union(cboxes: list[tuple[tuple[int, int], ...]], dim: int, shape: tuple[int
         return count, elems
     points = sorted({p for b in cboxes for p in b[dim]})
     count = elems = 0
-    prev_active: list | None = None
+    prev_active: list[tuple[tuple[int, int], ...]] | None = None
     prev_result = (0, 0)
     for lo, hi in zip(points, points[1:]):
         active = [b for b in cboxes if b[dim][0] <= lo and b[dim][1] >= hi]
@@ -304,7 +313,7 @@ _INFO_FIELDS = operator.attrgetter(*_RECORD_FIELDS)
 _OPTIONAL = frozenset({"pattern", "chunk_shape"})
 
 
-def _fields(rec: Any) -> tuple:
+def _fields(rec: Any) -> tuple[Any, ...]:
     """``(name, state, shape, dtype, pattern, chunk_shape)`` of a dict or an object record (the planner
     reads ``TensorInfo`` records itself, through ``_INFO_FIELDS``)."""
     if type(rec) is dict:  # the other common case
@@ -343,7 +352,8 @@ def _shape(value: Any, name: str, what: str) -> tuple[int, ...] | None:
             if any(x < 0 for x in value):
                 raise PlanError(f"tensor {name!r}: {what} {list(value)} has a negative extent")
             break
-    return value
+    out: tuple[int, ...] = value
+    return out
 
 
 def default_flat_kind(topology: Topology, state: str, flat_states: Collection[str] | None = None) -> str | None:
@@ -380,7 +390,7 @@ def plan(records: Iterable[Any], topology: Topology | Mapping[str, Any], rank: i
 
 
 @contextlib.contextmanager
-def gc_paused():
+def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a large acyclic result is built.
 
     A 1000-layer plan allocates a few hundred thousand tuples; each allocation burst triggers collections
@@ -455,13 +465,13 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
     # Per-plan memos keyed by object identity: a catalog hands the four states of a parameter one shared
     # pattern record and shape, and hashing a nested JSON value costs more than the lookup it guards.
     # Each memo value holds its key object, so no id is recycled while the plan is built.
-    by_pattern: dict[int, tuple] = {}  # id(record) -> (record, pattern, held, bare, renamed)
-    by_shape: dict[int, tuple] = {}    # id(shape value) -> (value, validated tuple)
-    by_chunk: dict[int, tuple] = {}
-    chunk_values: dict[tuple, tuple] = {}
+    by_pattern: dict[int, tuple[Any, ...]] = {}  # id(record) -> (record, pattern, held, bare, renamed)
+    by_shape: dict[int, tuple[Any, ...]] = {}    # id(shape value) -> (value, validated tuple)
+    by_chunk: dict[int, tuple[Any, ...]] = {}
+    chunk_values: dict[tuple[int, ...], tuple[int, ...]] = {}
     on_stage: dict[Any, bool] = {}
     flat_kind: dict[str, str | None] = {}
-    layouts: dict[tuple, LocalLayout] = {}
+    layouts: dict[tuple[Any, ...], LocalLayout] = {}
 
     entries: list[_Entry] = []
     add_entry = entries.append
@@ -516,7 +526,7 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
             else:
                 ch = by_chunk.get(id(chunk_rec))
                 if ch is None:
-                    value = _shape(chunk_rec, name, "chunk_shape")
+                    value: Any = _shape(chunk_rec, name, "chunk_shape")
                     value = chunk_values.setdefault(value, value)  # one object per value: pass 2 keys by id
                     ch = by_chunk[id(chunk_rec)] = (chunk_rec, value)
                 chunk = ch[1]
@@ -532,7 +542,7 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
                                                    vocab_multiple=vmult, name=name)
         if type(dtype) is not str:
             dtype = str(dtype)
-        fk = flat_kind.get(state, _UNSET)
+        fk: Any = flat_kind.get(state, _UNSET)
         if fk is _UNSET:
             fk = flat_kind[state] = default_flat_kind(topo, state, flat_states)
         if fk == "group":  # ZeRO group membership, in record order
@@ -592,7 +602,7 @@ def _tensor_plans(sel: _Selection, zero: _ZeroFragments, topo: Topology, rank: i
     tensors: list[TensorPlan] = []
     add_tensor = tensors.append
     new_tuple = tuple.__new__
-    memo: dict[tuple, tuple] = {}
+    memo: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     sizes: dict[str, int] = {}
     own_fragments: dict[tuple[int, bool], Fragment | None] = {}
     buffer_dtypes: dict[str, str] = {}
@@ -672,7 +682,7 @@ def _itemsize_of(dtype: str, name: str, state: str) -> int:
 
 
 def _pattern_entry(pattern_rec: Any, name: str, topo: Topology, stage: int, layer_stage: list[int] | None,
-                   on_stage: dict[Any, bool], default_names: bool) -> tuple:
+                   on_stage: dict[Any, bool], default_names: bool) -> tuple[Any, ...]:
     """``(record, pattern, held by this stage, placement-less twin, may be renamed)`` for a pattern record."""
     if type(pattern_rec) is dict:
         pl_raw = pattern_rec.get("placement")
@@ -707,17 +717,18 @@ def _group_of(name: str, pattern: Pattern, zero_groups: Mapping[str, str] | Call
 
 
 def _reads_for(layout: LocalLayout, fragment: Fragment | None, shape: tuple[int, ...],
-               chunk: tuple[int, ...] | None, size: int, coalesce: bool) -> tuple:
+               chunk: tuple[int, ...] | None, size: int, coalesce: bool) -> tuple[Any, ...]:
+    """``(reads, padding, bytes needed, chunks touched, bytes read)`` of one layout (and fragment)."""
+    listed: list[Read]
+    padding: tuple[Box, ...] | tuple[FlatRange, ...]
     if fragment is None:
-        reads = [Read(c.logical, c.local) for c in layout.copies]
-        padding: tuple = layout.padding
+        listed = [Read(c.logical, c.local) for c in layout.copies]
+        padding = layout.padding
     else:
         fl = flat_layout(layout, fragment)
-        reads = [Read(c.logical, c.flat) for c in fl.copies]
+        listed = [Read(c.logical, c.flat) for c in fl.copies]
         padding = fl.padding
-    if coalesce:
-        reads = coalesce_reads(reads)
-    reads = tuple(reads)
+    reads = coalesce_reads(listed) if coalesce else tuple(listed)
     needed = sum(r.box.numel for r in reads) * size
     chunks, read_bytes = chunk_footprint((r.box for r in reads), shape, chunk, size)
     return reads, padding, needed, chunks, read_bytes

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+__all__ = ["wanted", "track"]
 
 T = TypeVar("T")
 
 
 def wanted(enabled: bool | None) -> bool:
+    """Draw a bar? ``UCP_PROGRESS=0/1`` decides; otherwise ``enabled`` and stderr being a terminal."""
     if os.environ.get("UCP_PROGRESS") == "0":
         return False
     if os.environ.get("UCP_PROGRESS") == "1":
@@ -23,8 +27,8 @@ def track(items: Iterable[T], description: str, *, enabled: bool | None = True, 
     if not wanted(enabled):
         yield from items
         return
-    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     items = list(items)
     count_col = DownloadColumn() if weight else MofNCompleteColumn()

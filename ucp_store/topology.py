@@ -60,12 +60,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, cast
 
 from .errors import TopologyError
+
+__all__ = ["AXES", "DEFAULT_ORDER", "SCHEMA_FILE", "LayerNameRule", "Topology", "load_schema", "schema_errors",
+           "validate_topology_record", "as_topology"]
 
 AXES = ("tp", "sp", "dp", "pp")
 DEFAULT_ORDER = ("tp", "sp", "dp", "pp")
@@ -208,7 +212,8 @@ class Topology:
     def size(self, axis: str) -> int:
         if axis not in AXES:
             raise TopologyError(f"unknown axis {axis!r}; axes are {list(AXES)}")
-        return getattr(self, axis)
+        value: int = getattr(self, axis)
+        return value
 
     @cached_property
     def _full_order(self) -> tuple[str, ...]:
@@ -383,7 +388,7 @@ class Topology:
             except json.JSONDecodeError as e:
                 raise TopologyError(f"topology record is not valid JSON: {e}") from None
         validate_topology_record(record)
-        kw = dict(record)
+        kw = dict(cast(Mapping[str, Any], record))
         if kw.get("layer_stages") is not None:
             kw["layer_stages"] = tuple(kw["layer_stages"])
         if "order" in kw:
@@ -424,7 +429,8 @@ _SCHEMA_CACHE: dict[str, Any] = {}
 def load_schema(filename: str) -> dict[str, Any]:
     """A JSON Schema from ``schemas/`` (the repository folder, or ``ucp_store._schemas`` when installed)."""
     if filename in _SCHEMA_CACHE:
-        return _SCHEMA_CACHE[filename]
+        cached: dict[str, Any] = _SCHEMA_CACHE[filename]
+        return cached
     candidates = [Path(__file__).resolve().parent.parent / "schemas" / filename]
     try:
         from importlib import resources
@@ -434,7 +440,7 @@ def load_schema(filename: str) -> dict[str, Any]:
         pass
     for path in candidates:
         if path.is_file():
-            schema = json.loads(path.read_text())
+            schema: dict[str, Any] = json.loads(path.read_text())
             _SCHEMA_CACHE[filename] = schema
             return schema
     raise FileNotFoundError(f"JSON Schema {filename} not found (looked in {[str(p) for p in candidates]})")

@@ -15,6 +15,8 @@ from typing import ClassVar
 import ml_dtypes
 import numpy as np
 
+__all__ = ["register_bfloat16"]
+
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -37,7 +39,7 @@ def register_bfloat16() -> bool:
         _zarr_v2_names: ClassVar[tuple[str, ...]] = ("bfloat16",)
 
         @classmethod
-        def _check_native_dtype(cls, dtype: object) -> bool:
+        def _check_native_dtype(cls, dtype: object) -> bool:  # type: ignore[override]
             return isinstance(dtype, np.dtype) and dtype == _BF16
 
         @classmethod

@@ -7,11 +7,14 @@ test runs ``ucp ls`` and ``ucp show`` and checks ``sys.modules``).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UcpError
 from .common import EXIT_OK, Command, open_from_args
 from .output import fmt_bytes, print_json, table
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..checkpoint import Checkpoint
 
 __all__ = ["COMMANDS", "cmd_init", "cmd_ls", "cmd_show", "cmd_log", "cmd_tag", "cmd_rm", "cmd_query"]
 
@@ -66,7 +69,7 @@ def cmd_show(args: Any) -> int:
 def cmd_log(args: Any) -> int:
     """Lineage: a version and its ancestors through ``parent``."""
     store = open_from_args(args)
-    ck = store.checkpoint(args.ref)
+    ck: Checkpoint | None = store.checkpoint(args.ref)
     chain = []
     while ck is not None:
         chain.append({"id": ck.id, "run": ck.run, "step": ck.step, "tags": ck.tags, "message": ck.message,

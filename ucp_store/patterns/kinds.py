@@ -102,7 +102,7 @@ class Averaged(Pattern):
         return {"max_deviation": self.max_deviation}
 
 
-def _widths_json(widths: tuple) -> dict[str, Any]:
+def _widths_json(widths: tuple[tuple[int, Any], ...]) -> dict[str, Any]:
     def plain(w: Any) -> Any:
         return [plain(x) for x in w] if isinstance(w, tuple) else w
 

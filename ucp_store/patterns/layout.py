@@ -62,7 +62,7 @@ def _full_copy(shape: tuple[int, ...]) -> LocalLayout:
     return LocalLayout(shape, () if box.empty else (Copy(box, box),), ())
 
 
-_LAYOUT_CACHE: dict[tuple, LocalLayout] = {}
+_LAYOUT_CACHE: dict[tuple[Any, ...], LocalLayout] = {}
 _LAYOUT_CACHE_MAX = 200_000
 
 
@@ -115,7 +115,8 @@ def _layout(p: Pattern, shape: tuple[int, ...], tp: int, r: int, ep: int, ep_ran
         full = Box.full(local_shape)
         if full.empty:
             return LocalLayout(local_shape, (), ())
-        copies, padding = (), ()
+        copies: tuple[Copy, ...] = ()
+        padding: tuple[Box, ...] = ()
         if hi > lo:
             copies = (Copy(full.with_dim(d, lo, hi), full.with_dim(d, 0, hi - lo)),)
         if per > hi - lo:
@@ -123,31 +124,29 @@ def _layout(p: Pattern, shape: tuple[int, ...], tp: int, r: int, ep: int, ep_ran
         return LocalLayout(local_shape, copies, padding)
     if isinstance(p, Fused):
         d = p.dim
-        widths = p.widths_for(tp)
-        if widths is None:
-            widths = []
+        sub_widths: Any = p.widths_for(tp)
+        if sub_widths is None:
+            sub_widths = []
             for j, s in enumerate(p.sizes):
                 if s % tp:
                     common = math.gcd(*p.sizes)
                     raise TopologyError(
                         f"{_who(name)} dim {d}: fused sub-parameter {j} of size {s} (sizes {list(p.sizes)}) cannot "
                         f"be split {tp} ways: give widths for tp={tp} or use tp in {_divisors(common)}")
-                widths.append((s // tp,) * tp)
-        extent = sum(wj[r] for wj in widths)
+                sub_widths.append((s // tp,) * tp)
+        extent = sum(wj[r] for wj in sub_widths)
         local_shape = shape[:d] + (extent,) + shape[d + 1:]
         full = Box.full(local_shape)
-        copies = []
+        fused: list[Copy] = []
         sub_start = local_at = 0
-        for s, wj in zip(p.sizes, widths):
+        for s, wj in zip(p.sizes, sub_widths):
             w = wj[r]
             if w:
                 src = sub_start + sum(wj[:r])
-                copies.append(Copy(full.with_dim(d, src, src + w), full.with_dim(d, local_at, local_at + w)))
+                fused.append(Copy(full.with_dim(d, src, src + w), full.with_dim(d, local_at, local_at + w)))
             sub_start += s
             local_at += w
-        if full.empty:
-            copies = []
-        return LocalLayout(local_shape, tuple(copies), ())
+        return LocalLayout(local_shape, () if full.empty else tuple(fused), ())
     if isinstance(p, Expert):
         e, n = p.dim, p.num_experts
         if n % ep:
@@ -156,10 +155,10 @@ def _layout(p: Pattern, shape: tuple[int, ...], tp: int, r: int, ep: int, ep_ran
         e0 = ep_rank * per
         inner = _layout(p.inner, shape[:e] + shape[e + 1:], tp, r, 1, 0, vmult, name)
         local_shape = inner.shape[:e] + (per,) + inner.shape[e:]
-        copies = tuple(Copy(c.logical.insert_dim(e, e0, e0 + per), c.local.insert_dim(e, 0, per))
-                       for c in inner.copies)
-        padding = tuple(b.insert_dim(e, 0, per) for b in inner.padding)
-        return LocalLayout(local_shape, copies, padding)
+        return LocalLayout(local_shape,
+                           tuple(Copy(c.logical.insert_dim(e, e0, e0 + per), c.local.insert_dim(e, 0, per))
+                                 for c in inner.copies),
+                           tuple(b.insert_dim(e, 0, per) for b in inner.padding))
     raise PatternError(f"{_who(name)}: unknown pattern kind {p.kind!r}")
 
 

@@ -83,7 +83,8 @@ def _parse_placement(rec: Any, name: str | None) -> Placement | None:
             raise PatternError(f"{_who(name)}: placement.stages must be a non-empty list of distinct 'first'/'last', "
                                f"got {raw!r}")
         stages = tuple(s for s in STAGE_NAMES if s in raw)  # canonical order: first, last
-    local_name, local_names = None, ()
+    local_name: str | None = None
+    local_names: tuple[tuple[str, str], ...] = ()
     ln = rec.get("local_name")
     if isinstance(ln, str):
         local_name = ln
@@ -99,7 +100,7 @@ def _parse_placement(rec: Any, name: str | None) -> Placement | None:
     return Placement(layer=layer, stages=stages, local_name=local_name, local_names=local_names)
 
 
-def _parse_widths(raw: Any, nested: bool, name: str | None) -> tuple:
+def _parse_widths(raw: Any, nested: bool, name: str | None) -> tuple[Any, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, Mapping):
@@ -115,7 +116,7 @@ def _parse_widths(raw: Any, nested: bool, name: str | None) -> tuple:
         if nested:
             if not isinstance(value, (list, tuple)):
                 raise PatternError(f"{_who(name)}: widths[{key!r}] must list, per sub-parameter, the per-rank widths")
-            w = tuple(_int_list(v, f"widths[{key!r}] entry", name) for v in value)
+            w: Any = tuple(_int_list(v, f"widths[{key!r}] entry", name) for v in value)
             if any(len(x) != tp for x in w):
                 raise PatternError(f"{_who(name)}: widths[{key!r}] must give {tp} per-rank widths for every "
                                    f"sub-parameter, got {value!r}")
@@ -129,7 +130,7 @@ def _parse_widths(raw: Any, nested: bool, name: str | None) -> tuple:
 
 _PARSE_CACHE: dict[str, Pattern] = {}
 _PLACEMENT_CACHE: dict[str, Placement] = {}
-_BARE_BY_ID: dict[int, tuple] = {}  # id(parsed pattern) -> (pattern, its placement-less twin)
+_BARE_BY_ID: dict[int, tuple[Pattern, Pattern]] = {}  # id(parsed pattern) -> (pattern, its placement-less twin)
 _PARSE_CACHE_MAX = 200_000
 
 
@@ -161,7 +162,9 @@ def parse_pattern(record: Any, *, name: str | None = None) -> Pattern:
         pkey = repr(placement_rec)
         placement = _PLACEMENT_CACHE.get(pkey)
         if placement is None:
-            placement = _PLACEMENT_CACHE[pkey] = _parse_placement(placement_rec, name)
+            parsed = _parse_placement(placement_rec, name)
+            assert parsed is not None  # the record is not None here
+            placement = _PLACEMENT_CACHE[pkey] = parsed
             if len(_PLACEMENT_CACHE) >= _PARSE_CACHE_MAX:
                 _PLACEMENT_CACHE.clear()
         pattern = replace(bare, placement=placement)
@@ -221,7 +224,7 @@ def _parse(rec: Mapping[str, Any], name: str | None, inner: bool) -> Pattern:
     if "num_experts" not in rec:
         raise PatternError(f"{_who(name)}: expert pattern needs 'num_experts'")
     inner_rec = rec.get("inner")
-    inner_pattern = REPLICATED if inner_rec is None else None
+    inner_pattern: Pattern = REPLICATED
     if inner_rec is not None:
         if not isinstance(inner_rec, Mapping):
             raise PatternError(f"{_who(name)}: expert.inner must be a pattern object, got {inner_rec!r}")
@@ -257,7 +260,7 @@ def check_pattern(pattern: Any, shape: Sequence[int], *, name: str | None = None
 
 def _check_shape(p: Pattern, shape: tuple[int, ...], name: str | None) -> None:
     ndim = len(shape)
-    dim = getattr(p, "dim", None)
+    dim: Any = getattr(p, "dim", None)
     if dim is not None and not 0 <= dim < ndim:
         raise PatternError(f"{_who(name)}: {p.kind} pattern splits dim {dim} but the tensor has shape "
                            f"{list(shape)} ({ndim} dims)")
@@ -274,8 +277,8 @@ def _check_shape(p: Pattern, shape: tuple[int, ...], name: str | None) -> None:
         if sum(p.sizes) != shape[dim]:
             raise PatternError(f"{_who(name)}: fused sub-parameter sizes {list(p.sizes)} add up to {sum(p.sizes)} "
                                f"but dim {dim} has size {shape[dim]}")
-        for tp, w in p.widths:
-            for j, (s, wj) in enumerate(zip(p.sizes, w)):
+        for tp, sub_widths in p.widths:
+            for j, (s, wj) in enumerate(zip(p.sizes, sub_widths)):
                 if sum(wj) != s:
                     raise PatternError(f"{_who(name)}: widths for tp={tp} of sub-parameter {j} are {list(wj)} "
                                        f"(sum {sum(wj)}) but its size is {s}")

@@ -75,7 +75,7 @@ def fragment_layout(pattern: Any, shape: Sequence[int], topology: Topology, rank
     return flat_layout(layout, fragment)
 
 
-_FLAT_CACHE: dict[tuple, FlatLayout] = {}
+_FLAT_CACHE: dict[tuple[Any, ...], FlatLayout] = {}
 
 
 def flat_layout(layout: LocalLayout, fragment: Fragment) -> FlatLayout:
