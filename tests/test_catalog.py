@@ -17,7 +17,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Table, MetaData, create_engine, delete, func, inspect, select, text
+from sqlalchemy import MetaData, Table, create_engine, delete, func, inspect, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
@@ -47,8 +47,6 @@ from ucp_store.errors import CatalogError, SchemaVersionError, ValidationError
 from ucp_store.schema import validate
 
 from ucp_test_helpers import postgres_schema_url
-
-
 
 # ---------------------------------------------------------------------------------------------- fixtures
 
@@ -184,7 +182,7 @@ def test_upgrade_from_0001_keeps_rows(url, opened):
             runs = Table("runs", meta, autoload_with=conn)
             checkpoints = Table("checkpoints", meta, autoload_with=conn)
             assert "retention" not in runs.c
-            created = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+            created = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
             conn.execute(runs.insert().values(id=1, name="old-run", created_at=created, description="from 0001"))
             conn.execute(
                 checkpoints.insert().values(
@@ -205,7 +203,7 @@ def test_upgrade_from_0001_keeps_rows(url, opened):
     with catalog.session() as s:
         run = s.scalars(select(Run)).one()
         assert (run.name, run.description, run.retention) == ("old-run", "from 0001", None)
-        assert run.created_at == dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+        assert run.created_at == dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
         ckpt = s.get(Checkpoint, "abcdef0123456789")
         assert (ckpt.run_id, ckpt.step, ckpt.status, ckpt.nbytes) == (1, 100, "committed", 1234)
     with catalog.write_session() as s:
@@ -244,7 +242,7 @@ def test_upgrade_from_0002_fills_tensor_layers(url, opened):
             meta = MetaData()
             t = {n: Table(n, meta, autoload_with=conn) for n in ("runs", "checkpoints", "arrays", "tensors")}
             assert "layer" not in t["tensors"].c
-            now = dt.datetime(2025, 6, 1, tzinfo=dt.timezone.utc)
+            now = dt.datetime(2025, 6, 1, tzinfo=dt.UTC)
             conn.execute(t["runs"].insert().values(id=1, name="r", created_at=now))
             conn.execute(t["checkpoints"].insert().values(id="c" * 16, run_id=1, step=1, status="committed",
                                                           created_at=now, committed_at=now, format_version=1))
@@ -377,7 +375,8 @@ def test_delete_checkpoint_cascades(url, opened, how):
         assert [_count(s, m) for m in (Tensor, StoredObject, Provenance, Tag, Array)] == [2, 2, 1, 1, 2]
         tensor = s.scalars(select(Tensor).where(Tensor.state == "fp32")).one()
         assert tensor.pattern == {"kind": "partitioned", "dim": 0}
-        assert s.get(StoredObject, s.scalars(select(StoredObject.id).where(StoredObject.name == "args")).one()).value == {"lr": 1e-4}
+        args_id = s.scalars(select(StoredObject.id).where(StoredObject.name == "args")).one()
+        assert s.get(StoredObject, args_id).value == {"lr": 1e-4}
 
     with catalog.write_session() as s:
         if how == "core":  # the database's ON DELETE CASCADE alone
@@ -442,7 +441,7 @@ def _writer(url: str, worker: int, barrier, errors) -> None:
         catalog.close()
     except BaseException:
         errors.put(f"worker {worker}:\n{traceback.format_exc()}")
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def test_concurrent_writers_lose_nothing(url, tmp_path):
@@ -465,7 +464,8 @@ def test_concurrent_writers_lose_nothing(url, tmp_path):
     with open_catalog(url, create=False) as catalog, catalog.session() as s:
         assert current_revision(catalog) == head_revision()
         assert s.get(Setting, "counter").value == N_PROCS * N_WRITES
-        per_run = dict(s.execute(select(Run.name, func.count(Checkpoint.id)).join(Checkpoint.run).group_by(Run.name)).all())
+        per_run = dict(s.execute(select(Run.name, func.count(Checkpoint.id)).join(Checkpoint.run)
+                                 .group_by(Run.name)).all())
         assert per_run == {f"worker-{i}": N_WRITES for i in range(N_PROCS)}
 
 

@@ -148,7 +148,7 @@ def test_dedup_frozen_tensor_writes_one_array(store, store_path, frozen):
 
 def test_rm_keeps_arrays_a_later_version_needs(store, store_path, frozen):
     a = store.save("r", 1, {"frozen": frozen, "w": torch.randn(10)})
-    b = store.save("r", 2, {"frozen": frozen, "w": torch.randn(10)})
+    store.save("r", 2, {"frozen": frozen, "w": torch.randn(10)})
     frozen_dir = store_path / a.info("frozen").array
     only_a = store_path / a.info("w").array
     digest = tree_digest(frozen_dir)

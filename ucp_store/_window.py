@@ -18,7 +18,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
 
 from .errors import ReadError
 

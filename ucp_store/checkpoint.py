@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Text, cast, select
 
@@ -24,7 +25,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-    from . import dtypes, format as fmt
+    from . import dtypes
+    from . import format as fmt
 else:
     np = lazy_module("numpy")
     torch = lazy_module("torch")
@@ -443,7 +445,8 @@ class Checkpoint:
                 continue
             for idx, err in report.bad_chunks:
                 problems.append({"array": url, "tensor": infos[0].name, "state": infos[0].state, "chunk": list(idx),
-                                 "shard": handle.layout.shard_key(idx), "error": (f"missing chunk: {err}" if "NOT_FOUND" in err or "missing" in err
+                                 "shard": handle.layout.shard_key(idx),
+                                 "error": (f"missing chunk: {err}" if "NOT_FOUND" in err or "missing" in err
                                            else f"crc32c mismatch: {err}")})
             if report.ok:
                 with self.store.catalog.session() as s:

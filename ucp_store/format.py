@@ -24,16 +24,16 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
 import xxhash
 
 from . import dtypes
-from .chunking import DEFAULT_TARGET, choose_chunking
 from ._window import read_failed
+from .chunking import DEFAULT_TARGET, choose_chunking
 from .errors import ChecksumError, ConfigurationError, ReadError
 from .geometry import Box as _GeoBox
 from .geometry import Ranges

@@ -17,8 +17,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from sqlalchemy import exists, select, update
 
@@ -101,7 +102,7 @@ def _pid_alive(pid: int | None) -> bool:
 
 
 def _utcnow() -> _dt.datetime:
-    return _dt.datetime.now(_dt.timezone.utc)
+    return _dt.datetime.now(_dt.UTC)
 
 
 def set_retention(store: "Store", run: str, policy: RetentionPolicy) -> dict | None:

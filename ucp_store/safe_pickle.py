@@ -24,8 +24,9 @@ import math
 import os
 import threading
 import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 

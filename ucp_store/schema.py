@@ -81,7 +81,7 @@ def _retrieve(uri: str) -> Resource:
     return Resource.from_contents(_read(path), default_specification=DRAFT202012)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _validator(kind: str) -> Draft202012Validator:
     schema = _read(schema_path(kind))
     return Draft202012Validator(

@@ -23,7 +23,8 @@ import difflib
 import numbers
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -32,8 +33,16 @@ from . import names
 from .catalog import models as m
 from .catalog.db import open_catalog
 from .catalog.query import read_only_query
-from .errors import (CatalogError, ConfigurationError, ReferenceNotFound, StepCommittedError, TaggedCheckpointError,
-                     TagInUseError, ValidationError, WriterClosedError)
+from .errors import (
+    CatalogError,
+    ConfigurationError,
+    ReferenceNotFound,
+    StepCommittedError,
+    TaggedCheckpointError,
+    TagInUseError,
+    ValidationError,
+    WriterClosedError,
+)
 from .location import Location
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -350,7 +359,8 @@ class Store:
             row = s.scalar(select(m.Tag).where(m.Tag.run_id == ck.run_id, m.Tag.name == tag))
             if row is not None:
                 if not force and row.checkpoint_id != cid:
-                    raise TagInUseError(f"tag {tag!r} already names checkpoint {row.checkpoint_id}; use --force to move it")
+                    raise TagInUseError(f"tag {tag!r} already names checkpoint {row.checkpoint_id}; "
+                                        "use --force to move it")
                 row.checkpoint_id = cid
             else:
                 s.add(m.Tag(run_id=ck.run_id, name=tag, checkpoint_id=cid))
@@ -369,7 +379,8 @@ class Store:
         with self.catalog.write_session() as s:
             tags = list(s.scalars(select(m.Tag.name).where(m.Tag.checkpoint_id == cid)))
             if tags and not force:
-                raise TaggedCheckpointError(f"checkpoint {ref} ({cid}) is tagged {', '.join(tags)}; untag it or use --force")
+                raise TaggedCheckpointError(f"checkpoint {ref} ({cid}) is tagged {', '.join(tags)}; "
+                                            "untag it or use --force")
             s.execute(update(m.Checkpoint).where(m.Checkpoint.parent_id == cid).values(parent_id=None))
             s.delete(s.get(m.Checkpoint, cid))
         self._sweep_arrays(dry_run=False)

@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from sqlalchemy import exists, func, select
 from sqlalchemy.exc import IntegrityError
 
-from . import dtypes, format as fmt, names
+from . import dtypes, names
+from . import format as fmt
 from ._window import FutureWindow
 from .catalog import models as m
-from .errors import (CommitRaceError, DuplicateEntryError, ShapeMismatch, ValidationError, WriteError,
-                     WriterClosedError)
+from .errors import CommitRaceError, DuplicateEntryError, ShapeMismatch, ValidationError, WriteError, WriterClosedError
 from .location import array_path
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +53,7 @@ def layer_of(pattern: dict | None) -> int | None:
 def _utcnow():
     import datetime as _dt
 
-    return _dt.datetime.now(_dt.timezone.utc)
+    return _dt.datetime.now(_dt.UTC)
 
 
 class CheckpointWriter:
@@ -218,7 +219,10 @@ class CheckpointWriter:
         what = f"tensor {name!r} state {state!r}"
         topology = as_topology(topology)
         shape = tuple(int(s) for s in shape)
-        array = dtypes.to_numpy(local, what=what) if isinstance(local, torch.Tensor) else np.require(local, requirements="C")
+        if isinstance(local, torch.Tensor):
+            array = dtypes.to_numpy(local, what=what)
+        else:
+            array = np.require(local, requirements="C")
         dtype = dtypes.zarr_name(array.dtype, what=what)
         if pattern is not None:
             self._validate_pattern(name, pattern, shape)
@@ -337,7 +341,8 @@ class CheckpointWriter:
             if wanted:
                 found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(wanted))))
                 if wanted - found:
-                    raise CommitRaceError(f"checkpoint {self.id}: array(s) {', '.join(sorted(wanted - found))[:200]} this "
+                    gone = ", ".join(sorted(wanted - found))[:200]
+                    raise CommitRaceError(f"checkpoint {self.id}: array(s) {gone} this "
                                    "save deduplicated against were removed by a concurrent rm/gc; the save is "
                                    "aborted, retry it")
             s.add_all(others)
@@ -439,6 +444,7 @@ def _check_json(name: str, value: Any) -> Any:
     try:
         text_ = json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as exc:
-        raise ValidationError(f"object {name!r} is not JSON-serialisable ({exc}); store tensors as arrays, never pickle") \
+        raise ValidationError(f"object {name!r} is not JSON-serialisable ({exc}); store tensors as arrays, "
+                              "never pickle") \
             from None
     return json.loads(text_)

@@ -57,12 +57,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(args: list[str], nproc: int, *, timeout: int = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def torchrun(args: list[str], nproc: int, *, timeout: int = 600,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            *args]
     proc = subprocess.run(cmd, env=ds_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if proc.returncode != 0:
-        pytest.fail(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-6000:]}")
     return proc
 
 

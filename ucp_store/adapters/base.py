@@ -25,9 +25,14 @@ temporary name and rename at the end, so a crash never leaves a folder a foreign
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, Union, \
-    runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Protocol,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -76,7 +81,7 @@ class TensorRecord:
 
 
 #: what ``Source.records`` yields: one record, or a group of records written and counted together
-RecordGroup = Union[TensorRecord, Sequence[TensorRecord]]
+RecordGroup = TensorRecord | Sequence[TensorRecord]
 
 
 def _group(item: RecordGroup) -> Sequence[TensorRecord]:
@@ -254,7 +259,8 @@ def import_source(store: "Store", source: Source, run: str, step: int, *, messag
         error = exc
     if not _all_ok(error is None, group):
         writer.abort()
-        raise ImportFailedError(f"import of {source.describe()} failed on some rank; aborted (nothing listed)") from error
+        raise ImportFailedError(f"import of {source.describe()} failed on some rank; aborted (nothing listed)") \
+            from error
     parts: list = [None] * world
     dist.all_gather_object(parts, dict(objs), group=group)
     if rank == 0:

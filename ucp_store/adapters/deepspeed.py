@@ -29,17 +29,36 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from .. import safe_pickle as sp
 from .._window import prefetch
 from ..errors import SourceFormatError
 from .base import TensorRecord, import_source
 from .base import write_records as _write_groups
-from .deepspeed_files import (DS_MODEL_KEYS, EXPERT_RE, LAYER_RE, MODEL_RE, OPTIM_RE, SHARDED_KEYS, UCI,
-                              ZERO3_MODEL_RE, hash_files, pipeline_placement)
-from .deepspeed_merge import (SCALE_POWER, ParamRecord, Rule, UniversalInfo, _numel, merge_tp_slices, pattern_for,
-                              with_placement)
+from .deepspeed_files import (
+    DS_MODEL_KEYS,
+    EXPERT_RE,
+    LAYER_RE,
+    MODEL_RE,
+    OPTIM_RE,
+    SHARDED_KEYS,
+    UCI,
+    ZERO3_MODEL_RE,
+    hash_files,
+    pipeline_placement,
+)
+from .deepspeed_merge import (
+    SCALE_POWER,
+    ParamRecord,
+    Rule,
+    UniversalInfo,
+    _numel,
+    merge_tp_slices,
+    pattern_for,
+    with_placement,
+)
 from .deepspeed_reader import DeepSpeedReader, read_zero_checkpoint, release_pages
 
 __all__ = [

@@ -11,16 +11,31 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from .. import safe_pickle as sp
 from ..errors import SourceFormatError
 from ..patterns import Averaged, Fused, Partitioned, Replicated, Vocab
-from .deepspeed_files import (K_AFFINE, K_AVERAGE, K_EXPERT, K_ORIG_VOCAB, K_PIPE_REPL, K_ROW, K_SUB, K_TP_REPL,
-                              K_TWO_SUB, K_UNSUPPORTED, K_VERSION, K_VOCAB, K_WIDTHS, PATTERN_LIST_KEYS)
+from .deepspeed_files import (
+    K_AFFINE,
+    K_AVERAGE,
+    K_EXPERT,
+    K_ORIG_VOCAB,
+    K_PIPE_REPL,
+    K_ROW,
+    K_SUB,
+    K_TP_REPL,
+    K_TWO_SUB,
+    K_UNSUPPORTED,
+    K_VERSION,
+    K_VOCAB,
+    K_WIDTHS,
+    PATTERN_LIST_KEYS,
+)
 
 __all__ = ["SCALE_POWER", "ParamRecord", "Rule", "UniversalInfo", "merge_tp_slices", "pattern_for",
            "with_placement"]
@@ -108,7 +123,8 @@ class UniversalInfo:
     def _match(self, key: str, name: str) -> str | None:
         hits = [p for p in (self.raw.get(key) or []) if re.match(p, name)]
         if len(hits) > 1:
-            raise SourceFormatError(f"parameter {name!r} matches {len(hits)} {key} patterns {hits}; expected at most one")
+            raise SourceFormatError(f"parameter {name!r} matches {len(hits)} {key} patterns {hits}; "
+                                    "expected at most one")
         if hits:
             self.unmatched.discard(hits[0])
             return hits[0]

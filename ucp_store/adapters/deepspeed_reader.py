@@ -18,15 +18,25 @@ import math
 import mmap as _mmap
 import os
 from collections import OrderedDict
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
 from .. import safe_pickle as sp
 from ..errors import SourceFormatError
 from ..patterns import Averaged
-from .deepspeed_files import (DS_MODEL_KEYS, EXPERT_RE, LAYER_RE, MODEL_RE, OPTIM_RE, SHARDED_KEYS, UCI,
-                              ZERO3_MODEL_RE, pipeline_placement)
+from .deepspeed_files import (
+    DS_MODEL_KEYS,
+    EXPERT_RE,
+    LAYER_RE,
+    MODEL_RE,
+    OPTIM_RE,
+    SHARDED_KEYS,
+    UCI,
+    ZERO3_MODEL_RE,
+    pipeline_placement,
+)
 from .deepspeed_merge import ParamRecord, Rule, UniversalInfo, _numel, merge_tp_slices, pattern_for
 from .deepspeed_merge import with_placement as _with_placement
 
@@ -78,7 +88,9 @@ def _step_value(v):
         return v.detach().clone(), "tensor"
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None, None
-    return (torch.tensor(v, dtype=torch.int64), "int") if isinstance(v, int) else (torch.tensor(v, dtype=torch.float64), "float")
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64), "int"
+    return torch.tensor(v, dtype=torch.float64), "float"
 
 
 class DeepSpeedTagFolder:
@@ -134,7 +146,8 @@ class DeepSpeedTagFolder:
                 f"{', '.join(files[:12]) or 'nothing'}. Expected the tag folder written by engine.save_checkpoint "
                 "with ZeRO (stage 1-3) or the bf16 optimizer")
         if not self.model_files and not self.zero3_model_files:
-            raise SourceFormatError(f"{self.tag_dir}: unknown layout: no model-state files ('mp_rank_<mp>_model_states.pt'"
+            raise SourceFormatError(f"{self.tag_dir}: unknown layout: no model-state files "
+                                    "('mp_rank_<mp>_model_states.pt'"
                                     " or 'zero_pp_rank_<dp>_mp_rank_<mp>_model_states.pt')")
         if len(prefixes) > 1:
             raise SourceFormatError(f"{self.tag_dir}: optimizer files with mixed prefixes {sorted(prefixes)}: two "
@@ -162,7 +175,8 @@ class DeepSpeedTagFolder:
         for mp in range(self.mp):
             for dp in range(self.dp):
                 if (mp, dp) not in self.optim_files:
-                    expect = f"{self.prefix + '_' if self.prefix else ''}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"
+                    prefix = f"{self.prefix}_" if self.prefix else ""
+                    expect = f"{prefix}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"
                     raise SourceFormatError(f"{self._path(expect)}: missing: the folder has optimizer files for "
                                             f"{self.dp} data-parallel and {self.mp} model-parallel ranks, so every "
                                             "(dp, mp) pair must be present")
@@ -283,7 +297,7 @@ class DeepSpeedTagFolder:
             shapes_tp = [self._ms(pp * self.tp + tp).get("param_shapes") or [] for tp in range(self.tp)]
             base = shapes_tp[0]
             for g, group in enumerate(base):
-                for name, shape in group.items():
+                for name, _shape in group.items():
                     per_tp = []
                     for tp in range(self.tp):
                         grp = shapes_tp[tp][g] if g < len(shapes_tp[tp]) else {}
@@ -424,7 +438,8 @@ class DeepSpeedReader(DeepSpeedTagFolder):
         fp32 = osd["single_partition_of_fp32_groups"]
         bos = osd["base_optimizer_state"]
         if isinstance(bos, dict) and "state" in bos:
-            st = bos["state"].get(g, bos["state"].get(str(g), {})) if isinstance(bos["state"], dict) else bos["state"][g]
+            states = bos["state"]
+            st = states.get(g, states.get(str(g), {})) if isinstance(states, dict) else states[g]
         elif isinstance(bos, list):  # elastic checkpoint: one lean state per group
             st = bos[g] if g < len(bos) else {}
         else:
@@ -566,7 +581,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
         if not vals:
             return None, None
         t0, typ0, k0 = vals[0]
-        for t, typ, key in vals[1:]:
+        for t, _typ, key in vals[1:]:
             if not torch.equal(t.double(), t0.double()):
                 raise SourceFormatError(f"{name}: optimizer step {t.item()} in {self.optim_files[key]} differs from "
                                         f"{t0.item()} in {self.optim_files[k0]}")
@@ -661,7 +676,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
         names_done = set()
         for pp in range(self.pp):
             mods = [self._module_entries(pp, tp) for tp in range(self.tp)]
-            for name, t0 in mods[0].items():
+            for name, _t0 in mods[0].items():
                 if name in names_done or (wanted is not None and name not in wanted):
                     continue
                 names_done.add(name)
@@ -701,7 +716,8 @@ class DeepSpeedReader(DeepSpeedTagFolder):
                 for dp in range(self.dp):
                     fr = (self._ms(tp, dp).get("frozen_param_fragments") or {}).get(name)
                     if fr is None:
-                        raise SourceFormatError(f"{self._path(self._model_file_name(tp, dp))}: no frozen_param_fragments"
+                        where = self._path(self._model_file_name(tp, dp))
+                        raise SourceFormatError(f"{where}: no frozen_param_fragments"
                                                 f" entry for frozen parameter {name!r}")
                     real = max(0, min(part, n - dp * part))
                     frs.append(fr.reshape(-1).narrow(0, 0, real))

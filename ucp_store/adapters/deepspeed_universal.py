@@ -42,8 +42,9 @@ import os
 import re
 import shutil
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -53,8 +54,14 @@ from ..errors import ConfigurationError, ConflictError, InvalidNameError, Source
 from ..patterns import Averaged, Fused, Partitioned, Replicated, Vocab, parse_pattern
 from .base import import_source
 from .deepspeed import param_groups
-from .deepspeed_files import (DS_MODEL_KEYS, UCI, UNIVERSAL_MODEL_FILE_RE, find_param_dirs, hash_files,
-                              pipeline_placement)
+from .deepspeed_files import (
+    DS_MODEL_KEYS,
+    UCI,
+    UNIVERSAL_MODEL_FILE_RE,
+    find_param_dirs,
+    hash_files,
+    pipeline_placement,
+)
 from .deepspeed_merge import ParamRecord, UniversalInfo, pattern_for, with_placement
 
 __all__ = ["export_universal", "import_universal", "read_universal", "plan_export", "UniversalFolderReader",
@@ -87,9 +94,9 @@ def _save(obj: Any, path: str) -> None:
 
 def _ds_classes():
     try:
+        from deepspeed.checkpoint.universal_checkpoint import SubparamShape
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.checkpoint.universal_checkpoint import SubparamShape
     except ImportError as exc:  # pragma: no cover
         raise ConfigurationError(f"deepspeed_objects=True needs deepspeed importable ({exc})") from None
     return LossScaler, DynamicLossScaler, ZeroStageEnum, SubparamShape
@@ -249,7 +256,7 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
             meta = metas.get(name)
             meta = _universal_meta(meta, deepspeed_objects, warnings, name) if meta is not None else \
                 _universal_meta(_meta_from_pattern(pattern, warnings, name), deepspeed_objects, warnings, name)
-            for st, info in states.items():
+            for st in states:
                 if st in ("weight",):
                     continue
                 t = checkpoint.read(name, st)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

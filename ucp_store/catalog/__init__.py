@@ -25,7 +25,6 @@ from .db import (
     sqlite_url,
     upgrade,
 )
-from .query import read_only_query
 from .models import (
     ARRAY_STATUSES,
     CHECKPOINT_STATUSES,
@@ -43,6 +42,7 @@ from .models import (
     new_id,
     utcnow,
 )
+from .query import read_only_query
 
 __all__ = [
     "DEFAULT_BUSY_TIMEOUT_MS",

@@ -35,8 +35,9 @@ import random
 import re
 import sqlite3
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from sqlalchemy import create_engine, event, exc, inspect, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
@@ -104,7 +105,7 @@ def _parse_url(url: str | URL) -> URL:
         ) from None
 
 
-def _sqlite_file(u: URL) -> Optional[Path]:
+def _sqlite_file(u: URL) -> Path | None:
     """The file of a file-backed SQLite URL; None for in-memory / URI-style databases."""
     if u.get_backend_name() != "sqlite":
         return None
@@ -143,7 +144,7 @@ def migrations_dir() -> Path:
     )
 
 
-def _alembic_config(url: Optional[str] = None, connection: Optional[Connection] = None) -> "Config":
+def _alembic_config(url: str | None = None, connection: Connection | None = None) -> "Config":
     from alembic.config import Config
 
     cfg = Config()
@@ -176,12 +177,12 @@ _REVISION_LINE = re.compile(r"""^(down_revision|revision)\s*(?::[^=]*)?=\s*(None
 
 
 @functools.lru_cache(maxsize=1)
-def _quick_head() -> Optional[str]:
+def _quick_head() -> str | None:
     """The head revision read from the migration files' ``revision``/``down_revision`` lines, without
     importing alembic (0.3 s): opening a catalog already at head then needs no alembic at all. None when
     anything is unusual (branches, merges, computed ids); the caller then asks alembic."""
     try:
-        revs: dict[str, Optional[str]] = {}
+        revs: dict[str, str | None] = {}
         for f in (migrations_dir() / "versions").glob("*.py"):
             found = dict((k, v) for k, _, v in _REVISION_LINE.findall(f.read_text()))
             if "revision" in found:
@@ -199,7 +200,7 @@ def known_revisions() -> list[str]:
     return [rev.revision for rev in reversed(list(_script().walk_revisions()))]
 
 
-def _read_revision(conn: Connection, shown: str) -> Optional[str]:
+def _read_revision(conn: Connection, shown: str) -> str | None:
     # Read alembic_version directly: MigrationContext.configure() logs at INFO on every call.
     if not inspect(conn).has_table(_VERSION_TABLE):
         return None
@@ -364,7 +365,7 @@ class Catalog:
         )
 
     @contextlib.contextmanager
-    def write_session(self, *, attempts: Optional[int] = None) -> Iterator[Session]:
+    def write_session(self, *, attempts: int | None = None) -> Iterator[Session]:
         """A session inside one write transaction; commits when the block ends, rolls back if it raises.
 
         On SQLite the transaction starts with ``BEGIN IMMEDIATE`` (each attempt waits up to
@@ -382,7 +383,8 @@ class Catalog:
                     raise
                 if attempt + 1 == attempts:
                     raise self._locked_out(attempts, e) from e
-                log.debug("catalog %s is locked; retrying BEGIN IMMEDIATE (%d/%d)", self.display_url, attempt + 1, attempts)
+                log.debug("catalog %s is locked; retrying BEGIN IMMEDIATE (%d/%d)", self.display_url, attempt + 1,
+                          attempts)
                 _backoff(attempt)
                 continue
             break
@@ -395,7 +397,7 @@ class Catalog:
         finally:
             session.close()
 
-    def run_write(self, fn: Callable[[Session], T], *, attempts: Optional[int] = None) -> T:
+    def run_write(self, fn: Callable[[Session], T], *, attempts: int | None = None) -> T:
         """Run ``fn(session)`` in a write transaction and commit; re-run it all on transient conflicts.
 
         Transient: SQLite lock timeouts, PostgreSQL serialization failures and deadlocks. Other errors
@@ -455,13 +457,13 @@ class Catalog:
         return f"Catalog({self.display_url!r})"
 
 
-def current_revision(catalog: Catalog) -> Optional[str]:
+def current_revision(catalog: Catalog) -> str | None:
     """The schema revision recorded in the catalog's alembic_version (None: not created)."""
     with catalog.engine.connect() as conn:
         return _read_revision(conn, catalog.display_url)
 
 
-def _migrate(catalog: Catalog, target: str, *, create: bool, allow_upgrade: bool) -> tuple[Optional[str], str]:
+def _migrate(catalog: Catalog, target: str, *, create: bool, allow_upgrade: bool) -> tuple[str | None, str]:
     """Bring the schema to ``target`` (a known revision or 'head') under the schema lock.
 
     Returns (revision before, revision after).
@@ -553,7 +555,7 @@ def open_catalog(
     return catalog
 
 
-def upgrade(url: str, revision: str = "head", *, create: bool = False) -> tuple[Optional[str], str]:
+def upgrade(url: str, revision: str = "head", *, create: bool = False) -> tuple[str | None, str]:
     """Upgrade the catalog at ``url`` to ``revision`` (``ucp db upgrade``); returns (before, after).
 
     ``create=True`` also creates a catalog that does not exist yet (at ``revision``).

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import secrets
-from typing import Any, Optional
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -72,7 +72,7 @@ OBJECT_KINDS = ("json", "array")
 
 def utcnow() -> _dt.datetime:
     """The current time, timezone-aware, in UTC."""
-    return _dt.datetime.now(_dt.timezone.utc)
+    return _dt.datetime.now(_dt.UTC)
 
 
 def new_id(nchars: int = 16) -> str:
@@ -91,7 +91,7 @@ class UTCDateTime(TypeDecorator):
     impl = DateTime(timezone=True)
     cache_ok = True
 
-    def process_bind_param(self, value: Optional[_dt.datetime], dialect) -> Optional[_dt.datetime]:
+    def process_bind_param(self, value: _dt.datetime | None, dialect) -> _dt.datetime | None:
         if value is None:
             return None
         if not isinstance(value, _dt.datetime):
@@ -101,18 +101,18 @@ class UTCDateTime(TypeDecorator):
                 f"UTCDateTime: naive datetime {value.isoformat()} given; pass a timezone-aware one "
                 "(e.g. ucp_store.catalog.models.utcnow())"
             )
-        value = value.astimezone(_dt.timezone.utc)
+        value = value.astimezone(_dt.UTC)
         if dialect.name == "sqlite":
             # SQLite has no offset type; store UTC wall time, re-attach UTC on load.
             value = value.replace(tzinfo=None)
         return value
 
-    def process_result_value(self, value: Optional[_dt.datetime], dialect) -> Optional[_dt.datetime]:
+    def process_result_value(self, value: _dt.datetime | None, dialect) -> _dt.datetime | None:
         if value is None:
             return None
         if value.tzinfo is None:
-            return value.replace(tzinfo=_dt.timezone.utc)
-        return value.astimezone(_dt.timezone.utc)
+            return value.replace(tzinfo=_dt.UTC)
+        return value.astimezone(_dt.UTC)
 
 
 def _json_nullable() -> JSON:
@@ -138,9 +138,9 @@ class Run(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[_dt.datetime] = mapped_column(default=utcnow)
-    description: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    description: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: {"keep_last": N, "keep_every": K, "keep_tagged": bool} or NULL (keep everything). Added by 0002.
-    retention: Mapped[Optional[dict[str, Any]]] = mapped_column(_json_nullable(), nullable=True)
+    retention: Mapped[dict[str, Any] | None] = mapped_column(_json_nullable(), nullable=True)
 
     checkpoints: Mapped[list["Checkpoint"]] = relationship(back_populates="run", passive_deletes=True)
     tags: Mapped[list["Tag"]] = relationship(back_populates="run", passive_deletes=True)
@@ -173,19 +173,19 @@ class Checkpoint(Base):
     step: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str] = mapped_column(String(16), default="pending")
     created_at: Mapped[_dt.datetime] = mapped_column(default=utcnow)
-    committed_at: Mapped[Optional[_dt.datetime]] = mapped_column(nullable=True)
-    parent_id: Mapped[Optional[str]] = mapped_column(
+    committed_at: Mapped[_dt.datetime | None] = mapped_column(nullable=True)
+    parent_id: Mapped[str | None] = mapped_column(
         ForeignKey("checkpoints.id", ondelete="SET NULL"), nullable=True
     )
-    message: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: host and pid of the writer, so gc can recognise a pending save whose process died
-    owner_host: Mapped[Optional[str]] = mapped_column(String(255), nullable=True)
-    owner_pid: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    owner_host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    owner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
     nbytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
     format_version: Mapped[int] = mapped_column(Integer)
 
     run: Mapped[Run] = relationship(back_populates="checkpoints")
-    parent: Mapped[Optional["Checkpoint"]] = relationship(remote_side="Checkpoint.id")
+    parent: Mapped["Checkpoint | None"] = relationship(remote_side="Checkpoint.id")
     tensors: Mapped[list["Tensor"]] = relationship(
         back_populates="checkpoint",
         cascade="all, delete-orphan",
@@ -195,7 +195,7 @@ class Checkpoint(Base):
     objects: Mapped[list["StoredObject"]] = relationship(
         back_populates="checkpoint", cascade="all, delete-orphan", passive_deletes=True
     )
-    provenance: Mapped[Optional["Provenance"]] = relationship(
+    provenance: Mapped["Provenance | None"] = relationship(
         back_populates="checkpoint", cascade="all, delete-orphan", passive_deletes=True, uselist=False
     )
     tags: Mapped[list["Tag"]] = relationship(
@@ -225,7 +225,7 @@ class Array(Base):
     codecs: Mapped[list[Any]] = mapped_column(JSON)
     #: logical bytes (product of shape x itemsize)
     nbytes: Mapped[int] = mapped_column(BigInteger)
-    content_hash: Mapped[Optional[str]] = mapped_column(String(128), nullable=True, index=True)
+    content_hash: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
     created_at: Mapped[_dt.datetime] = mapped_column(default=utcnow)
     status: Mapped[str] = mapped_column(String(16), default="pending")
 
@@ -253,14 +253,14 @@ class Tensor(Base):
     shape: Mapped[list[Any]] = mapped_column(JSON)
     dtype: Mapped[str] = mapped_column(String(64))
     #: pattern record (schemas/pattern.schema.json) or NULL (replicated everywhere)
-    pattern: Mapped[Optional[dict[str, Any]]] = mapped_column(_json_nullable(), nullable=True)
+    pattern: Mapped[dict[str, Any] | None] = mapped_column(_json_nullable(), nullable=True)
     nbytes: Mapped[int] = mapped_column(BigInteger)
     content_hash: Mapped[str] = mapped_column(String(128))
     #: order in which the tensor-states were saved
     position: Mapped[int] = mapped_column(Integer)
     #: ``pattern.placement.layer`` (NULL: no layer, e.g. tied or unplaced), so that a pipeline stage's
     #: plan fetches only its own layers' rows
-    layer: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    layer: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="tensors")
     array: Mapped[Array] = relationship()
@@ -279,9 +279,9 @@ class Provenance(Base):
     )
     #: e.g. ``deepspeed``, ``torch_file``, ``training``
     source_kind: Mapped[str] = mapped_column(String(64))
-    source_path: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    source_path: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: topology record of the source (schemas/topology.schema.json) or NULL
-    source_topology: Mapped[Optional[dict[str, Any]]] = mapped_column(_json_nullable(), nullable=True)
+    source_topology: Mapped[dict[str, Any] | None] = mapped_column(_json_nullable(), nullable=True)
     tool_version: Mapped[str] = mapped_column(String(64))
     library_versions: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     host: Mapped[str] = mapped_column(String(255))
@@ -306,11 +306,11 @@ class StoredObject(Base):
     checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(1024))
     kind: Mapped[str] = mapped_column(String(16))
-    value: Mapped[Optional[Any]] = mapped_column(_json_nullable(), nullable=True)
-    array_id: Mapped[Optional[str]] = mapped_column(ForeignKey("arrays.id"), nullable=True)
+    value: Mapped[Any | None] = mapped_column(_json_nullable(), nullable=True)
+    array_id: Mapped[str | None] = mapped_column(ForeignKey("arrays.id"), nullable=True)
 
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="objects")
-    array: Mapped[Optional[Array]] = relationship()
+    array: Mapped[Array | None] = relationship()
 
 
 class Tag(Base):
