@@ -57,7 +57,8 @@ def _normalize_index(index: Any, shape: tuple[int, ...], what: str) -> tuple[fmt
     if len(index) > len(shape):
         raise ValidationError(f"{what}: index {index!r} has {len(index)} entries for a {len(shape)}-d tensor")
     index = index + (slice(None),) * (len(shape) - len(index))
-    box, residual = [], []
+    box: list[tuple[int, int]] = []
+    residual: list[int | slice] = []
     for i, n in zip(index, shape):
         if isinstance(i, (int, np.integer)) and not isinstance(i, bool):
             j = int(i) + n if i < 0 else int(i)
@@ -81,7 +82,7 @@ def _normalize_index(index: Any, shape: tuple[int, ...], what: str) -> tuple[fmt
 
 def parse_slice(text: str) -> tuple:
     """Parse a CLI slice such as ``"3:5,:"`` or ``"0,::2,..."`` into an index tuple."""
-    out = []
+    out: list[Any] = []
     for part in text.split(","):
         part = part.strip()
         if part == "...":
@@ -268,11 +269,11 @@ class Checkpoint:
                 cond = cond | (t.layer >= layer_limit)
             q = q.where(cond)
         q = q.order_by(t.position)
-        values: dict[str, Any] = {None: None}  # JSON text -> decoded value (pattern, codecs)
+        values: dict[str | None, Any] = {None: None}  # JSON text -> decoded value (pattern, codecs)
         tuples: dict[str, tuple] = {}          # JSON text of a list of ints -> tuple
         loads = json.loads
         make = TensorInfo.from_catalog
-        out = []
+        out: list[TensorInfo] = []
         add = out.append
         # a Core connection: an ORM session would add its own per-row loading to plain column tuples
         with gc_paused(), self.store.catalog.engine.connect() as conn:  # 100k acyclic records: see gc_paused
@@ -421,7 +422,7 @@ class Checkpoint:
         """Decode every chunk (crc32c) and recompute every content hash; returns the problems."""
         from .progress import track
 
-        problems = []
+        problems: list[dict[str, Any]] = []
         arrays: dict[str, list[TensorInfo]] = {}
         for info in self.tensors():
             arrays.setdefault(info.array_id, []).append(info)
@@ -477,8 +478,9 @@ def diff(a: Checkpoint, b: Checkpoint, *, progress: bool = False) -> list[dict]:
     keys = list(dict.fromkeys(list(ia) + list(ib)))
     for key in track(keys, "diff", enabled=progress, total=len(keys)):
         x, y = ia.get(key), ib.get(key)
-        row = {"name": key[0], "state": key[1]}
+        row: dict[str, Any] = {"name": key[0], "state": key[1]}
         if x is None:
+            assert y is not None
             out.append({**row, "status": "added", "shape": list(y.shape), "dtype": y.dtype})
         elif y is None:
             out.append({**row, "status": "removed", "shape": list(x.shape), "dtype": x.dtype})

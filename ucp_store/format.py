@@ -279,7 +279,7 @@ class ContentHasher:
         self._h.update(f"{dtype}:{','.join(map(str, shape))};".encode())
 
     def update(self, array: np.ndarray) -> None:
-        self._h.update(np.require(array, requirements="C").reshape(-1).view(np.uint8))
+        self._h.update(np.require(array, requirements="C").reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
     def hexdigest(self) -> str:
         return HASH_PREFIX + self._h.hexdigest()

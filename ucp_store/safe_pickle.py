@@ -158,7 +158,7 @@ def _numpy_globals() -> dict[str, Any]:
     try:
         from numpy._core import multiarray as ma  # numpy >= 2
     except ImportError:  # pragma: no cover
-        from numpy.core import multiarray as ma
+        from numpy.core import multiarray as ma  # type: ignore[no-redef]
     for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
         out[f"{mod}._reconstruct"] = ma._reconstruct
         out[f"{mod}.scalar"] = ma.scalar
@@ -251,7 +251,7 @@ def load(path: str | os.PathLike, *, mmap: bool = True, what: str | None = None)
             f"ucp_store.safe_pickle (torch weights-only types + {len(_ALLOW)} DeepSpeed/numpy stand-ins); "
             "the file may be crafted to run code. If it is trusted and the class is plain data, register a "
             "stand-in with ucp_store.safe_pickle.allow('module.Name')")
-    pairs = [(obj, name) for name, obj in _ALLOW.items()]
+    pairs: list[Any] = [(obj, name) for name, obj in _ALLOW.items()]
     try:
         with _LOCK, torch.serialization.safe_globals(pairs):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

@@ -138,7 +138,7 @@ class Store:
         return self._context
 
     def _init_settings(self, compression: str | None, chunk_target_bytes: int | None) -> None:
-        wanted = {"format_version": FORMAT_VERSION}
+        wanted: dict[str, Any] = {"format_version": FORMAT_VERSION}
         if compression is not None:
             from .format import check_compression
 

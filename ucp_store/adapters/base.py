@@ -77,7 +77,7 @@ class TensorRecord:
     @property
     def nbytes(self) -> int:
         t = self.tensor
-        return int(t.nbytes) if hasattr(t, "nbytes") else t.numel() * t.element_size()
+        return int(t.nbytes) if hasattr(t, "nbytes") else t.numel() * t.element_size()  # type: ignore[union-attr]
 
 
 #: what ``Source.records`` yields: one record, or a group of records written and counted together
@@ -165,7 +165,7 @@ def write_records(writer: "CheckpointWriter", records: Iterable[RecordGroup], *,
     n = since = 0
     for item in track(records, description, enabled=progress, total=total):
         for rec in _group(item):
-            t = rec.tensor
+            t: Any = rec.tensor  # a torch.Tensor or a numpy array (the writer takes both)
             if hasattr(t, "is_contiguous") and not t.is_contiguous():
                 t = t.contiguous()
             if rec.shard is None:

@@ -218,13 +218,14 @@ def merge_tp_slices(name: str, slices: list[torch.Tensor], rule: Rule, info: Uni
     meta: dict[str, Any] = {}
     tp = len(slices)
     if rule.kind == "affine":
+        assert rule.affine is not None  # an "affine" rule always carries its map
         param = _affine_rebuild(rule.affine, slices, state, name)
     elif rule.kind == "replicated":
         if tp > 1 and not all(torch.equal(slices[0], s) for s in slices[1:]):
             raise SourceFormatError(f"{name} ({state}): listed as TP-replicated but the {tp} TP slices differ")
         param = slices[0]
     elif rule.kind == "average":
-        param = sum(slices) / len(slices)
+        param = sum(slices) / len(slices)  # type: ignore[assignment]  # a sum of tensors is a tensor
     elif rule.kind == "two_sub":
         chunks = [torch.chunk(s, 2, dim=0) for s in slices]
         param = torch.cat([torch.cat([c[0] for c in chunks], dim=0), torch.cat([c[1] for c in chunks], dim=0)], dim=0)
@@ -247,6 +248,7 @@ def merge_tp_slices(name: str, slices: list[torch.Tensor], rule: Rule, info: Uni
 
 def _sub_widths(name, rule: Rule, info: UniversalInfo, slices):
     s = rule.sub
+    assert s is not None  # a "sub_param" rule always carries its SubparamShape
     pd = s.partition_dim
     spec = s.shape[pd]
     tp = len(slices)
@@ -280,6 +282,7 @@ def _sub_widths(name, rule: Rule, info: UniversalInfo, slices):
 
 def _merge_sub_params(name, slices, rule: Rule, info: UniversalInfo):
     pd, sizes, widths, normalized = _sub_widths(name, rule, info, slices)
+    assert rule.sub is not None
     logical = [sum(d) if isinstance(d, (tuple, list)) else d for d in rule.sub.shape]
     logical[pd] = sum(sizes)
     total = sum(s.numel() for s in slices)
@@ -306,8 +309,9 @@ def _merge_sub_params(name, slices, rule: Rule, info: UniversalInfo):
 
 def pattern_for(name: str, rule: Rule, info: UniversalInfo, slices: Sequence[torch.Tensor], tp: int) -> dict | None:
     """Our pattern record (ARCHITECTURE.md) for a parameter merged with ``rule``."""
-    kind = rule.kind
+    kind: str | None = rule.kind
     if kind == "affine":
+        assert rule.affine is not None
         kind = rule.category or _affine_kind(rule.affine)
         if kind is None:
             return None
@@ -335,8 +339,8 @@ def pattern_for(name: str, rule: Rule, info: UniversalInfo, slices: Sequence[tor
         d = rule.cat_dim
         if slices and slices[0].dim() <= d:
             return None
-        ws = tuple(int(s.shape[d]) for s in slices)
-        return Partitioned(dim=d, widths=((tp, ws),) if len(set(ws)) > 1 else ()).to_json()
+        cat_ws = tuple(int(s.shape[d]) for s in slices)
+        return Partitioned(dim=d, widths=((tp, cat_ws),) if len(set(cat_ws)) > 1 else ()).to_json()
     return None
 
 

@@ -50,7 +50,7 @@ try:
     _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     _MADV_DONTNEED = 4
 except Exception:  # pragma: no cover - not Linux
-    _madvise = None
+    _madvise = None  # type: ignore[assignment]
 
 
 def release_pages(t: torch.Tensor | None, start: int = 0, numel: int | None = None) -> None:
@@ -234,8 +234,8 @@ class DeepSpeedTagFolder:
         self.info = UniversalInfo(uci, self.tp)
         self.uci = uci
         # versions: every model file here; optimizer files as they are opened (and checked up front below)
-        self.ds_version = None
-        self._version_from = None
+        self.ds_version: str | None = None
+        self._version_from: str | None = None
         for f, sd in self.model_states.items():
             self._check_version(f, sd.get("ds_version"))
         self._optim_cache: dict[tuple[int, int], dict] = {}
@@ -448,6 +448,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
             raise SourceFormatError(f"{self._path(self.optim_files[key])}: {len(fp32)} fp32 groups, "
                                     f"param_shapes names group {g}")
         flat = {"fp32": fp32[g]}
+        assert st is not None, f"{self.optim_files[key]}: no optimizer state for group {g}"
         for k, v in st.items():
             if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 1:
                 flat[k] = v
@@ -592,7 +593,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
         # offsets per (tp, sub-group) walk param_shapes in order; partition = ceil(numel / dp)
         shapes_tp = [self._ms(tp, 0).get("param_shapes") or [] for tp in range(self.tp)]
         order = []
-        offsets: list[dict[str, int]] = []
+        offsets: list[dict[tuple[int, str], int]] = []
         for tp in range(self.tp):
             offs = {}
             for sg, group in enumerate(shapes_tp[tp]):

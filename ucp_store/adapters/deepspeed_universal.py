@@ -502,6 +502,7 @@ class UniversalFolderReader:
         self.stages_of: dict[str, set] = {}
         for f, sd in self.model_states.items():
             mm = UNIVERSAL_MODEL_FILE_RE.match(f)
+            assert mm is not None  # model_files were selected by this pattern
             mp = int(mm.group(1) if mm.group(1) is not None else mm.group(3))
             for g in sd.get("param_shapes") or []:
                 for n, shp in g.items():

@@ -284,7 +284,7 @@ def _set_wal(cur, busy_timeout_ms: int) -> str:
 
 
 def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str) -> None:
-    warned = []
+    warned: list[bool] = []
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, connection_record):
