@@ -14,6 +14,7 @@ from sqlalchemy import Text, cast, select
 from . import dtypes, format as fmt
 from .catalog import models as m
 from .errors import ChecksumError, ReferenceNotFound, UcpError
+from .localread import open_reader
 from .planner import gc_paused
 from .records import TensorInfo
 
@@ -114,7 +115,8 @@ class TensorHandle:
     def ts(self):
         if self._handle is None:
             store = self.checkpoint.store
-            self._handle = fmt.open_array(store.location, self.info.array, self.layout, store.context)
+            self._handle = open_reader(store.location, self.info.array, self.layout, store.context,
+                                       codecs=self.info.codecs)
         return self._handle
 
     def read_numpy(self, index: Any = ()) -> np.ndarray:
@@ -355,7 +357,7 @@ class Checkpoint:
                 else:
                     a = o.array
                     layout = fmt.ArrayLayout.from_catalog(a.dtype, a.shape, a.chunk_shape, a.shard_shape, a.codecs)
-                    h = fmt.open_array(self.store.location, a.path, layout, self.store.context)
+                    h = open_reader(self.store.location, a.path, layout, self.store.context, codecs=a.codecs)
                     data = fmt.read_box(h, layout, tuple((0, n) for n in a.shape), what=f"object {o.name!r}",
                                         array_url=self.store.array_url(a.path))
                     out[o.name] = dtypes.to_torch(np.asarray(data))
