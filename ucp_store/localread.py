@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -44,6 +45,7 @@ from . import dtypes, format as fmt
 from .location import Location, _safe_rel
 
 _MISSING = (1 << 64) - 1
+_ENTRY = struct.Struct("<QQ")
 try:
     _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 except (AttributeError, ValueError, OSError):
@@ -216,14 +218,77 @@ class LocalArray:
             return
         if any(hi <= lo for lo, hi in box):
             return
-        plans = self._plan(box, out)
-        total = sum(p[0] for p in plans)
-        if total >= PARALLEL_BYTES and len(plans) > 1:
-            for f in [_get_pool().submit(self._run_shard, *p[1:]) for p in plans]:
-                f.result()
-        else:
-            for p in plans:
-                self._run_shard(*p[1:])
+        chunk = self.layout.chunk_shape
+        idx = tuple(lo // c for (lo, _), c in zip(box, chunk))
+        if all((hi - 1) // c == i for (_, hi), c, i in zip(box, chunk, idx)):
+            self._read_single(idx, box, out)  # a row or a small slice: one chunk, fewest steps
+            return
+        fds: list[int] = []
+        try:
+            runs = []
+            for key, sidx, items in self._plan(box, out):
+                fd = self._open(key, items)
+                fds.append(fd)
+                runs += self._runs(fd, key, sidx, items)
+            total = sum(len(r[2]) for r in runs) * self.chunk_bytes
+            if total >= PARALLEL_BYTES and len(runs) > 1:
+                futures = [_get_pool().submit(self._read_run, *r) for r in runs]
+                try:
+                    for f in futures:
+                        f.result()
+                finally:  # every run ends before its file is closed, also when one fails
+                    for f in futures:
+                        f.cancel()
+                    for f in futures:
+                        if not f.cancelled():
+                            f.exception()
+            else:
+                for r in runs:
+                    self._read_run(*r)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _read_single(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
+        per = self.per_shard
+        sidx = tuple(i // p for i, p in zip(idx, per))
+        key = "c/" + "/".join(map(str, sidx))
+        fd = self._open(key, [(idx,)])
+        try:
+            size = os.fstat(fd).st_size
+            raw = self._index_raw(fd, size, key)
+            local = 0
+            for i, p, s in zip(idx, per, sidx):
+                local = local * p + (i - s * p)
+            off, nb = _ENTRY.unpack_from(raw, 16 * local)
+            expect = self.chunk_bytes + 4
+            self._check_entry(idx, key, off, nb, expect, size - len(raw))
+            enc = _scratch_buffer(expect)
+            try:
+                got = os.preadv(fd, [enc], off)
+            except OSError as exc:
+                raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
+        finally:
+            os.close(fd)
+        if got != expect:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is truncated (short read)")
+        mem = enc[:-4]
+        if _crc(mem) != int.from_bytes(enc[-4:].tobytes(), "little"):
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: crc32c checksum mismatch in shard file {key}")
+        chunk = self.layout.chunk_shape
+        src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, chunk))
+        out[...] = mem.view(self.dtype).reshape(chunk)[src]
+
+    def _check_entry(self, idx: tuple, key: str, off: int, nb: int, expect: int, data_end: int) -> None:
+        if off == _MISSING and nb == _MISSING:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder} is missing from shard file {key}")
+        if nb != expect:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} index says {nb} "
+                                 f"bytes, expected {expect}; the shard index is corrupt")
+        if off + nb > data_end:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} index entry "
+                                 f"[{off}, {off + nb}) is past the end of the chunk data ({data_end} bytes); "
+                                 "the file is truncated or corrupt")
 
     def _read_scalar(self, out: np.ndarray) -> None:
         path = os.path.join(self.folder, "c")
@@ -246,81 +311,49 @@ class LocalArray:
             raise ValueError(f"reading {path} failed: {exc}") from None
 
     def _plan(self, box: fmt.Box, out: np.ndarray) -> list[tuple]:
-        """Per shard file touched by ``box``: (bytes, key, chunks); chunks are (index, chunk box, dest view)."""
-        layout = self.layout
+        """Per shard file touched by ``box``: (key, shard index, [(chunk index, source slices, dest view)])."""
         shards: dict[tuple, list] = {}
         per = self.per_shard
-        chunk = layout.chunk_shape
-        for idx in layout.chunks_touching(box):
-            cbox = tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(idx, chunk, self.shape))
+        chunk = self.layout.chunk_shape
+        shape = self.shape
+        for idx in self.layout.chunks_touching(box):
+            cbox = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunk, shape))
+            inter = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(cbox, box))
+            dst = out[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, box))]
+            whole = inter == cbox and all(b - a == c for (a, b), c in zip(cbox, chunk))
+            src = None if whole else tuple(slice(a - c0, b - c0) for (a, b), (c0, _) in zip(inter, cbox))
             sidx = tuple(i // p for i, p in zip(idx, per))
-            shards.setdefault(sidx, []).append((idx, cbox))
-        plans = []
-        for sidx, chunks in shards.items():
-            items = []
-            nbytes = 0
-            for idx, cbox in chunks:
-                inter = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(cbox, box))
-                dst = out[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, box))]
-                whole = inter == cbox and all(b - a == c for (a, b), c in zip(cbox, chunk))
-                src = None if whole else tuple(slice(a - c0, b - c0) for (a, b), (c0, _) in zip(inter, cbox))
-                items.append((idx, src, dst))
-                nbytes += dst.nbytes
-            plans.append((nbytes, "c/" + "/".join(map(str, sidx)), sidx, items))
-        return plans
+            shards.setdefault(sidx, []).append((idx, src, dst))
+        return [("c/" + "/".join(map(str, sidx)), sidx, items) for sidx, items in shards.items()]
 
-    def _run_shard(self, key: str, sidx: tuple, items: list) -> None:
+    def _open(self, key: str, items: list) -> int:
         path = os.path.join(self.folder, *key.split("/"))
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise LocalReadError(f"chunk {list(items[0][0])} of {self.folder}: shard file {key} is missing "
                                  "(NOT_FOUND)") from None
         except OSError as exc:
             raise ValueError(f"reading {path} failed: {exc}") from None
-        try:
-            size = os.fstat(fd).st_size
-            index = self._index(fd, size, key)
-            per = self.per_shard
-            expect = self.chunk_bytes + 4
-            data_end = size - (16 * self.n_index + 4)
-            located = []
-            for idx, src, dst in items:
-                local = 0
-                for i, p, s in zip(idx, per, sidx):
-                    local = local * p + (i - s * p)
-                off, nb = int(index[local, 0]), int(index[local, 1])
-                if off == _MISSING and nb == _MISSING:
-                    raise LocalReadError(f"chunk {list(idx)} of {self.folder} is missing from shard file {key}")
-                if nb != expect:
-                    raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} index says {nb} "
-                                         f"bytes, expected {expect}; the shard index is corrupt")
-                if off + nb > data_end:
-                    raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} index entry "
-                                         f"[{off}, {off + nb}) is past the end of the chunk data ({data_end} bytes); "
-                                         "the file is truncated or corrupt")
-                located.append((off, idx, src, dst))
-            located.sort(key=lambda t: t[0])
-            self._read_runs(fd, key, located, expect)
-        finally:
-            os.close(fd)
 
-    def _index(self, fd: int, size: int, key: str) -> np.ndarray:
-        n = self.n_index
-        want = 16 * n + 4
-        if size < want:
-            raise LocalReadError(f"shard file {key} of {self.folder} is truncated: {size} bytes, smaller than its "
-                                 f"{want}-byte index (Invalid shard index)")
-        raw = os.pread(fd, want, size - want)
-        if len(raw) != want:
-            raise LocalReadError(f"shard file {key} of {self.folder}: short read of its index (Invalid shard index)")
-        body = np.frombuffer(raw, np.uint8, 16 * n)
-        if _crc(body) != int.from_bytes(raw[-4:], "little"):
-            raise LocalReadError(f"shard file {key} of {self.folder}: shard index crc32c checksum mismatch")
-        return body.view("<u8").reshape(n, 2)
-
-    def _read_runs(self, fd: int, key: str, located: list, expect: int) -> None:
-        """Runs of chunks adjacent in the file, each one ``preadv``; then crc and partial copies."""
+    def _runs(self, fd: int, key: str, sidx: tuple, items: list) -> list[tuple]:
+        """Check the shard index and every needed entry; group the chunks into runs adjacent in the file."""
+        size = os.fstat(fd).st_size
+        raw = self._index_raw(fd, size, key)
+        index = np.frombuffer(raw, "<u8", 2 * self.n_index).reshape(self.n_index, 2)
+        per = self.per_shard
+        expect = self.chunk_bytes + 4
+        data_end = size - len(raw)
+        located = []
+        for idx, src, dst in items:
+            local = 0
+            for i, p, s in zip(idx, per, sidx):
+                local = local * p + (i - s * p)
+            off, nb = int(index[local, 0]), int(index[local, 1])
+            self._check_entry(idx, key, off, nb, expect, data_end)
+            located.append((off, idx, src, dst))
+        located.sort(key=lambda t: t[0])
+        runs = []
         i, n = 0, len(located)
         while i < n:
             j = i + 1
@@ -329,8 +362,23 @@ class LocalArray:
                    and (j - i + 1) * expect <= RUN_BYTES):
                 end += expect
                 j += 1
-            self._read_run(fd, key, located[i:j], expect)
+            runs.append((fd, key, located[i:j], expect))
             i = j
+        return runs
+
+    def _index_raw(self, fd: int, size: int, key: str) -> bytes:
+        """The shard index with its crc32c (checked): ``(offset, nbytes)`` uint64 LE per inner chunk, C order."""
+        n = self.n_index
+        want = 16 * n + 4
+        if size < want:
+            raise LocalReadError(f"shard file {key} of {self.folder} is truncated: {size} bytes, smaller than its "
+                                 f"{want}-byte index (Invalid shard index)")
+        raw = os.pread(fd, want, size - want)
+        if len(raw) != want:
+            raise LocalReadError(f"shard file {key} of {self.folder}: short read of its index (Invalid shard index)")
+        if _crc(np.frombuffer(raw, np.uint8, want - 4)) != int.from_bytes(raw[-4:], "little"):
+            raise LocalReadError(f"shard file {key} of {self.folder}: shard index crc32c checksum mismatch")
+        return raw
 
     def _read_run(self, fd: int, key: str, run: list, expect: int) -> None:
         data_bytes = expect - 4
