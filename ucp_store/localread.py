@@ -81,37 +81,36 @@ class LocalReadError(ValueError):
     A ``ValueError`` like TensorStore's, and worded so that ``format.is_corruption`` recognises it."""
 
 
-def _canonical_chain(layout: fmt.ArrayLayout) -> list[dict]:
-    return fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape, layout.shard_shape, "none").codecs()
-
-
-def _normalise(codecs: Any) -> Any:
-    # TensorStore drops defaults (index_location "end", bytes endian for 1-byte types); compare with them put back
-    if isinstance(codecs, list):
-        return [_normalise(c) for c in codecs]
-    if not isinstance(codecs, dict):
-        return codecs
-    out = {k: _normalise(v) for k, v in codecs.items()}
-    name = out.get("name")
-    if name == "sharding_indexed":
-        cfg = dict(out.get("configuration") or {})
-        cfg.setdefault("index_location", "end")
-        out["configuration"] = cfg
-    elif name == "bytes":
-        cfg = dict(out.get("configuration") or {})
-        cfg.setdefault("endian", "little")
-        out["configuration"] = cfg
-    elif name == "crc32c" and not out.get("configuration"):
-        out.pop("configuration", None)
-    return out
+def _plain(chain: Any) -> bool:
+    """``[bytes(little), crc32c]``: C-order little-endian bytes followed by their crc32c, nothing else."""
+    if not isinstance(chain, list) or len(chain) != 2 or not all(isinstance(c, dict) for c in chain):
+        return False
+    first, second = chain
+    cfg = first.get("configuration") or {}
+    return (first.get("name") == "bytes" and set(first) <= {"name", "configuration"} and set(cfg) <= {"endian"}
+            and cfg.get("endian", "little") == "little"
+            and second.get("name") == "crc32c" and set(second) <= {"name", "configuration"}
+            and not second.get("configuration"))
 
 
 def is_local_chain(codecs: Any, layout: fmt.ArrayLayout) -> bool:
     """True when ``codecs`` is exactly ``sharding_indexed(bytes little + crc32c, index bytes + crc32c, end)``
-    with the layout's inner chunk shape and no compression (or, for 0-d arrays, ``bytes + crc32c``)."""
-    if codecs is None or layout.compression != "none":
+    with the layout's inner chunk shape and no compression (or, for 0-d arrays, ``bytes + crc32c``).
+    Defaults TensorStore drops (``index_location: end``, ``endian``) count as given."""
+    if layout.compression != "none":
         return False
-    return _normalise(codecs) == _normalise(_canonical_chain(layout))
+    if not layout.sharded:
+        return _plain(codecs)
+    if not isinstance(codecs, list) or len(codecs) != 1 or not isinstance(codecs[0], dict):
+        return False
+    c = codecs[0]
+    cfg = c.get("configuration")
+    if c.get("name") != "sharding_indexed" or set(c) - {"name", "configuration"} or not isinstance(cfg, dict):
+        return False
+    return (set(cfg) <= {"chunk_shape", "codecs", "index_codecs", "index_location"}
+            and list(cfg.get("chunk_shape") or ()) == list(layout.chunk_shape)
+            and _plain(cfg.get("codecs")) and _plain(cfg.get("index_codecs"))
+            and cfg.get("index_location", "end") == "end")
 
 
 def open_reader(location: Location, rel: str, layout: fmt.ArrayLayout, context, *, codecs: Any = None):
