@@ -18,15 +18,16 @@ import google_crc32c
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ucp_test_helpers import flip_byte, random_bits
 
 import ucp_store
-from ucp_store import dtypes, format as fmt
-from ucp_store.errors import ChecksumError, UcpError
+from ucp_store import dtypes
+from ucp_store import format as fmt
+from ucp_store.errors import ChecksumError
 from ucp_store.localread import LocalArray, is_local_chain, numpy_view, open_reader
 from ucp_store.location import Location
-
-from ucp_test_helpers import flip_byte, random_bits
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
           torch.uint8, torch.bool]
@@ -203,7 +204,7 @@ CASES = ["chunk byte", "chunk crc", "index byte", "index crc", "truncated", "tru
 
 @pytest.mark.parametrize("case", CASES)
 def test_corruption_same_error_on_both_paths(where, case):
-    loc, ctx = where
+    loc, _ = where
     x = random_bits(SHAPE, torch.float32, torch.Generator().manual_seed(3))
     rel, layout = _write(where, x, CHUNK, PER_SHARD)
     local, ts_handle = _both(where, rel, layout)
@@ -239,7 +240,7 @@ def test_corruption_same_error_on_both_paths(where, case):
 
 
 def test_scalar_corruption_and_missing(where):
-    loc, ctx = where
+    loc, _ = where
     rel, layout = _write(where, torch.tensor(2.5), (), ())
     local, ts_handle = _both(where, rel, layout)
     path = Path(loc.root) / rel / "c"
@@ -287,8 +288,10 @@ def test_store_reads_agree_with_tensorstore(tmp_path, monkeypatch):
     monkeypatch.setenv("UCP_LOCAL_READ", "0")
     assert not isinstance(store.checkpoint("r@1").tensor("a.weight", "weight").ts(), LocalArray)
     tsr = reads()
+
     def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.dtype == b.dtype and a.shape == b.shape and dtypes.to_numpy(a).tobytes() == dtypes.to_numpy(b).tobytes()
+        return (a.dtype == b.dtype and a.shape == b.shape
+                and dtypes.to_numpy(a).tobytes() == dtypes.to_numpy(b).tobytes())
 
     for n, t in state.items():
         assert same_bits(local[0][n], t) and same_bits(tsr[0][n], t)

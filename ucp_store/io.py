@@ -91,7 +91,7 @@ class _Reader:
         try:
             target = getattr(sink, "target", None)
             shape = tuple(hi - lo for lo, hi in box.ranges)
-            if (target is not None and target.dtype == dtypes.torch_dtype(layout.dtype)
+            if (target is not None and target.device.type == "cpu" and target.dtype == dtypes.torch_dtype(layout.dtype)
                     and (tuple(target.shape) == shape or target.is_contiguous())):
                 handle.read_into(box.ranges, numpy_view(target).reshape(shape))  # a view: same shape or contiguous
             else:

@@ -35,13 +35,14 @@ import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import google_crc32c
 import numpy as np
 import torch
 
-from . import dtypes, format as fmt
+from . import dtypes
+from . import format as fmt
 from .location import Location, _safe_rel
 
 _MISSING = (1 << 64) - 1
@@ -142,10 +143,10 @@ class _Pending:
 
     __slots__ = ("_array", "_box")
 
-    def __init__(self, array: "LocalArray", box):
+    def __init__(self, array: LocalArray, box):
         self._array, self._box = array, box
 
-    def read(self) -> "_Pending":
+    def read(self) -> _Pending:
         return self
 
     def result(self) -> np.ndarray:
