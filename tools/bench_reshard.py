@@ -6,7 +6,8 @@ A Llama-like model (vocab-padded embedding, fused QKV with GQA, row-parallel out
 uneven widths for tp=3, row-parallel down projection, norms; fp32 masters, both Adam moments and bf16
 weights) is written rank by rank from a source topology through ``CheckpointWriter.write_shard``, the
 chunk grid aligned to the declared targets. Then for TP 1 -> 8, 8 -> 2 and 4 -> 3 (uneven) the target's
-rank 0 is planned (pure, no I/O) and loaded (TensorStore reads into preallocated tensors), and the
+rank 0 is planned (pure, no I/O) and loaded (the local read path into preallocated tensors, and the same
+plan through TensorStore beside it), and the
 read amplification (bytes of whole chunks read / bytes needed) is taken from the plan. A store written
 without declared targets (power-of-two policy only) shows what alignment buys for 4 -> 3.
 """
@@ -99,16 +100,29 @@ def measure(path: str, target: Topology, rank: int, repeats: int = 3) -> dict:
         t = time.perf_counter()
         execute(ck, p)
         cold = time.perf_counter() - t
-    load_times = []
-    for _ in range(repeats):
+    load_times, ts_times = [], []
+    for _ in range(repeats):  # interleaved: the local read path, then the TensorStore path (UCP_LOCAL_READ=0)
         t = time.perf_counter()
         shard = execute(ck, p)
         load_times.append(time.perf_counter() - t)
+        os.environ["UCP_LOCAL_READ"] = "0"
+        try:
+            t = time.perf_counter()
+            ts_shard = execute(ck, p)
+            ts_times.append(time.perf_counter() - t)
+        finally:
+            os.environ.pop("UCP_LOCAL_READ", None)
+        for key, tensor in shard.tensors.items():
+            assert torch.equal(tensor.view(torch.uint8) if tensor.dim() else tensor,
+                               ts_shard.tensors[key].view(torch.uint8) if tensor.dim() else ts_shard.tensors[key]), key
+        for key, buf in shard.buffers.items():
+            assert torch.equal(buf.view(torch.uint8), ts_shard.buffers[key].view(torch.uint8)), key
     plan_t, load_t = min(plan_times), min(load_times)
     return {"target": target.describe(), "rank": rank, "tensor_states": len(p.tensors),
             "bytes_needed": p.bytes_needed, "bytes_read": p.bytes_read,
             "read_amplification": p.read_amplification, "plan_s": plan_t, "load_warm_s": load_t,
-            "load_cold_s": cold, "plan_over_load": plan_t / (cold or load_t), "bytes_loaded": shard.bytes_read}
+            "load_cold_s": cold, "plan_over_load": plan_t / (cold or load_t), "bytes_loaded": shard.bytes_read,
+            "load_warm_tensorstore_s": min(ts_times), "reads": p.num_reads}
 
 
 def main() -> None:
@@ -139,11 +153,16 @@ def main() -> None:
             rows.append(r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{'case':34}{'states':>7}{'needed MiB':>11}{'ampl.':>7}{'plan ms':>9}{'load ms':>9}{'cold ms':>9}{'plan/load':>10}")
+    print("\nload: the local read path; TS load: the same plan through TensorStore (UCP_LOCAL_READ=0), interleaved,"
+          " best of 3; us/read: warm load time / reads")
+    print(f"\n{'case':34}{'states':>7}{'reads':>6}{'needed MiB':>11}{'ampl.':>7}{'plan ms':>9}{'load ms':>9}"
+          f"{'TS load ms':>11}{'us/read':>8}{'TS us/read':>11}{'cold ms':>9}{'plan/load':>10}")
     for r in rows:
         cold = f"{r['load_cold_s'] * 1e3:9.1f}" if r["load_cold_s"] else f"{'-':>9}"
-        print(f"{r['case']:34}{r['tensor_states']:7d}{r['bytes_needed'] / 2**20:11.1f}{r['read_amplification']:7.3f}"
-              f"{r['plan_s'] * 1e3:9.2f}{r['load_warm_s'] * 1e3:9.1f}{cold}{r['plan_over_load'] * 100:9.2f}%")
+        print(f"{r['case']:34}{r['tensor_states']:7d}{r['reads']:6d}{r['bytes_needed'] / 2**20:11.1f}"
+              f"{r['read_amplification']:7.3f}{r['plan_s'] * 1e3:9.2f}{r['load_warm_s'] * 1e3:9.1f}"
+              f"{r['load_warm_tensorstore_s'] * 1e3:11.1f}{r['load_warm_s'] / r['reads'] * 1e6:8.0f}"
+              f"{r['load_warm_tensorstore_s'] / r['reads'] * 1e6:11.0f}{cold}{r['plan_over_load'] * 100:9.2f}%")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=2)

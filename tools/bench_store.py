@@ -119,7 +119,7 @@ def make_tensors(gib: float, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def bench_full(tensors, work: str, cold: bool) -> dict:
+def bench_full(tensors, work: str, cold: bool, repeats: int = 3, chunk_targets: tuple[int, ...] = ()) -> dict:
     from safetensors.torch import load_file, save_file
 
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -157,22 +157,52 @@ def bench_full(tensors, work: str, cold: bool) -> dict:
 
     res["safetensors_save_s"], _ = timed(st_save)
 
+    # the same bytes as one raw file, read back into fresh memory: the ceiling a reader that checks
+    # nothing could reach
+    raw = os.path.join(work, "raw.bin")
+    with open(raw, "wb", buffering=0) as f:
+        for t in tensors.values():
+            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+
+    def ucp_read_tensorstore():
+        os.environ["UCP_LOCAL_READ"] = "0"  # localread.open_reader then picks TensorStore
+        try:
+            return ucp_read()
+        finally:
+            os.environ.pop("UCP_LOCAL_READ", None)
+
+    # the same state saved with other inner-chunk targets (the chunk policy's choice), read the same way
+    others = {}
+    for target in chunk_targets:
+        if target == store.settings["chunk_target_bytes"]:
+            continue
+        other = ucp_store.open_store(os.path.join(work, f"store-{target}"), create=True, chunk_target_bytes=target)
+        t_w, _ = timed(lambda: other.save("bench", 1, tensors))
+        res[f"ucp_write_chunks_{target >> 10}KiB_s"] = t_w
+        others[f"ucp_read_chunks_{target >> 10}KiB_s"] = (lambda o=other: o.checkpoint("bench@1").state_dict("weight"))
+
     readers = {
         "ucp_read_s": ucp_read,
+        **others,
+        "ucp_read_tensorstore_s": ucp_read_tensorstore,
+        "raw_read_fresh_s": lambda: {"raw": torch.from_numpy(np.fromfile(raw, dtype=np.uint8))},
         "torch_load_s": lambda: torch.load(pt, weights_only=True),
         "safetensors_load_s": lambda: load_file(sf),
     }
+    # interleaved (every reader once per round), best of ``repeats`` rounds: the machine is shared
     for mode in (["cold"] if cold else []) + ["warm"]:
-        for key, fn in readers.items():
-            if mode == "cold":
-                drop_caches()
-            else:
-                fn()  # warm the page cache
-            # touch every 4 KiB page inside the timed region, so lazily mapped readers (safetensors
-            # mmap) pay for all of their bytes too
-            t, out = timed(lambda: touch(fn()))
-            res[f"{key}_{mode}"] = t
-            del out
+        for _ in range(repeats if mode == "warm" else max(1, repeats // 2)):
+            for key, fn in readers.items():
+                if mode == "cold":
+                    drop_caches()
+                elif f"{key}_{mode}" not in res:
+                    fn()  # warm the page cache
+                # touch every 4 KiB page inside the timed region, so lazily mapped readers (safetensors
+                # mmap) pay for all of their bytes too
+                t, out = timed(lambda: touch(fn()))
+                res[f"{key}_{mode}"] = min(t, res.get(f"{key}_{mode}", math.inf))
+                del out
+    os.remove(raw)
     ref = ucp_store.open_store(store_dir).checkpoint("bench@1")
     for name, t in list(tensors.items())[:3]:
         assert torch.equal(ref.read(name, "weight").view(torch.uint8), t.view(torch.uint8)), name
@@ -184,8 +214,10 @@ def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
-def bench_partial(work: str, cold: bool, repeats: int = 5) -> dict:
-    """One row and one column of a 256 MiB fp32 parameter."""
+def bench_partial(work: str, cold: bool, repeats: int = 5, chunk_targets: tuple[int, ...] = (1 << 20,),
+                  calls: int = 50, lean: bool = False) -> dict:
+    """One row and one column of a 256 MiB fp32 parameter; held handles timed per call (mean of ``calls``
+    calls, best of ``repeats`` interleaved rounds)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -213,6 +245,19 @@ def bench_partial(work: str, cold: bool, repeats: int = 5) -> dict:
     # the same reads through a handle that is already open (catalog looked up, array opened once), as a
     # training job or an inspection loop holds it; the case above pays open_store + catalog query per read
     handle = ucp_store.open_store(store.location.url).checkpoint("p@1").tensor(name, "fp32")
+    os.environ["UCP_LOCAL_READ"] = "0"  # the same handle on the TensorStore path (localread.open_reader)
+    ts_handle = ucp_store.open_store(store.location.url).checkpoint("p@1").tensor(name, "fp32")
+    ts_handle.ts()
+    os.environ.pop("UCP_LOCAL_READ")
+
+    # the same parameter saved with other inner-chunk targets (the chunk policy's choice)
+    by_target = {}
+    for target in chunk_targets:
+        if target == store.settings["chunk_target_bytes"]:
+            continue
+        s = ucp_store.open_store(os.path.join(work, f"store-partial-{target}"), create=True, chunk_target_bytes=target)
+        s.save("p", 1, {name: w}, state="fp32")
+        by_target[target] = s.checkpoint("p@1").tensor(name, "fp32")
 
     # a store held open (engine and compiled SQL cached), each read resolving the reference again
     held = ucp_store.open_store(store.location.url)
@@ -221,24 +266,19 @@ def bench_partial(work: str, cold: bool, repeats: int = 5) -> dict:
         return held.checkpoint("p@1").tensor(name, "fp32")[row]
 
     # TensorStore alone on the same array (no ucp code), and on a copy whose inner chunks are single
-    # rows (32 KiB): the per-read floor of the mandated read path, whatever the chunking
+    # rows (32 KiB): the per-read floor of TensorStore, whatever the chunking
     ctx = fmt.make_context()
     ts_same = fmt.open_array(store.location, info.array, layout, ctx)
     row_layout = fmt.ArrayLayout(layout.dtype, layout.shape, (1, 8192), layout.shard_shape, "none")
-    ts_rows = fmt.create_array(store.location, "arrays/x/rows.zarr", row_layout, ctx)
-    ts_rows.write(w.numpy()).result()
+    ts_rows = None if lean else fmt.create_array(store.location, "arrays/x/rows.zarr", row_layout, ctx)
+    if ts_rows is not None:
+        ts_rows.write(w.numpy()).result()
 
     def ts_row_same():
         return torch.from_numpy(ts_same[row].read().result())
 
     def ts_row_1row_chunks():
         return torch.from_numpy(ts_rows[row].read().result())
-
-    def ucp_row_open():
-        return handle[row]
-
-    def ucp_col_open():
-        return handle[:, col]
 
     def st_row():
         with safe_open(sf, "pt") as f:
@@ -248,6 +288,14 @@ def bench_partial(work: str, cold: bool, repeats: int = 5) -> dict:
         with safe_open(sf, "pt") as f:
             return f.get_slice(name)[:, col:col + 1].clone()
 
+    st_file = safe_open(sf, "pt")  # held open, as the issue's 0.04 ms figure
+
+    def st_row_held():
+        return st_file.get_slice(name)[row:row + 1, :]
+
+    def st_col_held():
+        return st_file.get_slice(name)[:, col:col + 1]
+
     def whole_row():
         return torch.load(pt, weights_only=True)[name][row].clone()
 
@@ -255,24 +303,36 @@ def bench_partial(work: str, cold: bool, repeats: int = 5) -> dict:
         return torch.load(pt, weights_only=True)[name][:, col].clone()
 
     cases = {"ucp_row": ucp_row, "ucp_col": ucp_col, "ucp_row_held_store": ucp_row_held,
-             "ucp_row_open": ucp_row_open, "ucp_col_open": ucp_col_open,
+             "ucp_row_open": lambda: handle[row], "ucp_col_open": lambda: handle[:, col],
+             "ucp_row_open_tensorstore_path": lambda: ts_handle[row],
+             "ucp_col_open_tensorstore_path": lambda: ts_handle[:, col],
+             **{f"ucp_row_open_chunks_{t >> 10}KiB": (lambda h=h: h[row]) for t, h in by_target.items()},
+             **{f"ucp_col_open_chunks_{t >> 10}KiB": (lambda h=h: h[:, col]) for t, h in by_target.items()},
              "tensorstore_only_row": ts_row_same, "tensorstore_only_row_32KiB_chunks": ts_row_1row_chunks,
              "safetensors_row": st_row, "safetensors_col": st_col,
+             "safetensors_row_held": st_row_held, "safetensors_col_held": st_col_held,
              "torch_load_row": whole_row, "torch_load_col": whole_col}
-    res: dict = {"param_bytes": w.numel() * 4, "chunk_shape": list(layout.chunk_shape)}
+    if lean:  # the goal's cases only: held handles on both read paths and held safetensors
+        cases = {k: v for k, v in cases.items() if "open" in k or k.endswith("_held") or k == "tensorstore_only_row"}
+    cheap = {k for k in cases if "open" in k or "held" in k or "tensorstore_only" in k}
+    res: dict = {"param_bytes": w.numel() * 4, "chunk_shape": list(layout.chunk_shape),
+                 "chunk_shapes_by_target": {t >> 10: list(h.info.chunk_shape) for t, h in by_target.items()}}
     for mode in (["cold"] if cold else []) + ["warm"]:
-        for key, fn in cases.items():
-            times = []
-            for _ in range(repeats if mode == "warm" else 2):
+        for _ in range(repeats if mode == "warm" else 2):
+            for key, fn in cases.items():  # interleaved rounds: every case once per round
                 if mode == "cold":
                     drop_caches()
+                    n = 1
                 else:
                     fn()
-                t, out = timed(fn)
-                times.append(t)
-            res[f"{key}_{mode}_s"] = min(times)
-            expect = w[row] if "row" in key else w[:, col]
-            assert torch.equal(out.reshape(-1), expect.reshape(-1)), key
+                    n = calls if key in cheap else 1
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    out = fn()
+                t = (time.perf_counter() - t0) / n
+                res[f"{key}_{mode}_s"] = min(t, res.get(f"{key}_{mode}_s", math.inf))
+                expect = w[row] if "row" in key else w[:, col]
+                assert torch.equal(out.reshape(-1), expect.reshape(-1)), key
     res["bytes_read"] = {
         "ucp_row": sum(1 for _ in layout.chunks_touching(row_box)) * chunk_bytes,
         "ucp_col": sum(1 for _ in layout.chunks_touching(col_box)) * chunk_bytes,
@@ -289,37 +349,46 @@ def main() -> None:
     ap.add_argument("--out", default="bench-out/store.json")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best of each is kept")
+    ap.add_argument("--chunk-kib", default="1024", help="inner-chunk targets to compare, e.g. 1024,256,128")
+    ap.add_argument("--lean", action="store_true",
+                    help="partial reads: only held handles (both ucp paths) and held safetensors, 20 calls each")
     args = ap.parse_args()
     os.environ.setdefault("UCP_PROGRESS", "0")
+    targets = tuple(int(k) << 10 for k in args.chunk_kib.split(","))
     work = tempfile.mkdtemp(prefix="ucp-bench-", dir=args.workdir)
     cold = not args.no_cold and drop_caches()
     try:
         tensors = make_tensors(args.gib)
-        full = bench_full(tensors, work, cold)
+        full = bench_full(tensors, work, cold, repeats=args.repeats, chunk_targets=targets)
         full.update(ceilings(tensors, work, cold))
         del tensors
-        partial = bench_partial(work, cold)
+        partial = bench_partial(work, cold, repeats=max(args.repeats, 5), chunk_targets=targets,
+                                calls=20 if args.lean else 50, lean=args.lean)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gb = full["bytes"] / 1e9
-    print(f"\n== full state: {full['bytes'] / 2**30:.2f} GiB, {os.cpu_count()} cores ==")
-    print(f"{'':26}{'seconds':>9}{'GB/s':>8}{'vs torch':>10}")
-    for key, base in (("ucp_write_s", "torch_save_s"), ("torch_save_s", "torch_save_s"),
-                      ("safetensors_save_s", "torch_save_s")):
-        print(f"{key:26}{full[key]:9.2f}{gb / full[key]:8.2f}{full[base] / full[key]:9.2f}x")
-    for key in ("raw_write_fsync_s", "tensorstore_only_write_s"):
-        print(f"{key:26}{full[key]:9.2f}{gb / full[key]:8.2f}{full['torch_save_s'] / full[key]:9.2f}x   (ceiling)")
+    print(f"\n== full state: {full['bytes'] / 2**30:.2f} GiB, {os.cpu_count()} cores, cold cache: "
+          f"{'yes' if cold else 'no (cannot drop caches here)'} ==")
+    print(f"{'':34}{'seconds':>9}{'GB/s':>8}{'vs torch':>10}")
+    for key in [k for k in full if k.endswith("_s") and ("write" in k or "save" in k)]:
+        base = full["torch_save_s"]
+        print(f"{key:34}{full[key]:9.2f}{gb / full[key]:8.2f}{base / full[key]:9.2f}x")
     for mode in ("cold", "warm"):
         if f"ucp_read_s_{mode}" not in full:
             continue
-        for key in ("ucp_read_s", "torch_load_s", "safetensors_load_s", "raw_read_s", "tensorstore_only_read_s"):
-            k = f"{key}_{mode}"
-            print(f"{k:26}{full[k]:9.2f}{gb / full[k]:8.2f}{full[f'torch_load_s_{mode}'] / full[k]:9.2f}x")
+        print(f"-- reads, {mode} cache (interleaved, best of {args.repeats}); ratios: vs torch.load, vs raw read")
+        for k in [k for k in full if k.endswith(f"_s_{mode}")]:
+            print(f"{k:34}{full[k]:9.2f}{gb / full[k]:8.2f}{full[f'torch_load_s_{mode}'] / full[k]:9.2f}x"
+                  f"{full[f'raw_read_fresh_s_{mode}'] / full[k]:9.2f}x")
     print(f"disk bytes: {full['disk_bytes']}")
-    print(f"\n== one row / one column of a 256 MiB fp32 parameter (chunks {partial['chunk_shape']}) ==")
+    print(f"\n== one row / one column of a 256 MiB fp32 parameter (chunks {partial['chunk_shape']}, others "
+          f"{partial['chunk_shapes_by_target']}); ratio vs safetensors' held get_slice ==")
     for k, v in partial.items():
         if k.endswith("_s"):
-            print(f"{k:42}{v * 1e3:10.2f} ms")
+            mode = "cold" if k.endswith("_cold_s") else "warm"
+            peer = partial.get(f"safetensors_{'col' if '_col' in k else 'row'}_held_{mode}_s")
+            print(f"{k:46}{v * 1e6:11.1f} us{v / peer:9.2f}x")
     print(f"bytes read: {partial['bytes_read']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

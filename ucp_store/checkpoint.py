@@ -27,11 +27,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from . import dtypes
     from . import format as fmt
+    from . import localread
 else:
     np = lazy_module("numpy")
     torch = lazy_module("torch")
     dtypes = lazy_module("ucp_store.dtypes")
     fmt = lazy_module("ucp_store.format")
+    localread = lazy_module("ucp_store.localread")
 
 __all__ = ["Checkpoint", "TensorHandle", "TensorStats", "compute_stats", "parse_slice", "diff"]
 
@@ -140,7 +142,8 @@ class TensorHandle:
     def ts(self):
         if self._handle is None:
             store = self.checkpoint.store
-            self._handle = fmt.open_array(store.location, self.info.array, self.layout, store.context)
+            self._handle = localread.open_reader(store.location, self.info.array, self.layout, store.context,
+                                       codecs=self.info.codecs)
         return self._handle
 
     def read_numpy(self, index: Any = ()) -> np.ndarray:
@@ -381,7 +384,7 @@ class Checkpoint:
                 else:
                     a = o.array
                     layout = fmt.ArrayLayout.from_catalog(a.dtype, a.shape, a.chunk_shape, a.shard_shape, a.codecs)
-                    h = fmt.open_array(self.store.location, a.path, layout, self.store.context)
+                    h = localread.open_reader(self.store.location, a.path, layout, self.store.context, codecs=a.codecs)
                     data = fmt.read_box(h, layout, tuple((0, n) for n in a.shape), what=f"object {o.name!r}",
                                         array_url=self.store.array_url(a.path))
                     out[o.name] = dtypes.to_torch(np.asarray(data))

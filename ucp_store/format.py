@@ -233,7 +233,9 @@ def box_index(box: Box):
     return tuple(slice(lo, hi) for lo, hi in box)
 
 
-_CORRUPT = re.compile(r"checksum|crc|DATA_LOSS|corrupt|Invalid shard index|Error decoding|NOT_FOUND|is missing", re.I)
+# a truncated file or an index entry past its end reads as OUT_OF_RANGE / "Not enough data": corruption too
+_CORRUPT = re.compile(r"checksum|crc|DATA_LOSS|corrupt|Invalid shard index|Error decoding|NOT_FOUND|is missing|"
+                      r"Requested byte range|Not enough data|OUT_OF_RANGE|truncated", re.I)
 
 
 def is_corruption(exc: BaseException) -> bool:

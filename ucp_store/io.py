@@ -18,6 +18,7 @@ import torch
 
 from . import dtypes, format as fmt
 from .errors import ChecksumError, UcpError
+from .localread import LocalArray, numpy_view, open_reader
 from .planner import Plan, TensorPlan, plan as make_plan
 from .records import TensorInfo
 
@@ -54,12 +55,15 @@ class _Reader:
         if h is None:
             layout = fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape, info.shard_shape,
                                                   info.codecs)
-            h = self._handles[info.array_id] = (fmt.open_array(self.store.location, info.array, layout,
-                                                               self.store.context), layout)
+            h = self._handles[info.array_id] = (open_reader(self.store.location, info.array, layout,
+                                                            self.store.context, codecs=info.codecs), layout)
         return h
 
     def submit(self, info: TensorInfo, box, sink) -> None:
         handle, layout = self.handle(info)
+        if isinstance(handle, LocalArray):
+            self._read_local(info, handle, layout, box, sink)
+            return
         future = handle[box.slices()].read()
         nbytes = box.numel * layout.itemsize
         self._inflight.append((future, sink, info, box, nbytes))
@@ -81,6 +85,24 @@ class _Reader:
         sink(data)
         self.bytes_copied += nbytes
 
+    def _read_local(self, info: TensorInfo, handle: LocalArray, layout, box, sink) -> None:
+        """Read now, straight into the destination when it has the stored dtype (no buffer, no second copy);
+        large reads spread over the local reader's threads."""
+        try:
+            target = getattr(sink, "target", None)
+            shape = tuple(hi - lo for lo, hi in box.ranges)
+            if (target is not None and target.device.type == "cpu" and target.dtype == dtypes.torch_dtype(layout.dtype)
+                    and (tuple(target.shape) == shape or target.is_contiguous())):
+                handle.read_into(box.ranges, numpy_view(target).reshape(shape))  # a view: same shape or contiguous
+            else:
+                sink(handle.read(box.ranges))
+        except ValueError as exc:
+            what = f"tensor {info.name!r} state {info.state!r} of checkpoint {self.checkpoint.id}"
+            if fmt.is_corruption(exc):
+                fmt.read_box(handle, layout, box.ranges, what=what, array_url=self.store.array_url(info.array))
+            raise UcpError(f"{what}: reading {self.store.array_url(info.array)} failed: {exc}") from None
+        self.bytes_copied += box.numel * layout.itemsize
+
     def drain(self) -> None:
         while self._inflight:
             self._complete_one()
@@ -90,20 +112,24 @@ def _to_torch(data: np.ndarray) -> torch.Tensor:
     return dtypes.to_torch(np.require(data, requirements="C"))
 
 
-def _box_sink(dest: torch.Tensor, dst_box):
-    view = dest[dst_box.slices()] if dest.dim() else dest
+class _Sink:
+    """Copies a read into ``target`` (a view of the destination); the local path reads into it directly."""
 
-    def sink(data: np.ndarray) -> None:
-        view.copy_(_to_torch(data).reshape(view.shape))
-    return sink
+    __slots__ = ("target",)
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+
+    def __call__(self, data: np.ndarray) -> None:
+        self.target.copy_(_to_torch(data).reshape(self.target.shape))
 
 
-def _flat_sink(dest_flat: torch.Tensor, start: int, stop: int):
-    view = dest_flat[start:stop]
+def _box_sink(dest: torch.Tensor, dst_box) -> _Sink:
+    return _Sink(dest[dst_box.slices()] if dest.dim() else dest)
 
-    def sink(data: np.ndarray) -> None:
-        view.copy_(_to_torch(data).reshape(-1))
-    return sink
+
+def _flat_sink(dest_flat: torch.Tensor, start: int, stop: int) -> _Sink:
+    return _Sink(dest_flat[start:stop])
 
 
 @dataclass

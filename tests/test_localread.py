@@ -1,0 +1,337 @@
+"""The local read path (ucp_store/localread.py) against TensorStore: identical bytes, identical errors.
+
+Arrays are written by TensorStore itself (``format.create_array``), then read by both paths: every dtype
+the store keeps (bf16, fp16, fp32, ints, bool, 0-d), random shapes, chunkings, shard groupings and boxes.
+Every corruption TensorStore catches is made on disk (flipped byte in a chunk, in its crc, in the index,
+a truncated shard, a missing shard, an index entry past the end of the file, a missing chunk) and both
+paths must raise the same ChecksumError naming the array and the chunk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ucp_test_helpers import flip_byte, random_bits
+
+import ucp_store
+from ucp_store import dtypes
+from ucp_store import format as fmt
+from ucp_store.errors import ChecksumError
+from ucp_store.localread import LocalArray, is_local_chain, numpy_view, open_reader
+from ucp_store.location import Location
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
+          torch.uint8, torch.bool]
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def where(tmp_path_factory):
+    root = tmp_path_factory.mktemp("localread")
+    loc = Location.parse(str(root))
+    loc.ensure_root()
+    return loc, fmt.make_context()
+
+
+def _write(where, tensor: torch.Tensor, chunk, per_shard) -> tuple[str, fmt.ArrayLayout]:
+    loc, ctx = where
+    shape = tuple(tensor.shape)
+    shard = tuple(c * p for c, p in zip(chunk, per_shard))
+    layout = fmt.ArrayLayout(dtypes.zarr_name(tensor.dtype), shape, tuple(chunk), shard)
+    rel = f"arrays/t/{next(_counter)}.zarr"
+    fmt.create_array(loc, rel, layout, ctx).write(dtypes.to_numpy(tensor)).result()
+    return rel, layout
+
+
+def _both(where, rel, layout):
+    loc, ctx = where
+    local = open_reader(loc, rel, layout, ctx)
+    assert isinstance(local, LocalArray)
+    return local, fmt.open_array(loc, rel, layout, ctx)
+
+
+@st.composite
+def arrays_and_boxes(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 24), min_size=ndim, max_size=ndim)))
+    chunk = tuple(draw(st.integers(1, n)) for n in shape)
+    per_shard = tuple(draw(st.integers(1, 3)) for _ in shape)
+    box = []
+    for n in shape:
+        lo = draw(st.integers(0, n - 1))
+        box.append((lo, draw(st.integers(lo + 1, n))))
+    return dtype, shape, chunk, per_shard, tuple(box), draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=arrays_and_boxes())
+def test_identical_bytes_to_tensorstore(where, case):
+    dtype, shape, chunk, per_shard, box, seed = case
+    x = random_bits(shape, dtype, torch.Generator().manual_seed(seed))
+    rel, layout = _write(where, x, chunk, per_shard)
+    local, ts_handle = _both(where, rel, layout)
+    index = fmt.box_index(box)
+    got = local[index].read().result()
+    want = ts_handle[index].read().result()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+    # the whole array too, and into a strided destination (every other element of a larger buffer)
+    full = tuple((0, n) for n in shape)
+    assert local.read(full).tobytes() == ts_handle[fmt.box_index(full)].read().result().tobytes()
+    if shape:
+        big = np.zeros(tuple(2 * (hi - lo) for lo, hi in box), local.dtype)
+        dest = big[tuple(slice(None, None, 2) for _ in box)]
+        local.read_into(box, dest)
+        assert dest.tobytes() == want.tobytes()
+        assert not big[tuple(slice(1, None, 2) for _ in box)].any()  # nothing written outside the view
+
+
+def test_large_read_uses_threads_and_matches(where, monkeypatch):
+    import ucp_store.localread as lr
+
+    monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(lr, "RUN_BYTES", 1 << 15)
+    x = random_bits((512, 256), torch.float32, torch.Generator().manual_seed(1))
+    rel, layout = _write(where, x, (16, 128), (8, 1))
+    local, ts_handle = _both(where, rel, layout)
+    for box in [((0, 512), (0, 256)), ((3, 500), (7, 250)), ((100, 101), (0, 256))]:
+        assert local.read(box).tobytes() == ts_handle[fmt.box_index(box)].read().result().tobytes()
+
+
+# --- routing ----------------------------------------------------------------------------------------
+
+def test_open_reader_picks_local_only_for_the_plain_chain(where):
+    loc, ctx = where
+    x = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    rel, layout = _write(where, x, (4, 8), (1, 1))
+    assert isinstance(open_reader(loc, rel, layout, ctx), LocalArray)
+    assert is_local_chain(layout.codecs(), layout)
+    zstd = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape, layout.shard_shape, "zstd")
+    assert not is_local_chain(zstd.codecs(), zstd)
+    zrel = f"arrays/t/{next(_counter)}.zarr"
+    fmt.create_array(loc, zrel, zstd, ctx).write(x.numpy()).result()
+    h = open_reader(loc, zrel, zstd, ctx)
+    assert not isinstance(h, LocalArray)
+    assert np.array_equal(h.read().result(), x.numpy())
+    # any other chain (index at the start, another inner codec) stays with TensorStore
+    other = layout.codecs()
+    other[0] = {**other[0], "configuration": {**other[0]["configuration"], "index_location": "start"}}
+    assert not is_local_chain(other, layout)
+    assert not isinstance(open_reader(loc, rel, layout, ctx, codecs=other), LocalArray)
+    s3 = Location.parse("s3://bucket/prefix?catalog=sqlite:///x.db&endpoint=http://127.0.0.1:9")
+    assert not isinstance(open_reader(s3, rel, layout, ctx), LocalArray)
+
+
+def test_numpy_view_shares_memory_for_bf16_and_strided():
+    t = torch.zeros(4, 6, dtype=torch.bfloat16)
+    v = numpy_view(t[:, ::2])
+    v[...] = np.ones(v.shape, v.dtype)
+    assert t[:, ::2].float().eq(1).all() and t[:, 1::2].float().eq(0).all()
+
+
+# --- corruption: both paths, the same ChecksumError ---------------------------------------------------
+
+SHAPE, CHUNK, PER_SHARD = (40, 30), (8, 10), (2, 3)  # chunk grid 5 x 3; shard files c/0/0, c/1/0, c/2/0
+
+
+def _shard_path(loc, rel, sidx) -> Path:
+    return Path(loc.root) / rel / "c" / Path(*map(str, sidx))
+
+
+def _index(path: Path, n: int) -> tuple[bytes, int]:
+    raw = path.read_bytes()
+    return raw, len(raw) - 16 * n - 4
+
+
+def _set_entry(path: Path, n: int, local: int, off: int, nb: int) -> None:
+    """Rewrite one index entry and re-seal the index crc32c: only the entry itself is then wrong."""
+    raw, start = _index(path, n)
+    body = bytearray(raw[start:start + 16 * n])
+    struct.pack_into("<QQ", body, 16 * local, off, nb)
+    path.write_bytes(raw[:start] + bytes(body) + google_crc32c.value(bytes(body)).to_bytes(4, "little"))
+
+
+def _entry(path: Path, n: int, local: int) -> tuple[int, int]:
+    raw, start = _index(path, n)
+    return struct.unpack_from("<QQ", raw, start + 16 * local)
+
+
+N = PER_SHARD[0] * PER_SHARD[1]
+
+
+def _corrupt(case: str, path: Path):
+    """Apply one corruption to shard ``path`` (chunk (1, 1) of the shard is local entry 4)."""
+    local = 1 * PER_SHARD[1] + 1
+    off, nb = _entry(path, N, local)
+    if case == "chunk byte":
+        flip_byte(path, off + 5)
+    elif case == "chunk crc":
+        flip_byte(path, off + nb - 2)
+    elif case == "index byte":
+        flip_byte(path, path.stat().st_size - 4 - 16 * N + 16 * local + 3)
+    elif case == "index crc":
+        flip_byte(path, path.stat().st_size - 1)
+    elif case == "truncated":
+        raw = path.read_bytes()
+        path.write_bytes(raw[:len(raw) - 7])
+    elif case == "truncated below index":
+        path.write_bytes(path.read_bytes()[:50])
+    elif case == "missing shard":
+        path.unlink()
+    elif case == "entry past end of file":
+        _set_entry(path, N, local, path.stat().st_size + 100, nb)
+    elif case == "entry overlaps the index":
+        _set_entry(path, N, local, path.stat().st_size - 4 - 16 * N - nb + 8, nb)
+    elif case == "missing chunk":
+        _set_entry(path, N, local, 2**64 - 1, 2**64 - 1)
+    else:
+        raise AssertionError(case)
+
+
+CASES = ["chunk byte", "chunk crc", "index byte", "index crc", "truncated", "truncated below index", "missing shard",
+         "entry past end of file", "entry overlaps the index", "missing chunk"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_corruption_same_error_on_both_paths(where, case):
+    loc, _ = where
+    x = random_bits(SHAPE, torch.float32, torch.Generator().manual_seed(3))
+    rel, layout = _write(where, x, CHUNK, PER_SHARD)
+    local, ts_handle = _both(where, rel, layout)
+    path = _shard_path(loc, rel, (1, 0))  # chunks (2..3, 0..2); the corrupted one is chunk [3, 1]
+    saved = path.read_bytes()
+    _corrupt(case, path)
+    url = loc.display(rel)
+    try:
+        messages = {}
+        for name, handle in (("local", local), ("tensorstore", ts_handle)):
+            for box in [((0, 40), (0, 30)), ((25, 26), (12, 13)), ((16, 32), (0, 30))]:
+                with pytest.raises(ChecksumError) as exc:
+                    fmt.read_box(handle, layout, box, what="tensor 'x' state 'fp32'", array_url=url)
+                messages.setdefault(box, {})[name] = str(exc.value)
+            # a shard that was not touched still reads, on both paths
+            assert (fmt.read_box(handle, layout, ((0, 16), (0, 30)), what="x", array_url=url).tobytes()
+                    == x.numpy()[:16].tobytes())
+        for box, by_path in messages.items():
+            assert by_path["local"] == by_path["tensorstore"], (case, box)
+            assert url in by_path["local"] and "chunk [" in by_path["local"]
+        bad_local = fmt.verify_array(local, layout, url).bad_chunks
+        bad_ts = fmt.verify_array(ts_handle, layout, url).bad_chunks
+        assert [c for c, _ in bad_local] == [c for c, _ in bad_ts] and bad_local
+        if case in ("chunk byte", "chunk crc", "entry past end of file", "entry overlaps the index",
+                    "missing chunk"):
+            assert [c for c, _ in bad_local] == [(3, 1)]
+            assert "chunk [3, 1] (shard file c/1/0)" in messages[((25, 26), (12, 13))]["local"]
+        if case in ("missing shard", "missing chunk"):  # verify words these as missing, never as zeros
+            assert all("missing" in e or "NOT_FOUND" in e for _, e in bad_local)
+    finally:
+        path.write_bytes(saved)
+    assert local.read(((0, 40), (0, 30))).tobytes() == x.numpy().tobytes()
+
+
+def test_scalar_corruption_and_missing(where):
+    loc, _ = where
+    rel, layout = _write(where, torch.tensor(2.5), (), ())
+    local, ts_handle = _both(where, rel, layout)
+    path = Path(loc.root) / rel / "c"
+    saved = path.read_bytes()
+    url = loc.display(rel)
+    try:
+        for mutate in (lambda: flip_byte(path, 1), lambda: flip_byte(path, len(saved) - 1), path.unlink,
+                       lambda: path.write_bytes(saved[:3])):
+            path.write_bytes(saved)
+            mutate()
+            msgs = []
+            for handle in (local, ts_handle):
+                with pytest.raises(ChecksumError) as exc:
+                    fmt.read_box(handle, layout, (), what="s", array_url=url)
+                msgs.append(str(exc.value))
+            assert msgs[0] == msgs[1]
+    finally:
+        path.write_bytes(saved)
+    assert local.read(()).item() == 2.5
+
+
+# --- through the store: every read entry point on the local path agrees with TensorStore ---------------
+
+def test_store_reads_agree_with_tensorstore(tmp_path, monkeypatch):
+    from ucp_store.topology import Topology
+
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    g = torch.Generator().manual_seed(7)
+    state = {"a.weight": random_bits((64, 48), torch.float32, g), "b.weight": random_bits((33, 17), torch.bfloat16, g),
+             "c.bias": random_bits((48,), torch.float16, g), "d.flag": random_bits((5,), torch.bool, g),
+             "e.step": torch.tensor(3, dtype=torch.int64)}
+    store.save("r", 1, state, state="weight")
+    ck = store.checkpoint("r@1")
+    assert all(isinstance(ck.tensor(n, "weight").ts(), LocalArray) for n in state)
+
+    def reads():
+        c = store.checkpoint("r@1")
+        sd = c.state_dict("weight")
+        row = c.tensor("a.weight", "weight")[5, 3:40]
+        shard = c.load_shard(Topology(tp=2), 1, states=["weight"])
+        stats = [s.to_json() for s in c.stats()]
+        return sd, row, shard, stats, c.verify()
+
+    local = reads()
+    monkeypatch.setenv("UCP_LOCAL_READ", "0")
+    assert not isinstance(store.checkpoint("r@1").tensor("a.weight", "weight").ts(), LocalArray)
+    tsr = reads()
+
+    def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return (a.dtype == b.dtype and a.shape == b.shape
+                and dtypes.to_numpy(a).tobytes() == dtypes.to_numpy(b).tobytes())
+
+    for n, t in state.items():
+        assert same_bits(local[0][n], t) and same_bits(tsr[0][n], t)
+    assert same_bits(local[1], tsr[1]) and same_bits(local[1], state["a.weight"][5, 3:40])
+    assert local[2].tensors.keys() == tsr[2].tensors.keys() and local[2].tensors
+    for k, t in local[2].tensors.items():
+        assert same_bits(t, tsr[2].tensors[k])
+    assert json.dumps(local[3], sort_keys=True) == json.dumps(tsr[3], sort_keys=True)  # NaN-safe equality
+    assert local[4] == tsr[4] == []
+
+
+def test_load_shard_casts_and_reads_in_place(tmp_path):
+    from ucp_store.topology import Topology
+
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    store.save("r", 1, {"w": w}, state="fp32")
+    ck = store.checkpoint("r@1")
+    same = ck.load_shard(Topology(tp=2), 0, states=["fp32"])
+    cast = ck.load_shard(Topology(tp=2), 0, states=["fp32"], dtype=torch.bfloat16)
+    (k, a), = same.tensors.items()
+    assert torch.equal(a, w)  # no pattern: replicated, the whole tensor on every rank
+    assert torch.equal(cast.tensors[k], a.bfloat16())
+
+
+def test_corrupt_store_array_named_through_load_shard(tmp_path):
+    from ucp_store.topology import Topology
+
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    w = torch.randn(256, 1024, generator=torch.Generator().manual_seed(2))
+    store.save("r", 1, {"w": w}, state="fp32")
+    ck = store.checkpoint("r@1")
+    info = ck.info("w", "fp32")
+    path = next((Path(store.location.root) / info.array / "c").rglob("*"))
+    while path.is_dir():
+        path = next(path.iterdir())
+    flip_byte(path, 100)
+    with pytest.raises(ChecksumError, match=r"tensor 'w' state 'fp32' of checkpoint .* chunk \[0, 0\]"):
+        ck.load_shard(Topology(tp=2), 0, states=["fp32"])
+    with pytest.raises(ChecksumError, match=r"chunk \[0, 0\]"):
+        store.checkpoint("r@1").state_dict("fp32")
+    problems = store.checkpoint("r@1").verify()
+    assert [p["chunk"] for p in problems] == [[0, 0]] and "crc32c mismatch" in problems[0]["error"]

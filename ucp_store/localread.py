@@ -1,0 +1,415 @@
+"""The local read path: the store's own shard files read with ``pread`` straight into the caller's memory.
+
+Why: TensorStore reads a shard's bytes into its own buffer, checks the crc32c, then copies into the
+output, and pays a few hundred microseconds of per-read machinery. For the store's own codec chain the
+bytes on disk are already the answer: an uncompressed inner chunk is the little-endian C-order data
+followed by its 4-byte crc32c, and the shard index (``(offset, nbytes)`` uint64 pairs per inner chunk in
+C order, then its crc32c) sits at the end of the file. So for a folder store this module
+
+- reads the shard index and checks its crc32c,
+- reads each needed inner chunk with ``os.preadv``: a whole chunk whose place in the destination is
+  contiguous lands there directly (one copy, page cache -> destination), chunks that are contiguous in
+  the file go in one call; a chunk the read only partly needs goes to a scratch buffer and only the
+  needed part is copied,
+- checks every chunk's crc32c with ``google_crc32c`` (hardware CRC32C; tools/bench_crc32c.py measured
+  it against numcodecs' CRC32C and the ``crc32c`` package),
+- splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL).
+
+Bit-exact agreement with TensorStore is the contract (tests/test_localread.py). Errors mirror it: a bad
+crc (chunk or index), a truncated or missing shard file, an index entry past the end of the file or a
+missing chunk all raise :class:`LocalReadError`, a ``ValueError`` whose text ``format.is_corruption``
+recognises, so ``format.read_box`` names the array and the first bad chunk exactly as it does for
+TensorStore. A missing chunk is an error, never zeros.
+
+:func:`open_reader` is the one place that decides which path an array takes: this one for a folder
+store whose array has exactly the store's uncompressed chain, TensorStore for everything else (S3,
+compressed stores, any other chain). A :class:`LocalArray` answers ``handle[slices].read().result()``
+like a TensorStore handle, so ``format.read_box``, ``format.verify_array`` and ``locate_bad_chunks`` take
+either.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import torch
+
+from . import dtypes
+from . import format as fmt
+from .location import Location, _safe_rel
+
+_MISSING = (1 << 64) - 1
+_ENTRY = struct.Struct("<QQ")
+try:
+    _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
+except (AttributeError, ValueError, OSError):
+    _IOV_MAX = 16
+RUN_BYTES = 4 << 20        # one preadv covers at most this much (the crc then reads it back from cache)
+PARALLEL_BYTES = 16 << 20  # reads at least this large are split over the pool
+_crc = google_crc32c.value
+
+
+def _threads() -> int:
+    env = os.environ.get("UCP_READ_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(2, min(16, 2 * (os.cpu_count() or 1)))
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(_threads(), thread_name_prefix="ucp-read")
+    return _pool
+
+
+class LocalReadError(ValueError):
+    """A shard file or chunk fails a check (crc32c, size, index entry) or is missing.
+
+    A ``ValueError`` like TensorStore's, and worded so that ``format.is_corruption`` recognises it."""
+
+
+def _plain(chain: Any) -> bool:
+    """``[bytes(little), crc32c]``: C-order little-endian bytes followed by their crc32c, nothing else."""
+    if not isinstance(chain, list) or len(chain) != 2 or not all(isinstance(c, dict) for c in chain):
+        return False
+    first, second = chain
+    cfg = first.get("configuration") or {}
+    return (first.get("name") == "bytes" and set(first) <= {"name", "configuration"} and set(cfg) <= {"endian"}
+            and cfg.get("endian", "little") == "little"
+            and second.get("name") == "crc32c" and set(second) <= {"name", "configuration"}
+            and not second.get("configuration"))
+
+
+def is_local_chain(codecs: Any, layout: fmt.ArrayLayout) -> bool:
+    """True when ``codecs`` is exactly ``sharding_indexed(bytes little + crc32c, index bytes + crc32c, end)``
+    with the layout's inner chunk shape and no compression (or, for 0-d arrays, ``bytes + crc32c``).
+    Defaults TensorStore drops (``index_location: end``, ``endian``) count as given."""
+    if layout.compression != "none":
+        return False
+    if not layout.sharded:
+        return _plain(codecs)
+    if not isinstance(codecs, list) or len(codecs) != 1 or not isinstance(codecs[0], dict):
+        return False
+    c = codecs[0]
+    cfg = c.get("configuration")
+    if c.get("name") != "sharding_indexed" or set(c) - {"name", "configuration"} or not isinstance(cfg, dict):
+        return False
+    return (set(cfg) <= {"chunk_shape", "codecs", "index_codecs", "index_location"}
+            and list(cfg.get("chunk_shape") or ()) == list(layout.chunk_shape)
+            and _plain(cfg.get("codecs")) and _plain(cfg.get("index_codecs"))
+            and cfg.get("index_location", "end") == "end")
+
+
+def open_reader(location: Location, rel: str, layout: fmt.ArrayLayout, context, *, codecs: Any = None):
+    """The reader for one array: the only place that chooses between the local path and TensorStore.
+
+    Local (:class:`LocalArray`) when the store is a folder and the array's codec chain (``codecs``, the
+    catalog's record; the layout's own chain when not given) is exactly the store's uncompressed chain;
+    a TensorStore handle otherwise (S3, compression, any other chain). ``UCP_LOCAL_READ=0`` forces
+    TensorStore everywhere (benchmarks compare the two)."""
+    chain = layout.codecs() if codecs is None else codecs
+    if (location.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0"
+            and is_local_chain(chain, layout)):
+        return LocalArray(os.path.join(location.root, _safe_rel(rel)), layout)
+    return fmt.open_array(location, rel, layout, context)
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view (no copy, any strides) of a CPU tensor with its exact bits; bf16 as ``ml_dtypes``."""
+    name = dtypes.zarr_name(tensor.dtype)
+    carrier = {torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32,
+               torch.uint64: torch.int64}.get(tensor.dtype)
+    if carrier is None:
+        return tensor.numpy()
+    return tensor.view(carrier).numpy().view(dtypes.numpy_dtype(name))
+
+
+class _Pending:
+    """What ``LocalArray[...].read()`` returns: the read runs on ``result()`` (TensorStore-future-like)."""
+
+    __slots__ = ("_array", "_box")
+
+    def __init__(self, array: LocalArray, box):
+        self._array, self._box = array, box
+
+    def read(self) -> _Pending:
+        return self
+
+    def result(self) -> np.ndarray:
+        return self._array.read(self._box)
+
+
+_scratch = threading.local()
+
+
+def _scratch_buffer(nbytes: int) -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _scratch.buf = np.empty(max(nbytes, 1 << 20), np.uint8)
+    return buf[:nbytes]
+
+
+class LocalArray:
+    """One array of a folder store, read without TensorStore (see the module docstring).
+
+    Nothing is cached between reads (no file handle, no index): a held handle sees the files as they are
+    now, exactly as TensorStore with the store's zero-byte cache does."""
+
+    def __init__(self, folder: str, layout: fmt.ArrayLayout):
+        self.folder = folder
+        self.layout = layout
+        self.dtype = dtypes.numpy_dtype(layout.dtype)
+        self.itemsize = self.dtype.itemsize
+        shape, chunk = layout.shape, layout.chunk_shape
+        self.ndim = len(shape)
+        if self.ndim:
+            self.per_shard = tuple(sh // c for sh, c in zip(layout.shard_shape, chunk))
+            self.n_index = math.prod(self.per_shard)
+        else:
+            self.per_shard, self.n_index = (), 0
+        self.chunk_bytes = math.prod(chunk) * self.itemsize
+        self.shape = tuple(shape)
+
+    def __repr__(self) -> str:
+        return f"LocalArray({self.folder!r}, shape={list(self.shape)}, chunks={list(self.layout.chunk_shape)})"
+
+    # --- TensorStore-like surface --------------------------------------------------------------
+    def __getitem__(self, index) -> _Pending:
+        if not isinstance(index, tuple):
+            index = (index,)
+        box = []
+        for s, n in zip(index, self.shape):
+            if not isinstance(s, slice) or s.step not in (None, 1):
+                raise TypeError(f"LocalArray reads boxes (slices with step 1), got {index!r}")
+            lo, hi, _ = s.indices(n)
+            box.append((lo, max(lo, hi)))
+        box += [(0, n) for n in self.shape[len(index):]]
+        return _Pending(self, tuple(box))
+
+    # --- reads ----------------------------------------------------------------------------------
+    def read(self, box: fmt.Box) -> np.ndarray:
+        """The box as a new C-order array (fresh memory, filled once)."""
+        out = np.empty(tuple(hi - lo for lo, hi in box), self.dtype)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: fmt.Box, out: np.ndarray) -> None:
+        """Fill ``out`` (shape of ``box``, this array's dtype, any strides) with the box's elements.
+
+        Raises :class:`LocalReadError` on any corruption; ``out`` may then hold partial data."""
+        if out.dtype != self.dtype:
+            raise TypeError(f"destination dtype {out.dtype} is not the array's {self.dtype}")
+        if not self.ndim:
+            self._read_scalar(out)
+            return
+        if any(hi <= lo for lo, hi in box):
+            return
+        chunk = self.layout.chunk_shape
+        idx = tuple(lo // c for (lo, _), c in zip(box, chunk))
+        if all((hi - 1) // c == i for (_, hi), c, i in zip(box, chunk, idx)):
+            self._read_single(idx, box, out)  # a row or a small slice: one chunk, fewest steps
+            return
+        fds: list[int] = []
+        try:
+            runs = []
+            for key, sidx, items in self._plan(box, out):
+                fd = self._open(key, items)
+                fds.append(fd)
+                runs += self._runs(fd, key, sidx, items)
+            total = sum(len(r[2]) for r in runs) * self.chunk_bytes
+            if total >= PARALLEL_BYTES and len(runs) > 1:
+                futures = [_get_pool().submit(self._read_run, *r) for r in runs]
+                try:
+                    for f in futures:
+                        f.result()
+                finally:  # every run ends before its file is closed, also when one fails
+                    for f in futures:
+                        f.cancel()
+                    for f in futures:
+                        if not f.cancelled():
+                            f.exception()
+            else:
+                for r in runs:
+                    self._read_run(*r)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _read_single(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
+        per = self.per_shard
+        sidx = tuple(i // p for i, p in zip(idx, per))
+        key = "c/" + "/".join(map(str, sidx))
+        fd = self._open(key, [(idx,)])
+        try:
+            size = os.fstat(fd).st_size
+            raw = self._index_raw(fd, size, key)
+            local = 0
+            for i, p, s in zip(idx, per, sidx):
+                local = local * p + (i - s * p)
+            off, nb = _ENTRY.unpack_from(raw, 16 * local)
+            expect = self.chunk_bytes + 4
+            self._check_entry(idx, key, off, nb, expect, size - len(raw))
+            enc = _scratch_buffer(expect)
+            try:
+                got = os.preadv(fd, [enc], off)
+            except OSError as exc:
+                raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
+        finally:
+            os.close(fd)
+        if got != expect:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is truncated (short read)")
+        mem = enc[:-4]
+        if _crc(mem) != int.from_bytes(enc[-4:].tobytes(), "little"):
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: crc32c checksum mismatch in shard file {key}")
+        chunk = self.layout.chunk_shape
+        src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, chunk))
+        out[...] = mem.view(self.dtype).reshape(chunk)[src]
+
+    def _check_entry(self, idx: tuple, key: str, off: int, nb: int, expect: int, data_end: int) -> None:
+        if off == _MISSING and nb == _MISSING:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder} is missing from shard file {key}")
+        if nb != expect:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} index says {nb} "
+                                 f"bytes, expected {expect}; the shard index is corrupt")
+        if off + nb > data_end:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} index entry "
+                                 f"[{off}, {off + nb}) is past the end of the chunk data ({data_end} bytes); "
+                                 "the file is truncated or corrupt")
+
+    def _read_scalar(self, out: np.ndarray) -> None:
+        path = os.path.join(self.folder, "c")
+        raw = self._read_file(path, "c")
+        if len(raw) != self.itemsize + 4:
+            raise LocalReadError(f"chunk [] of {self.folder}: file c is truncated or corrupt: {len(raw)} bytes, "
+                                 f"expected {self.itemsize + 4} (data and crc32c)")
+        data = np.frombuffer(raw, np.uint8, self.itemsize)
+        if _crc(data) != int.from_bytes(raw[-4:], "little"):
+            raise LocalReadError(f"chunk [] of {self.folder}: crc32c checksum mismatch in file c")
+        out[...] = data.view(self.dtype).reshape(())
+
+    def _read_file(self, path: str, key: str) -> bytes:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                return f.read()
+        except FileNotFoundError:
+            raise LocalReadError(f"shard file {key} of {self.folder} is missing (NOT_FOUND)") from None
+        except OSError as exc:
+            raise ValueError(f"reading {path} failed: {exc}") from None
+
+    def _plan(self, box: fmt.Box, out: np.ndarray) -> list[tuple]:
+        """Per shard file touched by ``box``: (key, shard index, [(chunk index, source slices, dest view)])."""
+        shards: dict[tuple, list] = {}
+        per = self.per_shard
+        chunk = self.layout.chunk_shape
+        shape = self.shape
+        for idx in self.layout.chunks_touching(box):
+            cbox = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunk, shape))
+            inter = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(cbox, box))
+            dst = out[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, box))]
+            whole = inter == cbox and all(b - a == c for (a, b), c in zip(cbox, chunk))
+            src = None if whole else tuple(slice(a - c0, b - c0) for (a, b), (c0, _) in zip(inter, cbox))
+            sidx = tuple(i // p for i, p in zip(idx, per))
+            shards.setdefault(sidx, []).append((idx, src, dst))
+        return [("c/" + "/".join(map(str, sidx)), sidx, items) for sidx, items in shards.items()]
+
+    def _open(self, key: str, items: list) -> int:
+        path = os.path.join(self.folder, *key.split("/"))
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise LocalReadError(f"chunk {list(items[0][0])} of {self.folder}: shard file {key} is missing "
+                                 "(NOT_FOUND)") from None
+        except OSError as exc:
+            raise ValueError(f"reading {path} failed: {exc}") from None
+
+    def _runs(self, fd: int, key: str, sidx: tuple, items: list) -> list[tuple]:
+        """Check the shard index and every needed entry; group the chunks into runs adjacent in the file."""
+        size = os.fstat(fd).st_size
+        raw = self._index_raw(fd, size, key)
+        index = np.frombuffer(raw, "<u8", 2 * self.n_index).reshape(self.n_index, 2)
+        per = self.per_shard
+        expect = self.chunk_bytes + 4
+        data_end = size - len(raw)
+        located = []
+        for idx, src, dst in items:
+            local = 0
+            for i, p, s in zip(idx, per, sidx):
+                local = local * p + (i - s * p)
+            off, nb = int(index[local, 0]), int(index[local, 1])
+            self._check_entry(idx, key, off, nb, expect, data_end)
+            located.append((off, idx, src, dst))
+        located.sort(key=lambda t: t[0])
+        runs = []
+        i, n = 0, len(located)
+        while i < n:
+            j = i + 1
+            end = located[i][0] + expect
+            while (j < n and located[j][0] == end and (j - i + 1) * 2 <= _IOV_MAX
+                   and (j - i + 1) * expect <= RUN_BYTES):
+                end += expect
+                j += 1
+            runs.append((fd, key, located[i:j], expect))
+            i = j
+        return runs
+
+    def _index_raw(self, fd: int, size: int, key: str) -> bytes:
+        """The shard index with its crc32c (checked): ``(offset, nbytes)`` uint64 LE per inner chunk, C order."""
+        n = self.n_index
+        want = 16 * n + 4
+        if size < want:
+            raise LocalReadError(f"shard file {key} of {self.folder} is truncated: {size} bytes, smaller than its "
+                                 f"{want}-byte index (Invalid shard index)")
+        raw = os.pread(fd, want, size - want)
+        if len(raw) != want:
+            raise LocalReadError(f"shard file {key} of {self.folder}: short read of its index (Invalid shard index)")
+        if _crc(np.frombuffer(raw, np.uint8, want - 4)) != int.from_bytes(raw[-4:], "little"):
+            raise LocalReadError(f"shard file {key} of {self.folder}: shard index crc32c checksum mismatch")
+        return raw
+
+    def _read_run(self, fd: int, key: str, run: list, expect: int) -> None:
+        data_bytes = expect - 4
+        crcs = np.empty(len(run), "<u4")
+        crc_bytes = crcs.view(np.uint8)
+        scratch_need = sum(expect for _, _, src, dst in run if src is not None or not dst.flags.c_contiguous)
+        scratch = _scratch_buffer(scratch_need) if scratch_need else None
+        iov, checks = [], []
+        pos = 0
+        for k, (off, idx, src, dst) in enumerate(run):
+            if src is None and dst.flags.c_contiguous:
+                mem = dst.reshape(-1).view(np.uint8)
+                iov.append(mem)
+                iov.append(crc_bytes[4 * k:4 * k + 4])
+                checks.append((idx, mem, crc_bytes[4 * k:4 * k + 4], None, None))
+            else:
+                enc = scratch[pos:pos + expect]
+                iov.append(enc)
+                checks.append((idx, enc[:data_bytes], enc[data_bytes:], ... if src is None else src, dst))
+                pos += expect
+        try:
+            got = os.preadv(fd, iov, run[0][0])
+        except OSError as exc:
+            raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
+        if got != expect * len(run):
+            raise LocalReadError(f"chunk {list(run[0][1])} of {self.folder}: shard file {key} is truncated "
+                                 f"(short read)")
+        chunk = self.layout.chunk_shape
+        for idx, mem, stored, src, dst in checks:
+            if _crc(mem) != int.from_bytes(stored.tobytes(), "little"):
+                raise LocalReadError(f"chunk {list(idx)} of {self.folder}: crc32c checksum mismatch in shard file "
+                                     f"{key}")
+            if src is not None:
+                dst[...] = mem.view(self.dtype).reshape(chunk)[src]
