@@ -34,7 +34,7 @@ from .errors import SourceFormatError, UnsafePickleError
 __all__ = [
     "load", "scan_globals", "allowed_globals", "allow", "to_jsonable", "from_jsonable",
     "FragmentAddress", "ZeroStageEnum", "LossScalerStandIn", "DynamicLossScalerStandIn", "SubparamShape",
-    "NamespaceStandIn", "StandIn",
+    "NamespaceStandIn", "StandIn", "load_dcp_metadata", "dcp_allowed_globals",
 ]
 
 
@@ -407,3 +407,120 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterable[tuple[str, torch.Tensor
         for i, v in enumerate(obj):
             yield from iter_tensors(v, f"{prefix}[{i}]")
 
+
+
+# ------------------------------------------------------------------------ DCP ``.metadata`` (plain pickle)
+def _dcp_allow() -> dict[str, Any]:
+    """DCP's own metadata dataclasses and the torch types they hold, by exact ``module.qualname``.
+
+    Built lazily (``torch.distributed.checkpoint`` is imported only when a DCP folder is read). Paths
+    become pure paths (no filesystem access on construction); dtypes and layouts are torch's own objects."""
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem as dcp_fs
+    from torch.distributed.checkpoint import metadata as dcp_md
+
+    out: dict[str, Any] = {}
+    for cls in (dcp_md.Metadata, dcp_md.TensorStorageMetadata, dcp_md.BytesStorageMetadata,
+                dcp_md.ChunkStorageMetadata, dcp_md.TensorProperties, dcp_md.MetadataIndex, dcp_md.StorageMeta,
+                dcp_md._MEM_FORMAT_ENCODING, dcp_fs._StorageInfo):
+        out[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    try:  # the safetensors (HF) storage info, when a writer pickled it
+        from torch.distributed.checkpoint import _hf_utils
+
+        out["torch.distributed.checkpoint._hf_utils._HFStorageInfo"] = _hf_utils._HFStorageInfo
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    out["torch.Size"] = torch.Size
+    out["torch.serialization._get_layout"] = torch.serialization._get_layout
+    for name in dir(torch):
+        obj = getattr(torch, name, None)
+        if isinstance(obj, (torch.dtype, torch.layout)):
+            out[f"torch.{name}"] = obj
+    out["pathlib.PosixPath"] = out["pathlib.PurePosixPath"] = pathlib.PurePosixPath
+    out["pathlib.WindowsPath"] = out["pathlib.PureWindowsPath"] = pathlib.PureWindowsPath
+    out["collections.OrderedDict"] = __import__("collections").OrderedDict
+    return out
+
+
+def dcp_allowed_globals() -> dict[str, Any]:
+    """The allow-list :func:`load_dcp_metadata` uses (``module.qualname`` -> object)."""
+    return _dcp_allow()
+
+
+def load_dcp_metadata(path: str | os.PathLike) -> Any:
+    """Read a DCP ``.metadata`` pickle with an allow-list unpickler; returns the ``Metadata`` object.
+
+    Every global the pickle names is resolved through :func:`dcp_allowed_globals` only (``find_class``
+    never imports anything): a crafted file naming anything else (``os.system``, ``builtins.eval``, ...)
+    raises :class:`UnsafePickleError` naming the file and the global, before any of its reduces can run,
+    because the whole stream is disassembled first. A truncated or non-pickle file is a
+    :class:`SourceFormatError`."""
+    import io
+    import pickle
+    import pickletools
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise SourceFormatError(f"{path}: DCP metadata file is missing")
+    with open(path, "rb") as f:
+        data = f.read()
+    allow = _dcp_allow()
+    # static pass first: every global named anywhere in the stream must be allowed, so nothing runs
+    bad: list[str] = []
+    try:
+        recent: list[Any] = []  # what the last opcodes pushed (strings, or None), to resolve STACK_GLOBAL
+        memo: dict[int, Any] = {}
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name in ("GLOBAL", "INST"):
+                mod, _, qual = str(arg).partition(" ")
+                if f"{mod}.{qual}" not in allow:
+                    bad.append(f"{mod}.{qual}")
+                recent.append(None)
+            elif name == "STACK_GLOBAL":
+                pair = recent[-2:] if len(recent) >= 2 else [None, None]
+                g = ".".join(pair) if all(isinstance(x, str) for x in pair) else "<computed global>"
+                if g not in allow:
+                    bad.append(g)
+                recent.append(None)
+            elif name in ("EXT1", "EXT2", "EXT4"):
+                bad.append(f"<copyreg extension {arg}>")
+            elif name == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[int(arg)] = recent[-1] if recent else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                recent.append(memo.get(int(arg)))
+            elif name in ("FRAME", "PROTO", "MARK", "STOP"):
+                pass
+            else:
+                recent.append(arg if isinstance(arg, str) else None)
+            del recent[:-4]
+    except Exception as exc:
+        raise SourceFormatError(f"{path}: DCP metadata is not a readable pickle ({exc}); the file is truncated "
+                                "or corrupt") from None
+    if bad:
+        raise UnsafePickleError(
+            f"{path}: refusing to unpickle DCP metadata naming global(s) {', '.join(sorted(set(bad)))}: not in the "
+            "allow-list of DCP's own metadata dataclasses and torch types (ucp_store.safe_pickle."
+            "dcp_allowed_globals); the file may be crafted to run code")
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):  # the dynamic check: a memo trick cannot reach another global
+            g = f"{module}.{name}"
+            if g not in allow:
+                raise UnsafePickleError(f"{path}: refusing to unpickle DCP metadata global {g}: not in the "
+                                        "allow-list (ucp_store.safe_pickle.dcp_allowed_globals)")
+            return allow[g]
+
+        def persistent_load(self, pid):
+            raise UnsafePickleError(f"{path}: DCP metadata uses persistent ids; refusing it")
+
+    try:
+        return _Unpickler(io.BytesIO(data)).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:
+        raise SourceFormatError(f"{path}: DCP metadata cannot be unpickled ({type(exc).__name__}: {exc}); the file "
+                                "is truncated or corrupt") from None
