@@ -106,6 +106,10 @@ def cmd_show(args) -> int:
     _table([[t["name"], t["state"], "x".join(map(str, t["shape"])) or "()", t["dtype"],
              (t["pattern"] or {}).get("kind", "-"), _fmt_bytes(t["nbytes"]), t["array"]] for t in manifest["tensors"]],
            ["name", "state", "shape", "dtype", "pattern", "bytes", "array"])
+    from .adapters.dcp_cli import show_lines
+
+    for line in show_lines(ck):
+        print(line)
     return EXIT_OK
 
 
@@ -221,6 +225,10 @@ def cmd_verify(args) -> int:
 
 def cmd_import(args) -> int:
     store = _store(args, create=True)
+    if args.kind == "dcp":
+        from .adapters.dcp_cli import cli_import as dcp_import
+
+        return dcp_import(store, args)
     if args.kind == "torch":
         from .adapters.torch_file import import_torch_file
 
@@ -248,6 +256,10 @@ def cmd_import(args) -> int:
 def cmd_export(args) -> int:
     store = _store(args)
     ck = store.checkpoint(args.ref)
+    if args.kind == "dcp":
+        from .adapters.dcp_cli import cli_export as dcp_export
+
+        return dcp_export(ck, args)
     if args.kind == "torch":
         from .adapters.torch_file import export_torch_file
 
@@ -414,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
                 kp.add_argument("dest")
                 kp.add_argument("--state", default=None)
                 kp.add_argument("--tag", default=None)
+
+        from .adapters.dcp_cli import add_cli_parser
+
+        add_cli_parser(kinds, verb, _common)
 
     sp = add("db", cmd_db, "catalog schema: show the revision or upgrade it", json_flag=False)
     sp.add_argument("action", choices=["upgrade", "revision"])
