@@ -237,6 +237,10 @@ def cmd_import(args) -> int:
         ck = import_torch_file(store, args.source, args.run, args.step, state=args.state or "weight",
                                message=args.message, progress=_progress(args))
         cid = ck.id
+    elif args.kind == "hf":
+        from .adapters.hf_cli import cli_import
+
+        cid = cli_import(store, args)
     elif args.kind == "deepspeed":
         from .adapters.deepspeed import import_deepspeed
 
@@ -265,6 +269,10 @@ def cmd_export(args) -> int:
 
         n = export_torch_file(ck, args.dest, state=args.state, progress=_progress(args))
         print(f"wrote {n} tensors to {args.dest}")
+    elif args.kind == "hf":
+        from .adapters.hf_cli import cli_export
+
+        print(cli_export(ck, args))
     else:
         from .adapters.deepspeed_universal import export_universal
 
@@ -410,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, fn in (("import", cmd_import), ("export", cmd_export)):
         sp = add(verb, fn, f"{verb} checkpoints", json_flag=False)
         kinds = sp.add_subparsers(dest="kind", required=True, metavar="KIND")
-        for kind in ("torch", "deepspeed", "deepspeed-universal"):
+        for kind in ("torch", "deepspeed", "deepspeed-universal", "hf"):
             if verb == "export" and kind == "deepspeed":
                 continue
             kp = kinds.add_parser(kind, help=f"{verb} {kind}")
@@ -426,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
                 kp.add_argument("dest")
                 kp.add_argument("--state", default=None)
                 kp.add_argument("--tag", default=None)
+            if kind == "hf":
+                from .adapters.hf_cli import add_cli_arguments
+
+                add_cli_arguments(kp, verb)
 
         from .adapters.dcp_cli import add_cli_parser
 
