@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -407,7 +408,8 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        fds = {}
+        fds: dict[str, int] = {}
+        pool = ahead = None
         try:
             for fname, header, total in layouts:
                 fd = os.open(os.path.join(tmp, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -427,9 +429,13 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
                 cur_bytes += info.nbytes
             if cur:
                 batches.append(cur)
-            for batch in track(batches, f"export {os.path.basename(dest)}", enabled=progress,
-                               weight=lambda b: sum(i.nbytes for i in b)):
-                got = read_tensors(checkpoint, batch)
+            # the next batch is read (TensorStore's threads) while this one is written (pwrite drops the GIL)
+            pool = ThreadPoolExecutor(max_workers=1)
+            ahead = pool.submit(read_tensors, checkpoint, batches[0]) if batches else None
+            for k, batch in enumerate(track(batches, f"export {os.path.basename(dest)}", enabled=progress,
+                                            weight=lambda b: sum(i.nbytes for i in b))):
+                got = ahead.result()
+                ahead = pool.submit(read_tensors, checkpoint, batches[k + 1]) if k + 1 < len(batches) else None
                 for info in batch:
                     t = got.pop((info.name, info.state))
                     for i in by_source[(info.name, info.state)]:
@@ -440,7 +446,13 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
                             part = part.to(want)
                         arr = dtypes.to_numpy(part, what=f"tensor {p.name!r}")
                         _pwrite_all(fds[file_of[i]], memoryview(arr.reshape(-1).view(np.uint8)), offset_of[i])
+            for fd in fds.values():  # durable before the rename makes the folder visible
+                os.fsync(fd)
         finally:
+            if pool is not None:
+                if ahead is not None:
+                    ahead.cancel()
+                pool.shutdown(wait=True)
             for fd in fds.values():
                 os.close(fd)
         cfg_out = dict(cfg)
