@@ -19,15 +19,16 @@ original and the export, and that ucp's tensors equal the job's own full tensors
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 import torch
+from ucp_test_helpers import run_python
 
 import ucp_store
 from ucp_store import cli
 from ucp_store.adapters.dcp import opaque_entries
-from ucp_test_helpers import run_python
 
 pytestmark = pytest.mark.slow
 
@@ -125,20 +126,25 @@ if mode == "save":
         dcp.save(sd, storage_writer=FileSystemWriter(os.path.join(os.path.dirname(out), folder),
                                                       serialization_format=ser))
     dump(m, opt, sched, state(m, opt, sched, "nested", True)[0], [])
-else:  # load: sys.argv[5] = folder, sys.argv[6] = layout
-    folder, layout = sys.argv[5], sys.argv[6]
-    sd, flat = state(m, opt, sched, layout, False)
-    dcp.load(sd, checkpoint_id=folder)
-    if flat:
-        msd = {k: v for k, v in sd.items() if k not in ("optimizer", "lr_scheduler", "train_state", "dataloader")}
-        osd = sd["optimizer"]
-    else:
-        msd, osd = sd["model"], sd["optim"]
-    set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd,
-                   options=StateDictOptions(flatten_optimizer_state_dict=flat))
-    sched.load_state_dict(sd["lr_scheduler"])
-    loss = step(m, opt, sched, 3)
-    dump(m, opt, sched, sd, [loss])
+else:  # load: sys.argv[5:] = folder layout dumpfile, repeated; a fresh model for each
+    args = sys.argv[5:]
+    for folder, layout, dumpfile in zip(args[0::3], args[1::3], args[2::3]):
+        m, opt, sched = build()
+        sd, flat = state(m, opt, sched, layout, False)
+        dcp.load(sd, checkpoint_id=folder)
+        if flat:
+            msd = {k: v for k, v in sd.items() if k not in ("optimizer", "lr_scheduler", "train_state", "dataloader")}
+            osd = sd["optimizer"]
+        else:
+            msd, osd = sd["model"], sd["optim"]
+        set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd,
+                       options=StateDictOptions(flatten_optimizer_state_dict=flat))
+        sched.load_state_dict(sd["lr_scheduler"])
+        out = dumpfile + ".loaded"
+        dump(m, opt, sched, sd, [])  # the state as loaded, before any step
+        out = dumpfile
+        loss = step(m, opt, sched, 3)
+        dump(m, opt, sched, sd, [loss])
 dist.barrier()
 dist.destroy_process_group()
 '''
@@ -171,7 +177,7 @@ def _bits_equal(a, b, where=""):
         for i, (x, y) in enumerate(zip(a, b)):
             _bits_equal(x, y, f"{where}[{i}]")
     else:
-        assert a == b or (a != a and b != b), (where, a, b)
+        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), (where, a, b)
 
 
 def test_tp_fsdp2_dcp_round_trip(tmp_path):
@@ -221,13 +227,19 @@ def test_tp_fsdp2_dcp_round_trip(tmp_path):
         assert blob(job / f, src) == blob(job / f"{f}_export", exp)
 
     for nproc, dp, tp in ((4, 2, 2), (2, 1, 2)):
+        folders = ("nested", "nested_export", "flat", "flat_export")
+        args = []
+        for which in folders:
+            args += [job / which, "flat" if which.startswith("flat") else "nested", job / f"{which}_{dp}x{tp}.pt"]
+        _torchrun(tmp_path, nproc, "load", job / "unused.pt", dp, tp, *args, port_offset=nproc)
+        got = {w: torch.load(job / f"{w}_{dp}x{tp}.pt", weights_only=True) for w in folders}
+        loaded = {w: torch.load(job / f"{w}_{dp}x{tp}.pt.loaded", weights_only=True) for w in folders}
         for f in ("nested", "flat"):
-            got = {}
-            for which in (f, f"{f}_export"):
-                out = job / f"load_{which}_{dp}x{tp}.pt"
-                _torchrun(tmp_path, nproc, "load", out, dp, tp, job / which, "flat" if f == "flat" else "nested",
-                          port_offset=nproc + dp)
-                got[which] = torch.load(out, weights_only=True)
+            # DCP really loaded the saved state (the job's own full tensors), from the original and the export
+            for w in (f, f"{f}_export"):
+                _bits_equal(loaded[w]["model"], truth["model"], f"loaded model {dp}x{tp} {w}")
+                _bits_equal(loaded[w]["optim"], truth["optim"], f"loaded optim {dp}x{tp} {w}")
+                _bits_equal(loaded[w]["sched"], truth["sched"], f"loaded scheduler {dp}x{tp} {w}")
             a, b = got[f], got[f"{f}_export"]
             _bits_equal(a["model"], b["model"], f"model {dp}x{tp} {f}")
             _bits_equal(a["optim"], b["optim"], f"optim {dp}x{tp} {f}")
@@ -236,3 +248,4 @@ def test_tp_fsdp2_dcp_round_trip(tmp_path):
             _bits_equal(a["losses"], b["losses"], f"next-step loss {dp}x{tp} {f}")
             assert a["others"] == b["others"] and "datetime.datetime(2026, 12, 3, 17, 55)" in a["others"]
             assert ("'tokens_seen': 24" in a["others"]) and "nan" in a["others"]
+            assert not torch.equal(a["model"]["up.weight"], truth["model"]["up.weight"])  # the step did train

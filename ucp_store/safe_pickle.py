@@ -497,7 +497,7 @@ def load_dcp_metadata(path: str | os.PathLike) -> Any:
             else:
                 recent.append(arg if isinstance(arg, str) else None)
             del recent[:-4]
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any disassembly failure means a corrupt file
         raise SourceFormatError(f"{path}: DCP metadata is not a readable pickle ({exc}); the file is truncated "
                                 "or corrupt") from None
     if bad:
@@ -521,6 +521,6 @@ def load_dcp_metadata(path: str | os.PathLike) -> Any:
         return _Unpickler(io.BytesIO(data)).load()
     except UnsafePickleError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever a corrupt stream raises
         raise SourceFormatError(f"{path}: DCP metadata cannot be unpickled ({type(exc).__name__}: {exc}); the file "
                                 "is truncated or corrupt") from None

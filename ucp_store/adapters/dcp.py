@@ -50,8 +50,9 @@ import os
 import shutil
 import struct
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ import torch
 from ..errors import SourceFormatError, UcpError, UnsafePickleError
 from .base import TensorRecord, import_source
 
-__all__ = ["DcpSource", "import_dcp", "export_dcp", "read_dcp_metadata", "opaque_entries", "INDEX_OBJECT"]
+__all__ = ["INDEX_OBJECT", "DcpSource", "export_dcp", "import_dcp", "opaque_entries", "read_dcp_metadata"]
 
 #: name of the object that records the DCP key layout of an imported checkpoint
 INDEX_OBJECT = "_dcp"
@@ -225,7 +226,8 @@ class _Files:
             try:
                 header = json.loads(bytes(m[offset + 8:offset + 8 + n]))
             except ValueError as exc:
-                raise SourceFormatError(f"{path}: safetensors header at byte {offset} is not JSON ({exc})") from None
+                raise SourceFormatError(f"{path}: {what} at byte {offset} is neither a torch.save archive nor a "
+                                        f"safetensors blob (header not JSON: {exc}); the file is corrupt") from None
             self._st_headers[key] = (header, offset + 8 + n)
         return self._st_headers[key]
 
@@ -248,7 +250,10 @@ def _load_chunk(files: _Files, info: Any, fqn: str, what: str) -> torch.Tensor:
     descriptors = getattr(info, "transform_descriptors", None) or ()
     rel, off, length = info.relative_path, int(info.offset), int(info.length)
     if descriptors:
-        from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+        from torch.distributed.checkpoint._extension import (
+            ExtensionRegistry,
+            StreamTransformExtension,
+        )
 
         raw = io.BytesIO(bytes(files.view(rel, off, length, what)))
         try:
@@ -257,7 +262,7 @@ def _load_chunk(files: _Files, info: Any, fqn: str, what: str) -> torch.Tensor:
                 if isinstance(ex, StreamTransformExtension):
                     stream = ex.transform_from(stream)
             blob = io.BytesIO(stream.read(-1))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - an unknown extension or a corrupt compressed stream
             raise SourceFormatError(f"{os.path.join(files.folder, rel)}: {what}: stream transform "
                                     f"{list(descriptors)} failed ({exc})") from None
         return _torch_load(blob, files, rel, what)
@@ -680,7 +685,9 @@ def export_dcp(checkpoint, dest: str, *, states: Iterable[str] | None = None, pr
     tmp = f"{dest}.tmp-{os.getpid()}"
     try:
         writer = FileSystemWriter(tmp, thread_count=thread_count, overwrite=False)
-        dcp.save(sd, storage_writer=writer, planner=_Planner(), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is not initialised: single process" is the intent
+            warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+            dcp.save(sd, storage_writer=writer, planner=_Planner(), no_dist=True)
         for _ in bar:
             pass
         os.rename(tmp, dest)

@@ -6,7 +6,7 @@ imports neither torch nor numpy.
 
 from __future__ import annotations
 
-__all__ = ["add_cli_parser", "cli_import", "cli_export", "show_lines"]
+__all__ = ["add_cli_parser", "cli_export", "cli_import", "show_lines"]
 
 
 def add_cli_parser(kinds, verb: str, common) -> None:
