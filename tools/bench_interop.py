@@ -128,7 +128,7 @@ def bench_hf(args, work: str) -> list[dict]:
         t, _ = timed(lambda: export_hf(ck, dest, max_shard_size=args.max_shard_size, progress=False))
         rec("export", "ucp export hf (from the store)", t)
 
-        def hand_export():
+        def hand_export(ck=ck):
             from safetensors.torch import save_file
 
             out = os.path.join(work, "hand")
@@ -142,7 +142,6 @@ def bench_hf(args, work: str) -> list[dict]:
 
         t, _ = timed(hand_export)
         rec("export", "store state_dict + save_file + fsync", t)
-        del ck, store
     rows = []
     for (job, way), ts in times.items():
         rows.append({"job": job, "way": way, "seconds": min(ts), "all": ts, "bytes": nbytes})

@@ -29,7 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Mapping
 
 import numpy as np
-import torch
 
 from .. import dtypes
 from ..errors import ConfigurationError, DTypeError, SourceFormatError, UcpError
