@@ -9,6 +9,7 @@ trip lives in ``tests/test_dcp_roundtrip.py``.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import pickle
 import warnings
@@ -308,3 +309,25 @@ def test_foreign_folders(tmp_path, capsys):
 def test_step_is_required(tmp_path, folder, capsys):
     rc = cli.main(["import", "dcp", str(folder), "--run", "r", "--store", str(tmp_path / "s"), "--no-progress"])
     assert rc != 0 and "--step" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tensor", [torch.randn(5, 3), torch.randn(3, 5).t(), torch.randn(4).to(torch.bfloat16),
+                                    torch.tensor(7.0), torch.zeros(0, 3), torch.arange(6, dtype=torch.int64)])
+def test_chunks_are_read_in_place(tensor):
+    """The zero-copy reader of a torch.save chunk rebuilds the tensor exactly (strides, dtype, 0-dim)."""
+    from ucp_store.adapters.dcp import _torch_chunk_in_place
+
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    got = _torch_chunk_in_place(memoryview(buf.getvalue()))
+    assert got.dtype == tensor.dtype and got.shape == tensor.shape and got.stride() == tensor.stride()
+    assert torch.equal(got, tensor)
+
+
+def test_chunk_reader_refuses_unsafe_globals():
+    from ucp_store.adapters.dcp import _torch_chunk_in_place
+
+    buf = io.BytesIO()
+    torch.save({"t": torch.ones(2), "d": datetime.date(2026, 1, 1)}, buf)
+    with pytest.raises(Exception, match="date"):
+        _torch_chunk_in_place(memoryview(buf.getvalue()))

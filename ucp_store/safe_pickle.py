@@ -34,7 +34,7 @@ from .errors import SourceFormatError, UnsafePickleError
 __all__ = [
     "load", "scan_globals", "allowed_globals", "allow", "to_jsonable", "from_jsonable",
     "FragmentAddress", "ZeroStageEnum", "LossScalerStandIn", "DynamicLossScalerStandIn", "SubparamShape",
-    "NamespaceStandIn", "StandIn", "load_dcp_metadata", "dcp_allowed_globals",
+    "NamespaceStandIn", "StandIn", "load_dcp_metadata", "dcp_allowed_globals", "DcpRecord",
 ]
 
 
@@ -410,27 +410,114 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterable[tuple[str, torch.Tensor
 
 
 # ------------------------------------------------------------------------ DCP ``.metadata`` (plain pickle)
-def _dcp_allow() -> dict[str, Any]:
-    """DCP's own metadata dataclasses and the torch types they hold, by exact ``module.qualname``.
+class DcpRecord:
+    """Base of the inert stand-ins for DCP's metadata dataclasses: fields only, no DCP code runs.
 
-    Built lazily (``torch.distributed.checkpoint`` is imported only when a DCP folder is read). Paths
-    become pure paths (no filesystem access on construction); dtypes and layouts are torch's own objects."""
+    Unpickling builds them with ``__new__`` plus ``__setstate__`` (a dict of fields), or calls them with the
+    fields in order; either way they only store values. They mirror the attribute names of
+    ``torch.distributed.checkpoint.metadata`` so code reading a ``Metadata`` works on them unchanged, and
+    reading a folder never imports ``torch.distributed.checkpoint`` (whose import pulls in DTensor)."""
+
+    _fields: tuple = ()
+    _defaults: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        for f in self._fields:
+            v = self._defaults.get(f)
+            object.__setattr__(self, f, list(v) if isinstance(v, list) else v)
+        for f, v in zip(self._fields, args):
+            object.__setattr__(self, f, v)
+        for k, v in kwargs.items():
+            object.__setattr__(self, k, v)
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            state, slots = state
+            state = {**(state or {}), **(slots or {})}
+        if not isinstance(state, dict):
+            raise SourceFormatError(f"DCP metadata: {type(self).__name__} has state {type(state).__name__}, "
+                                    "expected a dict of fields")
+        for f in self._fields:
+            if f not in self.__dict__:
+                v = self._defaults.get(f)
+                object.__setattr__(self, f, list(v) if isinstance(v, list) else v)
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f, None)!r}' for f in self._fields)})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and all(getattr(self, f, None) == getattr(other, f, None)
+                                                 for f in self._fields)
+
+    __hash__ = None
+
+
+def _record(name: str, fields: str, defaults: dict | None = None, **extra) -> type:
+    return type(name, (DcpRecord,), {"_fields": tuple(fields.split()), "_defaults": defaults or {}, **extra})
+
+
+class DcpMemFormat(enum.Enum):
+    """``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING`` (same values)."""
+
+    TORCH_CONTIGUOUS_FORMAT = 0
+    TORCH_CHANNELS_LAST = 1
+    TORCH_PRESERVE_FORMAT = 2
+
+
+def _tensor_properties_setstate(self, state):
+    # TensorProperties pickles (dtype, layout, requires_grad, memory-format enum, pin_memory)
+    if isinstance(state, tuple) and len(state) == 5:
+        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+    else:
+        DcpRecord.__setstate__(self, state)
+
+
+def _index_hash(self):
+    return hash((self.fqn, getattr(self, "offset", None)))
+
+
+def _index_eq(self, other):
+    return (type(self) is type(other) and self.fqn == other.fqn
+            and getattr(self, "offset", None) == getattr(other, "offset", None))
+
+
+DcpMetadata = _record("Metadata", "state_dict_metadata planner_data storage_data storage_meta version")
+DcpTensorStorageMetadata = _record("TensorStorageMetadata", "properties size chunks")
+DcpBytesStorageMetadata = _record("BytesStorageMetadata", "")
+DcpChunkStorageMetadata = _record("ChunkStorageMetadata", "offsets sizes")
+DcpTensorProperties = _record("TensorProperties", "dtype layout requires_grad memory_format pin_memory",
+                              __setstate__=_tensor_properties_setstate)
+DcpMetadataIndex = _record("MetadataIndex", "fqn offset index", __hash__=_index_hash, __eq__=_index_eq)
+DcpStorageMeta = _record("StorageMeta", "checkpoint_id save_id load_id modules", {"modules": []})
+DcpStorageInfo = _record("_StorageInfo", "relative_path offset length transform_descriptors")
+DcpHFStorageInfo = _record("_HFStorageInfo", "relative_path shape dtype")
+
+_DCP = "torch.distributed.checkpoint"
+_DCP_STAND_INS: dict[str, Any] = {
+    f"{_DCP}.metadata.Metadata": DcpMetadata,
+    f"{_DCP}.metadata.TensorStorageMetadata": DcpTensorStorageMetadata,
+    f"{_DCP}.metadata.BytesStorageMetadata": DcpBytesStorageMetadata,
+    f"{_DCP}.metadata.ChunkStorageMetadata": DcpChunkStorageMetadata,
+    f"{_DCP}.metadata.TensorProperties": DcpTensorProperties,
+    f"{_DCP}.metadata.MetadataIndex": DcpMetadataIndex,
+    f"{_DCP}.metadata.StorageMeta": DcpStorageMeta,
+    f"{_DCP}.metadata._MEM_FORMAT_ENCODING": DcpMemFormat,
+    f"{_DCP}.filesystem._StorageInfo": DcpStorageInfo,
+    f"{_DCP}._hf_utils._HFStorageInfo": DcpHFStorageInfo,
+    # torch <= 2.1 kept TensorProperties beside ShardedTensor
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties": DcpTensorProperties,
+    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": DcpMemFormat,
+}
+
+
+def _dcp_allow() -> dict[str, Any]:
+    """DCP's metadata dataclasses (as the inert stand-ins above) and the torch types they hold, by exact
+    ``module.qualname``. Paths become pure paths (no filesystem access); dtypes and layouts are torch's."""
+    import collections
     import pathlib
 
-    from torch.distributed.checkpoint import filesystem as dcp_fs
-    from torch.distributed.checkpoint import metadata as dcp_md
-
-    out: dict[str, Any] = {}
-    for cls in (dcp_md.Metadata, dcp_md.TensorStorageMetadata, dcp_md.BytesStorageMetadata,
-                dcp_md.ChunkStorageMetadata, dcp_md.TensorProperties, dcp_md.MetadataIndex, dcp_md.StorageMeta,
-                dcp_md._MEM_FORMAT_ENCODING, dcp_fs._StorageInfo):
-        out[f"{cls.__module__}.{cls.__qualname__}"] = cls
-    try:  # the safetensors (HF) storage info, when a writer pickled it
-        from torch.distributed.checkpoint import _hf_utils
-
-        out["torch.distributed.checkpoint._hf_utils._HFStorageInfo"] = _hf_utils._HFStorageInfo
-    except ImportError:  # pragma: no cover - older torch
-        pass
+    out: dict[str, Any] = dict(_DCP_STAND_INS)
     out["torch.Size"] = torch.Size
     out["torch.serialization._get_layout"] = torch.serialization._get_layout
     for name in dir(torch):
@@ -439,7 +526,7 @@ def _dcp_allow() -> dict[str, Any]:
             out[f"torch.{name}"] = obj
     out["pathlib.PosixPath"] = out["pathlib.PurePosixPath"] = pathlib.PurePosixPath
     out["pathlib.WindowsPath"] = out["pathlib.PureWindowsPath"] = pathlib.PureWindowsPath
-    out["collections.OrderedDict"] = __import__("collections").OrderedDict
+    out["collections.OrderedDict"] = collections.OrderedDict
     return out
 
 

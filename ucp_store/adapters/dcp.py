@@ -96,9 +96,9 @@ def read_dcp_metadata(folder: str) -> Any:
         raise SourceFormatError(f"{folder} is not a DCP checkpoint folder: it has no {_METADATA} file "
                                 f"(expected .metadata plus __<rank>_<n>.distcp files; found {shown}){hint}")
     md = load_dcp_metadata(path)
-    from torch.distributed.checkpoint.metadata import Metadata
+    from ..safe_pickle import DcpMetadata
 
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+    if not isinstance(md, DcpMetadata) or not isinstance(md.state_dict_metadata, dict):
         raise SourceFormatError(f"{path}: holds a {type(md).__name__}, expected DCP's Metadata with a "
                                 "state_dict_metadata dict")
     if not isinstance(md.storage_data, dict):
@@ -125,7 +125,7 @@ class _Entry:
 
 def _classify(md: Any, optim_prefixes: Iterable[str] | None, model_prefix: str | None) -> dict[str, _Entry]:
     """Every key -> what it becomes (tensor-state, array object, or a non-tensor value decided later)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from ..safe_pickle import DcpTensorStorageMetadata as TensorStorageMetadata
 
     sdm = md.state_dict_metadata
     tensor_keys = [k for k, v in sdm.items() if isinstance(v, TensorStorageMetadata)]
@@ -268,7 +268,11 @@ def _load_chunk(files: _Files, info: Any, fqn: str, what: str) -> torch.Tensor:
         return _torch_load(blob, files, rel, what)
     head = files.view(rel, off, min(length, 8) if length else 8, what)
     if _is_zip(head):
-        return _torch_load(io.BytesIO(files.view(rel, off, length, what)), files, rel, what)
+        view = files.view(rel, off, length, what)
+        try:
+            return _torch_chunk_in_place(view)
+        except Exception:  # noqa: BLE001 - anything unusual: torch.load decides, with its own checks and errors
+            return _torch_load(io.BytesIO(view), files, rel, what)
     # SerializationFormat.SAFETENSORS: the chunk lives in the safetensors blob that starts at `off`
     header, data_start = files.safetensors_header(rel, off, what)
     entry = header.get(fqn)
@@ -291,6 +295,81 @@ def _load_chunk(files: _Files, info: Any, fqn: str, what: str) -> torch.Tensor:
     with warnings.catch_warnings():  # the map is read-only; nothing writes through this view
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+class _MemFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview (no copy), for zipfile's directory reads."""
+
+    def __init__(self, mv: memoryview):
+        self.mv, self.pos = mv, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else len(self.mv) + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self.mv) - self.pos))
+        b[:n] = self.mv[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def _torch_chunk_in_place(view: memoryview) -> torch.Tensor:
+    """A ``torch.save``d tensor read straight from the mapped file: torch's weights-only unpickler
+    rebuilds it (the same allow-list ``torch.load(weights_only=True)`` uses) around storages that view
+    the archive's stored (uncompressed) records, so the bytes are not copied on the way."""
+    import zipfile
+
+    from torch import _weights_only_unpickler as wou
+
+    zf = zipfile.ZipFile(_MemFile(view))
+    pkl = next(n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+    prefix = pkl[:-len("data.pkl")]
+    if f"{prefix}byteorder" in zf.namelist() and zf.read(f"{prefix}byteorder") != sys_byteorder().encode():
+        raise ValueError("byte order differs from this machine's")
+
+    def persistent_load(pid):
+        typename, storage_type, key, _location, numel = pid
+        if typename != "storage":
+            raise ValueError(f"persistent id {typename!r}")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        info = zf.getinfo(f"{prefix}data/{key}")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ValueError("compressed record")
+        name_len, extra_len = struct.unpack_from("<HH", view, info.header_offset + 26)
+        start = info.header_offset + 30 + name_len + extra_len
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if info.file_size != nbytes or start + nbytes > len(view):
+            raise ValueError("record size")
+        if nbytes:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                untyped = torch.frombuffer(view[start:start + nbytes], dtype=torch.uint8).untyped_storage()
+        else:
+            untyped = torch.UntypedStorage(0)
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    up = wou.Unpickler(io.BytesIO(zf.read(pkl)), encoding="utf-8")
+    up.persistent_load = persistent_load
+    t = up.load()
+    if not isinstance(t, torch.Tensor):
+        raise ValueError("not a tensor")
+    return t
+
+
+def sys_byteorder() -> str:
+    import sys
+
+    return sys.byteorder
 
 
 def _torch_load(blob: io.BytesIO, files: _Files, rel: str, what: str) -> torch.Tensor:
