@@ -134,6 +134,19 @@ def test_single_file_and_cast_on_export(tmp_path, store):
     assert torch.equal(logits(back), logits(ref))
 
 
+def test_tied_embeddings_round_trip(tmp_path, store):
+    """save_pretrained leaves a tied lm_head out; so does the export, and from_pretrained ties it again."""
+    model = tiny_llama(torch.float32, seed=9, tie_word_embeddings=True)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    ck = store.checkpoint(import_hf(store, src, "tied", progress=False))
+    assert "lm_head.weight" not in ck.names()
+    export_hf(ck, tmp_path / "out", progress=False)
+    back = load(tmp_path / "out")
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(logits(back), logits(model))
+
+
 def test_export_fp32_state_of_a_mixed_checkpoint(tmp_path, store):
     """--state picks the master weights of a training checkpoint; the weight state is ignored."""
     model = tiny_llama(torch.float32, seed=4)
@@ -249,6 +262,21 @@ def test_dtype_the_store_cannot_hold_is_refused(tmp_path, store, store_path, ucp
 
     _rewrite_header(shard, edit)
     _check_refused(ucp, store_path, src, str(shard), repr(first), code, needle)
+
+
+def test_tensor_name_escaping_the_store_is_refused(tmp_path, store, store_path, ucp):
+    src = _saved(tmp_path)
+    shard = src / "model-00001-of-00003.safetensors"
+    first, _ = _first_tensor(shard)
+
+    def edit(header):
+        header["../../escape"] = header.pop(first)
+
+    _rewrite_header(shard, edit)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["../../escape"] = index["weight_map"].pop(first)
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    _check_refused(ucp, store_path, src, str(shard), "'../../escape'", "escape the store")
 
 
 def test_failure_while_writing_leaves_nothing_listed(tmp_path, store, monkeypatch):

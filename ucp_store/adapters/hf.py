@@ -30,8 +30,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import ConfigurationError, DTypeError, SourceFormatError, UcpError
+from .. import dtypes, names
+from ..errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
 from .base import TensorRecord, import_source
 from .hf_map import NameMap, Piece, load_map, plan_outputs
 
@@ -159,6 +159,10 @@ class HfSource:
         seen: dict[str, str] = {}
         for f, h in zip(files, self.headers):
             for name in h.entries:
+                try:
+                    names.tensor_name(name)  # checked before the import begins, not half-way through it
+                except InvalidNameError as exc:
+                    raise InvalidNameError(f"safetensors file {h.path}: {exc}") from None
                 if name in seen:
                     raise SourceFormatError(f"tensor {name!r} appears in two shards of {self.root}: {seen[name]} "
                                             f"and {f}")
@@ -200,8 +204,8 @@ class HfSource:
                     raise SourceFormatError(f"{index}: shard {f!r} is not a plain file name in {self.root} "
                                             "(a shard never lives outside the model folder)")
                 if not os.path.isfile(os.path.join(self.root, f)):
-                    names = [n for n, g in wm.items() if g == f]
-                    raise SourceFormatError(f"{index}: shard {f} (holding {len(names)} tensor(s), e.g. {names[0]!r}) "
+                    held = [n for n, g in wm.items() if g == f]
+                    raise SourceFormatError(f"{index}: shard {f} (holding {len(held)} tensor(s), e.g. {held[0]!r}) "
                                             f"is missing from {self.root}")
             return files, wm
         if os.path.isfile(os.path.join(self.root, SINGLE_NAME)):
