@@ -331,3 +331,21 @@ def test_chunk_reader_refuses_unsafe_globals():
     torch.save({"t": torch.ones(2), "d": datetime.date(2026, 1, 1)}, buf)
     with pytest.raises(Exception, match="date"):
         _torch_chunk_in_place(memoryview(buf.getvalue()))
+
+
+def test_flat_layout_keeps_nested_tensors_out_of_the_parameters(tmp_path):
+    w = torch.randn(2, 2)
+    _save(tmp_path / "f", {"lin.w": w, "optimizer": {"state.lin.w.exp_avg": torch.ones(2, 2),
+                                                     "param_groups.lin.w.lr": 0.1},
+                           "train_state": {"step": torch.tensor(12)}})
+    src = DcpSource(str(tmp_path / "f"))
+    assert src.entries["lin.w"].kind == "tensor" and src.entries["train_state.step"].kind == "array"
+
+
+def test_key_that_would_escape_the_store_is_refused(tmp_path):
+    _save(tmp_path / "evil", {"model": {"../../outside": torch.ones(3)}})
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    with pytest.raises(UcpError, match="escape"):
+        import_dcp(store, str(tmp_path / "evil"), "r", 1, progress=False)
+    _no_checkpoints(tmp_path / "s")
+    assert not (tmp_path / "outside").exists()

@@ -175,7 +175,9 @@ def _classify(md: Any, optim_prefixes: Iterable[str] | None, model_prefix: str |
     for k in rest_keys:
         if model_prefix and k.startswith(model_prefix + "."):
             out[k] = _Entry(k, "tensor", k[len(model_prefix) + 1:], _MODEL_STATE)
-        elif not model_prefix and not any(k.startswith(f"{h}.") for h in optim):
+        elif not model_prefix and not any(k.startswith(f"{h}.") for h in optim) and len(paths[k]) == 1:
+            # flat layout: model FQNs sit at the top level; a tensor nested under another top-level key
+            # (train_state.step, rng states) is not a parameter and becomes an array object
             out[k] = _Entry(k, "tensor", k, _MODEL_STATE)
         else:
             out[k] = _Entry(k, "array")
@@ -211,6 +213,19 @@ class _Files:
                 f"{os.path.join(self.folder, rel)}: {what} is stored at bytes [{offset}, {offset + length}) but the "
                 f"file has {len(m)} bytes: the file is truncated")
         return memoryview(m)[offset:offset + length]
+
+    def prefetch(self, rel: str, offset: int, length: int) -> None:
+        """Ask the kernel to read a range ahead (``MADV_WILLNEED``, asynchronous), so the disk reads of the
+        next tensor overlap the assembly and hashing of this one instead of faulting page by page."""
+        m = self._maps.get(rel)
+        if not isinstance(m, mmap.mmap) or length < (1 << 20) or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        start = offset - offset % mmap.PAGESIZE
+        end = min(len(m), offset + length)
+        try:
+            m.madvise(mmap.MADV_WILLNEED, start, end - start)
+        except (OSError, ValueError):  # advice only
+            pass
 
     def safetensors_header(self, rel: str, offset: int, what: str) -> tuple[dict, int]:
         key = (rel, offset)
@@ -362,7 +377,7 @@ def _torch_chunk_in_place(view: memoryview) -> torch.Tensor:
     up.persistent_load = persistent_load
     t = up.load()
     if not isinstance(t, torch.Tensor):
-        raise ValueError("not a tensor")
+        raise TypeError("not a tensor")
     return t
 
 
@@ -532,9 +547,18 @@ class DcpSource:
                                     f"{total} elements (chunks missing or overlapping)")
         return out
 
+    def _prefetch_key(self, key: str) -> None:
+        for c in self.md.state_dict_metadata[key].chunks:
+            info = self._storage.get((key, tuple(int(x) for x in c.offsets)))
+            if info is not None:
+                self._files.prefetch(info.relative_path, int(info.offset), int(info.length))
+
     def records(self) -> Iterator[TensorRecord]:
         pos = 0
-        for e in self.tensor_entries():
+        entries = self.tensor_entries()
+        for i, e in enumerate(entries):
+            if i + 1 < len(entries):
+                self._prefetch_key(entries[i + 1].key)
             t = self.read_key(e.key)
             if e.kind == "array":
                 self._objects[e.key] = t.clone() if t.data_ptr() else t
@@ -592,7 +616,7 @@ def import_dcp(store, folder: str, run: str, step: int, *, message: str | None =
         source._files.view(info.relative_path, int(info.offset), int(getattr(info, "length", 0) or 0),
                             f"an entry of {info.relative_path}")
     ck_id = import_source(store, source, run, step, message=message, progress=progress, distributed=False,
-                          total=len(source.tensor_entries()))
+                          total=sum(1 for e in source.entries.values() if e.kind == "tensor"))
     return store.checkpoint(ck_id)
 
 
