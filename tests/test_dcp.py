@@ -349,3 +349,17 @@ def test_key_that_would_escape_the_store_is_refused(tmp_path):
         import_dcp(store, str(tmp_path / "evil"), "r", 1, progress=False)
     _no_checkpoints(tmp_path / "s")
     assert not (tmp_path / "outside").exists()
+
+
+def test_metadata_naming_a_file_outside_the_folder_is_refused(tmp_path, folder):
+    with open(folder / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own file, written by DCP in this test
+    for info in md.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    (tmp_path / "outside.distcp").write_bytes((folder / "__0_0.distcp").read_bytes())
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    with pytest.raises(SourceFormatError, match="outside the folder"):
+        import_dcp(store, str(folder), "r", 1, progress=False)
+    _no_checkpoints(tmp_path / "s")

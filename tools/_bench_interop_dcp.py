@@ -101,10 +101,11 @@ def make_source(folder: str, gib: float) -> int:
 
 
 def _timed(fn):
+    """(wall seconds, process CPU seconds of all threads, result)."""
     gc.collect()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     out = fn()
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def bench_dcp(args) -> list[dict]:
@@ -130,10 +131,12 @@ def bench_dcp(args) -> list[dict]:
     print(f"DCP source: {nbytes / (1 << 30):.2f} GiB of tensors in {len(files)} rank files, written by 4 gloo "
           f"processes in {time.perf_counter() - t0:.1f} s", flush=True)
     times: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
 
-    def rec(way, t):
+    def rec(way, t, cpu):
         times.setdefault(way, []).append(t)
-        print(f"  import dcp  {way:<44} {t:8.2f} s", flush=True)
+        cpus.setdefault(way, []).append(cpu)
+        print(f"  import dcp  {way:<44} {t:8.2f} s  (cpu {cpu:.2f} s)", flush=True)
 
     def ucp_import():
         rc = cli.main(["import", "dcp", src, "--run", "ucp", "--step", "1", "--store", os.path.join(work, "s1"),
@@ -184,11 +187,12 @@ def bench_dcp(args) -> list[dict]:
             shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
         order = ways[r % len(ways):] + ways[:r % len(ways)]
         for way, fn in order:
-            t, _ = _timed(fn)
-            rec(way, t)
+            t, cpu, _ = _timed(fn)
+            rec(way, t, cpu)
     if not getattr(args, "workdir_dcp", None):
         shutil.rmtree(work, ignore_errors=True)
-    return [{"job": "import dcp", "way": w, "seconds": min(ts), "all": ts, "bytes": nbytes} for w, ts in times.items()]
+    return [{"job": "import dcp", "way": w, "seconds": min(ts), "all": ts, "bytes": nbytes,
+             "cpu_seconds": min(cpus[w]), "cpu_all": cpus[w]} for w, ts in times.items()]
 
 
 def main(argv=None) -> int:
