@@ -195,6 +195,8 @@ def test_export_states_and_refusals(tmp_path, folder):
         export_dcp(ck, str(tmp_path / "w"), progress=False)
     with pytest.raises(UcpError, match="no state.*exp_avg_sq"):
         export_dcp(ck, str(tmp_path / "w2"), states=["exp_avg_sq"], progress=False)
+    with pytest.raises(UcpError, match="did you mean 'exp_avg'"):
+        export_dcp(ck, str(tmp_path / "w2"), states=["exp_avgg"], progress=False)
     assert not (tmp_path / "w2").exists()
 
 
@@ -363,3 +365,26 @@ def test_metadata_naming_a_file_outside_the_folder_is_refused(tmp_path, folder):
     with pytest.raises(SourceFormatError, match="outside the folder"):
         import_dcp(store, str(folder), "r", 1, progress=False)
     _no_checkpoints(tmp_path / "s")
+
+
+def test_zstd_stream_transform(tmp_path):
+    """Chunks and blobs written through DCP's ZStandard extension are decoded with DCP's own registry;
+    the opaque blob is kept as the bytes the job serialised, and the export loads without the extension."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    sd = _state(torch.Generator().manual_seed(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=FileSystemWriter(str(tmp_path / "z"), _extensions=[ZStandard()]), no_dist=True)
+    from ucp_store.safe_pickle import load_dcp_metadata
+
+    md = load_dcp_metadata(tmp_path / "z" / ".metadata")
+    assert all(i.transform_descriptors for i in md.storage_data.values())  # really compressed
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    ck = import_dcp(store, str(tmp_path / "z"), "r", 1, progress=False)
+    for n, t in sd["model"].items():
+        assert torch.equal(ck.read(n, "weight"), t)
+    assert [o["key"] for o in opaque_entries(ck)] == ["train_state.started"]
+    export_dcp(ck, str(tmp_path / "out"), progress=False)
+    got = _load(tmp_path / "out", _template())
+    assert got["train_state"] == sd["train_state"] and torch.equal(got["model"]["emb"], sd["model"]["emb"])

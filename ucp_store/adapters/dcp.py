@@ -256,6 +256,25 @@ class _Files:
         self._maps.clear()
 
 
+def _untransform(files: _Files, rel: str, off: int, length: int, descriptors, what: str) -> bytes:
+    """The bytes DCP wrote before its stream transforms (e.g. zstd), through DCP's own extension registry."""
+    from torch.distributed.checkpoint._extension import (
+        ExtensionRegistry,
+        StreamTransformExtension,
+    )
+
+    raw = io.BytesIO(bytes(files.view(rel, off, length, what)))
+    try:
+        stream = raw
+        for ex in ExtensionRegistry().from_descriptor_list(list(descriptors)):
+            if isinstance(ex, StreamTransformExtension):
+                stream = ex.transform_from(stream)
+        return stream.read(-1)
+    except Exception as exc:  # noqa: BLE001 - an unknown extension or a corrupt compressed stream
+        raise SourceFormatError(f"{os.path.join(files.folder, rel)}: {what}: stream transform "
+                                f"{list(descriptors)} failed ({exc})") from None
+
+
 def _is_zip(buf: memoryview) -> bool:
     return bytes(buf[:4]) == b"PK\x03\x04"
 
@@ -265,21 +284,7 @@ def _load_chunk(files: _Files, info: Any, fqn: str, what: str) -> torch.Tensor:
     descriptors = getattr(info, "transform_descriptors", None) or ()
     rel, off, length = info.relative_path, int(info.offset), int(info.length)
     if descriptors:
-        from torch.distributed.checkpoint._extension import (
-            ExtensionRegistry,
-            StreamTransformExtension,
-        )
-
-        raw = io.BytesIO(bytes(files.view(rel, off, length, what)))
-        try:
-            stream = raw
-            for ex in ExtensionRegistry().from_descriptor_list(descriptors):
-                if isinstance(ex, StreamTransformExtension):
-                    stream = ex.transform_from(stream)
-            blob = io.BytesIO(stream.read(-1))
-        except Exception as exc:  # noqa: BLE001 - an unknown extension or a corrupt compressed stream
-            raise SourceFormatError(f"{os.path.join(files.folder, rel)}: {what}: stream transform "
-                                    f"{list(descriptors)} failed ({exc})") from None
+        blob = io.BytesIO(_untransform(files, rel, off, length, descriptors, what))
         return _torch_load(blob, files, rel, what)
     head = files.view(rel, off, min(length, 8) if length else 8, what)
     if _is_zip(head):
@@ -584,19 +589,21 @@ class DcpSource:
             info = self._bytes_info.get(key)
             if info is None:
                 raise SourceFormatError(f"{self.folder}/{_METADATA}: non-tensor entry {key!r} has no storage entry")
-            raw = bytes(self._files.view(info.relative_path, int(info.offset), int(info.length),
-                                         f"non-tensor entry {key!r}"))
-            if getattr(info, "transform_descriptors", None):
-                plain, value, why = False, None, f"stored through transforms {list(info.transform_descriptors)}"
+            what = f"non-tensor entry {key!r}"
+            descriptors = getattr(info, "transform_descriptors", None)
+            if descriptors:  # kept as the bytes the job serialised (the export writes them untransformed)
+                raw = _untransform(self._files, info.relative_path, int(info.offset), int(info.length),
+                                   descriptors, what)
             else:
-                plain, value, why = _decode_bytes(raw)
+                raw = bytes(self._files.view(info.relative_path, int(info.offset), int(info.length), what))
+            plain, value, why = _decode_bytes(raw)
             if plain:
                 index[key] = {"kind": "value", "path": path}
                 objs[key] = value
             else:
                 index[key] = {"kind": "opaque", "path": path, "nbytes": len(raw),
                               "sha256": hashlib.sha256(raw).hexdigest(), "why": why,
-                              "transforms": list(getattr(info, "transform_descriptors", None) or [])}
+                              "source_transforms": list(descriptors or [])}
                 objs[key] = np.frombuffer(raw, dtype=np.uint8).copy()
         objs[INDEX_OBJECT] = {"format": "dcp", "version": self.md.version, "keys": index}
         self._files.close()
@@ -685,8 +692,12 @@ def _plan(checkpoint, states: Iterable[str] | None) -> tuple[dict, dict[str, tup
     if wanted:
         unknown = wanted - set(have)
         if unknown:
+            import difflib
+
+            near = {u: difflib.get_close_matches(u, have, n=1) for u in sorted(unknown)}
+            hint = "".join(f"; did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
             raise UcpError(f"checkpoint {checkpoint.run}@{checkpoint.step} has no state(s) "
-                           f"{', '.join(sorted(unknown))}; states: {', '.join(have)}")
+                           f"{', '.join(sorted(unknown))} (--states); states: {', '.join(have)}{hint}")
     index = _index(checkpoint)
     sd: dict = {}
     tensors: dict[str, tuple[str, str]] = {}
