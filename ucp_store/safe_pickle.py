@@ -35,7 +35,7 @@ from .errors import SourceFormatError, UnsafePickleError
 __all__ = [
     "load", "scan_globals", "allowed_globals", "allow", "to_jsonable", "from_jsonable",
     "FragmentAddress", "ZeroStageEnum", "LossScalerStandIn", "DynamicLossScalerStandIn", "SubparamShape",
-    "NamespaceStandIn", "StandIn",
+    "NamespaceStandIn", "StandIn", "load_dcp_metadata", "dcp_allowed_globals", "DcpRecord",
 ]
 
 
@@ -408,3 +408,207 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterable[tuple[str, torch.Tensor
         for i, v in enumerate(obj):
             yield from iter_tensors(v, f"{prefix}[{i}]")
 
+
+
+# ------------------------------------------------------------------------ DCP ``.metadata`` (plain pickle)
+class DcpRecord:
+    """Base of the inert stand-ins for DCP's metadata dataclasses: fields only, no DCP code runs.
+
+    Unpickling builds them with ``__new__`` plus ``__setstate__`` (a dict of fields), or calls them with the
+    fields in order; either way they only store values. They mirror the attribute names of
+    ``torch.distributed.checkpoint.metadata`` so code reading a ``Metadata`` works on them unchanged, and
+    reading a folder never imports ``torch.distributed.checkpoint`` (whose import pulls in DTensor)."""
+
+    _fields: tuple = ()
+    _defaults: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        for f in self._fields:
+            v = self._defaults.get(f)
+            object.__setattr__(self, f, list(v) if isinstance(v, list) else v)
+        for f, v in zip(self._fields, args):
+            object.__setattr__(self, f, v)
+        for k, v in kwargs.items():
+            object.__setattr__(self, k, v)
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            state, slots = state
+            state = {**(state or {}), **(slots or {})}
+        if not isinstance(state, dict):
+            raise SourceFormatError(f"DCP metadata: {type(self).__name__} has state {type(state).__name__}, "
+                                    "expected a dict of fields")
+        for f in self._fields:
+            if f not in self.__dict__:
+                v = self._defaults.get(f)
+                object.__setattr__(self, f, list(v) if isinstance(v, list) else v)
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f, None)!r}' for f in self._fields)})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and all(getattr(self, f, None) == getattr(other, f, None)
+                                                 for f in self._fields)
+
+    __hash__ = None
+
+
+def _record(name: str, fields: str, defaults: dict | None = None, **extra) -> type:
+    return type(name, (DcpRecord,), {"_fields": tuple(fields.split()), "_defaults": defaults or {}, **extra})
+
+
+class DcpMemFormat(enum.Enum):
+    """``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING`` (same values)."""
+
+    TORCH_CONTIGUOUS_FORMAT = 0
+    TORCH_CHANNELS_LAST = 1
+    TORCH_PRESERVE_FORMAT = 2
+
+
+def _tensor_properties_setstate(self, state):
+    # TensorProperties pickles (dtype, layout, requires_grad, memory-format enum, pin_memory)
+    if isinstance(state, tuple) and len(state) == 5:
+        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+    else:
+        DcpRecord.__setstate__(self, state)
+
+
+def _index_hash(self):
+    return hash((self.fqn, getattr(self, "offset", None)))
+
+
+def _index_eq(self, other):
+    return (type(self) is type(other) and self.fqn == other.fqn
+            and getattr(self, "offset", None) == getattr(other, "offset", None))
+
+
+DcpMetadata = _record("Metadata", "state_dict_metadata planner_data storage_data storage_meta version")
+DcpTensorStorageMetadata = _record("TensorStorageMetadata", "properties size chunks")
+DcpBytesStorageMetadata = _record("BytesStorageMetadata", "")
+DcpChunkStorageMetadata = _record("ChunkStorageMetadata", "offsets sizes")
+DcpTensorProperties = _record("TensorProperties", "dtype layout requires_grad memory_format pin_memory",
+                              __setstate__=_tensor_properties_setstate)
+DcpMetadataIndex = _record("MetadataIndex", "fqn offset index", __hash__=_index_hash, __eq__=_index_eq)
+DcpStorageMeta = _record("StorageMeta", "checkpoint_id save_id load_id modules", {"modules": []})
+DcpStorageInfo = _record("_StorageInfo", "relative_path offset length transform_descriptors")
+DcpHFStorageInfo = _record("_HFStorageInfo", "relative_path shape dtype")
+
+_DCP = "torch.distributed.checkpoint"
+_DCP_STAND_INS: dict[str, Any] = {
+    f"{_DCP}.metadata.Metadata": DcpMetadata,
+    f"{_DCP}.metadata.TensorStorageMetadata": DcpTensorStorageMetadata,
+    f"{_DCP}.metadata.BytesStorageMetadata": DcpBytesStorageMetadata,
+    f"{_DCP}.metadata.ChunkStorageMetadata": DcpChunkStorageMetadata,
+    f"{_DCP}.metadata.TensorProperties": DcpTensorProperties,
+    f"{_DCP}.metadata.MetadataIndex": DcpMetadataIndex,
+    f"{_DCP}.metadata.StorageMeta": DcpStorageMeta,
+    f"{_DCP}.metadata._MEM_FORMAT_ENCODING": DcpMemFormat,
+    f"{_DCP}.filesystem._StorageInfo": DcpStorageInfo,
+    f"{_DCP}._hf_utils._HFStorageInfo": DcpHFStorageInfo,
+    # torch <= 2.1 kept TensorProperties beside ShardedTensor
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties": DcpTensorProperties,
+    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": DcpMemFormat,
+}
+
+
+def _dcp_allow() -> dict[str, Any]:
+    """DCP's metadata dataclasses (as the inert stand-ins above) and the torch types they hold, by exact
+    ``module.qualname``. Paths become pure paths (no filesystem access); dtypes and layouts are torch's."""
+    import collections
+    import pathlib
+
+    out: dict[str, Any] = dict(_DCP_STAND_INS)
+    out["torch.Size"] = torch.Size
+    out["torch.serialization._get_layout"] = torch.serialization._get_layout
+    for name in dir(torch):
+        obj = getattr(torch, name, None)
+        if isinstance(obj, (torch.dtype, torch.layout)):
+            out[f"torch.{name}"] = obj
+    out["pathlib.PosixPath"] = out["pathlib.PurePosixPath"] = pathlib.PurePosixPath
+    out["pathlib.WindowsPath"] = out["pathlib.PureWindowsPath"] = pathlib.PureWindowsPath
+    out["collections.OrderedDict"] = collections.OrderedDict
+    return out
+
+
+def dcp_allowed_globals() -> dict[str, Any]:
+    """The allow-list :func:`load_dcp_metadata` uses (``module.qualname`` -> object)."""
+    return _dcp_allow()
+
+
+def load_dcp_metadata(path: str | os.PathLike) -> Any:
+    """Read a DCP ``.metadata`` pickle with an allow-list unpickler; returns the ``Metadata`` object.
+
+    Every global the pickle names is resolved through :func:`dcp_allowed_globals` only (``find_class``
+    never imports anything): a crafted file naming anything else (``os.system``, ``builtins.eval``, ...)
+    raises :class:`UnsafePickleError` naming the file and the global, before any of its reduces can run,
+    because the whole stream is disassembled first. A truncated or non-pickle file is a
+    :class:`SourceFormatError`."""
+    import io
+    import pickle
+    import pickletools
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise SourceFormatError(f"{path}: DCP metadata file is missing")
+    with open(path, "rb") as f:
+        data = f.read()
+    allow = _dcp_allow()
+    # static pass first: every global named anywhere in the stream must be allowed, so nothing runs
+    bad: list[str] = []
+    try:
+        recent: list[Any] = []  # what the last opcodes pushed (strings, or None), to resolve STACK_GLOBAL
+        memo: dict[int, Any] = {}
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name in ("GLOBAL", "INST"):
+                mod, _, qual = str(arg).partition(" ")
+                if f"{mod}.{qual}" not in allow:
+                    bad.append(f"{mod}.{qual}")
+                recent.append(None)
+            elif name == "STACK_GLOBAL":
+                pair = recent[-2:] if len(recent) >= 2 else [None, None]
+                g = ".".join(pair) if all(isinstance(x, str) for x in pair) else "<computed global>"
+                if g not in allow:
+                    bad.append(g)
+                recent.append(None)
+            elif name in ("EXT1", "EXT2", "EXT4"):
+                bad.append(f"<copyreg extension {arg}>")
+            elif name == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[int(arg)] = recent[-1] if recent else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                recent.append(memo.get(int(arg)))
+            elif name in ("FRAME", "PROTO", "MARK", "STOP"):
+                pass
+            else:
+                recent.append(arg if isinstance(arg, str) else None)
+            del recent[:-4]
+    except Exception as exc:  # noqa: BLE001 - any disassembly failure means a corrupt file
+        raise SourceFormatError(f"{path}: DCP metadata is not a readable pickle ({exc}); the file is truncated "
+                                "or corrupt") from None
+    if bad:
+        raise UnsafePickleError(
+            f"{path}: refusing to unpickle DCP metadata naming global(s) {', '.join(sorted(set(bad)))}: not in the "
+            "allow-list of DCP's own metadata dataclasses and torch types (ucp_store.safe_pickle."
+            "dcp_allowed_globals); the file may be crafted to run code")
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):  # the dynamic check: a memo trick cannot reach another global
+            g = f"{module}.{name}"
+            if g not in allow:
+                raise UnsafePickleError(f"{path}: refusing to unpickle DCP metadata global {g}: not in the "
+                                        "allow-list (ucp_store.safe_pickle.dcp_allowed_globals)")
+            return allow[g]
+
+        def persistent_load(self, pid):
+            raise UnsafePickleError(f"{path}: DCP metadata uses persistent ids; refusing it")
+
+    try:
+        return _Unpickler(io.BytesIO(data)).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a corrupt stream raises
+        raise SourceFormatError(f"{path}: DCP metadata cannot be unpickled ({type(exc).__name__}: {exc}); the file "
+                                "is truncated or corrupt") from None

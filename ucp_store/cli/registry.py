@@ -63,6 +63,10 @@ def cmd_show(args: Any) -> int:
     table([[t["name"], t["state"], "x".join(map(str, t["shape"])) or "()", t["dtype"],
             (t["pattern"] or {}).get("kind", "-"), fmt_bytes(t["nbytes"]), t["array"]] for t in manifest["tensors"]],
           ["name", "state", "shape", "dtype", "pattern", "bytes", "array"])
+    from ..adapters.dcp_cli import show_lines
+
+    for line in show_lines(ck):
+        print(line)
     return EXIT_OK
 
 

@@ -1,4 +1,5 @@
-"""``ucp import`` and ``ucp export``: torch files, DeepSpeed ZeRO folders, DeepSpeed universal folders.
+"""``ucp import`` and ``ucp export``: torch files, DeepSpeed ZeRO folders, DeepSpeed universal folders, DCP
+folders and Hugging Face folders.
 
 The adapters do the work; a command picks one, passes the options and prints what it did.
 """
@@ -14,13 +15,17 @@ from .output import fmt_bytes
 
 __all__ = ["COMMANDS", "cmd_import", "cmd_export", "IMPORT_KINDS", "EXPORT_KINDS"]
 
-IMPORT_KINDS = ("torch", "deepspeed", "deepspeed-universal")
-EXPORT_KINDS = ("torch", "deepspeed-universal")
+IMPORT_KINDS = ("torch", "deepspeed", "deepspeed-universal", "hf")
+EXPORT_KINDS = ("torch", "deepspeed-universal", "hf")
 
 
 def cmd_import(args: Any) -> int:
     """Import a checkpoint of ``args.kind`` as a new version of ``--run``."""
     store = open_from_args(args, create=True)
+    if args.kind == "dcp":
+        from ..adapters.dcp_cli import cli_import as dcp_import
+
+        return int(dcp_import(store, args))
     if args.kind == "torch":
         from ..adapters.torch_file import import_torch_file
 
@@ -29,6 +34,10 @@ def cmd_import(args: Any) -> int:
         ck = import_torch_file(store, args.source, args.run, args.step, state=args.state or "weight",
                                message=args.message, progress=progress_wanted(args))
         cid = ck.id
+    elif args.kind == "hf":
+        from ..adapters.hf_cli import cli_import as hf_import
+
+        cid = hf_import(store, args)
     elif args.kind == "deepspeed":
         from ..adapters.deepspeed import import_deepspeed
 
@@ -49,11 +58,19 @@ def cmd_export(args: Any) -> int:
     """Export a version as ``args.kind``."""
     store = open_from_args(args)
     ck = store.checkpoint(args.ref)
+    if args.kind == "dcp":
+        from ..adapters.dcp_cli import cli_export as dcp_export
+
+        return int(dcp_export(ck, args))
     if args.kind == "torch":
         from ..adapters.torch_file import export_torch_file
 
         n = export_torch_file(ck, args.dest, state=args.state, progress=progress_wanted(args))
         print(f"wrote {n} tensors to {args.dest}")
+    elif args.kind == "hf":
+        from ..adapters.hf_cli import cli_export as hf_export
+
+        print(hf_export(ck, args))
     else:
         from ..adapters.deepspeed_universal import export_universal
 
@@ -79,6 +96,13 @@ def _kinds(verb: str, kinds: tuple[str, ...]) -> Any:
                 kp.add_argument("dest")
                 kp.add_argument("--state", default=None)
                 kp.add_argument("--tag", default=None)
+            if kind == "hf":
+                from ..adapters.hf_cli import add_cli_arguments
+
+                add_cli_arguments(kp, verb)
+        from ..adapters.dcp_cli import add_cli_parser
+
+        add_cli_parser(sub, verb, add_common)
     return arguments
 
 

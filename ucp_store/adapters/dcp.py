@@ -1,0 +1,809 @@
+"""PyTorch Distributed Checkpoint (DCP) folders in and out: ``ucp import dcp`` / ``ucp export dcp``.
+
+A DCP folder (what ``torch.distributed.checkpoint.save`` and torchtitan-style jobs leave) is a pickled
+``.metadata`` plus ``__<rank>_<n>.distcp`` data files. The metadata lists, per flattened key, either a
+tensor (logical size, dtype, and the boxes -- "chunks" -- that ranks saved) or a ``BytesStorageMetadata``
+(a ``torch.save`` blob of a non-tensor value), and where each chunk or blob sits (file, offset, length).
+
+Import (:class:`DcpSource`, on the adapter interface of :mod:`ucp_store.adapters.base`):
+
+* ``.metadata`` is read through :func:`ucp_store.safe_pickle.load_dcp_metadata` (an allow-list of DCP's
+  own dataclasses and torch types only): a file naming any other global is refused before anything runs.
+* Each tensor key becomes one logical tensor-state. Its saved chunks (any number of ranks, any boxes) are
+  read and placed into a logical tensor assembled in host memory, which ``CheckpointWriter.write`` then
+  stores. We assemble rather than write boxes one by one because ``write`` hashes the whole content
+  first: an unchanged tensor is deduplicated before any byte is written, and a box-by-box write would
+  have to read the array back to hash it (``finish_shards`` does exactly that), doubling the I/O. Peak
+  memory is the largest tensor plus the writer's in-flight bytes; a key saved as one whole chunk is used
+  as read, without a copy.
+* Both serializations: per-chunk ``torch.save`` archives (read with ``torch.load(weights_only=True)``;
+  stream transforms such as zstd go through DCP's own extension registry), and
+  ``SerializationFormat.SAFETENSORS``, where a rank file ends in one safetensors blob whose header we parse
+  ourselves and whose data we map without copying.
+* Keys map to (name, state): the nested layout (``model.<fqn>``, ``optim.state.<fqn>.exp_avg``) and the
+  flat layout torchtitan writes (model FQNs unprefixed, ``optimizer.state.<fqn>.exp_avg``,
+  ``optimizer.param_groups.<fqn>.lr``). Model tensors are state ``weight``; optimizer tensors keep their
+  state name (``exp_avg``, ``exp_avg_sq``, ``step``). Other tensors (RNG state, counters) become array
+  objects under their key.
+* Non-tensor entries are decoded with torch's weights-only unpickler when they hold plain values and
+  stored as JSON objects named by their key (tuples, non-string keys and small tensors tagged as in
+  :func:`ucp_store.safe_pickle.to_jsonable`). A blob that needs any other global, or would not survive
+  JSON exactly, stays opaque: its bytes are stored as a ``uint8`` array object, never unpickled, listed as
+  opaque in ``ucp show``, and written back byte-identical on export.
+* The object ``_dcp`` records the key layout (key -> tensor-state, value or opaque blob, and DCP's
+  ``planner_data`` nesting), so an export rebuilds exactly the keys and nesting the job saved.
+
+Export (:func:`export_dcp`) uses DCP's own ``FileSystemWriter`` with a ``DefaultSavePlanner`` subclass
+that reads each tensor from the store only when DCP asks for it (memory: one tensor at a time) and hands
+opaque blobs back as the original bytes. It writes into a temporary folder beside the destination and
+renames it at the end, so a crash never leaves a folder that ``dcp.load`` would accept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import mmap
+import os
+import shutil
+import struct
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import SourceFormatError, UcpError, UnsafePickleError
+from .base import TensorRecord, import_source
+
+__all__ = ["INDEX_OBJECT", "DcpSource", "export_dcp", "import_dcp", "opaque_entries", "read_dcp_metadata"]
+
+#: name of the object that records the DCP key layout of an imported checkpoint
+from .dcp_cli import INDEX_OBJECT  # noqa: E402  (one home for the name)
+_METADATA = ".metadata"
+_MODEL_STATE = "weight"
+_OPTIM_PREFIXES = ("optim", "optimizer", "optimizers", "opt", "optimizer_state")
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+# ------------------------------------------------------------------------------------------ metadata
+def read_dcp_metadata(folder: str) -> Any:
+    """The ``Metadata`` of a DCP folder, read through the allow-list unpickler.
+
+    A missing folder, a folder without ``.metadata`` (with a hint when it looks like a Hugging Face or
+    DeepSpeed checkpoint), an unsafe or corrupt ``.metadata`` each raise a clear error."""
+    from ..safe_pickle import load_dcp_metadata
+
+    if not os.path.isdir(folder):
+        raise SourceFormatError(f"DCP checkpoint folder {folder} does not exist (or is not a folder)")
+    path = os.path.join(folder, _METADATA)
+    if not os.path.isfile(path):
+        entries = sorted(os.listdir(folder))
+        hint = ""
+        if any(e.endswith(".safetensors") or e == "model.safetensors.index.json" for e in entries):
+            hint = "; it looks like a Hugging Face folder: use 'ucp import hf'"
+        elif "latest" in entries or any(e.startswith("global_step") for e in entries):
+            hint = "; it looks like a DeepSpeed checkpoint: use 'ucp import deepspeed'"
+        elif "zero" in entries:
+            hint = "; it looks like a DeepSpeed universal folder: use 'ucp import deepspeed-universal'"
+        shown = ", ".join(entries[:8]) + (", ..." if len(entries) > 8 else "") or "nothing"
+        raise SourceFormatError(f"{folder} is not a DCP checkpoint folder: it has no {_METADATA} file "
+                                f"(expected .metadata plus __<rank>_<n>.distcp files; found {shown}){hint}")
+    md = load_dcp_metadata(path)
+    from ..safe_pickle import DcpMetadata
+
+    if not isinstance(md, DcpMetadata) or not isinstance(md.state_dict_metadata, dict):
+        raise SourceFormatError(f"{path}: holds a {type(md).__name__}, expected DCP's Metadata with a "
+                                "state_dict_metadata dict")
+    if not isinstance(md.storage_data, dict):
+        raise SourceFormatError(f"{path}: DCP metadata without storage_data (written by a storage layer ucp "
+                                "does not know); expected FileSystemWriter's")
+    return md
+
+
+def _path_of(md: Any, key: str) -> list:
+    pd = md.planner_data if isinstance(md.planner_data, dict) else {}
+    p = pd.get(key)
+    if isinstance(p, (tuple, list)) and p and all(isinstance(x, (str, int)) for x in p):
+        return list(p)
+    return [key]
+
+
+@dataclass
+class _Entry:
+    key: str
+    kind: str  # "tensor" (a tensor-state), "array" (tensor object), "value" (JSON object), "opaque"
+    name: str | None = None
+    state: str | None = None
+
+
+def _classify(md: Any, optim_prefixes: Iterable[str] | None, model_prefix: str | None) -> dict[str, _Entry]:
+    """Every key -> what it becomes (tensor-state, array object, or a non-tensor value decided later)."""
+    from ..safe_pickle import DcpTensorStorageMetadata as TensorStorageMetadata
+
+    sdm = md.state_dict_metadata
+    tensor_keys = [k for k, v in sdm.items() if isinstance(v, TensorStorageMetadata)]
+    paths = {k: _path_of(md, k) for k in sdm}
+    # optimizer prefixes: a top-level component with `state.<fqn>.<state>` tensors and param_groups entries
+    heads = {}
+    for k in sdm:
+        p = paths[k]
+        head = p[0] if len(p) > 1 else k.split(".", 1)[0]
+        heads.setdefault(head, []).append(k)
+    if optim_prefixes is None:
+        optim = []
+        for head, keys in heads.items():
+            has_state = any(k.startswith(f"{head}.state.") for k in keys)
+            has_groups = any(k.startswith(f"{head}.param_groups") for k in keys)
+            if has_state and (has_groups or head in _OPTIM_PREFIXES):
+                optim.append(head)
+    else:
+        optim = list(optim_prefixes)
+    out: dict[str, _Entry] = {}
+    optim_fqns: set[str] = set()
+    for k in tensor_keys:
+        for head in optim:
+            if k.startswith(f"{head}.state."):
+                p = paths[k]
+                if len(p) == 4 and p[0] == head and p[1] == "state" and isinstance(p[2], str):
+                    fqn, state = p[2], str(p[3])  # nested: the path holds the FQN whole
+                else:
+                    rest = k[len(head) + len(".state."):]
+                    if "." not in rest:
+                        break
+                    fqn, state = rest.rsplit(".", 1)
+                out[k] = _Entry(k, "tensor", fqn, state)
+                optim_fqns.add(fqn)
+                break
+    rest_keys = [k for k in tensor_keys if k not in out]
+    if model_prefix is None:
+        model_prefix = ""
+        for cand in ("model", "model_state", "module"):
+            if optim_fqns and any(f"{cand}.{f}" in sdm for f in optim_fqns):
+                model_prefix = cand
+                break
+            if not optim_fqns and cand in heads and rest_keys and all(
+                    paths[k][0] == cand and len(paths[k]) == 2 for k in rest_keys):
+                model_prefix = cand
+                break
+    for k in rest_keys:
+        if model_prefix and k.startswith(model_prefix + "."):
+            out[k] = _Entry(k, "tensor", k[len(model_prefix) + 1:], _MODEL_STATE)
+        elif not model_prefix and not any(k.startswith(f"{h}.") for h in optim) and len(paths[k]) == 1:
+            # flat layout: model FQNs sit at the top level; a tensor nested under another top-level key
+            # (train_state.step, rng states) is not a parameter and becomes an array object
+            out[k] = _Entry(k, "tensor", k, _MODEL_STATE)
+        else:
+            out[k] = _Entry(k, "array")
+    for k in sdm:
+        if k not in out:
+            out[k] = _Entry(k, "value")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- reading
+class _Files:
+    """Memory maps of the data files, opened once each; clear errors for missing or short files."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._maps: dict[str, mmap.mmap | bytes] = {}
+        self._st_headers: dict[tuple[str, int], tuple[dict, int]] = {}
+
+    def view(self, rel: str, offset: int, length: int, what: str) -> memoryview:
+        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            raise SourceFormatError(f"{self.folder}/{_METADATA}: {what} names file {rel!r} outside the folder")
+        m = self._maps.get(rel)
+        if m is None:
+            path = os.path.join(self.folder, rel)
+            if not os.path.isfile(path):
+                raise SourceFormatError(f"{path}: data file of {what} is missing (named in {_METADATA})")
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            self._maps[rel] = m
+        if offset < 0 or length < 0 or offset + length > len(m):
+            raise SourceFormatError(
+                f"{os.path.join(self.folder, rel)}: {what} is stored at bytes [{offset}, {offset + length}) but the "
+                f"file has {len(m)} bytes: the file is truncated")
+        return memoryview(m)[offset:offset + length]
+
+    def prefetch(self, rel: str, offset: int, length: int) -> None:
+        """Ask the kernel to read a range ahead (``MADV_WILLNEED``, asynchronous), so the disk reads of the
+        next tensor overlap the assembly and hashing of this one instead of faulting page by page."""
+        m = self._maps.get(rel)
+        if not isinstance(m, mmap.mmap) or length < (1 << 20) or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        start = offset - offset % mmap.PAGESIZE
+        end = min(len(m), offset + length)
+        try:
+            m.madvise(mmap.MADV_WILLNEED, start, end - start)
+        except (OSError, ValueError):  # advice only
+            pass
+
+    def safetensors_header(self, rel: str, offset: int, what: str) -> tuple[dict, int]:
+        key = (rel, offset)
+        if key not in self._st_headers:
+            m = self._maps[rel]
+            path = os.path.join(self.folder, rel)
+            if offset + 8 > len(m):
+                raise SourceFormatError(f"{path}: safetensors blob of {what} at byte {offset} is truncated")
+            (n,) = struct.unpack_from("<Q", m, offset)
+            if n > 100_000_000 or offset + 8 + n > len(m):
+                raise SourceFormatError(f"{path}: safetensors header of {what} at byte {offset} claims {n} bytes; "
+                                        f"the file has {len(m)} (truncated or corrupt)")
+            try:
+                header = json.loads(bytes(m[offset + 8:offset + 8 + n]))
+            except ValueError as exc:
+                raise SourceFormatError(f"{path}: {what} at byte {offset} is neither a torch.save archive nor a "
+                                        f"safetensors blob (header not JSON: {exc}); the file is corrupt") from None
+            self._st_headers[key] = (header, offset + 8 + n)
+        return self._st_headers[key]
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            if isinstance(m, mmap.mmap):
+                try:
+                    m.close()
+                except BufferError:  # a tensor still views it; the map goes with the last view
+                    pass
+        self._maps.clear()
+
+
+def _untransform(files: _Files, rel: str, off: int, length: int, descriptors, what: str) -> bytes:
+    """The bytes DCP wrote before its stream transforms (e.g. zstd), through DCP's own extension registry."""
+    from torch.distributed.checkpoint._extension import (
+        ExtensionRegistry,
+        StreamTransformExtension,
+    )
+
+    raw = io.BytesIO(bytes(files.view(rel, off, length, what)))
+    try:
+        stream = raw
+        for ex in ExtensionRegistry().from_descriptor_list(list(descriptors)):
+            if isinstance(ex, StreamTransformExtension):
+                stream = ex.transform_from(stream)
+        return stream.read(-1)
+    except Exception as exc:  # noqa: BLE001 - an unknown extension or a corrupt compressed stream
+        raise SourceFormatError(f"{os.path.join(files.folder, rel)}: {what}: stream transform "
+                                f"{list(descriptors)} failed ({exc})") from None
+
+
+def _is_zip(buf: memoryview) -> bool:
+    return bytes(buf[:4]) == b"PK\x03\x04"
+
+
+def _load_chunk(files: _Files, info: Any, fqn: str, what: str) -> torch.Tensor:
+    """One saved chunk as a CPU tensor (torch.save archive or safetensors blob)."""
+    descriptors = getattr(info, "transform_descriptors", None) or ()
+    rel, off, length = info.relative_path, int(info.offset), int(info.length)
+    if descriptors:
+        blob = io.BytesIO(_untransform(files, rel, off, length, descriptors, what))
+        return _torch_load(blob, files, rel, what)
+    head = files.view(rel, off, min(length, 8) if length else 8, what)
+    if _is_zip(head):
+        view = files.view(rel, off, length, what)
+        try:
+            return _torch_chunk_in_place(view)
+        except Exception:  # noqa: BLE001 - anything unusual: torch.load decides, with its own checks and errors
+            return _torch_load(io.BytesIO(view), files, rel, what)
+    # SerializationFormat.SAFETENSORS: the chunk lives in the safetensors blob that starts at `off`
+    header, data_start = files.safetensors_header(rel, off, what)
+    entry = header.get(fqn)
+    if not isinstance(entry, dict):
+        raise SourceFormatError(f"{os.path.join(files.folder, rel)}: the safetensors blob at byte {off} has no "
+                                f"entry {fqn!r} for {what}")
+    dt = _ST_DTYPES.get(entry.get("dtype"))
+    if dt is None:
+        raise SourceFormatError(f"{os.path.join(files.folder, rel)}: {what}: safetensors dtype "
+                                f"{entry.get('dtype')!r} is not supported")
+    a, b = (int(x) for x in entry["data_offsets"])
+    shape = [int(s) for s in entry["shape"]]
+    nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+    if b - a != nbytes:
+        raise SourceFormatError(f"{os.path.join(files.folder, rel)}: {what}: safetensors entry spans {b - a} bytes, "
+                                f"its shape {shape} and dtype need {nbytes}")
+    buf = files.view(rel, data_start + a, b - a, what)
+    if not nbytes:
+        return torch.empty(shape, dtype=dt)
+    with warnings.catch_warnings():  # the map is read-only; nothing writes through this view
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+class _MemFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview (no copy), for zipfile's directory reads."""
+
+    def __init__(self, mv: memoryview):
+        self.mv, self.pos = mv, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else len(self.mv) + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self.mv) - self.pos))
+        b[:n] = self.mv[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def _torch_chunk_in_place(view: memoryview) -> torch.Tensor:
+    """A ``torch.save``d tensor read straight from the mapped file: torch's weights-only unpickler
+    rebuilds it (the same allow-list ``torch.load(weights_only=True)`` uses) around storages that view
+    the archive's stored (uncompressed) records, so the bytes are not copied on the way."""
+    import zipfile
+
+    from torch import _weights_only_unpickler as wou
+
+    zf = zipfile.ZipFile(_MemFile(view))
+    pkl = next(n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+    prefix = pkl[:-len("data.pkl")]
+    if f"{prefix}byteorder" in zf.namelist() and zf.read(f"{prefix}byteorder") != sys_byteorder().encode():
+        raise ValueError("byte order differs from this machine's")
+
+    def persistent_load(pid):
+        typename, storage_type, key, _location, numel = pid
+        if typename != "storage":
+            raise ValueError(f"persistent id {typename!r}")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        info = zf.getinfo(f"{prefix}data/{key}")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ValueError("compressed record")
+        name_len, extra_len = struct.unpack_from("<HH", view, info.header_offset + 26)
+        start = info.header_offset + 30 + name_len + extra_len
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if info.file_size != nbytes or start + nbytes > len(view):
+            raise ValueError("record size")
+        if nbytes:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                untyped = torch.frombuffer(view[start:start + nbytes], dtype=torch.uint8).untyped_storage()
+        else:
+            untyped = torch.UntypedStorage(0)
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    up = wou.Unpickler(io.BytesIO(zf.read(pkl)), encoding="utf-8")
+    up.persistent_load = persistent_load
+    t = up.load()
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("not a tensor")
+    return t
+
+
+def sys_byteorder() -> str:
+    import sys
+
+    return sys.byteorder
+
+
+def _torch_load(blob: io.BytesIO, files: _Files, rel: str, what: str) -> torch.Tensor:
+    try:
+        t = torch.load(blob, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a weights-only refusal or a corrupt archive
+        import pickle
+
+        cls = UnsafePickleError if isinstance(exc, pickle.UnpicklingError) else SourceFormatError
+        msg = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise cls(f"{os.path.join(files.folder, rel)}: {what} cannot be read as a torch.save tensor ({msg}); the "
+                  "file is truncated or corrupt") from None
+    if not isinstance(t, torch.Tensor):
+        raise SourceFormatError(f"{os.path.join(files.folder, rel)}: {what} holds a {type(t).__name__}, expected a "
+                                "tensor")
+    return t
+
+
+def _decode_bytes(blob: bytes) -> tuple[bool, Any, str]:
+    """(plain, JSON value or None, why opaque). Plain means: a torch.save archive that the weights-only
+    unpickler accepts, whose value survives the JSON encoding exactly."""
+    from ..safe_pickle import from_jsonable, to_jsonable
+
+    if not blob.startswith(b"PK\x03\x04"):
+        return False, None, "not a torch.save archive (raw bytes)"
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))
+    except Exception as exc:  # noqa: BLE001
+        return False, None, f"its pickle cannot be disassembled ({type(exc).__name__})"
+    if unsafe:
+        return False, None, "needs global(s) " + ", ".join(sorted(unsafe))
+    try:
+        value = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001
+        return False, None, f"refused by the weights-only unpickler ({str(exc).splitlines()[0][:120]})"
+    notes: list[str] = []
+    enc = to_jsonable(value, notes=notes)
+    if notes:
+        return False, None, "; ".join(notes)[:300]
+    try:
+        text = json.dumps(enc, allow_nan=True)
+        back = from_jsonable(json.loads(text))
+    except (TypeError, ValueError) as exc:
+        return False, None, f"not JSON-encodable ({exc})"
+    if not _same(back, value):
+        return False, None, "does not survive the JSON encoding exactly"
+    return True, enc, ""
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a.keys()) == list(b.keys()) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+# --------------------------------------------------------------------------------------------- source
+class DcpSource:
+    """A DCP checkpoint folder as a :class:`~ucp_store.adapters.base.Source`.
+
+    ``optim_prefixes`` / ``model_prefix`` override the layout detection (``None``: detect; the model
+    prefix ``""`` means model FQNs at the top level)."""
+
+    kind = "dcp"
+
+    def __init__(self, folder: str, *, optim_prefixes: Iterable[str] | None = None, model_prefix: str | None = None):
+        self.folder = os.path.abspath(folder)
+        self.md = read_dcp_metadata(self.folder)
+        self.entries = _classify(self.md, optim_prefixes, model_prefix)
+        self._storage: dict[tuple[str, tuple], Any] = {}
+        self._bytes_info: dict[str, Any] = {}
+        for idx, info in self.md.storage_data.items():
+            fqn = getattr(idx, "fqn", None)
+            if fqn is None or not hasattr(info, "relative_path"):
+                raise SourceFormatError(f"{self.folder}/{_METADATA}: storage entry {idx!r} -> {info!r} is not "
+                                        "FileSystemWriter's (file, offset, length)")
+            off = getattr(idx, "offset", None)
+            if off is None:
+                self._bytes_info[fqn] = info
+            else:
+                self._storage[(fqn, tuple(int(x) for x in off))] = info
+        seen: dict[tuple[str, str], str] = {}
+        for e in self.entries.values():
+            if e.kind == "tensor":
+                if (e.name, e.state) in seen:
+                    raise SourceFormatError(f"{self.folder}: keys {seen[(e.name, e.state)]!r} and {e.key!r} both map "
+                                            f"to tensor {e.name!r} state {e.state!r}; pass model_prefix/optim_prefixes")
+                seen[(e.name, e.state)] = e.key
+        self._objects: dict[str, Any] = {}
+        self._files = _Files(self.folder)
+
+    def describe(self) -> str:
+        return self.folder
+
+    def data_files(self) -> list[str]:
+        return sorted({i.relative_path for i in self.md.storage_data.values()})
+
+    def provenance(self) -> dict:
+        h = hashlib.sha256()
+        with open(os.path.join(self.folder, _METADATA), "rb") as f:
+            h.update(f.read())
+        sizes = {}
+        for rel in self.data_files():
+            p = os.path.join(self.folder, rel)
+            sizes[rel] = os.path.getsize(p) if os.path.isfile(p) else None
+        import torch as _t
+
+        return {"source_kind": self.kind, "source_path": self.folder,
+                "source_hashes": {_METADATA: "sha256:" + h.hexdigest()},
+                "library_versions": {"torch": _t.__version__},
+                "extra": {"dcp_version": self.md.version, "data_files": sizes,
+                          "keys": len(self.md.state_dict_metadata)}}
+
+    def tensor_entries(self) -> list[_Entry]:
+        return [e for e in self.entries.values() if e.kind in ("tensor", "array")]
+
+    def read_key(self, key: str) -> torch.Tensor:
+        """The logical tensor of one tensor key, assembled from its saved chunks."""
+        tmd = self.md.state_dict_metadata[key]
+        size = tuple(int(s) for s in tmd.size)
+        dtype = tmd.properties.dtype
+        total = math.prod(size)
+        chunks = list(tmd.chunks)
+        if not chunks and total:
+            raise SourceFormatError(f"{self.folder}/{_METADATA}: tensor {key!r} {list(size)} lists no saved chunks")
+        out: torch.Tensor | None = None
+        covered = 0
+        for c in chunks:
+            offs = tuple(int(x) for x in c.offsets)
+            sizes = tuple(int(x) for x in c.sizes)
+            what = f"chunk {list(offs)}+{list(sizes)} of {key!r}"
+            info = self._storage.get((key, offs))
+            if info is None:
+                raise SourceFormatError(f"{self.folder}/{_METADATA}: {what} has no storage entry")
+            if any(o + s > n for o, s, n in zip(offs, sizes, size)) or len(offs) != len(size):
+                raise SourceFormatError(f"{self.folder}/{_METADATA}: {what} lies outside the tensor's size {list(size)}")
+            t = _load_chunk(self._files, info, key, what)
+            if tuple(t.shape) != sizes or t.dtype != dtype:
+                raise SourceFormatError(f"{os.path.join(self.folder, info.relative_path)}: {what} holds "
+                                        f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}, the metadata says "
+                                        f"{str(dtype).replace('torch.', '')}{list(sizes)}")
+            if len(chunks) == 1 and sizes == size:
+                return t
+            if out is None:
+                out = torch.empty(size, dtype=dtype)
+            out[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] = t
+            covered += math.prod(sizes)
+        if out is None:
+            out = torch.empty(size, dtype=dtype)
+        if covered != total:
+            raise SourceFormatError(f"{self.folder}: tensor {key!r} {list(size)}: its saved chunks cover {covered} of "
+                                    f"{total} elements (chunks missing or overlapping)")
+        return out
+
+    def _prefetch_key(self, key: str) -> None:
+        for c in self.md.state_dict_metadata[key].chunks:
+            info = self._storage.get((key, tuple(int(x) for x in c.offsets)))
+            if info is not None:
+                self._files.prefetch(info.relative_path, int(info.offset), int(info.length))
+
+    def records(self) -> Iterator[TensorRecord]:
+        pos = 0
+        entries = self.tensor_entries()
+        for i, e in enumerate(entries):
+            if i + 1 < len(entries):
+                self._prefetch_key(entries[i + 1].key)
+            t = self.read_key(e.key)
+            if e.kind == "array":
+                self._objects[e.key] = t.clone() if t.data_ptr() else t
+                continue
+            pos += 1
+            yield TensorRecord(e.name, e.state, t, position=pos)
+
+    def objects(self) -> dict[str, Any]:
+        index: dict[str, Any] = {}
+        objs: dict[str, Any] = {}
+        if INDEX_OBJECT in self.entries:
+            raise SourceFormatError(f"{self.folder}: a DCP key is named {INDEX_OBJECT!r}, the name ucp keeps its "
+                                    "key index under")
+        for key, e in self.entries.items():
+            path = _path_of(self.md, key)
+            if e.kind == "tensor":
+                index[key] = {"kind": "tensor", "name": e.name, "state": e.state, "path": path}
+                continue
+            if e.kind == "array":
+                index[key] = {"kind": "array", "path": path}
+                objs[key] = self._objects[key]
+                continue
+            info = self._bytes_info.get(key)
+            if info is None:
+                raise SourceFormatError(f"{self.folder}/{_METADATA}: non-tensor entry {key!r} has no storage entry")
+            what = f"non-tensor entry {key!r}"
+            descriptors = getattr(info, "transform_descriptors", None)
+            if descriptors:  # kept as the bytes the job serialised (the export writes them untransformed)
+                raw = _untransform(self._files, info.relative_path, int(info.offset), int(info.length),
+                                   descriptors, what)
+            else:
+                raw = bytes(self._files.view(info.relative_path, int(info.offset), int(info.length), what))
+            plain, value, why = _decode_bytes(raw)
+            if plain:
+                index[key] = {"kind": "value", "path": path}
+                objs[key] = value
+            else:
+                index[key] = {"kind": "opaque", "path": path, "nbytes": len(raw),
+                              "sha256": hashlib.sha256(raw).hexdigest(), "why": why,
+                              "source_transforms": list(descriptors or [])}
+                objs[key] = np.frombuffer(raw, dtype=np.uint8).copy()
+        objs[INDEX_OBJECT] = {"format": "dcp", "version": self.md.version, "keys": index}
+        self._files.close()
+        return objs
+
+
+def import_dcp(store, folder: str, run: str, step: int, *, message: str | None = None, progress: bool = True,
+               optim_prefixes: Iterable[str] | None = None, model_prefix: str | None = None):
+    """Import a DCP checkpoint folder as ``run@step``; returns the committed :class:`Checkpoint`.
+
+    Everything that can be checked before writing (metadata safety, key layout, files present and long
+    enough) is checked first, so a bad folder fails before a version is begun."""
+    if step is None:
+        raise UcpError("ucp import dcp DIR: --step N is required (DCP folders carry no step)")
+    source = DcpSource(folder, optim_prefixes=optim_prefixes, model_prefix=model_prefix)
+    for info in source.md.storage_data.values():  # every file present and long enough, before begin
+        source._files.view(info.relative_path, int(info.offset), int(getattr(info, "length", 0) or 0),
+                            f"an entry of {info.relative_path}")
+    ck_id = import_source(store, source, run, step, message=message, progress=progress, distributed=False,
+                          total=sum(1 for e in source.entries.values() if e.kind == "tensor"))
+    return store.checkpoint(ck_id)
+
+
+# --------------------------------------------------------------------------------------------- export
+def opaque_entries(checkpoint) -> list[dict]:
+    """The opaque (never unpickled) non-tensor entries of a DCP import (see ``dcp_cli.opaque_entries``)."""
+    from .dcp_cli import opaque_entries as entries
+
+    return entries(checkpoint)
+
+
+def _index(checkpoint) -> dict | None:
+    from sqlalchemy import select
+
+    from ..catalog import models as m
+
+    with checkpoint.store.catalog.session() as s:
+        row = s.scalars(select(m.StoredObject).where(m.StoredObject.checkpoint_id == checkpoint.id,
+                                                     m.StoredObject.name == INDEX_OBJECT)).first()
+        if row is None or row.kind != "json" or not isinstance(row.value, dict):
+            return None
+        return row.value
+
+
+def _object(checkpoint, name: str) -> Any:
+    """One stored object (JSON value or array) without reading every object of the checkpoint."""
+    from sqlalchemy import select
+
+    from .. import dtypes
+    from .. import format as fmt
+    from ..catalog import models as m
+
+    with checkpoint.store.catalog.session() as s:
+        o = s.scalars(select(m.StoredObject).where(m.StoredObject.checkpoint_id == checkpoint.id,
+                                                   m.StoredObject.name == name)).first()
+        if o is None:
+            raise UcpError(f"checkpoint {checkpoint.run}@{checkpoint.step} lacks object {name!r} its DCP index names")
+        if o.kind == "json":
+            return o.value
+        a = o.array
+        layout = fmt.ArrayLayout.from_catalog(a.dtype, a.shape, a.chunk_shape, a.shard_shape, a.codecs)
+        h = fmt.open_array(checkpoint.store.location, a.path, layout, checkpoint.store.context)
+        data = fmt.read_box(h, layout, tuple((0, n) for n in a.shape), what=f"object {name!r}",
+                            array_url=checkpoint.store.array_url(a.path))
+        return dtypes.to_torch(np.asarray(data))
+
+
+class _Opaque:
+    """Placeholder for an opaque blob in the state dict handed to DCP (a non-tensor -> a bytes item)."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+
+def _plan(checkpoint, states: Iterable[str] | None) -> tuple[dict, dict[str, tuple[str, str]], dict[str, bytes]]:
+    """(nested state dict with meta-tensor placeholders, key -> (name, state), key -> opaque bytes)."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    from ..safe_pickle import from_jsonable
+
+    infos = {(i.name, i.state): i for i in checkpoint.tensors()}
+    have = sorted({s for _, s in infos})
+    wanted = set(states) if states else None
+    if wanted:
+        unknown = wanted - set(have)
+        if unknown:
+            import difflib
+
+            near = {u: difflib.get_close_matches(u, have, n=1) for u in sorted(unknown)}
+            hint = "".join(f"; did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
+            raise UcpError(f"checkpoint {checkpoint.run}@{checkpoint.step} has no state(s) "
+                           f"{', '.join(sorted(unknown))} (--states); states: {', '.join(have)}{hint}")
+    index = _index(checkpoint)
+    sd: dict = {}
+    tensors: dict[str, tuple[str, str]] = {}
+    opaque: dict[str, bytes] = {}
+
+    def placeholder(info):
+        from .. import dtypes
+
+        return torch.empty(tuple(info.shape), dtype=dtypes.torch_dtype(info.dtype), device="meta")
+
+    if index is None:  # not from DCP: get_state_dict's nested layout, {"model": ..., "optim": {"state": ...}}
+        model_state = "fp32" if any(s == "fp32" for _, s in infos) else "weight"
+        for (name, state), info in infos.items():
+            if wanted and state not in wanted:
+                continue
+            if state == model_state:
+                path = ["model", name]
+            elif state in ("fp32", "weight"):
+                continue
+            else:
+                path = ["optim", "state", name, state]
+            key = ".".join(map(str, path))
+            set_element(sd, path, placeholder(info))
+            tensors[key] = (name, state)
+        return sd, tensors, opaque
+    keys = index.get("keys", {})
+    optim_heads = {v["path"][0] for v in keys.values() if v.get("kind") == "tensor" and v.get("state") != _MODEL_STATE
+                   and len(v.get("path", [])) > 1}
+    keep_optim = not wanted or any(s != _MODEL_STATE for s in wanted)
+    for key, v in keys.items():
+        path = v.get("path") or [key]
+        kind = v.get("kind")
+        if kind == "tensor":
+            ns = (v["name"], v["state"])
+            if ns not in infos:
+                raise UcpError(f"checkpoint {checkpoint.run}@{checkpoint.step}: DCP key {key!r} names tensor "
+                               f"{ns[0]!r} state {ns[1]!r}, which the checkpoint lacks")
+            if wanted and ns[1] not in wanted:
+                continue
+            set_element(sd, path, placeholder(infos[ns]))
+            tensors[key] = ns
+            continue
+        if not keep_optim and path[0] in optim_heads:
+            continue
+        if kind == "array":
+            set_element(sd, path, _object(checkpoint, key))
+        elif kind == "value":
+            set_element(sd, path, from_jsonable(_object(checkpoint, key)))
+        elif kind == "opaque":
+            raw = _object(checkpoint, key)
+            raw = raw.numpy().tobytes() if isinstance(raw, torch.Tensor) else bytes(raw)
+            if "sha256" in v and hashlib.sha256(raw).hexdigest() != v["sha256"]:
+                raise UcpError(f"checkpoint {checkpoint.run}@{checkpoint.step}: opaque DCP entry {key!r} does not "
+                               "match its recorded sha256")
+            set_element(sd, path, _Opaque(raw))
+            opaque[key] = raw
+        else:
+            raise UcpError(f"checkpoint {checkpoint.run}@{checkpoint.step}: DCP index entry {key!r} has kind {kind!r}")
+    return sd, tensors, opaque
+
+
+def export_dcp(checkpoint, dest: str, *, states: Iterable[str] | None = None, progress: bool = True,
+               thread_count: int = 1) -> dict:
+    """Write ``checkpoint`` as a DCP folder at ``dest`` with DCP's own ``FileSystemWriter``.
+
+    The keys are the ones the source job saved (from the ``_dcp`` index of a DCP import); a checkpoint
+    from elsewhere gets ``get_state_dict``'s nested layout (``model.<name>``, ``optim.state.<name>.<state>``;
+    no param groups, which ucp does not know). ``states`` limits the tensor-states (``weight`` alone
+    drops the optimizer's non-tensor entries too). Written under a temporary name, then renamed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from ..progress import track
+
+    dest = os.path.abspath(dest)
+    parent = os.path.dirname(dest)
+    if not os.path.isdir(parent):
+        raise UcpError(f"cannot write DCP folder {dest}: folder {parent} does not exist")
+    if os.path.lexists(dest):
+        raise UcpError(f"cannot write DCP folder {dest}: it already exists (ucp never overwrites a checkpoint)")
+    sd, tensors, opaque = _plan(checkpoint, states)
+    if not tensors:
+        raise UcpError(f"checkpoint {checkpoint.run}@{checkpoint.step}: no tensor-states to export")
+    bar = iter(track(range(len(tensors)), f"export {os.path.basename(dest)}", enabled=progress))
+
+    class _Planner(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            fqn = write_item.index.fqn
+            if write_item.type == WriteItemType.BYTE_IO and fqn in opaque:
+                return io.BytesIO(opaque[fqn])
+            if fqn in tensors:
+                name, state = tensors[fqn]
+                next(bar, None)
+                return checkpoint.read(name, state).contiguous()
+            return super().resolve_data(write_item)
+
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    try:
+        writer = FileSystemWriter(tmp, thread_count=thread_count, overwrite=False)
+        with warnings.catch_warnings():  # "torch.distributed is not initialised: single process" is the intent
+            warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+            dcp.save(sd, storage_writer=writer, planner=_Planner(), no_dist=True)
+        for _ in bar:
+            pass
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"path": dest, "tensors": len(tensors), "opaque": len(opaque)}

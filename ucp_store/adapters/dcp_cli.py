@@ -1,0 +1,85 @@
+"""The ``dcp`` branches of ``ucp import`` / ``ucp export`` and the opaque-entry lines of ``ucp show``.
+
+Options and glue only (the work is in :mod:`.dcp`); kept apart so that building the ``ucp`` parser
+imports neither torch nor numpy.
+"""
+
+from __future__ import annotations
+
+INDEX_OBJECT = "_dcp"  # the JSON object a DCP import writes (adapters/dcp.py uses the same name)
+
+__all__ = ["add_cli_parser", "cli_export", "cli_import", "show_lines"]
+
+
+def add_cli_parser(kinds, verb: str, common) -> None:
+    """Add ``ucp import dcp`` / ``ucp export dcp`` to the ``kinds`` subparsers of ``verb``."""
+    kp = kinds.add_parser("dcp", help=f"{verb} a PyTorch Distributed Checkpoint (DCP) folder")
+    common(kp, top=False)
+    if verb == "import":
+        kp.add_argument("source", metavar="DIR", help="DCP folder (.metadata plus __<rank>_<n>.distcp files)")
+        kp.add_argument("--run", required=True)
+        kp.add_argument("--step", type=int, default=None)
+        kp.add_argument("--message", default=None)
+        kp.add_argument("--optim-prefix", action="append", default=None, metavar="KEY",
+                        help="top-level key of the optimizer state (default: detected; repeatable)")
+        kp.add_argument("--model-prefix", default=None, metavar="KEY",
+                        help="top-level key of the model state ('' for FQNs at the top level; default: detected)")
+    else:
+        kp.add_argument("ref")
+        kp.add_argument("dest", metavar="DIR")
+        kp.add_argument("--states", default=None, help="comma-separated tensor-states to export (default: all)")
+        kp.add_argument("--threads", type=int, default=1, help="DCP writer threads (default 1)")
+
+
+def cli_import(store, args) -> int:
+    """``ucp import dcp DIR --run R --step N``."""
+    from ..errors import UcpError
+    from .dcp import import_dcp
+
+    if args.step is None:
+        raise UcpError("ucp import dcp DIR: --step N is required (a DCP folder carries no step)")
+    ck = import_dcp(store, args.source, args.run, args.step, message=args.message, progress=not args.no_progress,
+                    optim_prefixes=args.optim_prefix, model_prefix=args.model_prefix)
+    from .dcp import opaque_entries
+
+    n_opaque = len(opaque_entries(ck))
+    print(f"imported {args.source} as {ck.run}@{ck.step} ({ck.id}, {len(ck.tensors())} tensor-states, "
+          f"{ck.nbytes} bytes, {n_opaque} opaque non-tensor entr{'y' if n_opaque == 1 else 'ies'})")
+    return 0
+
+
+def cli_export(checkpoint, args) -> int:
+    """``ucp export dcp REF DIR [--states a,b]``."""
+    from .dcp import export_dcp
+
+    states = [s.strip() for s in args.states.split(",") if s.strip()] if args.states else None
+    s = export_dcp(checkpoint, args.dest, states=states, progress=not args.no_progress, thread_count=args.threads)
+    print(f"wrote DCP folder {s['path']}: {s['tensors']} tensors, {s['opaque']} opaque entries written back as stored")
+    return 0
+
+
+def show_lines(checkpoint) -> list[str]:
+    """Lines for ``ucp show``: the opaque (never unpickled) non-tensor entries of a DCP import."""
+    if (checkpoint.provenance or {}).get("source_kind") != "dcp":
+        return []
+    rows = opaque_entries(checkpoint)
+    return [f"opaque DCP entry {r['key']}: {r['nbytes']} bytes, sha256 {r['sha256'][:16]}..., kept as bytes "
+            f"({r['why']})" for r in rows]
+
+
+def opaque_entries(checkpoint) -> list[dict]:
+    """The opaque (never unpickled) non-tensor entries of a DCP import: key, bytes, sha256, why.
+
+    Lives here, not in ``dcp.py``, so that ``ucp show`` reads it from the catalog without torch."""
+    from sqlalchemy import select
+
+    from ..catalog import models as m
+
+    with checkpoint.store.catalog.session() as s:
+        row = s.scalars(select(m.StoredObject).where(m.StoredObject.checkpoint_id == checkpoint.id,
+                                                     m.StoredObject.name == INDEX_OBJECT)).first()
+        objs = row.value if row is not None and row.kind == "json" and isinstance(row.value, dict) else None
+    if objs is None:
+        return []
+    return [{"key": k, **{f: v[f] for f in ("nbytes", "sha256", "why") if f in v}}
+            for k, v in objs["keys"].items() if v.get("kind") == "opaque"]

@@ -1,0 +1,504 @@
+"""Hugging Face folders in and out: ``ucp import hf`` (:class:`HfSource`) and ``ucp export hf`` (:func:`export_hf`).
+
+Import reads a folder that ``save_pretrained`` wrote: ``model.safetensors``, or shards named by
+``model.safetensors.index.json``. Every safetensors header (8-byte little-endian length, then JSON
+``{name: {dtype, shape, data_offsets}}``) is parsed and checked here, against the file's real size,
+*before* anything is written: a truncated shard, offsets that overrun the data, a shard the index names
+but the folder lacks, or a dtype the store cannot hold is a :class:`~ucp_store.errors.SourceFormatError`
+naming the file and tensor, and the import never begins. Tensors are then read straight from a
+memory map (no full-file load, no copy before the store's own write). ``config.json`` and
+``generation_config.json`` become the objects ``hf.config`` and ``hf.generation_config``.
+
+Export writes what ``save_pretrained`` writes: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+shards split in tensor order at ``max_shard_size`` (the same greedy rule as ``huggingface_hub``) plus
+``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), ``config.json`` and
+``generation_config.json``. Files are written by us (header, then each tensor ``pwrite`` at its
+offset, read from the store concurrently in bounded batches), into a temporary folder beside the
+destination that is renamed at the end, so no loader ever sees a half-written model. A name map
+(:mod:`ucp_store.adapters.hf_map`) renames stored tensors and splits fused ones (QKV with GQA,
+SwiGLU gate/up) on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from .. import dtypes, names
+from ..errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
+from .base import TensorRecord, import_source
+from .hf_map import NameMap, Piece, load_map, plan_outputs
+
+__all__ = ["HfSource", "SafetensorsHeader", "read_header", "import_hf", "export_hf", "parse_size",
+           "ST_DTYPES", "CONFIG_OBJECT", "GENERATION_CONFIG_OBJECT"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_OBJECT = "hf.config"
+GENERATION_CONFIG_OBJECT = "hf.generation_config"
+_JSON_FILES = {"config.json": CONFIG_OBJECT, "generation_config.json": GENERATION_CONFIG_OBJECT}
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+# safetensors dtype code -> the store's (zarr) dtype name
+ST_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
+             "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "C64": "complex64",
+             "F64": "float64", "I64": "int64", "U64": "uint64"}
+_ST_CODE = {v: k for k, v in ST_DTYPES.items()}
+# safetensors codes that exist but that the store cannot hold bit-exactly (yet)
+_ST_UNSTORABLE = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"}
+_CAST = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+         "fp32": "float32", "float32": "float32"}
+
+
+# ------------------------------------------------------------------------------------------- headers
+class SafetensorsHeader:
+    """One safetensors file's parsed, checked header.
+
+    ``entries`` maps tensor name -> (store dtype, shape, start, end) with offsets relative to
+    ``data_start``; ``metadata`` is the ``__metadata__`` string map."""
+
+    def __init__(self, path: str, data_start: int, entries: dict[str, tuple[str, tuple[int, ...], int, int]],
+                 metadata: dict[str, str], size: int):
+        self.path = path
+        self.data_start = data_start
+        self.entries = entries
+        self.metadata = metadata
+        self.size = size
+
+    def in_file_order(self) -> list[str]:
+        return sorted(self.entries, key=lambda n: self.entries[n][2])
+
+
+def read_header(path: str) -> SafetensorsHeader:
+    """Parse and check a safetensors header against the file's size; SourceFormatError names file and tensor."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SourceFormatError(f"safetensors file {path} is truncated: {size} bytes, shorter than the "
+                                        "8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > _MAX_HEADER:
+                raise SourceFormatError(f"safetensors file {path}: header length {n} exceeds safetensors' limit of "
+                                        f"{_MAX_HEADER} bytes (not a safetensors file, or corrupt)")
+            if 8 + n > size:
+                raise SourceFormatError(f"safetensors file {path} is truncated: its header needs {8 + n} bytes, "
+                                        f"the file has {size}")
+            raw = f.read(n)
+    except OSError as exc:
+        raise SourceFormatError(f"safetensors file {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SourceFormatError(f"safetensors file {path}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise SourceFormatError(f"safetensors file {path}: header is a {type(header).__name__}, expected an object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SourceFormatError(f"safetensors file {path}: __metadata__ must be an object of strings")
+    data_start = 8 + n
+    data_len = size - data_start
+    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    for name, e in header.items():
+        what = f"safetensors file {path} tensor {name!r}"
+        if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
+            raise SourceFormatError(f"{what}: header entry must have dtype, shape and data_offsets, got {e!r}"[:400])
+        code, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        if code in _ST_UNSTORABLE:
+            raise SourceFormatError(f"{what}: dtype {code} cannot be stored bit-exactly by ucp_store (supported: "
+                                    f"{', '.join(ST_DTYPES)})")
+        if code not in ST_DTYPES:
+            raise SourceFormatError(f"{what}: unknown dtype {code!r}; Hugging Face safetensors dtypes the store "
+                                    f"holds: {', '.join(ST_DTYPES)}")
+        if (not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                   for s in shape)):
+            raise SourceFormatError(f"{what}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) and not isinstance(o, bool)
+                                                                    for o in offs) or not 0 <= offs[0] <= offs[1]):
+            raise SourceFormatError(f"{what}: data_offsets {offs!r} must be [start, end] with 0 <= start <= end")
+        dtype = ST_DTYPES[code]
+        need = math.prod(shape) * dtypes.itemsize(dtype)
+        if offs[1] - offs[0] != need:
+            raise SourceFormatError(f"{what}: data_offsets {offs} span {offs[1] - offs[0]} bytes, but shape {shape} "
+                                    f"of {code} needs {need}")
+        if offs[1] > data_len:
+            raise SourceFormatError(f"{what}: data_offsets {offs} overrun the file: its data section has only "
+                                    f"{data_len} bytes (file of {size} bytes truncated, or header corrupt)")
+        entries[name] = (dtype, tuple(shape), offs[0], offs[1])
+    return SafetensorsHeader(path, data_start, entries, {str(k): str(v) for k, v in metadata.items()}, size)
+
+
+# ------------------------------------------------------------------------------------------- import
+class HfSource:
+    """A Hugging Face model folder (``model.safetensors`` or shards + index), read through memory maps.
+
+    Every header is parsed and checked in ``__init__``, so a bad folder fails before an import begins."""
+
+    kind = "hf"
+
+    def __init__(self, path: str | os.PathLike, *, state: str = "weight", hash_sources: bool = True):
+        self.path = os.path.abspath(os.fspath(path))
+        self.state = state
+        self.hash_sources = hash_sources
+        if os.path.isfile(self.path) and self.path.endswith(".safetensors"):
+            self.root, files, weight_map = os.path.dirname(self.path), [os.path.basename(self.path)], None
+        elif os.path.isdir(self.path):
+            self.root = self.path
+            files, weight_map = self._files()
+        else:
+            raise SourceFormatError(f"Hugging Face folder {self.path} does not exist")
+        self.files = files
+        self.headers = [read_header(os.path.join(self.root, f)) for f in files]
+        seen: dict[str, str] = {}
+        for f, h in zip(files, self.headers):
+            for name in h.entries:
+                try:
+                    names.tensor_name(name)  # checked before the import begins, not half-way through it
+                except InvalidNameError as exc:
+                    raise InvalidNameError(f"safetensors file {h.path}: {exc}") from None
+                if name in seen:
+                    raise SourceFormatError(f"tensor {name!r} appears in two shards of {self.root}: {seen[name]} "
+                                            f"and {f}")
+                seen[name] = f
+        if weight_map is not None:
+            for name, f in weight_map.items():
+                if seen.get(name) != f:
+                    where = f"it is in {seen[name]}" if name in seen else "no shard holds it"
+                    raise SourceFormatError(f"{os.path.join(self.root, INDEX_NAME)}: weight_map puts tensor {name!r} "
+                                            f"in {f}, but {where}")
+        self._objects: dict[str, Any] = {}
+        for fname, obj in _JSON_FILES.items():
+            p = os.path.join(self.root, fname)
+            if os.path.isfile(p):
+                try:
+                    with open(p, encoding="utf-8") as fh:
+                        self._objects[obj] = json.load(fh)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise SourceFormatError(f"{p} is not valid JSON ({exc})") from None
+        meta = next((h.metadata for h in self.headers if h.metadata), None)
+        if meta:
+            self._objects["hf.safetensors_metadata"] = meta
+
+    def _files(self) -> tuple[list[str], dict[str, str] | None]:
+        index = os.path.join(self.root, INDEX_NAME)
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise SourceFormatError(f"{index} is not valid JSON ({exc})") from None
+            wm = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(wm, dict) or not wm:
+                raise SourceFormatError(f"{index}: expected a non-empty 'weight_map' object of tensor -> shard file")
+            # shards in file-name order (model-00001-of-... first): the index's own order is by tensor name
+            files = sorted(set(wm.values()), key=str)
+            for f in files:
+                if not isinstance(f, str) or os.path.basename(f) != f or f in ("", ".", ".."):
+                    raise SourceFormatError(f"{index}: shard {f!r} is not a plain file name in {self.root} "
+                                            "(a shard never lives outside the model folder)")
+                if not os.path.isfile(os.path.join(self.root, f)):
+                    held = [n for n, g in wm.items() if g == f]
+                    raise SourceFormatError(f"{index}: shard {f} (holding {len(held)} tensor(s), e.g. {held[0]!r}) "
+                                            f"is missing from {self.root}")
+            return files, wm
+        if os.path.isfile(os.path.join(self.root, SINGLE_NAME)):
+            return [SINGLE_NAME], None
+        found = sorted(os.listdir(self.root))
+        st = [f for f in found if f.endswith(".safetensors")]
+        if len(st) == 1:
+            return st, None
+        hint = (f"{len(st)} safetensors files but no {INDEX_NAME}" if st else
+                "found: " + (", ".join(found[:8]) or "nothing") + (" (PyTorch .bin weights are not read: they are "
+                                                                    "pickles)" if any(f.endswith(".bin") for f in found)
+                                                                   else ""))
+        raise SourceFormatError(f"Hugging Face folder {self.root} has no {SINGLE_NAME} or {INDEX_NAME}; {hint}")
+
+    def describe(self) -> str:
+        return os.path.basename(self.path.rstrip("/")) or self.path
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e[3] - e[2] for h in self.headers for e in h.entries.values())
+
+    def __len__(self) -> int:
+        return sum(len(h.entries) for h in self.headers)
+
+    def provenance(self) -> dict:
+        hashes: dict[str, str] = {}
+        if self.hash_sources:
+            from .deepspeed import hash_files
+
+            hashes = hash_files(self.root, self.files + [f for f in _JSON_FILES
+                                                         if os.path.isfile(os.path.join(self.root, f))])
+        return {"source_kind": self.kind, "source_path": self.path, "source_hashes": hashes,
+                "extra": {"files": len(self.files), "tensors": len(self)}}
+
+    def records(self) -> Iterator[TensorRecord]:
+        for h in self.headers:
+            # np.memmap: a read-only mapping of the whole file; each tensor is a view of it (no copy)
+            mm = np.memmap(h.path, dtype=np.uint8, mode="r") if h.size > h.data_start else None
+            for name in h.in_file_order():
+                dtype, shape, start, end = h.entries[name]
+                np_dtype = dtypes.numpy_dtype(dtype)
+                if end == start:
+                    arr = np.zeros(shape, dtype=np_dtype)
+                else:
+                    if os.path.getsize(h.path) < h.data_start + end:
+                        raise SourceFormatError(f"safetensors file {h.path} tensor {name!r}: the file shrank to "
+                                                f"{os.path.getsize(h.path)} bytes while being read")
+                    arr = mm[h.data_start + start:h.data_start + end].view(np_dtype).reshape(shape)
+                yield TensorRecord(name, self.state, arr)
+
+    def objects(self) -> dict[str, Any]:
+        return dict(self._objects)
+
+
+def import_hf(store, path: str | os.PathLike, run: str, step: int = 0, *, state: str = "weight",
+              message: str | None = None, progress: bool = True, hash_sources: bool = True) -> str:
+    """Import a Hugging Face folder as ``run@step``; returns the committed version id."""
+    source = HfSource(path, state=state, hash_sources=hash_sources)
+    return import_source(store, source, run, step, message=message, progress=progress, distributed=False,
+                         total=len(source))
+
+
+# ------------------------------------------------------------------------------------------- export
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5 * 10**9, ``"500MiB"`` -> 500 * 2**20, ints as given (``huggingface_hub``'s rule)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ConfigurationError(f"max_shard_size must be positive, got {size}")
+        return size
+    units = {"TIB": 1 << 40, "GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10, "TB": 10**12, "GB": 10**9,
+             "MB": 10**6, "KB": 10**3, "B": 1}
+    text = str(size).strip().upper()
+    for unit, mult in units.items():
+        if text.endswith(unit):
+            num = text[:-len(unit)].strip()
+            try:
+                value = float(num)
+            except ValueError:
+                break
+            if value > 0:
+                return int(value * mult)
+            break
+    else:
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    raise ConfigurationError(f"max_shard_size {size!r} is not a size like 5GB, 500MB or 2GiB")
+
+
+def _shards(pieces: list[Piece], nbytes: list[int], limit: int) -> list[list[int]]:
+    """Greedy split in tensor order, as ``huggingface_hub.split_state_dict_into_shards_factory``: a
+    tensor above the limit gets a shard of its own; otherwise a shard closes before it would overflow."""
+    shards: list[list[int]] = []
+    cur: list[int] = []
+    cur_size = 0
+    for i, n in enumerate(nbytes):
+        if n > limit:
+            shards.append([i])
+            continue
+        if cur_size + n > limit and cur:
+            shards.append(cur)
+            cur, cur_size = [], 0
+        cur.append(i)
+        cur_size += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int, int]], metadata: dict) -> bytes:
+    head: dict[str, Any] = {"__metadata__": metadata}
+    for name, dtype, shape, start, end in entries:
+        head[name] = {"dtype": _ST_CODE[dtype], "shape": list(shape), "data_offsets": [start, end]}
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-aligned
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _choose_state(checkpoint, state: str | None) -> str:
+    states = {i.state for i in checkpoint.tensors()}
+    chosen = state or ("weight" if "weight" in states else "fp32" if "fp32" in states else None)
+    if chosen is None or chosen not in states:
+        raise SourceFormatError(f"checkpoint {checkpoint.run}@{checkpoint.step} has no state {chosen!r} to export; "
+                                f"states: {', '.join(sorted(states)) or 'none'}")
+    return chosen
+
+
+def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, dtype: str | None = None,
+              max_shard_size: int | str = "5GB", name_map: "str | os.PathLike | Mapping | NameMap | None" = None,
+              config: "str | os.PathLike | Mapping | None" = None, progress: bool = True,
+              batch_bytes: int = 512 << 20) -> dict:
+    """Write ``checkpoint`` as a Hugging Face folder at ``dest`` (must not exist, or be empty).
+
+    ``state``: which tensor-state becomes the weights (default ``weight``, else ``fp32``); ``dtype``
+    (``bf16``/``fp16``/``fp32``) casts floating tensors and sets ``config.json``'s ``dtype``;
+    ``name_map``: a map file, shipped map name or dict (:mod:`ucp_store.adapters.hf_map`); ``config``:
+    a ``config.json`` to write instead of the stored ``hf.config`` object. Returns a summary."""
+    from ..io import read_tensors
+    from ..progress import track
+
+    dest = os.path.abspath(os.fspath(dest))
+    limit = parse_size(max_shard_size)
+    parent = os.path.dirname(dest)
+    if not os.path.isdir(parent):
+        raise UcpError(f"cannot export to {dest}: folder {parent} does not exist")
+    if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
+        raise UcpError(f"cannot export to {dest}: it exists and is not an empty folder (remove it or choose another)")
+    target = None
+    if dtype is not None:
+        if dtype not in _CAST:
+            raise ConfigurationError(f"export dtype {dtype!r} is not one of bf16, fp16, fp32")
+        target = _CAST[dtype]
+    chosen = _choose_state(checkpoint, state)
+    objects = checkpoint.objects()
+    cfg = _load_config(config) if config is not None else objects.get(CONFIG_OBJECT)
+    if cfg is None:
+        raise ConfigurationError(f"checkpoint {checkpoint.run}@{checkpoint.step} has no stored Hugging Face config "
+                                 f"(object {CONFIG_OBJECT!r}; it was not imported from an HF folder): pass "
+                                 "config=/--config FILE.json")
+    if not isinstance(cfg, dict):
+        raise ConfigurationError(f"the Hugging Face config must be a JSON object, got {type(cfg).__name__}")
+    nmap = load_map(name_map) if name_map is not None else None
+    infos = sorted(checkpoint.tensors(state=chosen), key=lambda i: i.position)
+    pieces = plan_outputs(infos, nmap, cfg)
+    if not pieces:
+        raise ConfigurationError(f"nothing to export from {checkpoint.run}@{checkpoint.step} state {chosen!r}"
+                                 + (f" after name map {nmap.origin}" if nmap else ""))
+    out_dtypes = []
+    for p in pieces:
+        dt = p.source.dtype
+        if target is not None and dt in ("float16", "bfloat16", "float32", "float64"):
+            dt = target
+        if dt not in _ST_CODE:
+            raise DTypeError(f"tensor {p.source.name!r} (exported as {p.name!r}) has dtype {dt}, which Hugging Face "
+                             f"safetensors cannot hold; cast it with --dtype, or supported: {', '.join(_ST_CODE)}")
+        out_dtypes.append(dt)
+    nbytes = [math.prod(p.shape) * dtypes.itemsize(dt) for p, dt in zip(pieces, out_dtypes)]
+    groups = _shards(pieces, nbytes, limit)
+    n = len(groups)
+    file_of: list[str] = [""] * len(pieces)
+    offset_of: list[int] = [0] * len(pieces)
+    layouts = []
+    for k, members in enumerate(groups):
+        fname = SINGLE_NAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        # safetensors' own order: larger alignment first, then by name (keeps every tensor aligned)
+        order = sorted(members, key=lambda i: (-dtypes.itemsize(out_dtypes[i]), pieces[i].name))
+        entries, pos = [], 0
+        for i in order:
+            entries.append((pieces[i].name, out_dtypes[i], pieces[i].shape, pos, pos + nbytes[i]))
+            pos += nbytes[i]
+        header = _header_bytes(entries, {"format": "pt"})
+        for i, e in zip(order, entries):
+            file_of[i] = fname
+            offset_of[i] = len(header) + e[3]
+        layouts.append((fname, header, len(header) + pos))
+
+    tmp = os.path.join(parent, f".{os.path.basename(dest)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        fds: dict[str, int] = {}
+        pool = ahead = None
+        try:
+            for fname, header, total in layouts:
+                fd = os.open(os.path.join(tmp, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fds[fname] = fd
+                _pwrite_all(fd, memoryview(header), 0)
+                os.ftruncate(fd, total)
+            by_source: dict[tuple[str, str], list[int]] = {}
+            for i, p in enumerate(pieces):
+                by_source.setdefault((p.source.name, p.source.state), []).append(i)
+            sources = [pieces[idx[0]].source for idx in by_source.values()]
+            batches, cur, cur_bytes = [], [], 0
+            for info in sources:
+                if cur and cur_bytes + info.nbytes > batch_bytes:
+                    batches.append(cur)
+                    cur, cur_bytes = [], 0
+                cur.append(info)
+                cur_bytes += info.nbytes
+            if cur:
+                batches.append(cur)
+            # the next batch is read (TensorStore's threads) while this one is written (pwrite drops the GIL)
+            pool = ThreadPoolExecutor(max_workers=1)
+            ahead = pool.submit(read_tensors, checkpoint, batches[0]) if batches else None
+            for k, batch in enumerate(track(batches, f"export {os.path.basename(dest)}", enabled=progress,
+                                            weight=lambda b: sum(i.nbytes for i in b))):
+                got = ahead.result()
+                ahead = pool.submit(read_tensors, checkpoint, batches[k + 1]) if k + 1 < len(batches) else None
+                for info in batch:
+                    t = got.pop((info.name, info.state))
+                    for i in by_source[(info.name, info.state)]:
+                        p = pieces[i]
+                        part = t if p.dim is None else t.narrow(p.dim, p.start, p.stop - p.start)
+                        want = dtypes.torch_dtype(out_dtypes[i])
+                        if part.dtype != want:
+                            part = part.to(want)
+                        arr = dtypes.to_numpy(part, what=f"tensor {p.name!r}")
+                        _pwrite_all(fds[file_of[i]], memoryview(arr.reshape(-1).view(np.uint8)), offset_of[i])
+            for fd in fds.values():  # durable before the rename makes the folder visible
+                os.fsync(fd)
+        finally:
+            if pool is not None:
+                if ahead is not None:
+                    ahead.cancel()
+                pool.shutdown(wait=True)
+            for fd in fds.values():
+                os.close(fd)
+        cfg_out = dict(cfg)
+        if target is not None:
+            for key in ("dtype", "torch_dtype"):
+                if key in cfg_out or key == "dtype":
+                    cfg_out[key] = target
+        _write_json(os.path.join(tmp, "config.json"), cfg_out)
+        gen = objects.get(GENERATION_CONFIG_OBJECT)
+        if isinstance(gen, dict):
+            _write_json(os.path.join(tmp, "generation_config.json"), gen)
+        total_size = sum(nbytes)
+        if n > 1:
+            index = {"metadata": {"total_parameters": sum(math.prod(p.shape) for p in pieces),
+                                  "total_size": total_size},
+                     "weight_map": {p.name: file_of[i] for i, p in enumerate(pieces)}}
+            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if os.path.isdir(dest):
+            os.rmdir(dest)  # empty (checked above)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"dest": dest, "state": chosen, "tensors": len(pieces), "shards": n, "total_size": total_size,
+            "files": [fname for fname, _, _ in layouts]}
+
+
+def _load_config(config: "str | os.PathLike | Mapping") -> dict:
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ConfigurationError(f"config {path} cannot be read: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(f"config {path} is not valid JSON ({exc})") from None
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
