@@ -25,9 +25,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-    from . import dtypes
+    from . import dtypes, localread
     from . import format as fmt
-    from . import localread
 else:
     np = lazy_module("numpy")
     torch = lazy_module("torch")

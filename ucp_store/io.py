@@ -10,16 +10,19 @@ Everything no read covers stays zero: vocab padding rows, ZeRO alignment gaps, c
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
-from . import dtypes, format as fmt
+from . import dtypes
+from . import format as fmt
 from .errors import ChecksumError, UcpError
 from .localread import LocalArray, numpy_view, open_reader
-from .planner import Plan, TensorPlan, plan as make_plan
+from .planner import Plan, TensorPlan
+from .planner import plan as make_plan
 from .records import TensorInfo
 
 _MAX_INFLIGHT_BYTES = 512 << 20

@@ -64,6 +64,7 @@ __all__ = ["INDEX_OBJECT", "DcpSource", "export_dcp", "import_dcp", "opaque_entr
 
 #: name of the object that records the DCP key layout of an imported checkpoint
 from .dcp_cli import INDEX_OBJECT  # noqa: E402  (one home for the name)
+
 _METADATA = ".metadata"
 _MODEL_STATE = "weight"
 _OPTIM_PREFIXES = ("optim", "optimizer", "optimizers", "opt", "optimizer_state")
@@ -533,7 +534,8 @@ class DcpSource:
             if info is None:
                 raise SourceFormatError(f"{self.folder}/{_METADATA}: {what} has no storage entry")
             if any(o + s > n for o, s, n in zip(offs, sizes, size)) or len(offs) != len(size):
-                raise SourceFormatError(f"{self.folder}/{_METADATA}: {what} lies outside the tensor's size {list(size)}")
+                raise SourceFormatError(
+                    f"{self.folder}/{_METADATA}: {what} lies outside the tensor's size {list(size)}")
             t = _load_chunk(self._files, info, key, what)
             if tuple(t.shape) != sizes or t.dtype != dtype:
                 raise SourceFormatError(f"{os.path.join(self.folder, info.relative_path)}: {what} holds "

@@ -25,8 +25,9 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -41,9 +41,10 @@ import difflib
 import json
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from ..errors import ConfigurationError
 
