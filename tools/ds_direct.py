@@ -9,7 +9,8 @@ Builds on ``tools/ds_train.py`` (models, configs, data, ``train_steps``). Job ki
   (and ``convert``: rank 0 runs ``ds_to_universal``); then ``attach`` the ucp engine and ``save_checkpoint``
   the same step into ``store`` as ``run`` (``background``: also time the blocked part); then train
   ``next_steps`` more (the uninterrupted continuation). ``kill_rank``: that rank dies (``os._exit``) after its
-  first array write of the ucp save (the others must abort; nothing may be listed).
+  first array write of the ucp save (the others must abort; nothing may be listed). ``bg_run``: then save the
+  same step once more in background mode into that run (``bg_blocked_s``: what training waited for).
 - ``resume_direct``: build the engine (``model``, ``zero``, ``dtype``: the target), ``ucp_store.deepspeed_direct.load``
   ``ref`` from ``store``, train ``steps`` steps.
 - ``resume_ds``: the same from DeepSpeed's ``load_universal`` of ``load_dir``/``tag``.
@@ -30,9 +31,8 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
-import ds_train  # noqa: E402
+import ds_train
+import torch
 
 
 def optimizer_state(engine) -> dict:
@@ -89,9 +89,19 @@ def run_job(job):
         result["ucp_blocked_s"] = time.perf_counter() - t1
         result["version"] = ce.wait()
         result["ucp_save_s"] = time.perf_counter() - t1
+        ucpds.detach(engine)
+        if job.get("bg_run"):  # the same step again, in background mode (benchmark: the blocked time)
+            ce = ucpds.attach(engine, store=job["store"], run=job["bg_run"], background=True,
+                              timeout_s=job.get("timeout_s", 120), progress=False)
+            dist.barrier()
+            t1 = time.perf_counter()
+            engine.save_checkpoint(tag=tag)
+            result["bg_blocked_s"] = time.perf_counter() - t1
+            ce.wait()
+            result["bg_save_s"] = time.perf_counter() - t1
+            ucpds.detach(engine)
         nxt = job.get("next_steps", 0)
         result["losses"] = ds_train.train_steps(engine, job, steps, nxt, dp_rank, dp, micro, gas) if nxt else []
-        ucpds.detach(engine)
     elif job["kind"] in ("resume_direct", "resume_ds"):
         universal = job["kind"] == "resume_ds"
         engine, dp_rank, dp, micro, gas = ds_train.make_engine(job, universal=universal)

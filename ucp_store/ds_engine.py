@@ -48,13 +48,15 @@ import torch
 
 from .errors import ConfigurationError, UcpError
 
-__all__ = ["UcpCheckpointEngine", "attach", "detach", "engine_topology", "ENGINE_NAME"]
+__all__ = ["ENGINE_NAME", "UcpCheckpointEngine", "attach", "detach", "engine_topology"]
 
 ENGINE_NAME = "UcpCheckpointEngine"
 DEFAULT_TIMEOUT_S = 600.0
 
 try:  # DeepSpeed is optional for the rest of ucp_store; this module needs it only at attach time
-    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine as _Base
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+        CheckpointEngine as _Base,
+    )
 except Exception:  # pragma: no cover - deepspeed not installed
     _Base = object
 
@@ -78,6 +80,8 @@ def engine_topology(engine) -> dict:
     """The (tp, pp, dp, zero stage, layers, layer_stages) of an initialised DeepSpeed engine, as a
     ``Topology`` keyword dict (ZeRO alignment: DeepSpeed's ``nccl_start_alignment_factor`` = 2)."""
     tp = int(getattr(engine, "mp_world_size", 1) or 1)
+    if _is_pipe(engine):
+        tp = max(1, tp // int(engine.num_stages))  # a pipeline engine's model parallelism is pp x tp
     if getattr(engine, "has_moe_layers", False):
         raise ConfigurationError("ucp_store.deepspeed_direct: MoE engines (expert parallelism) are not supported yet; "
                                  "save with DeepSpeed's own engine and `ucp import deepspeed`")
@@ -152,7 +156,7 @@ class UcpCheckpointEngine(_Base):
         self._tag = getattr(info, "tag", None)
         self._t0 = time.perf_counter()
 
-    def makedirs(self, path, exist_ok=False) -> None:  # noqa: D401 - DeepSpeed interface
+    def makedirs(self, path, exist_ok=False) -> None:
         """Nothing: the store has no folders to create."""
 
     def save(self, state_dict, path: str) -> None:
@@ -258,12 +262,12 @@ def attach(engine, store, run: str, *, background: bool = False, timeout_s: floa
     engine._ucp_previous = (old, engine.save_checkpoint, engine.__dict__.get("_copy_recovery_script"))
     original = engine.save_checkpoint
 
-    def save_checkpoint(save_dir=None, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(save_dir=None, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's save_checkpoint into the ucp store (``save_dir`` and ``save_latest`` are ignored)."""
         if exclude_frozen_parameters:
             raise ConfigurationError("exclude_frozen_parameters=True is not supported by the ucp engine: the stored "
                                      "version must be complete")
-        original(save_dir or f"ucp-store:{run}", tag=tag, client_state=client_state, save_latest=False,
+        original(save_dir or f"ucp-store:{run}", tag=tag, client_state=client_state or {}, save_latest=False,
                  exclude_frozen_parameters=False)
         return True
 

@@ -88,7 +88,7 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
 
     from .ds_engine import _coords
 
-    rank, stage, _ = _coords(engine)
+    rank, _, _ = _coords(engine)
     zero_groups = {}
     for g, group in enumerate(lp_groups):
         for p in group:

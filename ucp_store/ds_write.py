@@ -21,8 +21,17 @@ import torch
 
 from . import safe_pickle as sp
 from .adapters.deepspeed import (
-    LAYER_RE, MODEL_RE, OPTIM_RE, SHARDED_KEYS, UCI, ZERO3_MODEL_RE, DeepSpeedReader, UniversalInfo, _lp_dtype,
-    _step_value, _with_placement,
+    LAYER_RE,
+    MODEL_RE,
+    OPTIM_RE,
+    SHARDED_KEYS,
+    UCI,
+    ZERO3_MODEL_RE,
+    DeepSpeedReader,
+    UniversalInfo,
+    _lp_dtype,
+    _step_value,
+    _with_placement,
 )
 from .errors import ConfigurationError, SourceFormatError, UcpError
 from .patterns import Fragment
