@@ -130,7 +130,7 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
                     break
             if step is not None:
                 old = inner.state[hp].get("step")
-                inner.state[hp]["step"] = (step.to(old.dtype).reshape(old.shape).clone()
+                inner.state[hp]["step"] = (step.to(device=old.device, dtype=old.dtype).reshape(old.shape).clone()
                                            if isinstance(old, torch.Tensor) else step.clone())
     # param-group hyper-parameters (lr, betas, weight decay, ...) as load_universal restores them
     groups_saved = objs.get("param_groups")
