@@ -93,13 +93,16 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
     for g, group in enumerate(lp_groups):
         for p in group:
             zero_groups[names[p]] = f"g{g}"
-    stored = {i.name for i in ck.plan_records(topo, rank)}
+    records = ck.plan_records(topo, rank)
+    stored = {i.name for i in records}
+    present = {i.state for i in records}
     missing = sorted(n for n in zero_groups if n not in stored)
     if missing:
         raise ReferenceNotFound(f"{ref}: the engine's parameter(s) {missing[:5]} are not in version {ck.id} "
                                 f"(stored: {sorted(stored)[:5]}...); is it the same model?")
     states = list(_FLAT_STATES) if load_optimizer_states else ["fp32"]
-    shard = load_shard(ck, topo, rank, states=[*states, "weight", "step"], zero_groups=lambda n: zero_groups.get(n, "g_other"))
+    wanted = [st for st in (*states, "weight", "step") if st in present]
+    shard = load_shard(ck, topo, rank, states=wanted, zero_groups=lambda n: zero_groups.get(n, "g_other"))
     by_key = {(b.group, b.state): b for b in shard.plan.buffers}
     for g, hp in enumerate(hp_flats):
         for st in states:
