@@ -17,6 +17,19 @@ Prints a table and writes JSON to --out. The page cache is warm for every row (e
 same files right after the previous one); nothing drops caches, the machine is shared.
 
     python tools/bench_deepspeed.py --workdir bench-out/ds --out bench-out/ds.json
+
+``--roundtrip`` (issue 14) measures instead the whole round trip both ways, side by side in one run, on a
+``--width`` x ``--layers`` model (bf16, ZeRO-2, saved at DP=2, resumed at DP=1):
+
+- today: ``save_checkpoint`` to files (DeepSpeed's torch.save engine), ``ds_to_universal``, ``load_checkpoint``
+  with ``load_universal`` on the new topology;
+- direct: ``save_checkpoint`` through the ucp engine (``ucp_store.deepspeed_direct.attach``), then
+  ``ucp_store.deepspeed_direct.load``; plus the same save in background mode (time training is blocked).
+
+Save and load times are measured inside the jobs (around ``save_checkpoint`` / the load call); the
+conversion as a process; peak RSS per process tree for each launch (training included, the same for both).
+
+    python tools/bench_deepspeed.py --roundtrip --width 1024 --layers 16 --workdir bench-out/rt
 """
 
 from __future__ import annotations
@@ -169,7 +182,11 @@ def main(argv=None) -> int:
     ap.add_argument("--output-dir", default=None,
                     help="where every run writes (default: --workdir); /dev/shm takes the disk out of the figures")
     ap.add_argument("--repeat", type=int, default=1, help="run every row N times, keep the fastest (shared machines)")
+    ap.add_argument("--roundtrip", action="store_true",
+                    help="issue 14: save -> (convert) -> load on a new topology, DeepSpeed's files vs the ucp engine")
     args = ap.parse_args(argv)
+    if args.roundtrip:
+        return roundtrip(args)
     global REPEAT
     REPEAT = max(1, args.repeat)
     work = Path(args.workdir).resolve()
@@ -259,6 +276,75 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def roundtrip(args) -> int:
+    """Issue 14: the whole round trip both ways, side by side (see the module docstring)."""
+    work = Path(args.workdir).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    store, save_dir, tag = work / "store", work / "ckpt", "global_step1"
+    model = {"model": "big", "width": args.width, "layers": args.layers, "zero": 2, "dtype": "bf16"}
+    driver = str(REPO / "tools" / "ds_direct.py")
+
+    def launch(jobs: list[dict], nproc: int, label: str) -> dict:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_port()}",
+               driver, "--job", json.dumps(jobs[0])]
+        env = dict(_env(), OMP_NUM_THREADS="1")
+        return _measure_once(cmd, label, env)
+
+    # one training process group saves the same step three ways, one after the other
+    save_job = {"kind": "save", **model, "steps": 1, "save_dir": str(save_dir), "tag": tag, "store": str(store),
+                "run": "sync", "bg_run": "background", "out": str(work / "save.json")}
+    m_save = launch([save_job], 2, "train 1 step + three saves (DP=2)")
+    saved = json.loads((work / "save.json").read_text())
+    m_conv = _measure_once([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                            str(save_dir / tag), "--output_folder", str(save_dir / f"{tag}_universal"),
+                            "--inject_missing_state"], "ds_to_universal", dict(_env(), OMP_NUM_THREADS="1"))
+    m_lds = launch([{"kind": "resume_ds", **model, "load_dir": str(save_dir), "tag": f"{tag}_universal", "steps": 1,
+                     "out": str(work / "load_ds.json")}], 1, "load_universal (DP=1)")
+    m_lucp = launch([{"kind": "resume_direct", **model, "store": str(store), "ref": "sync@1", "steps": 1,
+                      "out": str(work / "load_ucp.json")}], 1, "ucp load (DP=1)")
+    lds, lucp = json.loads((work / "load_ds.json").read_text()), json.loads((work / "load_ucp.json").read_text())
+    files_bytes = sum(p.stat().st_size for p in (save_dir / tag).iterdir() if p.is_file())
+    today = saved["files_save_s"] + m_conv["wall_s"] + lds["load_s"]
+    direct = saved["ucp_save_s"] + lucp["load_s"]
+    res = {
+        "model": model, "parameters": args.layers * (args.width ** 2 + args.width), "files_bytes": files_bytes,
+        "today": {"save_blocked_s": saved["files_save_s"], "ds_to_universal_s": m_conv["wall_s"],
+                  "load_universal_s": lds["load_s"], "round_trip_s": today,
+                  "peak_rss_mb": {"save": m_save["peak_rss_tree_mb"], "convert": m_conv["peak_rss_tree_mb"],
+                                  "load": m_lds["peak_rss_tree_mb"]}},
+        "direct": {"save_blocked_s": saved["ucp_blocked_s"], "save_s": saved["ucp_save_s"],
+                   "background_blocked_s": saved["bg_blocked_s"], "background_save_s": saved["bg_save_s"],
+                   "load_s": lucp["load_s"], "round_trip_s": direct,
+                   "peak_rss_mb": {"save": m_save["peak_rss_tree_mb"], "load": m_lucp["peak_rss_tree_mb"]}},
+        "next_loss_equal": lds["losses_hex"] == lucp["losses_hex"],
+    }
+    res["round_trip_speedup"] = round(today / direct, 2)
+    res["blocked_ratio_sync"] = round(saved["ucp_blocked_s"] / saved["files_save_s"], 3)
+    res["blocked_ratio_background"] = round(saved["bg_blocked_s"] / saved["files_save_s"], 3)
+    res["goals"] = {"round_trip>=3x": res["round_trip_speedup"] >= 3, "sync_blocked<=torch.save": res["blocked_ratio_sync"] <= 1,
+                    "background_blocked<10%": res["blocked_ratio_background"] < 0.1,
+                    "peak_load<=ds": m_lucp["peak_rss_tree_mb"] <= max(m_lds["peak_rss_tree_mb"], m_conv["peak_rss_tree_mb"])}
+    print(f"model: {res['parameters'] / 1e6:.1f}M parameters, bf16 ZeRO-2, saved at DP=2, loaded at DP=1; "
+          f"files {files_bytes / 1e9:.2f} GB")
+    hdr = f"{'step':44s} {'today s':>9s} {'direct s':>9s} {'peak MB today':>14s} {'peak MB direct':>15s}"
+    print(hdr)
+    print("-" * len(hdr))
+    print(f"{'save_checkpoint (training blocked)':44s} {saved['files_save_s']:9.2f} {saved['ucp_blocked_s']:9.2f}")
+    print(f"{'  background mode: blocked / until durable':44s} {'':9s} {saved['bg_blocked_s']:4.2f}/{saved['bg_save_s']:4.2f}")
+    print(f"{'ds_to_universal':44s} {m_conv['wall_s']:9.2f} {'-':>9s} {m_conv['peak_rss_tree_mb']:14.1f} {'-':>15s}")
+    print(f"{'load on the new topology':44s} {lds['load_s']:9.2f} {lucp['load_s']:9.2f} "
+          f"{m_lds['peak_rss_tree_mb']:14.1f} {m_lucp['peak_rss_tree_mb']:15.1f}")
+    print(f"{'round trip':44s} {today:9.2f} {direct:9.2f}")
+    print(f"{'save launch (training + all three saves)':44s} {'':9s} {'':9s} {m_save['peak_rss_tree_mb']:14.1f}")
+    for k in ("round_trip_speedup", "blocked_ratio_sync", "blocked_ratio_background", "next_loss_equal", "goals"):
+        print(f"{k}: {res[k]}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
 
 

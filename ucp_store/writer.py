@@ -77,6 +77,7 @@ class CheckpointWriter:
         self._handles: dict[tuple[str, str], Any] = {}
         self._origin: set[tuple[str, str]] = set()
         self._committed_hashes: dict[str, list] | None = None
+        self._shard_positions: dict[tuple[str, str], int] = {}  # write_shard(position=...)
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -199,7 +200,7 @@ class CheckpointWriter:
 
     # --- sharded writes: each rank writes its shards straight into the logical arrays ---------------
     def write_shard(self, name: str, state: str, local: torch.Tensor, *, shape, pattern: dict | None,
-                    topology, rank: int, fragment=None, targets: Iterable = ()) -> int:
+                    topology, rank: int, fragment=None, targets: Iterable = (), position: int | None = None) -> int:
         """Write rank ``rank``'s shard of a tensor-state (its TP-local tensor, or with ``fragment`` its
         ZeRO flat fragment) into the logical array; returns the number of elements written.
 
@@ -209,6 +210,8 @@ class CheckpointWriter:
         that two ranks never write one shard where the layout allows it; where they must (ZeRO flat
         fragments straddling rows), TensorStore's conditional read-modify-write merges them safely.
         After every rank has written, each calls ``finish_shards`` (after a barrier) and rank 0 commits.
+        ``position`` orders the tensor-state like ``write``'s (every rank passes the same global order);
+        by default the order in which the origin rank records it.
         """
         from . import patterns as pat
         from .topology import as_topology
@@ -245,6 +248,8 @@ class CheckpointWriter:
             self._window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
             written += data.size
         self._sharded.setdefault((name, state), (aid, rel, layout, pattern))
+        if position is not None:
+            self._shard_positions[(name, state)] = int(position)
         if any(all(lo == 0 for lo, _ in box.ranges) for box, _ in copies) or (not shape and copies):
             self._origin.add((name, state))  # this rank records the row (it wrote element 0)
         return written
@@ -300,7 +305,9 @@ class CheckpointWriter:
                 array_id = aid
             self._rows.append(m.Tensor(checkpoint_id=self.id, name=key[0], state=key[1], array_id=array_id,
                                        shape=list(layout.shape), dtype=layout.dtype, pattern=pattern,
-                                       nbytes=layout.nbytes, content_hash=h, position=self._next_position(),
+                                       nbytes=layout.nbytes, content_hash=h,
+                                       position=self._shard_positions[key] if key in self._shard_positions
+                                       else self._next_position(),
                                        layer=layer_of(pattern)))
         self._origin.clear()
         self.flush()

@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Real DeepSpeed (CPU, gloo) jobs for the direct ucp engine (issue 14); run under torchrun.
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tools/ds_direct.py --jobs jobs.json
+
+Builds on ``tools/ds_train.py`` (models, configs, data, ``train_steps``). Job kinds:
+
+- ``save``: train ``steps`` steps; if ``save_dir``: ``save_checkpoint`` to files with DeepSpeed's own engine
+  (and ``convert``: rank 0 runs ``ds_to_universal``); then ``attach`` the ucp engine and ``save_checkpoint``
+  the same step into ``store`` as ``run`` (``background``: also time the blocked part); then train
+  ``next_steps`` more (the uninterrupted continuation). ``kill_rank``: that rank dies (``os._exit``) after its
+  first array write of the ucp save (the others must abort; nothing may be listed). ``bg_run``: then save the
+  same step once more in background mode into that run (``bg_blocked_s``: what training waited for).
+- ``resume_direct``: build the engine (``model``, ``zero``, ``dtype``: the target), ``ucp_store.deepspeed_direct.load``
+  ``ref`` from ``store``, train ``steps`` steps.
+- ``resume_ds``: the same from DeepSpeed's ``load_universal`` of ``load_dir``/``tag``.
+
+Both resumes dump every rank's optimizer state (flat fp32 partitions, moments, step) to
+``<state_prefix>_rank<r>.pt`` for bit-exact comparison, and rank 0 writes ``out`` (losses, ``losses_hex``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ds_train
+import torch
+
+
+def optimizer_state(engine) -> dict:
+    """Every rank's optimizer state as plain tensors: {"g<i>.<state>": tensor}."""
+    from ucp_store.ds_load import _optimizer_groups
+
+    _, _, hp_flats, inner = _optimizer_groups(engine)
+    out = {}
+    for g, hp in enumerate(hp_flats):
+        out[f"g{g}.fp32"] = hp.detach().clone()
+        for k, v in inner.state.get(hp, {}).items():
+            out[f"g{g}.{k}"] = (v.detach().clone() if isinstance(v, torch.Tensor)
+                                else torch.tensor(float(v), dtype=torch.float64))
+    return out
+
+
+def run_job(job):
+    import deepspeed.comm as dist
+
+    import ucp_store.deepspeed_direct as ucpds
+
+    rank = dist.get_rank()
+    result = {"job": job, "world": dist.get_world_size()}
+    t0 = time.time()
+    if job["kind"] == "save":
+        engine, dp_rank, dp, micro, gas = ds_train.make_engine(job)
+        steps = job.get("steps", 3)
+        result["losses_before"] = ds_train.train_steps(engine, job, 0, steps, dp_rank, dp, micro, gas)
+        tag = job.get("tag", f"global_step{steps}")
+        if job.get("save_dir"):
+            dist.barrier()
+            t1 = time.perf_counter()
+            engine.save_checkpoint(job["save_dir"], tag=tag, client_state=job.get("client_state", {}))
+            result["files_save_s"] = time.perf_counter() - t1
+            if job.get("convert") and rank == 0:
+                cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                       os.path.join(job["save_dir"], tag), "--output_folder",
+                       os.path.join(job["save_dir"], f"{tag}_universal"), "--inject_missing_state",
+                       "--num_extract_workers", "1", "--num_merge_workers", "1"]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+                    raise SystemExit("ds_to_universal failed")
+            dist.barrier()
+        ce = ucpds.attach(engine, store=job["store"], run=job["run"], background=job.get("background", False),
+                          timeout_s=job.get("timeout_s", 120), progress=False)
+        if job.get("kill_rank") is not None and rank == job["kill_rank"]:
+            def die(name, state):
+                os._exit(9)
+            ce._on_write = die
+        dist.barrier()
+        t1 = time.perf_counter()
+        engine.save_checkpoint(tag=tag, client_state=job.get("client_state", {}))
+        result["ucp_blocked_s"] = time.perf_counter() - t1
+        result["version"] = ce.wait()
+        result["ucp_save_s"] = time.perf_counter() - t1
+        ucpds.detach(engine)
+        if job.get("bg_run"):  # the same step again, in background mode (benchmark: the blocked time)
+            ce = ucpds.attach(engine, store=job["store"], run=job["bg_run"], background=True,
+                              timeout_s=job.get("timeout_s", 120), progress=False)
+            dist.barrier()
+            t1 = time.perf_counter()
+            engine.save_checkpoint(tag=tag)
+            result["bg_blocked_s"] = time.perf_counter() - t1
+            ce.wait()
+            result["bg_save_s"] = time.perf_counter() - t1
+            ucpds.detach(engine)
+        nxt = job.get("next_steps", 0)
+        result["losses"] = ds_train.train_steps(engine, job, steps, nxt, dp_rank, dp, micro, gas) if nxt else []
+    elif job["kind"] in ("resume_direct", "resume_ds"):
+        universal = job["kind"] == "resume_ds"
+        engine, dp_rank, dp, micro, gas = ds_train.make_engine(job, universal=universal)
+        t1 = time.perf_counter()
+        if universal:
+            path, client = engine.load_checkpoint(job["load_dir"], tag=job.get("tag"), load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+            if path is None:
+                raise SystemExit(f"load_checkpoint found nothing in {job['load_dir']}")
+        else:
+            client = ucpds.load(engine, job["ref"], store=job["store"])
+        result["load_s"] = time.perf_counter() - t1
+        result["client_state"] = {k: v for k, v in (client or {}).items() if isinstance(v, (int, float, str))}
+        if job.get("state_prefix"):
+            torch.save(optimizer_state(engine), f"{job['state_prefix']}_rank{rank}.pt")
+        start = int(engine.global_steps)
+        result["global_steps"] = start
+        result["lr"] = [g["lr"] for g in engine.optimizer.param_groups]
+        result["losses"] = ds_train.train_steps(engine, job, start, job.get("steps", 2), dp_rank, dp, micro, gas)
+    else:
+        raise SystemExit(f"unknown job kind {job['kind']!r}")
+    result["losses_hex"] = [float(v).hex() for v in result.get("losses", [])]
+    result["wall_s"] = time.time() - t0
+    if rank == 0 and job.get("out"):
+        with open(job["out"], "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    del engine
+    dist.barrier()
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", help="JSON file with a list of jobs")
+    ap.add_argument("--job", action="append", default=[], help="one job as inline JSON (repeatable)")
+    args = ap.parse_args(argv)
+    jobs = []
+    if args.jobs:
+        with open(args.jobs) as f:
+            jobs.extend(json.load(f))
+    jobs.extend(json.loads(j) for j in args.job)
+    import deepspeed
+
+    if any(j.get("dtype") == "fp16" for j in jobs):
+        ds_train._allow_cpu_fp16()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    for job in jobs:
+        run_job(job)
+    import deepspeed.comm as dist
+
+    dist.barrier()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""DeepSpeed without a conversion step: save straight into a ucp store, resume straight from it.
+
+The public face of :mod:`ucp_store.ds_engine` (the checkpoint engine and ``attach``) and
+:mod:`ucp_store.ds_load` (``load``)::
+
+    import ucp_store.deepspeed_direct as ucpds
+
+    engine, *_ = deepspeed.initialize(...)
+    ucpds.attach(engine, store="/ckpt/store", run="llama")          # every rank, once
+    engine.save_checkpoint()                                          # llama@<global_steps>, no files
+    ...
+    client_state = ucpds.load(new_engine, "llama@1000", store="/ckpt/store")   # any DP / ZeRO / PP
+
+``attach(..., background=True)`` returns from ``save_checkpoint`` once the state is staged in host memory.
+"""
+
+from .ds_engine import ENGINE_NAME, UcpCheckpointEngine, attach, detach, engine_topology
+from .ds_load import load
+
+__all__ = ["ENGINE_NAME", "UcpCheckpointEngine", "attach", "detach", "engine_topology", "load"]

@@ -1,0 +1,292 @@
+"""A DeepSpeed checkpoint engine that saves straight into a ucp store (no rank-local files, no converter).
+
+DeepSpeed hands every file it would write to its pluggable checkpoint engine
+(``deepspeed/runtime/checkpoint_engine/``: ``create``, ``save(state_dict, path)``, ``commit(info)``).
+:class:`UcpCheckpointEngine` keeps those state dicts in memory instead of writing them, and at
+``commit`` every rank writes *its own share* of every parameter-state into the store's logical arrays:
+
+- ZeRO-1/2 (and the bf16 optimizer): the rank's fragments of the fp32 master and of every per-element
+  optimizer state (``param_slice_mappings`` x ``single_partition_of_fp32_groups`` / ``base_optimizer_state``),
+  through ``CheckpointWriter.write_shard`` with a :class:`~ucp_store.patterns.Fragment`; the fragment's
+  offset in the parameter is the elements the lower DP ranks hold (metadata exchanged once per save);
+- ZeRO-3: the rank's ``ceil(numel / dp)`` partition of every parameter (``fp32_flat_groups``) and of every
+  frozen parameter (``frozen_param_fragments``);
+- frozen parameters and buffers (and low-precision weights that are not the fp32 master cast down): whole,
+  from DP rank 0 of their pipeline stage;
+- the optimizer step, the scheduler, client state, global step counters and every rank's RNG state:
+  JSON objects (never pickle), the same objects ``ucp import deepspeed`` stores, built by the same code.
+
+The merge rules and patterns are the file importer's (:mod:`ucp_store.adapters.deepspeed`), so the stored
+arrays are bit-equal to ``ucp import deepspeed`` of the folder the same step would have written
+(``tests/deepspeed/test_direct.py`` checks every array's content hash). The version is committed by rank 0
+once every rank's writes are durable (:mod:`ucp_store.distributed`); a failure or a dead rank on any rank
+aborts everywhere, and nothing is listed. Collectives run on a private gloo group with a bounded timeout.
+
+``background=True`` stages every tensor in host memory inside ``save`` (so training may resume, and
+update its parameters, as soon as ``save_checkpoint`` returns) and writes from a thread; :meth:`wait`
+(called by the next save, by ``load``, or by you) joins it and re-raises its error.
+
+    import ucp_store.deepspeed_direct as ucpds
+    ucpds.attach(engine, store="/ckpt/store", run="llama")   # once, after deepspeed.initialize
+    engine.save_checkpoint()                                   # -> llama@<global_steps>, no files
+
+Scope: tensor parallelism (TP > 1) and MoE are refused with a clear error; ZeRO 1-3, bf16/fp16/fp32,
+the bf16 optimizer and pipeline engines are handled.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from .errors import ConfigurationError, UcpError
+
+__all__ = ["ENGINE_NAME", "UcpCheckpointEngine", "attach", "detach", "engine_topology"]
+
+ENGINE_NAME = "UcpCheckpointEngine"
+DEFAULT_TIMEOUT_S = 600.0
+
+try:  # DeepSpeed is optional for the rest of ucp_store; this module needs it only at attach time
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+        CheckpointEngine as _Base,
+    )
+except Exception:  # pragma: no cover - deepspeed not installed
+    _Base = object
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _to_host(obj: Any) -> Any:
+    """A deep copy of ``obj`` with every tensor copied to host memory (staging for the background mode)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = {k: _to_host(v) for k, v in obj.items()}
+        return type(obj)(out) if type(obj) in (dict, OrderedDict) else out
+    if isinstance(obj, list):
+        return [_to_host(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_to_host(v) for v in obj)
+    return obj
+
+
+def engine_topology(engine) -> dict:
+    """The (tp, pp, dp, zero stage, layers, layer_stages) of an initialised DeepSpeed engine, as a
+    ``Topology`` keyword dict (ZeRO alignment: DeepSpeed's ``nccl_start_alignment_factor`` = 2)."""
+    tp = int(getattr(engine, "mp_world_size", 1) or 1)
+    if _is_pipe(engine):
+        tp = max(1, tp // int(engine.num_stages))  # a pipeline engine's model parallelism is pp x tp
+    if getattr(engine, "has_moe_layers", False):
+        raise ConfigurationError("ucp_store.deepspeed_direct: MoE engines (expert parallelism) are not supported yet; "
+                                 "save with DeepSpeed's own engine and `ucp import deepspeed`")
+    if tp != 1:
+        raise ConfigurationError(f"ucp_store.deepspeed_direct: tensor parallelism (mp_world_size={tp}) is not "
+                                 "supported yet by the direct engine; save with DeepSpeed's own engine and "
+                                 "`ucp import deepspeed`, which handles TP")
+    zero = int(engine.zero_optimization_stage()) if engine.zero_optimization() else 0
+    if zero == 0 and not _is_bf16_optimizer(engine):
+        raise ConfigurationError(
+            "ucp_store.deepspeed_direct: the engine has no ZeRO optimizer (zero_optimization.stage "
+                                 "is 0 and no bf16 optimizer); expected ZeRO stage 1, 2 or 3")
+    pp, layers, stages = 1, 0, None
+    if _is_pipe(engine):
+        pp = int(engine.num_stages)
+        parts = list(engine.module.parts)
+        layers = int(parts[-1])
+        stages = tuple(next(s for s in range(pp) if parts[s] <= i < parts[s + 1]) for i in range(layers))
+    dp = int(engine.dp_world_size)
+    return {"tp": 1, "pp": pp, "dp": dp, "zero_stage": zero if zero else 1, "layers": layers,
+            "layer_stages": stages, "zero_alignment": 2}
+
+
+def _is_pipe(engine) -> bool:
+    return hasattr(engine, "num_stages") and hasattr(engine.module, "parts")
+
+
+def _is_bf16_optimizer(engine) -> bool:
+    return type(getattr(engine, "optimizer", None)).__name__ == "BF16_Optimizer"
+
+
+def _coords(engine) -> tuple[int, int, int]:
+    """(global rank, pipeline stage, data-parallel rank) of this process."""
+    import deepspeed.comm as dist
+
+    if _is_pipe(engine):
+        return dist.get_rank(), int(engine.stage_id), int(engine.grid.data_parallel_id)
+    return dist.get_rank(), 0, int(dist.get_rank(group=engine.optimizer.dp_process_group))
+
+
+# ------------------------------------------------------------------------------------------- engine
+class UcpCheckpointEngine(_Base):
+    """DeepSpeed ``CheckpointEngine`` that writes ``engine.save_checkpoint`` into a ucp store.
+
+    Every rank reports itself a data-parallel writer of nothing: files never reach the disk. ``save``
+    stages the state dict (by reference, or copied to host memory in ``background`` mode); ``commit``
+    writes the rank's share and commits ``run@engine.global_steps`` (or ``step`` given to ``attach``)."""
+
+    def __init__(self, engine, store, run: str, *, background: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 message: str | None = None, progress: bool = True, group=None):
+        self.name = ENGINE_NAME
+        self.engine = engine
+        self.store = store
+        self.run = run
+        self.background = bool(background)
+        self.message = message
+        self.progress = progress
+        self.group = group
+        self.timeout_s = timeout_s
+        self._staged: dict[str, Any] = {}
+        self._tag: str | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_id: str | None = None
+        self.stats: dict[str, float] = {}
+        self._on_write = None  # test hook: called after each array write (the harness kills a rank here)
+
+    # --- the CheckpointEngine interface -----------------------------------------------------------
+    def create(self, info) -> None:
+        """A save begins: wait for a background save still running, then start staging."""
+        self.wait()
+        self._staged = {}
+        self._tag = getattr(info, "tag", None)
+        self._t0 = time.perf_counter()
+
+    def makedirs(self, path, exist_ok=False) -> None:
+        """Nothing: the store has no folders to create."""
+
+    def save(self, state_dict, path: str) -> None:
+        """Keep ``state_dict`` (what DeepSpeed would write to ``path``) for ``commit``."""
+        name = os.path.basename(os.fspath(path))
+        self._staged[name] = _to_host(state_dict) if self.background else state_dict
+
+    def load(self, path: str, map_location=None):
+        raise ConfigurationError(f"{ENGINE_NAME} cannot load the file {path!r}: a store version is loaded with "
+                                 "ucp_store.deepspeed_direct.load(engine, 'run@step'), not engine.load_checkpoint")
+
+    def commit(self, info) -> bool:
+        """Write this rank's share and commit (all ranks together); in background mode, start that."""
+        staged, self._staged = self._staged, {}
+        meta = self._snapshot(staged)
+        self.stats["staged_s"] = time.perf_counter() - self._t0
+        if self.background:
+            self._error = None
+            self._thread = threading.Thread(target=self._run_bg, args=(staged, meta), name="ucp-ds-save", daemon=True)
+            self._thread.start()
+        else:
+            self.last_id = self._write(staged, meta)
+        return True
+
+    def is_data_parallel_writer(self, dp_rank) -> bool:
+        return dp_rank == 0
+
+    def is_decoupled(self) -> bool:
+        return False
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # no torch.save: DeepSpeed need not clone tensors for us
+
+    def cleanup(self) -> None:
+        self.wait()
+
+    # --- background mode --------------------------------------------------------------------------
+    def _run_bg(self, staged, meta) -> None:
+        try:
+            self.last_id = self._write(staged, meta)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            self._error = exc
+
+    def wait(self) -> str | None:
+        """Join a background save; returns its version id, or re-raises its error."""
+        th, self._thread = self._thread, None
+        if th is not None:
+            th.join()
+        err, self._error = self._error, None
+        if err is not None:
+            raise UcpError(f"background save of run {self.run!r} failed (nothing listed)") from err
+        return self.last_id
+
+    # --- what the save needs from the live engine (taken in the training thread) --------------------
+    def _snapshot(self, staged) -> dict:
+        eng = self.engine
+        rank, stage, dp_rank = _coords(eng)
+        topo = engine_topology(eng)
+        lp = {}
+        if topo["zero_stage"] < 3:
+            # low-precision module weights, to check them against the fp32 master (importer's lp_weights="auto")
+            for n, p in eng.module.named_parameters():
+                lp[n] = _to_host(p) if self.background else p
+        step = int(eng.global_steps)
+        rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+        return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "topo": topo, "lp": lp, "step": step, "rng": rng}
+
+    # --- the write --------------------------------------------------------------------------------
+    def _write(self, staged: dict, meta: dict) -> str:
+        from .ds_write import write_rank_share
+
+        t0 = time.perf_counter()
+        cid = write_rank_share(self, staged, meta)
+        self.stats["write_s"] = time.perf_counter() - t0
+        return cid
+
+
+def attach(engine, store, run: str, *, background: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+           message: str | None = None, progress: bool = True, create: bool = True) -> UcpCheckpointEngine:
+    """Make ``engine.save_checkpoint(...)`` save into ``store`` (a ``Store`` or URL) as ``run@global_steps``.
+
+    Call on every rank after ``deepspeed.initialize``. ``save_checkpoint``'s ``save_dir`` becomes optional
+    and is ignored (nothing is written there: no ``latest`` file, no recovery script). ``background``:
+    ``save_checkpoint`` returns once the state is staged in host memory. Returns the engine object
+    (``last_id``: the version id of the last save; ``wait()``: join a background save)."""
+    import deepspeed.comm as dist
+
+    from . import names, open_store
+
+    names.run_name(run)
+    if isinstance(store, (str, os.PathLike)):
+        store = open_store(os.fspath(store), create=create)
+    engine_topology(engine)  # refuse what is not supported before the first save
+    group = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        import torch.distributed as tdist
+
+        group = tdist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
+    ce = UcpCheckpointEngine(engine, store, run, background=background, timeout_s=timeout_s, message=message,
+                             progress=progress, group=group)
+    old = engine.checkpoint_engine
+    engine.checkpoint_engine = ce
+    engine._ucp_previous = (old, engine.save_checkpoint, engine.__dict__.get("_copy_recovery_script"))
+    original = engine.save_checkpoint
+
+    def save_checkpoint(save_dir=None, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's save_checkpoint into the ucp store (``save_dir`` and ``save_latest`` are ignored)."""
+        if exclude_frozen_parameters:
+            raise ConfigurationError("exclude_frozen_parameters=True is not supported by the ucp engine: the stored "
+                                     "version must be complete")
+        original(save_dir or f"ucp-store:{run}", tag=tag, client_state=client_state or {}, save_latest=False,
+                 exclude_frozen_parameters=False)
+        return True
+
+    engine.save_checkpoint = save_checkpoint
+    engine._copy_recovery_script = lambda *a, **k: None  # zero_to_fp32.py is a file; the store needs none
+    return ce
+
+
+def detach(engine) -> None:
+    """Undo :func:`attach` (waits for a background save first)."""
+    ce = engine.checkpoint_engine
+    if isinstance(ce, UcpCheckpointEngine):
+        ce.wait()
+    prev = engine.__dict__.pop("_ucp_previous", None)
+    if prev is None:
+        return
+    engine.checkpoint_engine = prev[0]
+    engine.__dict__.pop("save_checkpoint", None)
+    engine.__dict__.pop("_copy_recovery_script", None)
+    if prev[2] is not None:
+        engine._copy_recovery_script = prev[2]
