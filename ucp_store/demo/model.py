@@ -25,11 +25,11 @@ from torch import nn
 from ucp_store.errors import ConfigurationError
 
 __all__ = [
-    "ModelConfig",
     "GPT",
+    "ModelConfig",
+    "batch",
     "build_model",
     "build_optimizer",
-    "batch",
     "make_mesh",
     "parallelize",
     "train_step",
@@ -55,10 +55,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:
-            raise ConfigurationError(f"ModelConfig: dim={self.dim} must be divisible by heads={self.heads}")
+            raise ConfigurationError(
+                f"ModelConfig: dim={self.dim} must be divisible by heads={self.heads}"
+            )
         for field in ("vocab", "dim", "heads", "layers", "ffn", "seq", "batch_size"):
             if getattr(self, field) < 1:
-                raise ConfigurationError(f"ModelConfig: {field} must be >= 1, got {getattr(self, field)}")
+                raise ConfigurationError(
+                    f"ModelConfig: {field} must be >= 1, got {getattr(self, field)}"
+                )
 
     def to_json(self) -> dict:
         """The configuration as a JSON-able dict (for provenance and demo manifests)."""
@@ -147,7 +151,9 @@ def _tied_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(h, weight)
 
 
-def build_model(cfg: ModelConfig | None = None, seed: int = 0, device: str | torch.device = "cpu") -> GPT:
+def build_model(
+    cfg: ModelConfig | None = None, seed: int = 0, device: str | torch.device = "cpu"
+) -> GPT:
     """The model with deterministic weights: initialised on the CPU from `seed`, then moved to `device`.
 
     The same (cfg, seed) gives the same full weights on every rank and every mesh.
@@ -163,18 +169,30 @@ def build_model(cfg: ModelConfig | None = None, seed: int = 0, device: str | tor
             elif name.endswith("norm.bias"):
                 p.zero_()
             else:
-                std = 0.02 if p.dim() == 2 and "embeddings" in name else 1.0 / math.sqrt(p.shape[-1])
+                std = (
+                    0.02
+                    if p.dim() == 2 and "embeddings" in name
+                    else 1.0 / math.sqrt(p.shape[-1])
+                )
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
     return model.to(device)
 
 
 def build_optimizer(model: nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
     """AdamW over the (possibly sharded) parameters; `foreach=False` keeps DTensor op coverage simple."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, foreach=False)
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, weight_decay=0.01, foreach=False
+    )
 
 
 def batch(
-    cfg: ModelConfig, step: int, *, seed: int = 0, dp_rank: int = 0, dp: int = 1, device: str | torch.device = "cpu"
+    cfg: ModelConfig,
+    step: int,
+    *,
+    seed: int = 0,
+    dp_rank: int = 0,
+    dp: int = 1,
+    device: str | torch.device = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The (inputs, targets) of `step` for data-parallel rank `dp_rank` of `dp`.
 
@@ -184,7 +202,9 @@ def batch(
     if dp < 1 or not 0 <= dp_rank < dp:
         raise ConfigurationError(f"batch: dp_rank={dp_rank} must lie in [0, dp={dp})")
     if cfg.batch_size % dp:
-        raise ConfigurationError(f"batch: batch_size={cfg.batch_size} must be divisible by dp={dp}")
+        raise ConfigurationError(
+            f"batch: batch_size={cfg.batch_size} must be divisible by dp={dp}"
+        )
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     tokens = torch.randint(0, cfg.vocab, (cfg.batch_size, cfg.seq + 1), generator=gen)
     per = cfg.batch_size // dp
@@ -192,7 +212,9 @@ def batch(
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def make_mesh(*, tp: int = 1, dp: int = 1, replicate: int = 1, device_type: str | None = None):
+def make_mesh(
+    *, tp: int = 1, dp: int = 1, replicate: int = 1, device_type: str | None = None
+):
     """A DeviceMesh for the demo layouts (needs an initialised process group of tp*dp*replicate ranks).
 
     Dim names: ``("dp", "tp")`` for TP x FSDP, ``("dp",)`` or ``("tp",)`` alone, ``("replicate", "dp")``
@@ -203,7 +225,9 @@ def make_mesh(*, tp: int = 1, dp: int = 1, replicate: int = 1, device_type: str 
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if replicate > 1 and tp > 1:
-        raise ConfigurationError("make_mesh: HSDP (replicate>1) together with tp>1 is not a demo layout")
+        raise ConfigurationError(
+            "make_mesh: HSDP (replicate>1) together with tp>1 is not a demo layout"
+        )
     shape, names = [], []
     for size, name in ((replicate, "replicate"), (dp, "dp"), (tp, "tp")):
         if size < 1:
@@ -216,7 +240,9 @@ def make_mesh(*, tp: int = 1, dp: int = 1, replicate: int = 1, device_type: str 
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
 
-def parallelize(model: GPT, mesh, *, tp: int = 1, dp: int = 1, replicate: int = 1) -> GPT:
+def parallelize(
+    model: GPT, mesh, *, tp: int = 1, dp: int = 1, replicate: int = 1
+) -> GPT:
     """Shard `model` in place over `mesh`: TP (`parallelize_module`) on the "tp" dim, then FSDP2 (`fully_shard`).
 
     `mesh` comes from `make_mesh` (or None / a single rank: the model is returned unchanged). tp, dp and
@@ -225,11 +251,17 @@ def parallelize(model: GPT, mesh, *, tp: int = 1, dp: int = 1, replicate: int = 
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     if mesh is None:
         if tp * dp * replicate != 1:
-            raise ConfigurationError(f"parallelize: no mesh given for tp={tp}, dp={dp}, replicate={replicate}")
+            raise ConfigurationError(
+                f"parallelize: no mesh given for tp={tp}, dp={dp}, replicate={replicate}"
+            )
         return model
     names = tuple(mesh.mesh_dim_names or ())
     sizes = dict(zip(names, mesh.mesh.shape))
@@ -244,7 +276,11 @@ def parallelize(model: GPT, mesh, *, tp: int = 1, dp: int = 1, replicate: int = 
         parallelize_module(
             model,
             tp_mesh,
-            {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())},
+            {
+                "tok_embeddings": RowwiseParallel(
+                    input_layouts=Replicate(), output_layouts=Replicate()
+                )
+            },
         )
         for block in model.layers.values():
             parallelize_module(
@@ -261,7 +297,9 @@ def parallelize(model: GPT, mesh, *, tp: int = 1, dp: int = 1, replicate: int = 
                 },
             )
         if model.output is not None:
-            parallelize_module(model, tp_mesh, {"output": ColwiseParallel(output_layouts=Replicate())})
+            parallelize_module(
+                model, tp_mesh, {"output": ColwiseParallel(output_layouts=Replicate())}
+            )
     if dp > 1 or replicate > 1:
         fsdp_mesh = mesh["replicate", "dp"] if replicate > 1 else mesh["dp"]
         for block in model.layers.values():
@@ -270,14 +308,21 @@ def parallelize(model: GPT, mesh, *, tp: int = 1, dp: int = 1, replicate: int = 
     return model
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor):
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+):
     """One forward/backward/optimizer step; returns this rank's (local batch) loss as a float.
 
     FSDP averages the gradients over data-parallel ranks; the returned loss is not reduced.
     """
     optimizer.zero_grad(set_to_none=True)
     logits = model(inputs)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+    )
     loss.backward()
     optimizer.step()
     return float(loss.detach().item())
