@@ -319,6 +319,12 @@ def cmd_plan(args) -> int:
     return run_plan(args, _store(args))
 
 
+def cmd_demo(args) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(args)
+
+
 # --- parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -429,6 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--states", default=None, help="comma-separated states (default: all)")
     sp.add_argument("--plot", default=None, metavar="FILE.png", help="draw which ranks read which chunks")
     sp.add_argument("--param", default=None, help="parameter to draw (default: the largest)")
+
+    from .demo import add_arguments as demo_arguments
+
+    demo_arguments(add("demo", cmd_demo, "train in parallel, save, resume on other meshes, compare the losses",
+                       json_flag=False))
     return p
 
 
