@@ -737,6 +737,65 @@ class CheckpointWriter:
             self._origin.add((name, state))  # this rank records the row (it wrote element 0)
         return written
 
+    def write_region(self, name: str, state: str, local: torch.Tensor | np.ndarray, *, shape, offset,
+                     pattern: dict | None, boundaries: Mapping[int, Iterable[int]] | None = None,
+                     origin: bool = False) -> int:
+        """Write one box of a tensor-state, ``local`` at ``offset`` of the logical ``shape``; returns elements.
+
+        For sources that know each rank's boxes themselves (DTensor shards: ``ucp_store.dist``). Every
+        rank that writes a box of the tensor-state passes the same ``shape``, dtype, ``pattern`` and
+        ``boundaries`` (the split points of all writers), so all derive one array id and one layout;
+        chunks and shard files are cut at ``boundaries`` so writers own whole files where they can.
+        The caller guarantees one writer per element (replicas write once). Exactly one rank passes
+        ``origin=True`` (the one writing element 0, or any one rank for an empty tensor): after the
+        barrier it hashes the array and records the row in ``finish_shards``, deduplicating against
+        committed arrays with the same content."""
+        self._check_open()
+        names.tensor_name(name)
+        names.state_name(state)
+        what = f"tensor {name!r} state {state!r}"
+        shape = tuple(int(s) for s in shape)
+        offset = tuple(int(o) for o in offset)
+        array = dtypes.to_numpy(local, what=what) if isinstance(local, torch.Tensor) else np.require(local, requirements="C")
+        dtype = dtypes.zarr_name(array.dtype, what=what)
+        if len(offset) != len(shape) or array.ndim != len(shape) or any(
+                o < 0 or o + n > s for o, n, s in zip(offset, array.shape, shape)):
+            raise ShapeMismatch(f"{what}: a box of shape {tuple(array.shape)} at offset {offset} does not fit the "
+                                f"logical shape {shape}")
+        if pattern is not None:
+            self._validate_pattern(name, pattern, shape)
+        key = (name, state)
+        if key in self._sharded:
+            aid, rel, layout, _ = self._sharded[key]
+            if layout.dtype != dtype or layout.shape != shape:
+                raise ShapeMismatch(f"{what}: box declares {dtype}{list(shape)}, earlier boxes "
+                                    f"{layout.dtype}{list(layout.shape)}")
+            handle = self._handles[key]
+        else:
+            import tensorstore as ts
+            import xxhash
+
+            points = {int(d): [int(p) for p in v] for d, v in (boundaries or {}).items()}
+            layout = self._layout(shape, dtype, pattern, boundaries=points or None)
+            layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape,
+                                     _writer_aligned_shards(layout, points), layout.compression)
+            aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
+            rel = f"arrays/{self.id}/{aid}.zarr"
+            handle = ts.open(fmt._spec(self.store.location, rel, layout), create=True, open=True,
+                             context=self.store.context).result()
+            self._handles[key] = handle
+            self._sharded[key] = (aid, rel, layout, pattern)
+        if array.size:
+            box = tuple(slice(o, o + n) for o, n in zip(offset, array.shape))
+            future = handle[box].write(array) if box else handle.write(array)
+            self._inflight.append((future, array, what))
+            self._inflight_bytes += array.nbytes
+            while self._inflight_bytes > _MAX_INFLIGHT_BYTES:
+                self._wait_one()
+        if origin:
+            self._origin.add(key)
+        return int(array.size)
+
     def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):
         key = (name, state)
         if key in self._sharded:
