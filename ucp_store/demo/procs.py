@@ -31,7 +31,8 @@ def free_port() -> int:
 
 
 def run_job(job: dict, world: int, *, progress=None, task=None, timeout_s: float = 600.0) -> tuple[dict, dict]:
-    """Run `job` on `world` processes; returns rank 0's ({step: loss}, info). Raises DemoError on failure."""
+    """Run `job` on `world` processes; returns rank 0's ({step: loss}, info);
+    info["boxes"] lists each rank's boxes when the job asks for them (`boxes_of`). Raises DemoError on failure."""
     from .worker import entry
 
     ctx = multiprocessing.get_context("spawn")
@@ -43,8 +44,9 @@ def run_job(job: dict, world: int, *, progress=None, task=None, timeout_s: float
         p.start()
     deadline = time.monotonic() + timeout_s
     result = None
-    error = None
+    errors: list[tuple] = []
     failed_at = None
+    boxes: dict[int, dict] = {}
     try:
         while True:
             try:
@@ -57,8 +59,10 @@ def run_job(job: dict, world: int, *, progress=None, task=None, timeout_s: float
                         progress.update(task, advance=1, loss=f"{msg[3]:.4f}")
                 elif msg[0] == "done":
                     result = (msg[2], msg[3])
-                elif msg[0] == "error" and error is None:
-                    error = msg
+                elif msg[0] == "boxes":
+                    boxes[msg[2]] = msg[3]
+                elif msg[0] == "error":
+                    errors.append(msg)
                 continue  # drain before looking at exit codes
             codes = [p.exitcode for p in procs]
             if all(c == 0 for c in codes):
@@ -80,12 +84,27 @@ def run_job(job: dict, world: int, *, progress=None, task=None, timeout_s: float
                 p.kill()
                 p.join(timeout=5)
         q.close()
-    if error is not None:
-        _, _, rank, message, tb = error
-        raise DemoError(f"run {job['label']}: rank {rank} failed: {message}\n{tb.rstrip()}")
+    if errors:
+        raise DemoError(f"run {job['label']}: " + _describe_errors(errors, [p.exitcode for p in procs]))
     codes = [p.exitcode for p in procs]
     if any(c != 0 for c in codes) or result is None:
         raise DemoError(f"run {job['label']}: processes exited with codes {codes} and rank 0 reported "
                         f"{'no result' if result is None else 'a result'}")
     losses = {int(k): v for k, v in result[0].items()}
-    return losses, result[1]
+    info = dict(result[1])
+    if boxes:
+        info["boxes"] = [boxes[r] for r in sorted(boxes)]
+    return losses, info
+
+
+_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "failed on rank")
+
+
+def _describe_errors(errors: list[tuple], codes: list) -> str:
+    """Every rank's error in one line each, and the traceback of the likely cause (not a peer's hang-up)."""
+    cause = next((e for e in errors if not any(c in e[3] for c in _COLLATERAL)), errors[0])
+    lines = [f"rank {e[2]} failed: {e[3].splitlines()[0] if e[3] else '?'}" for e in sorted(errors, key=lambda e: e[2])]
+    silent = [r for r, c in enumerate(codes) if c not in (0, None) and r not in {e[2] for e in errors}]
+    if silent:
+        lines.append(f"rank(s) {silent} died without a report (exit codes {[codes[r] for r in silent]})")
+    return "; ".join(lines) + f"\ntraceback of rank {cause[2]}:\n{cause[4].rstrip()}"

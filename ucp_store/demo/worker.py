@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -51,6 +52,7 @@ def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
     from . import model as M
     from . import text
 
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2 on the root's logits
     torch.set_num_threads(1)  # the same kernels and reduction order in every run of a mesh
     device_type = _device(world)
     if world > 1:
@@ -72,9 +74,11 @@ def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
 
         if job["load"]:
             t0 = time.perf_counter()
-            _load(model, opt, job)
+            info["bytes_read"] = _load(model, opt, job)
             info["load_s"] = time.perf_counter() - t0
             info["verify"] = _verify(model, opt, job)
+            if job.get("boxes_of"):
+                queue.put(("boxes", job["key"], rank, _boxes(model, job["boxes_of"])))
             if job["perturb"]:
                 perturb(model)
                 info["perturbed"] = "tok_embeddings.weight scaled by 1.01 after the load"
@@ -96,6 +100,8 @@ def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
                     pending.result()
                 t0 = time.perf_counter()
                 pending = _save(model, opt, job, step, kind)
+                if kind == "async" and isinstance(pending, _Done):
+                    kind = "sync (ucp_store.dist has no async_save yet)"
                 info["saves"].append({"step": step, "kind": kind, "blocked_s": time.perf_counter() - t0})
         if pending is not None:
             pending.result()
@@ -142,40 +148,49 @@ def _save(model, opt, job: dict, step: int, kind: str):
 
     state = _state(model, opt)
     if kind == "async":
-        return ucp_dist.async_save(state, store=job["store"], run=job["run"], step=step)
-    ucp_dist.save(state, store=job["store"], run=job["run"], step=step)
+        async_save = getattr(ucp_dist, "async_save", None)
+        if async_save is not None:
+            return async_save(state, store=job["store"], run=job["run"], step=step)
+        kind = "sync"  # said in the run's report: this ucp_store.dist has no async_save yet
+    ucp_dist.save(state, store=job["store"], run=job["run"], step=step, progress=False)
     return _Done()
 
 
-def _load(model, opt, job: dict) -> None:
+def _load(model, opt, job: dict) -> int:
+    """Load job["load"] in place through ucp_store.dist; returns the bytes this rank read."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     from .. import dist as ucp_dist
 
     state = _state(model, opt)
-    ucp_dist.load(state, store=job["store"], ref=job["load"])
+    result = ucp_dist.load(state, store=job["store"], ref=job["load"], progress=False)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(getattr(result, "bytes_read", 0) or 0)
 
 
-def _verify(model, opt, job: dict) -> Any:
+def _verify(model, opt, job: dict) -> dict:
     """`ucp_store.dist.verify` of the live state (read back through get_state_dict) against the checkpoint."""
     from .. import dist as ucp_dist
 
-    report = ucp_dist.verify(_state(model, opt), store=job["store"], ref=job["load"])
-    return _jsonable(report)
+    report = ucp_dist.verify(_state(model, opt), job["load"], store=job["store"], progress=False)
+    return {"ok": bool(report.ok), "text": str(report)}
 
 
-def _jsonable(obj: Any) -> Any:
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    for attr in ("to_json", "_asdict"):
-        if hasattr(obj, attr):
-            return _jsonable(getattr(obj, attr)())
-    return str(obj)
+def _boxes(model, param: str) -> dict:
+    """The logical boxes of parameter `param` that this rank holds (what its load read), from the live DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    from ..dist.layout import local_regions, placement_json
+
+    t = dict(model.named_parameters())[param]
+    if not isinstance(t, DTensor):
+        return {"param": param, "boxes": [[[0, n] for n in t.shape]], "coords": {}}
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    regions = local_regions(tuple(t.shape), tuple(mesh.mesh.shape), [placement_json(p) for p in t.placements], coord)
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {"param": param, "boxes": [[list(b) for b in r.global_box] for r in regions],
+            "coords": dict(zip(names, coord)), "placements": [str(p) for p in t.placements]}
 
 
 def perturb(model) -> None:
