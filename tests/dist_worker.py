@@ -260,7 +260,11 @@ def _rank_main(rank, spec, port):
     out = {"rank": rank}
     try:
         dist.init_process_group("gloo", rank=rank, world_size=spec["world"])
-        out.update(globals()["role_" + spec["role"]](spec, rank))
+        if "jobs" in spec:  # several jobs of one world size, one after the other
+            out["jobs"] = [globals()["role_" + job.get("role", spec["role"])]({**spec, **job}, rank)
+                           for job in spec["jobs"]]
+        else:
+            out.update(globals()["role_" + spec["role"]](spec, rank))
     except BaseException as exc:  # noqa: BLE001
         out["crash"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:

@@ -17,13 +17,16 @@ and on load reads only the chunks its own shards need, whatever mesh saved them.
 """
 
 from .api import (
-    STATE_DICT_OBJECT,
-    LoadResult,
-    Mismatch,
-    VerifyReport,
-    load,
-    save,
-    verify,
+           STATE_DICT_OBJECT,
+           LoadResult,
+           Mismatch,
+           VerifyReport,
+           load,
+           save,
+           verify,
 )
+from .asyncsave import AsyncSaveHandle, async_save, close, wait
+from .checkpointer import Checkpointer
 
-__all__ = ["STATE_DICT_OBJECT", "LoadResult", "Mismatch", "VerifyReport", "load", "save", "verify"]
+__all__ = ["STATE_DICT_OBJECT", "AsyncSaveHandle", "Checkpointer", "LoadResult", "Mismatch", "VerifyReport",
+           "async_save", "close", "load", "save", "verify", "wait"]

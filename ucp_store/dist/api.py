@@ -25,6 +25,7 @@ Without a process group (or with a world of one) everything runs locally with no
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,6 +52,18 @@ STATE_DICT_OBJECT = "dist.state_dict"
 
 
 # ----------------------------------------------------------------------------------------- context
+@contextlib.contextmanager
+def collective_errors(what: str):
+    """Turn a failed collective (a rank died, or the bounded timeout passed) into a ``UcpError`` naming ``what``."""
+    try:
+        yield
+    except RuntimeError as exc:
+        from ..distributed import default_timeout
+
+        raise UcpError(f"{what}: a collective with the other ranks failed (a rank died, or none answered within "
+                       f"UCP_DIST_TIMEOUT={default_timeout():g} s): {str(exc).splitlines()[0][:300]}") from exc
+
+
 class _Ctx:
     """Process-group facts for one call: rank, world size and the bounded-timeout gloo group."""
 
@@ -67,11 +80,12 @@ class _Ctx:
             self.rank = dist.get_rank(self.group)
             self.world = dist.get_world_size(self.group)
 
-    def gather(self, obj: Any) -> list:
+    def gather(self, obj: Any, what: str = "collective") -> list:
         if self.dist is None:
             return [obj]
         out: list = [None] * self.world
-        self.dist.all_gather_object(out, obj, group=self.group)
+        with collective_errors(what):
+            self.dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def raise_if_any_failed(self, error: BaseException | None, what: str) -> None:
@@ -82,7 +96,8 @@ class _Ctx:
             return
         from ..distributed import gather_errors
 
-        failures = gather_errors(error, self.group)
+        with collective_errors(what):
+            failures = gather_errors(error, self.group)
         if not failures:
             return
         if error is not None and len(failures) == 1:
@@ -160,20 +175,29 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------- plan
-@dataclass
-class _Write:
-    tensor: _Tensor
-    region: lay.Region
+@dataclass(frozen=True)
+class WriteItem:
+    """One box this rank writes (plain data: it crosses to a background writer process)."""
+
+    name: str
+    state: str
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    pattern: dict | None
+    boundaries: dict
     origin: bool
 
 
 @dataclass
 class _SavePlan:
-    writes: list[_Write]
-    origins: list[_Tensor]  # tensors this rank records although it writes no element (empty tensors)
-    tensors: list[_Tensor]
+    items: list[WriteItem]
+    sources: list[tuple[torch.Tensor, tuple]]  # per item: (local tensor, local box slices); () for 0-d
     objects: list[dict]
     provenance: dict
+
+    def signature(self) -> tuple:
+        """What the staging buffers depend on: the items and their dtypes."""
+        return tuple((it, src.dtype, str(src.device)) for it, (src, _) in zip(self.items, self.sources))
 
 
 def _plan_save(state_dict: Any, ctx: _Ctx) -> _SavePlan:
@@ -228,25 +252,28 @@ def _plan_save(state_dict: Any, ctx: _Ctx) -> _SavePlan:
         for lo, hi in box:
             n *= hi - lo
         covered[key] = covered.get(key, 0) + n
-    writes: list[_Write] = []
-    origins: list[_Tensor] = []
+    items: list[WriteItem] = []
+    sources: list[tuple[torch.Tensor, tuple]] = []
     for t in tensors:
         numel = int(np.prod(t.shape)) if t.shape else 1
         if numel and covered.get(t.key, 0) != numel:
             raise TopologyError(f"save: {t.what}: the ranks' shards cover {covered.get(t.key, 0)} of {numel} elements "
                                 f"of shape {list(t.shape)}; the placements do not tile the tensor")
-        if not numel:
+        if not numel:  # nothing to write, but one rank records the (empty) array
             if holders[t.key] == ctx.rank:
-                origins.append(t)
+                items.append(WriteItem(*t.key, t.shape, (0,) * len(t.shape), t.pattern, t.boundaries, True))
+                sources.append((t.local, tuple(slice(0, 0) for _ in t.shape)))
             continue
         if not t.candidate:
             continue
         for region in t.regions:
             if winners.get((t.key, region.global_box)) == ctx.rank:
-                writes.append(_Write(t, region, all(lo == 0 for lo, _ in region.global_box)))
+                origin = all(lo == 0 for lo, _ in region.global_box)
+                items.append(WriteItem(*t.key, t.shape, region.offset, t.pattern, t.boundaries, origin))
+                sources.append((t.local, region.local_slices()))
     provenance = {"source_kind": "dist", "source_path": None,
                   "extra": {"dist": {"world_size": ctx.world, "meshes": list(meshes.values())}}}
-    return _SavePlan(writes, origins, tensors, objects, provenance)
+    return _SavePlan(items, sources, objects, provenance)
 
 
 # ----------------------------------------------------------------------------------------- save
@@ -271,25 +298,17 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
     else:
         from ..distributed import distributed_begin
 
-        error = None
-        writer = None
-        try:
+        # distributed_begin raises on every rank when rank 0 cannot begin or a rank cannot join
+        with collective_errors(f"save of {run}@{step} (begin)"):
             writer = distributed_begin(store, run, step, group=ctx.group, parent=parent, message=msg,
                                        provenance=plan.provenance)
-        except BaseException as exc:  # noqa: BLE001
-            error = exc
-        ctx.raise_if_any_failed(error, f"save of {run}@{step} (begin)")
     error = None
     try:
-        items = list(zip(plan.writes, staged))
-        for w, data in track(items, f"save {run}@{step}", enabled=progress and ctx.rank == 0,
-                             weight=lambda item: item[1].numel() * item[1].element_size()):
-            t = w.tensor
-            writer.write_region(t.key[0], t.key[1], data, shape=t.shape, offset=w.region.offset, pattern=t.pattern,
-                                boundaries=t.boundaries, origin=w.origin)
-        for t in plan.origins:
-            writer.write_region(t.key[0], t.key[1], torch.empty(t.shape, dtype=t.local.dtype), shape=t.shape,
-                                offset=(0,) * len(t.shape), pattern=t.pattern, boundaries=t.boundaries, origin=True)
+        pairs = list(zip(plan.items, staged))
+        for it, data in track(pairs, f"save {run}@{step}", enabled=progress and ctx.rank == 0,
+                              weight=lambda pair: pair[1].numel() * pair[1].element_size()):
+            writer.write_region(it.name, it.state, data, shape=it.shape, offset=it.offset, pattern=it.pattern,
+                                boundaries=it.boundaries, origin=it.origin)
         if ctx.rank == 0:
             writer.write_object(STATE_DICT_OBJECT, {"format": 1, "leaves": plan.objects})
     except BaseException as exc:  # noqa: BLE001
@@ -301,12 +320,41 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
         return writer.commit().id
     from ..distributed import all_ok, distributed_commit
 
-    if not all_ok(error is None, ctx.group):
+    try:
+        with collective_errors(f"save of {run}@{step}"):
+            ok = all_ok(error is None, ctx.group)
+    except UcpError:
+        writer.abort()
+        raise
+    if not ok:
         writer.abort()
         if error is not None:
             raise error
         raise UcpError(f"save of {run}@{step} failed on another rank; aborted (nothing listed)")
-    return distributed_commit(writer, group=ctx.group)
+    try:
+        with collective_errors(f"save of {run}@{step} (commit)"):
+            return distributed_commit(writer, group=ctx.group)
+    except UcpError:
+        writer.abort()
+        raise
+
+
+def _open_everywhere(store, create: bool, ctx: _Ctx):
+    """Rank 0 opens (or creates) the store first, then the others open it; every rank raises on a failure."""
+    st, error = None, None
+    try:
+        st = _open(store, create=create) if ctx.rank == 0 else None
+    except BaseException as exc:  # noqa: BLE001
+        error = exc
+    ctx.raise_if_any_failed(error, "save (open store)")
+    if st is None:
+        try:
+            st = _open(store, create=False)
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+    if ctx.dist is not None:
+        ctx.raise_if_any_failed(error, "save (open store)")  # every rank, rank 0 included
+    return st
 
 
 def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
@@ -317,21 +365,13 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
     tensors and JSON values). Each rank writes only the boxes it owns; replicated data is written once.
     The version is committed only after every rank's arrays are durable; on an error anywhere every rank
     raises and nothing is listed. ``store`` is a URL, a folder or a ``Store`` (created if missing)."""
+    from .asyncsave import wait
+
+    wait()  # an async save in flight commits first
     ctx = _Ctx(group)
     plan = _plan_save(state_dict, ctx)
-    st, error = None, None
-    try:  # rank 0 creates the store (if needed) before the others open it
-        st = _open(store, create=create) if ctx.rank == 0 else None
-    except BaseException as exc:  # noqa: BLE001
-        error = exc
-    ctx.raise_if_any_failed(error, "save (open store)")
-    if st is None:
-        try:
-            st = _open(store, create=False)
-        except BaseException as exc:  # noqa: BLE001
-            error = exc
-        ctx.raise_if_any_failed(error, "save (open store)")
-    staged = [_host(w.tensor.local[w.region.local_slices()]) for w in plan.writes]
+    st = _open_everywhere(store, create, ctx)
+    staged = [_host(src[sl] if sl else src) for src, sl in plan.sources]
     return _write_plan(st, plan, staged, ctx, run=run, step=step, message=message, parent=parent, progress=progress)
 
 
@@ -373,7 +413,9 @@ def load(state_dict: dict, *, store: Any = None, ref: str, strict: bool = True, 
     from ..io import _box_sink, _Reader
     from ..patterns import Box
     from ..progress import track
+    from .asyncsave import wait
 
+    wait()  # an async save in flight commits first
     ctx = _Ctx(group)
     error: BaseException | None = None
     result = LoadResult("")
