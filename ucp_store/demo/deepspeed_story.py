@@ -15,9 +15,7 @@ install it (``pip install 'ucp_store[deepspeed]'``) and exits 1.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import os
 import shutil
@@ -49,7 +47,7 @@ def _torchrun(console, out: str, nproc: int, jobs: list[dict]) -> None:
     console.print(f"[bold cyan]$ DS_ACCELERATOR=cpu torchrun --nproc_per_node={nproc} -m ucp_store.demo.ds_train "
                   f"--jobs {os.path.relpath(path)}[/]", soft_wrap=True)
     res = subprocess.run(cmd, env={**os.environ, "DS_ACCELERATOR": "cpu", "UCP_PROGRESS": "0"}, text=True,
-                         capture_output=True)
+                         capture_output=True, check=False)
     if res.returncode != 0:
         raise DemoError(f"DeepSpeed training failed (exit {res.returncode}): {' '.join(cmd)}\n"
                         f"{(res.stdout + res.stderr)[-4000:]}")
@@ -58,13 +56,7 @@ def _torchrun(console, out: str, nproc: int, jobs: list[dict]) -> None:
 def _ucp(console, store: str, *argv: str, capture: bool = False) -> str:
     from .tour import _ucp as run_ucp
 
-    if not capture:
-        run_ucp(console, store, *argv)
-        return ""
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        run_ucp(console, store, *argv)
-    return buf.getvalue()
+    return run_ucp(console, store, *argv, capture=capture)
 
 
 def main(args) -> int:

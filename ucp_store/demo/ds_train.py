@@ -43,9 +43,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 __all__ = ["main", "run_job"]
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 GLOBAL_BATCH = 8
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["RTOL", "Verdict", "compare", "print_table", "draw_losses"]
+__all__ = ["RTOL", "Verdict", "compare", "draw_losses", "print_table"]
 
-RTOL = 1e-4
+RTOL = 1e-5
 
 
 class Verdict:

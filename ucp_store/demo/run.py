@@ -25,7 +25,7 @@ from ..errors import ConfigurationError
 from .procs import DemoError, run_job
 from .report import RTOL, compare, draw_losses, print_table
 
-__all__ = ["RUNS", "run_demo", "plan_topology", "DEFAULT_STEPS"]
+__all__ = ["DEFAULT_STEPS", "RUNS", "plan_topology", "run_demo"]
 
 DEFAULT_STEPS = 24
 MARKER = "ucp-demo.json"
@@ -38,6 +38,7 @@ RUNS = [
     ("1x1", "1 process", 1, 1, "relative"),
 ]
 PLAN_KEY = "2x1"  # the resumed mesh whose reads plan.png draws and `ucp plan` prints
+PLAN_PARAM = "layers.0.feed_forward.w2.weight"  # saved as a 2x2 grid of boxes (FSDP rows x TP columns)
 
 
 def _console():
@@ -68,6 +69,10 @@ def _prepare_dir(path: str) -> None:
 def _show_path(path: str) -> str:
     rel = os.path.relpath(path)
     return rel if not rel.startswith("..") else path
+
+
+def _label(key: str) -> str:
+    return next(label for k, label, *_ in RUNS if k == key)
 
 
 def plan_topology(key: str):
@@ -128,7 +133,8 @@ def run_demo(args) -> int:
                               f"train steps {start + 1}-{steps}")
             job = {**common, "key": ("ref" if what == "train" else key), "label": name, "tp": tp, "dp": dp,
                    "start": start, "end": steps, "load": load, "saves": {str(s): k for s, k in run_saves.items()},
-                   "perturb": what == "resume" and key == perturb}
+                   "perturb": what == "resume" and key == perturb,
+                   "boxes_of": PLAN_PARAM if what == "resume" and key == PLAN_KEY else None}
             task = progress.add_task(name, total=steps - start, loss="") if progress is not None else None
             t0 = time.perf_counter()
             results[job["key"]] = run_job(job, world, progress=progress, task=task)
@@ -149,8 +155,9 @@ def run_demo(args) -> int:
     loss_png = os.path.join(out, "loss_curves.png")
     draw_losses(loss_png, base_label, base, resumed, resume, saves)
     plan_png = os.path.join(out, "plan.png")
-    _draw_plan(store_url, f"{RUN}@{resume}", plan_png)
-    console.print(f"wrote {_show_path(loss_png)} and {_show_path(plan_png)}")
+    drawn = _draw_plan(store_url, f"{RUN}@{resume}", plan_png, results[PLAN_KEY][1]["boxes"])
+    console.print(f"wrote {_show_path(loss_png)} and {_show_path(plan_png)} (the chunks of {drawn} each rank "
+                  f"of resumed {_label(PLAN_KEY)} read)")
 
     from .tour import tour
 
@@ -158,6 +165,10 @@ def run_demo(args) -> int:
     wall = time.perf_counter() - t_start
     console.print(f"\ndemo finished in {wall:.0f} s (training runs: "
                   + ", ".join(f"{k} {w:.0f} s" for k, w in walls.items()) + ")")
+    unverified = [k for k, _, *_ in RUNS if not results[k][1]["verify"]["ok"]]
+    if unverified:
+        raise DemoError(f"ucp_store.dist.verify found the loaded state of resumed run(s) {unverified} different "
+                        f"from the checkpoint: " + "; ".join(results[k][1]["verify"]["text"] for k in unverified))
     bad = [v for v in verdicts if not v.ok]
     if bad:
         raise DemoError("resumed run diverged beyond its tolerance: " + "; ".join(v.describe() for v in bad))
@@ -169,7 +180,7 @@ def run_demo(args) -> int:
 def _report_run(console, job: dict, info: dict, wall: float) -> None:
     bits = [f"{wall:.1f} s"]
     if "load_s" in info:
-        bits.append(f"load {info['load_s']:.2f} s")
+        bits.append(f"load {info['load_s']:.2f} s, {info.get('bytes_read', 0) / 1024:.0f} KiB read by rank 0")
     for s in info.get("saves", []):
         bits.append(f"{s['kind']} save at {s['step']} blocked {s['blocked_s']:.2f} s")
     if "verify" in info:
@@ -179,13 +190,8 @@ def _report_run(console, job: dict, info: dict, wall: float) -> None:
     console.print("      " + "; ".join(bits))
 
 
-def _verify_text(report) -> str:
-    if isinstance(report, dict):
-        if "ok" in report:
-            return "loaded state equals the checkpoint" if report["ok"] else f"DIFFERS: {report}"
-    if isinstance(report, list):
-        return "loaded state equals the checkpoint" if not report else f"{len(report)} differences: {report[:3]}"
-    return str(report)
+def _verify_text(report: dict) -> str:
+    return "the live state equals the checkpoint, bit for bit" if report["ok"] else f"[red]{report['text']}[/]"
 
 
 class _NoProgress:
@@ -202,21 +208,49 @@ def _progress(console, enabled: bool):
     if not wanted(enabled):
         return _NoProgress()
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                    TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=Console(stderr=True))
 
 
-def _draw_plan(store_url: str, ref: str, path: str) -> None:
-    """plan.png through `ucp plan --plot`'s drawing: which chunks each rank of the PLAN_KEY mesh reads."""
+class _Read:
+    def __init__(self, box) -> None:
+        from types import SimpleNamespace
+
+        self.box = SimpleNamespace(ranges=tuple(tuple(b) for b in box))
+
+
+class _RankReads:
+    """What `plan_cli.draw_plan` reads from a plan: rank, coords and the boxes per tensor-state."""
+
+    def __init__(self, rank: int, coords: dict, name: str, state: str, boxes: list) -> None:
+        from types import SimpleNamespace
+
+        self.rank, self.coords = rank, coords
+        self.tensors = [SimpleNamespace(name=name, state=state, reads=[_Read(b) for b in boxes])]
+
+
+def _draw_plan(store_url: str, ref: str, path: str, boxes: list[dict]) -> str:
+    """plan.png with `ucp plan --plot`'s drawing: the chunks each rank of the PLAN_KEY mesh read on its load.
+
+    The boxes come from the resumed ranks' live DTensors (what `ucp_store.dist.load` read for them); the
+    chunk grid is the stored array's. Returns the tensor drawn."""
     from .. import open_store
     from ..plan_cli import draw_plan
-    from ..planner import plan as make_plan
 
-    store = open_store(store_url)
-    ck = store.checkpoint(ref)
-    topo = plan_topology(PLAN_KEY)
-    infos = ck.tensors()
-    plans = [make_plan(infos, topo, r) for r in range(topo.world_size)]
-    draw_plan(ck, plans, None, path)
+    ck = open_store(store_url).checkpoint(ref)
+    param = boxes[0]["param"]
+    cands = [i for i in ck.tensors() if i.name == param or i.name.endswith("." + param)]
+    if not cands:
+        raise DemoError(f"plan.png: checkpoint {ref} has no tensor named {param!r}")
+    info = next((i for i in cands if i.state == "fp32"), cands[0])
+    plans = [_RankReads(r, b["coords"], info.name, info.state, b["boxes"]) for r, b in enumerate(boxes)]
+    draw_plan(ck, plans, info.name, path)
+    return f"{info.name} [{info.state}]"

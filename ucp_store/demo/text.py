@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ConfigurationError
 
-__all__ = ["VOCAB", "corpus", "encode", "decode", "batch"]
+__all__ = ["VOCAB", "batch", "corpus", "decode", "encode"]
 
 VOCAB = "\n abcdefghijklmnopqrstuvwxyz.,'-"
 _INDEX = {c: i for i, c in enumerate(VOCAB)}

@@ -7,6 +7,8 @@ command that fails fails the demo.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shlex
 import sys
@@ -16,16 +18,23 @@ from .procs import DemoError
 __all__ = ["tour"]
 
 
-def _ucp(console, store: str, *argv: str) -> None:
+def _ucp(console, store: str, *argv: str, capture: bool = False) -> str:
+    """Print `ucp --store STORE ARGV...` as typed, run it; returns its stdout when `capture` (else prints it)."""
     from ..cli import main as ucp_main
 
     shown = os.path.relpath(store) if not os.path.relpath(store).startswith("..") else store
     console.print(f"\n[bold cyan]$ {shlex.join(['ucp', '--store', shown, *argv])}[/]", soft_wrap=True)
     sys.stdout.flush()
-    rc = ucp_main(["--store", store, "--no-progress", *argv])
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf) if capture else contextlib.nullcontext():
+            rc = ucp_main(["--store", store, "--no-progress", *argv])
+    except Exception as exc:  # a bug, not bad input: still one line naming the command
+        raise DemoError(f"tour command crashed: ucp {shlex.join(argv)}: {type(exc).__name__}: {exc}") from exc
     sys.stdout.flush()
     if rc != 0:
         raise DemoError(f"tour command failed with exit code {rc}: ucp {shlex.join(argv)}")
+    return buf.getvalue()
 
 
 def tour(console, store: str, run: str, step: int, topology) -> None:
@@ -46,6 +55,6 @@ def tour(console, store: str, run: str, step: int, topology) -> None:
          "--slice", f"{min(2, rows)}:{min(5, rows)},0:{min(6, cols)}")
     _ucp(console, store, "plan", ref, "--tp", str(topology.tp), "--dp", str(topology.dp))
     _ucp(console, store, "query",
-         "SELECT c.step, COUNT(*) AS tensor_states, SUM(t.nbytes) AS bytes, COUNT(DISTINCT t.content_hash) AS distinct_arrays "
-         f"FROM tensors t JOIN checkpoints c ON c.id = t.checkpoint_id JOIN runs r ON r.id = c.run_id "
+         "SELECT c.step, COUNT(*) AS tensor_states, SUM(t.nbytes) AS bytes, "
+         "COUNT(DISTINCT t.content_hash) AS distinct_arrays FROM tensors t JOIN checkpoints c ON c.id = t.checkpoint_id JOIN runs r ON r.id = c.run_id "
          f"WHERE r.name = '{run}' AND c.status = 'committed' GROUP BY c.step ORDER BY c.step")
