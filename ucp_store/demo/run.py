@@ -38,7 +38,9 @@ RUNS = [
     ("1x1", "1 process", 1, 1, "relative"),
 ]
 PLAN_KEY = "2x1"  # the resumed mesh whose reads plan.png draws and `ucp plan` prints
-PLAN_PARAM = "layers.0.feed_forward.w2.weight"  # saved as a 2x2 grid of boxes (FSDP rows x TP columns)
+# The embedding, the one tensor big enough (8192 x 40 fp32, 1.25 MiB) for the store's 1 MiB chunk target to
+# split it; the smaller tensors are one chunk each, which every rank that needs any of it reads whole.
+PLAN_PARAM = "tok_embeddings.weight"
 
 
 def _console():
@@ -108,7 +110,8 @@ def run_demo(args) -> int:
     from .. import open_store
     from .model import ModelConfig
 
-    cfg = ModelConfig(seq=32)
+    # a character vocabulary of 32 in an 8192-row embedding: big enough to be chunked (see PLAN_PARAM)
+    cfg = ModelConfig(seq=32, vocab=8192)
     open_store(store_url, create=True)
     with open(os.path.join(out, MARKER), "w") as f:
         json.dump({"steps": steps, "saves": saves, "resume": resume, "cfg": cfg.to_json()}, f, indent=1)
@@ -247,10 +250,10 @@ def _draw_plan(store_url: str, ref: str, path: str, boxes: list[dict]) -> str:
 
     ck = open_store(store_url).checkpoint(ref)
     param = boxes[0]["param"]
-    cands = [i for i in ck.tensors() if i.name == param or i.name.endswith("." + param)]
+    cands = [i for i in ck.tensors() if i.name == param]
     if not cands:
         raise DemoError(f"plan.png: checkpoint {ref} has no tensor named {param!r}")
-    info = next((i for i in cands if i.state == "fp32"), cands[0])
+    info = next((i for i in cands if i.state == "fp32"), cands[0])  # the state draw_plan picks
     plans = [_RankReads(r, b["coords"], info.name, info.state, b["boxes"]) for r, b in enumerate(boxes)]
     draw_plan(ck, plans, info.name, path)
     return f"{info.name} [{info.state}]"
