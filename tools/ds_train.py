@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The DeepSpeed training harness moved into the package (``ucp_store/demo/ds_train.py``, which
 ``ucp demo --deepspeed`` runs); this path keeps working for torchrun command lines and the tests::
 

@@ -107,6 +107,8 @@ def run_demo(args) -> int:
     saves[steps] = saves.get(steps, "sync")
     t_start = time.perf_counter()
 
+    from rich.markup import escape
+
     from .. import open_store
     from .model import ModelConfig
 
@@ -159,12 +161,12 @@ def run_demo(args) -> int:
     draw_losses(loss_png, base_label, base, resumed, resume, saves)
     plan_png = os.path.join(out, "plan.png")
     drawn = _draw_plan(store_url, f"{RUN}@{resume}", plan_png, results[PLAN_KEY][1]["boxes"])
-    console.print(f"wrote {_show_path(loss_png)} and {_show_path(plan_png)} (the chunks of {drawn} each rank "
-                  f"of resumed {_label(PLAN_KEY)} read)")
+    console.print(f"wrote {_show_path(loss_png)} and {_show_path(plan_png)} (the chunks of {escape(drawn)} each "
+                  f"rank of resumed {_label(PLAN_KEY)} read)")
 
     from .tour import tour
 
-    tour(console, store_url, RUN, resume, plan_topology(PLAN_KEY))
+    tour(console, store_url, RUN, resume, plan_topology(PLAN_KEY), loaded=(_label(PLAN_KEY), results[PLAN_KEY][1]))
     wall = time.perf_counter() - t_start
     console.print(f"\ndemo finished in {wall:.0f} s (training runs: "
                   + ", ".join(f"{k} {w:.0f} s" for k, w in walls.items()) + ")")
@@ -181,6 +183,7 @@ def run_demo(args) -> int:
 
 
 def _report_run(console, job: dict, info: dict, wall: float) -> None:
+
     bits = [f"{wall:.1f} s"]
     if "load_s" in info:
         bits.append(f"load {info['load_s']:.2f} s, {info.get('bytes_read', 0) / 1024:.0f} KiB read by rank 0")
@@ -194,7 +197,9 @@ def _report_run(console, job: dict, info: dict, wall: float) -> None:
 
 
 def _verify_text(report: dict) -> str:
-    return "the live state equals the checkpoint, bit for bit" if report["ok"] else f"[red]{report['text']}[/]"
+    from rich.markup import escape
+
+    return "the live state equals the checkpoint, bit for bit" if report["ok"] else f"[red]{escape(report['text'])}[/]"
 
 
 class _NoProgress:

@@ -10,12 +10,28 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shlex
 import sys
+
+from rich.markup import escape
 
 from .procs import DemoError
 
 __all__ = ["tour"]
+
+
+def _shell_join(argv: list[str]) -> str:
+    """A command line a user can paste into a POSIX shell, SQL in double quotes where that stays literal."""
+    out = []
+    for a in argv:
+        if shlex.quote(a) == a or "'" not in a:
+            out.append(shlex.quote(a))
+        elif not re.search(r'["\\`!]|\$[A-Za-z_{(]', a):
+            out.append(f'"{a}"')
+        else:
+            out.append(shlex.quote(a))
+    return " ".join(out)
 
 
 def _ucp(console, store: str, *argv: str, capture: bool = False) -> str:
@@ -23,7 +39,7 @@ def _ucp(console, store: str, *argv: str, capture: bool = False) -> str:
     from ..cli import main as ucp_main
 
     shown = os.path.relpath(store) if not os.path.relpath(store).startswith("..") else store
-    console.print(f"\n[bold cyan]$ {shlex.join(['ucp', '--store', shown, *argv])}[/]", soft_wrap=True)
+    console.print(f"\n[bold cyan]$ {escape(_shell_join(['ucp', '--store', shown, *argv]))}[/]", soft_wrap=True)
     sys.stdout.flush()
     buf = io.StringIO()
     try:
@@ -37,8 +53,11 @@ def _ucp(console, store: str, *argv: str, capture: bool = False) -> str:
     return buf.getvalue()
 
 
-def tour(console, store: str, run: str, step: int, topology) -> None:
-    """ls, show, verify, a partial read, plan for `topology` and a query, on version `run@step`."""
+def tour(console, store: str, run: str, step: int, topology, loaded: tuple[str, dict] | None = None) -> None:
+    """ls, show, verify, a partial read, plan for `topology` and a query, on version `run@step`.
+
+    `loaded` is (label, info) of the resumed run on `topology`: what its rank 0 really read, said after
+    `ucp plan` (whose planner reads tensors saved by ucp_store.dist whole: their patterns are `dtensor`)."""
     from .. import open_store
 
     ref = f"{run}@{step}"
@@ -54,7 +73,15 @@ def tour(console, store: str, run: str, step: int, topology) -> None:
     _ucp(console, store, "read", ref, emb.name, "--state", emb.state,
          "--slice", f"{min(2, rows)}:{min(5, rows)},0:{min(6, cols)}")
     _ucp(console, store, "plan", ref, "--tp", str(topology.tp), "--dp", str(topology.dp))
+    if loaded is not None:
+        label, info = loaded
+        total = sum(i.nbytes for i in infos)
+        console.print(f"(ucp plan plans TP/PP/DP/ZeRO layouts from patterns; tensors saved by ucp_store.dist carry "
+                      f"a 'dtensor' pattern, which it reads whole. ucp_store.dist.load reads the live DTensors' boxes "
+                      f"instead: rank 0 of the resumed {label} run read {info.get('bytes_read', 0) / 2**20:.1f} MiB "
+                      f"of the {total / 2**20:.1f} MiB; plan.png shows its chunks)")
     _ucp(console, store, "query",
-         "SELECT c.step, COUNT(*) AS tensor_states, SUM(t.nbytes) AS bytes, "
-         "COUNT(DISTINCT t.content_hash) AS distinct_arrays FROM tensors t JOIN checkpoints c ON c.id = t.checkpoint_id JOIN runs r ON r.id = c.run_id "
-         f"WHERE r.name = '{run}' AND c.status = 'committed' GROUP BY c.step ORDER BY c.step")
+         "SELECT t.name, json_extract(t.pattern, '$.mesh.dims') AS mesh, json_extract(t.pattern, '$.placements') "
+         "AS placements FROM tensors t JOIN checkpoints c ON c.id = t.checkpoint_id JOIN runs r ON r.id = c.run_id "
+         f"WHERE r.name = '{run}' AND c.step = {step} AND t.state = 'weight' AND t.name NOT LIKE '%norm%' "
+         "ORDER BY t.name")
