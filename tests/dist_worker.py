@@ -261,7 +261,7 @@ def _rank_main(rank, spec, port):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=spec["world"])
         if "jobs" in spec:  # several jobs of one world size, one after the other
-            out["jobs"] = [globals()["role_" + job.get("role", spec["role"])]({**spec, **job}, rank)
+            out["jobs"] = [globals()["role_" + (job.get("role") or spec["role"])]({**spec, **job}, rank)
                            for job in spec["jobs"]]
         else:
             out.update(globals()["role_" + spec["role"]](spec, rank))

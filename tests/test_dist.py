@@ -175,6 +175,16 @@ def test_single_process_round_trip(tmp_path, tie):
     st = ucp_store.open_store(str(tmp_path / "s"))
     infos = {(i.name, i.state): i for i in st.checkpoint("gpt@2").tensors()}
     assert ("layers.0.attention.wq.weight", "exp_avg_sq") in infos and infos[("norm.weight", "weight")].pattern is None
+    # hashed from the writers' chunk digests (no read-back); `ucp verify` recomputes and agrees
+    assert all(i.content_hash.startswith("xxh3-128-chunks:") for i in infos.values())
+    assert st.checkpoint("gpt@2").verify() == []
+    # the same state saved again deduplicates against the first version's arrays
+    ucpd.save(_sd(model, opt), store=tmp_path / "s", run="gpt", step=3, progress=False)
+    ucpd.save(_sd(model, opt), store=tmp_path / "s", run="copy", step=3, progress=False)
+    first = {(i.name, i.state): (i.content_hash, i.array_id) for i in st.checkpoint("gpt@3").tensors()}
+    copy = {(i.name, i.state): (i.content_hash, i.array_id) for i in st.checkpoint("copy@3").tensors()}
+    assert {k: h for k, (h, _) in copy.items()} == {k: h for k, (h, _) in first.items()}
+    assert {a for _, a in copy.values()} <= {a for _, a in first.values()}  # no new array written
 
 
 def test_verify_names_tensor_and_box(tmp_path):

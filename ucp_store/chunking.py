@@ -66,6 +66,12 @@ def split_dims_for_pattern(pattern: dict | None, ndim: int) -> dict[int, set[int
     if kind == "fused":
         edges = set(itertools_accumulate(pattern.get("sizes", [])))
         return {int(pattern.get("dim", 0)): edges}
+    if kind == "dtensor":
+        # saved from a DTensor: a later mesh may shard any dim (colwise TP dim 0, rowwise dim 1, FSDP dim 0),
+        # so rows and columns both follow the power-of-two splits, and so does every dim the source sharded
+        dims = {0, 1} if ndim >= 2 else {0}
+        dims |= {int(p["dim"]) for p in pattern.get("placements", ()) if "dim" in p and int(p["dim"]) < ndim}
+        return {d: set() for d in sorted(dims)}
     if kind == "expert":
         e_dim = int(pattern.get("dim", 0))
         inner = split_dims_for_pattern(pattern.get("inner"), max(ndim - 1, 0))
@@ -135,6 +141,18 @@ def choose_chunking(
                 chunk[d] *= 2
                 grown = True
                 break
+    if pattern and pattern.get("kind") == "dtensor":
+        # Aligned on several dims, the 64-way units make small tiles; grow them back towards the target,
+        # always the dim with the most chunks, keeping every edge named in ``boundaries`` (the source split).
+        def can_double(d: int) -> bool:
+            c = chunk[d] * 2
+            return c <= shape[d] and shape[d] % c == 0 and all(e % c == 0 for e in split[d] if 0 < e < shape[d])
+        while math.prod(chunk) * itemsize * 2 <= target_bytes:
+            grow = [d for d in split if d < len(shape) and can_double(d)]
+            if not grow:
+                break
+            d = max(grow, key=lambda i: (shape[i] // chunk[i], -i))
+            chunk[d] *= 2
     for d, unit in (units or {}).items():
         split.setdefault(int(d), set())
         chunk[int(d)] = max(1, min(int(unit), shape[int(d)]))

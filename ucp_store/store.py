@@ -557,6 +557,8 @@ class CheckpointWriter:
         self._handles: dict[tuple[str, str], Any] = {}
         self._origin: set[tuple[str, str]] = set()
         self._committed_hashes: dict[str, list] | None = None
+        self._region_digests: dict[tuple[str, str], dict | None] = {}
+        self._region_hashes: dict[tuple[str, str], str] = {}
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -790,11 +792,40 @@ class CheckpointWriter:
             future = handle[box].write(array) if box else handle.write(array)
             self._inflight.append((future, array, what))
             self._inflight_bytes += array.nbytes
+            self._digest_region(key, self._sharded[key][2], offset, array)
             while self._inflight_bytes > _MAX_INFLIGHT_BYTES:
                 self._wait_one()
         if origin:
             self._origin.add(key)
         return int(array.size)
+
+    def _digest_region(self, key, layout: fmt.ArrayLayout, offset, array: np.ndarray) -> None:
+        """Digest every inner chunk of a chunk-aligned box (``fmt.chunk_tree_hash``), so that the origin rank
+        can hash the array without reading it back; a box that cuts a chunk disables this for the array."""
+        digests = self._region_digests.setdefault(key, {})
+        if digests is None:
+            return
+        ranges = []
+        for o, n, c, s in zip(offset, array.shape, layout.chunk_shape, layout.shape):
+            if o % c or ((o + n) % c and o + n != s):
+                self._region_digests[key] = None
+                return
+            ranges.append(range(o // c, -(-(o + n) // c)))
+        import itertools
+
+        for idx in itertools.product(*ranges):
+            sl = tuple(slice(i * c - o, min((i + 1) * c, s) - o)
+                       for i, c, s, o in zip(idx, layout.chunk_shape, layout.shape, offset))
+            digests[idx] = fmt.chunk_digest(array[sl] if sl else array)
+
+    def region_digests(self) -> dict:
+        """``{(name, state): {chunk index: digest} | None}`` of the boxes this writer wrote (None: unaligned)."""
+        return dict(self._region_digests)
+
+    def set_region_hash(self, name: str, state: str, content_hash: str) -> None:
+        """The content hash of a region-written array, computed from every rank's chunk digests; the origin
+        rank's ``finish_shards`` then records it instead of reading the array back."""
+        self._region_hashes[(name, state)] = content_hash
 
     def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):
         key = (name, state)
@@ -834,11 +865,13 @@ class CheckpointWriter:
         for key in sorted(self._origin):
             aid, rel, layout, pattern = self._sharded[key]
             handle = self._handles[key]
-            hasher = fmt.ContentHasher(layout.dtype, layout.shape)
-            for box in fmt.slabs(layout):
-                hasher.update(fmt.read_box(handle, layout, box, what=f"tensor {key[0]!r} state {key[1]!r}",
-                                           array_url=self.store.array_url(rel)))
-            h = hasher.hexdigest()
+            h = self._region_hashes.get(key)
+            if h is None:
+                hasher = fmt.ContentHasher(layout.dtype, layout.shape)
+                for box in fmt.slabs(layout):
+                    hasher.update(fmt.read_box(handle, layout, box, what=f"tensor {key[0]!r} state {key[1]!r}",
+                                               array_url=self.store.array_url(rel)))
+                h = hasher.hexdigest()
             existing = self._dedup(h, layout.dtype, layout.shape)
             if existing is not None:
                 self.store.location.delete_tree(rel)  # identical content is already stored
@@ -848,6 +881,7 @@ class CheckpointWriter:
                                           chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
                                           codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
                 array_id = aid
+                self._local_arrays[h] = aid  # later identical arrays of this save reference it
             self._rows.append(m.Tensor(checkpoint_id=self.id, name=key[0], state=key[1], array_id=array_id,
                                        shape=list(layout.shape), dtype=layout.dtype, pattern=pattern,
                                        nbytes=layout.nbytes, content_hash=h, position=self._next_position(),

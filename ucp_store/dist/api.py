@@ -317,6 +317,11 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
         if error is not None:
             writer.abort()
             raise error
+        try:
+            _set_region_hashes(writer, [writer.region_digests()])
+        except BaseException:
+            writer.abort()
+            raise
         return writer.commit().id
     from ..distributed import all_ok, distributed_commit
 
@@ -333,10 +338,32 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
         raise UcpError(f"save of {run}@{step} failed on another rank; aborted (nothing listed)")
     try:
         with collective_errors(f"save of {run}@{step} (commit)"):
+            _set_region_hashes(writer, ctx.gather(writer.region_digests()))
             return distributed_commit(writer, group=ctx.group)
     except UcpError:
         writer.abort()
         raise
+
+
+def _set_region_hashes(writer, parts: list[dict]) -> None:
+    """Combine every rank's chunk digests into each array's content hash (no read-back of what was written).
+
+    An array whose boxes did not fall on whole chunks on some rank (None) keeps the read-back hash."""
+    from .. import format as fmt
+
+    merged: dict = {}
+    for part in parts:
+        for key, digests in part.items():
+            if digests is None or merged.get(key, {}) is None:
+                merged[key] = None
+            else:
+                merged.setdefault(key, {}).update(digests)
+    for key, (_, _, layout, _) in writer._sharded.items():
+        digests = merged.get(key)
+        if digests:
+            h = fmt.chunk_tree_hash(layout, digests)
+            if h is not None:
+                writer.set_region_hash(key[0], key[1], h)
 
 
 def _open_everywhere(store, create: bool, ctx: _Ctx):
