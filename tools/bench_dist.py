@@ -106,7 +106,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     full = sd["model"]["layers.0.weight"].full_tensor()
     results["load_correct"] = torch.equal(tu["model"]["layers.0.weight"].to_local(),
                                           full[:, rank * (cols // world):(rank + 1) * (cols // world)])
-    del tu, td, full
+    tu = td = full = None  # free the load targets before the async saves
 
     # 3. async saves (blocking time of the call; the write finishes in the background)
     for mode in ("thread", "process"):
@@ -155,8 +155,8 @@ def _table(rs: list[dict]) -> str:
     read_u = sum(r["ucp_read_bytes"] for r in rs)
     read_d = sum(r["dcp_read_bytes"] for r in rs)
     need = sum(r["needed_bytes"] for r in rs)
-    lines = [f"state: {rs[0]['tensors']} x {rs[0]['shape']} fp32 = {gib:.2f} GiB on {len(rs)} gloo ranks (Shard(0));"
-             " times are the slowest rank's",
+    lines = [(f"state: {rs[0]['tensors']} x {rs[0]['shape']} fp32 = {gib:.2f} GiB on {len(rs)} gloo ranks "
+              "(Shard(0)); times are the slowest rank's"),
              f"{'measure':44} {'ucp_store':>12} {'DCP':>12} {'ratio':>10}"]
 
     def row(label, u, d, fmt="{:.2f}", better="higher"):
@@ -207,7 +207,10 @@ def main() -> None:
     rc = [p.wait() for p in procs]
     if any(rc):
         sys.exit(f"a rank failed: exit codes {rc}")
-    rs = [json.load(open(os.path.join(args.dir, f"rank{r}.json"))) for r in range(args.ranks)]
+    rs = []
+    for r in range(args.ranks):
+        with open(os.path.join(args.dir, f"rank{r}.json")) as f:
+            rs.append(json.load(f))
     print(_table(rs))
     if args.json:
         with open(args.json, "w") as f:
