@@ -109,3 +109,27 @@ def test_text_batches_are_the_same_global_batch_on_every_dp_split():
     assert text.decode(whole[0][0]).strip(), "batches are readable text"
     with pytest.raises(Exception, match="batch_size=12 must be divisible by dp=5"):
         text.batch(cfg, 1, dp=5)
+
+
+def test_deepspeed_story_without_deepspeed_says_how_to_install(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from ucp_store.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    assert main(["demo", "--deepspeed", "--dir", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ucp: error: ucp demo --deepspeed needs DeepSpeed") and "pip install 'ucp_store[deepspeed]'" in err
+    assert not (tmp_path / "d").exists(), "nothing is written before the check"
+
+
+def test_demo_refuses_a_folder_that_is_not_a_demo(tmp_path, capsys):
+    from ucp_store.cli import main
+
+    (tmp_path / "mine.txt").write_text("keep me")
+    assert main(["demo", "--dir", str(tmp_path)]) == 1
+    assert "is not empty and holds no previous demo" in capsys.readouterr().err
+    assert (tmp_path / "mine.txt").read_text() == "keep me"
+    assert main(["demo", "--dir", str(tmp_path / "x"), "--steps", "3"]) == 1
+    assert "--steps 3" in capsys.readouterr().err
