@@ -157,6 +157,13 @@ def run_demo(args) -> int:
     for v in verdicts:
         console.print(("  [green]ok[/] " if v.ok else "  [red bold]FAIL[/] ") + v.describe())
 
+    with open(os.path.join(out, MARKER), "w") as f:  # the figures, for whoever explores DIR afterwards
+        json.dump({"steps": steps, "saves": saves, "resume": resume, "cfg": cfg.to_json(), "rtol": RTOL,
+                   "losses": {"uninterrupted": base, **{k: results[k][0] for k, *_ in RUNS}},
+                   "verdicts": {v.key: {"rule": v.rule, "ok": v.ok, "max_abs": v.max_abs, "max_rel": v.max_rel}
+                                for v in verdicts},
+                   "runs": {k: {**{a: b for a, b in results[k][1].items() if a != "boxes"}, "wall_s": walls[k]}
+                            for k in results}}, f, indent=1)
     loss_png = os.path.join(out, "loss_curves.png")
     draw_losses(loss_png, base_label, base, resumed, resume, saves)
     plan_png = os.path.join(out, "plan.png")
