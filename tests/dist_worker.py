@@ -183,6 +183,14 @@ def role_async(spec, rank):
 
 
 def role_bad(spec, rank):
+    import ucp_store.dist as ucpd
+
+    _cfg, model, opt = _model(spec, 0)
+    ucpd.save(_sd(model, opt), store=spec["store"], run=spec["run"], step=1, progress=False)
+    return {"cases": {case: _bad_case({**spec, "case": case}, rank) for case in spec["cases"]}}
+
+
+def _bad_case(spec, rank):
     import torch
 
     import ucp_store.dist as ucpd
