@@ -117,10 +117,15 @@ def run_demo(args) -> int:
     open_store(store_url, create=True)
     with open(os.path.join(out, MARKER), "w") as f:
         json.dump({"steps": steps, "saves": saves, "resume": resume, "cfg": cfg.to_json()}, f, indent=1)
-    common = {"store": store_url, "run": RUN, "cfg": cfg.to_json(), "seed": 0, "lr": 1e-2, "timeout_s": 120}
+    from .worker import pick_device
+
+    device = pick_device(max(tp * dp for _, _, tp, dp, _ in RUNS))
+    common = {"store": store_url, "run": RUN, "cfg": cfg.to_json(), "seed": 0, "lr": 1e-2, "timeout_s": 120,
+              "device": device}
 
     console.print(f"[bold]ucp demo[/]: a {cfg.layers}-layer GPT on generated text, trained in real torch.distributed "
-                  f"processes (gloo), saved through ucp_store.dist into {_show_path(store_url)}")
+                  f"processes ({'NCCL on GPUs' if device == 'cuda' else 'gloo on CPUs'}), saved through ucp_store.dist into "
+                  f"{_show_path(store_url)}")
     save_txt = ", ".join(f"{s}{' (async_save)' if k == 'async' else ''}" for s, k in sorted(saves.items()))
     plan = [("train", RUNS[0], 0, None, saves)] + [("resume", r, resume, f"{RUN}@{resume}", {}) for r in RUNS]
     results: dict[str, tuple[dict, dict]] = {}

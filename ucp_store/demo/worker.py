@@ -8,7 +8,7 @@ result queue cross the process boundary:
     start, end                train steps start+1 .. end (the batch of a step is fixed, see `text.batch`)
     load                      a reference to resume from with `ucp_store.dist.load`, then `verify`, or None
     saves                     {step: "sync" | "async"} saves through `ucp_store.dist` after that step
-    store, run, cfg, seed, lr, perturb
+    store, run, cfg, seed, lr, perturb, device ("cpu" or "cuda", the same for every run: `pick_device`)
 
 Rank 0 reports each step's loss (the mean of the data-parallel ranks' losses, in dp order, in float64:
 on one mesh the same arithmetic every time) and the run's timings on the queue; any rank that fails
@@ -25,7 +25,7 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["entry", "perturb"]
+__all__ = ["entry", "perturb", "pick_device"]
 
 
 def entry(rank: int, world: int, port: int, job: dict, queue) -> None:
@@ -37,12 +37,12 @@ def entry(rank: int, world: int, port: int, job: dict, queue) -> None:
         raise SystemExit(1) from None
 
 
-def _device(world: int):
+def pick_device(max_world: int) -> str:
+    """"cuda" when there is one GPU per rank of the largest run (NCCL), else "cpu" (gloo), for every run alike:
+    a comparison of losses across runs means something only if they all compute on the same kind of device."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
-        return "cuda"
-    return "cpu"
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= max_world else "cpu"
 
 
 def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
@@ -54,7 +54,7 @@ def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2 on the root's logits
     torch.set_num_threads(1)  # the same kernels and reduction order in every run of a mesh
-    device_type = _device(world)
+    device_type = job.get("device", "cpu")
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
