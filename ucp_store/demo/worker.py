@@ -81,7 +81,7 @@ def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
                 queue.put(("boxes", job["key"], rank, _boxes(model, job["boxes_of"])))
             if job["perturb"]:
                 perturb(model)
-                info["perturbed"] = "tok_embeddings.weight scaled by 1.01 after the load"
+                info["perturbed"] = "output.weight scaled by 1.01 after the load and the verify"
 
         dp_rank = rank // tp
         losses: dict[int, float] = {}
@@ -194,10 +194,11 @@ def _boxes(model, param: str) -> dict:
 
 
 def perturb(model) -> None:
-    """Scale this rank's share of the embedding by 1.01: a resumed state that is no longer what was saved."""
+    """Scale this rank's share of the output projection by 1.01: a resumed state that is no longer what was
+    saved. (Not the embedding: the LayerNorm after it hides most of a uniform scaling.)"""
     import torch
     from torch.distributed.tensor import DTensor
 
-    w = model.tok_embeddings.weight
+    w = model.output.weight if model.output is not None else model.tok_embeddings.weight
     with torch.no_grad():
         (w.to_local() if isinstance(w, DTensor) else w).mul_(1.01)
