@@ -100,7 +100,7 @@ class _Ctx:
             failures = gather_errors(error, self.group)
         if not failures:
             return
-        if error is not None and len(failures) == 1:
+        if error is not None:  # this rank's own error, in its own class; the others name it below
             raise error
         detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
         raise UcpError(f"{what} failed on {len(failures)} rank(s): {detail}") from error
