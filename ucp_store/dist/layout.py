@@ -28,6 +28,7 @@ from ..errors import TopologyError
 
 __all__ = [
     "Region",
+    "all_coords",
     "dim_indices",
     "is_writer_coord",
     "local_regions",

@@ -25,7 +25,7 @@ import torch
 from .. import names
 from ..errors import ConfigurationError, InvalidNameError
 
-__all__ = ["Leaf", "flatten", "json_value", "path_text", "set_leaf"]
+__all__ = ["Leaf", "flatten", "from_json", "json_value", "path_text", "set_leaf"]
 
 _OPT_ROOTS = {(), ("optim",), ("optimizer",)}
 
