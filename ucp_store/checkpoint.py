@@ -441,7 +441,9 @@ class Checkpoint:
                                      "error": f"zarr.json does not match the catalog (shape, dtype or codecs): "
                                               f"{mismatch}"})
                     continue
-                report = fmt.verify_array(handle.ts(), handle.layout, url)
+                scheme = (fmt.CHUNK_HASH_PREFIX if (infos[0].content_hash or "").startswith(fmt.CHUNK_HASH_PREFIX)
+                          else fmt.HASH_PREFIX)
+                report = fmt.verify_array(handle.ts(), handle.layout, url, scheme=scheme)
             except UcpError as exc:
                 problems.append({"array": url, "tensor": infos[0].name, "state": infos[0].state, "chunk": None,
                                  "error": str(exc)})

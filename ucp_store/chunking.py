@@ -67,7 +67,7 @@ def split_dims_for_pattern(pattern: Mapping[str, Any] | Pattern | None, ndim: in
     if not pattern:
         return {0: set()}
     p = pattern if isinstance(pattern, Pattern) else parse_pattern(pattern)
-    return {d: set(edges) for d, edges in p.split_edges().items()}
+    return {d: set(edges) for d, edges in p.split_edges().items() if d < ndim}
 
 
 def choose_chunking(
@@ -122,6 +122,18 @@ def choose_chunking(
                 chunk[d] *= 2
                 grown = True
                 break
+    if pattern and pattern.get("kind") == "dtensor":
+        # Aligned on several dims, the 64-way units make small tiles; grow them back towards the target,
+        # always the dim with the most chunks, keeping every edge named in ``boundaries`` (the source split).
+        def can_double(d: int) -> bool:
+            c = chunk[d] * 2
+            return c <= shape[d] and shape[d] % c == 0 and all(e % c == 0 for e in split[d] if 0 < e < shape[d])
+        while math.prod(chunk) * itemsize * 2 <= target_bytes:
+            grow = [d for d in split if d < len(shape) and can_double(d)]
+            if not grow:
+                break
+            d = max(grow, key=lambda i: (shape[i] // chunk[i], -i))
+            chunk[d] *= 2
     for d, unit in (units or {}).items():
         split.setdefault(int(d), set())
         chunk[int(d)] = max(1, min(int(unit), shape[int(d)]))

@@ -287,6 +287,36 @@ class ContentHasher:
         return HASH_PREFIX + self._h.hexdigest()
 
 
+CHUNK_HASH_PREFIX = "xxh3-128-chunks:"
+
+
+def chunk_digest(data: np.ndarray) -> bytes:
+    """xxh3-128 digest of one inner chunk's C-order bytes (the edge chunks clipped to the array)."""
+    return xxhash.xxh3_128_digest(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+
+
+def chunk_indices(layout: "ArrayLayout") -> Iterator[tuple[int, ...]]:
+    """Every inner-chunk index of the grid, in C order."""
+    import itertools
+
+    return itertools.product(*(range(n) for n in layout.chunk_grid()))
+
+
+def chunk_tree_hash(layout: "ArrayLayout", digests: dict) -> str | None:
+    """The content hash of writers that never see the whole array (``ucp_store.dist``): xxh3-128 over
+    (dtype, shape, chunk shape) and every inner chunk's digest in C order of the chunk grid. It names the
+    same content only under the same chunk shape, so it is prefixed apart from the whole-array hash
+    (dedup never mixes the two). None when a chunk's digest is missing."""
+    h = xxhash.xxh3_128()
+    h.update(f"{layout.dtype}:{','.join(map(str, layout.shape))}/{','.join(map(str, layout.chunk_shape))};".encode())
+    for idx in chunk_indices(layout):
+        d = digests.get(idx)
+        if d is None:
+            return None
+        h.update(d)
+    return CHUNK_HASH_PREFIX + h.hexdigest()
+
+
 def content_hash(array: np.ndarray, dtype: str | None = None) -> str:
     h = ContentHasher(dtype or dtypes.zarr_name(array.dtype), array.shape)
     h.update(array)
@@ -316,9 +346,14 @@ class VerifyReport:
         return not self.bad_chunks
 
 
-def verify_array(handle: ts.TensorStore, layout: ArrayLayout, array_url: str) -> VerifyReport:
-    """Decode every chunk (crc32c) and recompute the content hash, slab by slab."""
+def verify_array(handle: ts.TensorStore, layout: ArrayLayout, array_url: str, *,
+                 scheme: str = HASH_PREFIX) -> VerifyReport:
+    """Decode every chunk (crc32c) and recompute the content hash, slab by slab.
+
+    ``scheme`` is the prefix of the stored hash: the whole-array hash, or ``CHUNK_HASH_PREFIX`` (per-chunk
+    digests, see ``chunk_tree_hash``)."""
     hasher = ContentHasher(layout.dtype, layout.shape)
+    digests: dict = {}
     bad: list[tuple] = []
     for box in slabs(layout):
         try:
@@ -326,6 +361,19 @@ def verify_array(handle: ts.TensorStore, layout: ArrayLayout, array_url: str) ->
         except ValueError:
             bad.extend(locate_bad_chunks(handle, layout, box, limit=1 << 30))
             continue
-        if not bad:
+        if bad:
+            continue
+        if scheme == CHUNK_HASH_PREFIX:
+            lo = box[0][0] if box else 0
+            for idx in chunk_indices(layout):
+                cb = layout.chunk_box(idx)
+                if cb and not lo <= cb[0][0] < (box[0][1] if box else 1):
+                    continue
+                local = tuple(slice(a - (lo if d == 0 else 0), b - (lo if d == 0 else 0)) for d, (a, b) in enumerate(cb))
+                digests[idx] = chunk_digest(data[local] if local else data)
+        else:
             hasher.update(data)
-    return VerifyReport(array_url, bad, None if bad else hasher.hexdigest())
+    if bad:
+        return VerifyReport(array_url, bad, None)
+    return VerifyReport(array_url, bad, chunk_tree_hash(layout, digests) if scheme == CHUNK_HASH_PREFIX
+                        else hasher.hexdigest())

@@ -15,9 +15,10 @@ A pending checkpoint whose owner died is removed by ``gc`` with everything it wr
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -78,6 +79,8 @@ class CheckpointWriter:
         self._origin: set[tuple[str, str]] = set()
         self._committed_hashes: dict[str, list] | None = None
         self._shard_positions: dict[tuple[str, str], int] = {}  # write_shard(position=...)
+        self._region_digests: dict[tuple[str, str], dict | None] = {}
+        self._region_hashes: dict[tuple[str, str], str] = {}
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -254,6 +257,88 @@ class CheckpointWriter:
             self._origin.add((name, state))  # this rank records the row (it wrote element 0)
         return written
 
+    def write_region(self, name: str, state: str, local: torch.Tensor | np.ndarray, *, shape, offset,
+                     pattern: dict | None, boundaries: Mapping[int, Iterable[int]] | None = None,
+                     origin: bool = False) -> int:
+        """Write one box of a tensor-state, ``local`` at ``offset`` of the logical ``shape``; returns elements.
+
+        For sources that know each rank's boxes themselves (DTensor shards: ``ucp_store.dist``). Every
+        rank that writes a box of the tensor-state passes the same ``shape``, dtype, ``pattern`` and
+        ``boundaries`` (the split points of all writers), so all derive one array id and one layout;
+        chunks and shard files are cut at ``boundaries`` so writers own whole files where they can.
+        The caller guarantees one writer per element (replicas write once). Exactly one rank passes
+        ``origin=True`` (the one writing element 0, or any one rank for an empty tensor): after the
+        barrier it hashes the array and records the row in ``finish_shards``, deduplicating against
+        committed arrays with the same content."""
+        self._check_open()
+        names.tensor_name(name)
+        names.state_name(state)
+        what = f"tensor {name!r} state {state!r}"
+        shape = tuple(int(s) for s in shape)
+        offset = tuple(int(o) for o in offset)
+        array = (dtypes.to_numpy(local, what=what) if isinstance(local, torch.Tensor)
+                 else np.require(local, requirements="C"))
+        dtype = dtypes.zarr_name(array.dtype, what=what)
+        if len(offset) != len(shape) or array.ndim != len(shape) or any(
+                o < 0 or o + n > s for o, n, s in zip(offset, array.shape, shape)):
+            raise ShapeMismatch(f"{what}: a box of shape {tuple(array.shape)} at offset {offset} does not fit the "
+                                f"logical shape {shape}")
+        if pattern is not None:
+            self._validate_pattern(name, pattern, shape)
+        key = (name, state)
+        if key in self._sharded:
+            aid, rel, layout, _ = self._sharded[key]
+            if layout.dtype != dtype or layout.shape != shape:
+                raise ShapeMismatch(f"{what}: box declares {dtype}{list(shape)}, earlier boxes "
+                                    f"{layout.dtype}{list(layout.shape)}")
+            handle = self._handles[key]
+        else:
+            import xxhash
+
+            points = {int(d): [int(p) for p in v] for d, v in (boundaries or {}).items()}
+            layout = self._layout(shape, dtype, pattern, boundaries=points or None)
+            layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape,
+                                     _writer_aligned_shards(layout, points), layout.compression)
+            aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
+            rel = array_path(self.id, aid)
+            handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True)
+            self._handles[key] = handle
+            self._sharded[key] = (aid, rel, layout, pattern)
+        if array.size:
+            box = tuple(slice(o, o + n) for o, n in zip(offset, array.shape))
+            future = handle[box].write(array) if box else handle.write(array)
+            self._window.submit(future, array.nbytes, (array, what))
+            self._digest_region(key, self._sharded[key][2], offset, array)
+        if origin:
+            self._origin.add(key)
+        return int(array.size)
+
+    def _digest_region(self, key, layout: fmt.ArrayLayout, offset, array: np.ndarray) -> None:
+        """Digest every inner chunk of a chunk-aligned box (``fmt.chunk_tree_hash``), so that the origin rank
+        can hash the array without reading it back; a box that cuts a chunk disables this for the array."""
+        digests = self._region_digests.setdefault(key, {})
+        if digests is None:
+            return
+        ranges = []
+        for o, n, c, s in zip(offset, array.shape, layout.chunk_shape, layout.shape):
+            if o % c or ((o + n) % c and o + n != s):
+                self._region_digests[key] = None
+                return
+            ranges.append(range(o // c, -(-(o + n) // c)))
+        for idx in itertools.product(*ranges):
+            sl = tuple(slice(i * c - o, min((i + 1) * c, s) - o)
+                       for i, c, s, o in zip(idx, layout.chunk_shape, layout.shape, offset))
+            digests[idx] = fmt.chunk_digest(array[sl] if sl else array)
+
+    def region_digests(self) -> dict:
+        """``{(name, state): {chunk index: digest} | None}`` of the boxes this writer wrote (None: unaligned)."""
+        return dict(self._region_digests)
+
+    def set_region_hash(self, name: str, state: str, content_hash: str) -> None:
+        """The content hash of a region-written array, computed from every rank's chunk digests; the origin
+        rank's ``finish_shards`` then records it instead of reading the array back."""
+        self._region_hashes[(name, state)] = content_hash
+
     def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):
         key = (name, state)
         if key in self._sharded:
@@ -289,11 +374,13 @@ class CheckpointWriter:
         for key in sorted(self._origin):
             aid, rel, layout, pattern = self._sharded[key]
             handle = self._handles[key]
-            hasher = fmt.ContentHasher(layout.dtype, layout.shape)
-            for box in fmt.slabs(layout):
-                hasher.update(fmt.read_box(handle, layout, box, what=f"tensor {key[0]!r} state {key[1]!r}",
-                                           array_url=self.store.array_url(rel)))
-            h = hasher.hexdigest()
+            h = self._region_hashes.get(key)
+            if h is None:
+                hasher = fmt.ContentHasher(layout.dtype, layout.shape)
+                for box in fmt.slabs(layout):
+                    hasher.update(fmt.read_box(handle, layout, box, what=f"tensor {key[0]!r} state {key[1]!r}",
+                                               array_url=self.store.array_url(rel)))
+                h = hasher.hexdigest()
             existing = self._dedup(h, layout.dtype, layout.shape)
             if existing is not None:
                 self.store.location.delete_tree(rel)  # identical content is already stored
@@ -303,6 +390,7 @@ class CheckpointWriter:
                                           chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
                                           codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
                 array_id = aid
+                self._local_arrays[h] = aid  # later identical arrays of this save reference it
             self._rows.append(m.Tensor(checkpoint_id=self.id, name=key[0], state=key[1], array_id=array_id,
                                        shape=list(layout.shape), dtype=layout.dtype, pattern=pattern,
                                        nbytes=layout.nbytes, content_hash=h,

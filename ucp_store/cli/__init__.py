@@ -4,7 +4,7 @@
 
 One module per group of commands, each a table ``COMMANDS`` of ``Command(run, help, arguments)``:
 ``registry`` (init, ls, show, log, tag, rm, query), ``maintenance`` (gc, retention, db), ``tensors``
-(read, stats, diff, verify), ``transfer`` (import, export) and ``plan`` (``plot`` draws its picture);
+(read, stats, diff, verify), ``transfer`` (import, export), ``plan`` (``plot`` draws its picture) and ``demo``;
 ``output`` holds the tables, JSON and byte formatting, ``common`` the shared options. A command calls the
 API and prints; it does no work of its own.
 
@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from ..errors import UcpError
-from . import maintenance, plan, registry, tensors, transfer
+from . import demo, maintenance, plan, registry, tensors, transfer
 from .common import EXIT_FAIL, EXIT_OK, Command, add_common
 from .output import fmt_bytes as _fmt_bytes
 from .output import print_json as _print_json
@@ -32,8 +32,8 @@ __all__ = ["main", "build_parser", "COMMANDS", "EXIT_OK", "EXIT_FAIL"]
 #: every subcommand, in the order ``ucp --help`` lists them
 COMMANDS: dict[str, Command] = {}
 for _name in ("init", "ls", "show", "read", "stats", "diff", "tag", "rm", "gc", "retention", "verify", "log",
-              "query", "import", "export", "db", "plan"):
-    for _group in (registry, maintenance, tensors, transfer, plan):
+              "query", "import", "export", "db", "plan", "demo"):
+    for _group in (registry, maintenance, tensors, transfer, plan, demo):
         if _name in _group.COMMANDS:
             COMMANDS[_name] = _group.COMMANDS[_name]
             break

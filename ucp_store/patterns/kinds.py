@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["KINDS", "TP_REPLICATED_KINDS", "STAGE_NAMES", "SCHEMA_FILE", "Placement", "Pattern", "Replicated",
-           "Averaged", "Partitioned", "Vocab", "Fused", "Expert", "REPLICATED"]
+           "Averaged", "Partitioned", "Vocab", "Fused", "Expert", "DTensorSplit", "REPLICATED"]
 
-KINDS = ("replicated", "averaged", "partitioned", "vocab", "fused", "expert")
-TP_REPLICATED_KINDS = ("replicated", "averaged")
+KINDS = ("replicated", "averaged", "partitioned", "vocab", "fused", "expert", "dtensor")
+TP_REPLICATED_KINDS = ("replicated", "averaged", "dtensor")
 STAGE_NAMES = ("first", "last")
 SCHEMA_FILE = "pattern.schema.json"
 
@@ -188,6 +188,35 @@ class Expert(Pattern):
 
     def _fields_json(self) -> dict[str, Any]:
         return {"dim": self.dim, "num_experts": self.num_experts, "inner": self.inner.to_json()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DTensorSplit(Replicated):
+    """How a DTensor was split when it was saved (``ucp_store.dist``): its mesh and placements.
+
+    Informational: the logical array holds the whole tensor, so for the planner this is replicated (any
+    topology reads it whole or sliced), and ``ucp_store.dist.load`` reads each target rank's boxes from
+    the live DTensor, whatever mesh saved it. ``placements`` are JSON (``ucp_store/dist/layout.py``):
+    ``{"type": "shard", "dim": d}``, ``{"type": "strided_shard", "dim": d, "split_factor": k}``,
+    ``{"type": "replicate"}``; ``mesh_dims`` names the mesh dims (empty when unnamed)."""
+
+    mesh_shape: tuple[int, ...] = ()
+    mesh_dims: tuple[str, ...] = ()
+    placements: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    kind = "dtensor"
+
+    def split_edges(self) -> dict[int, frozenset[int]]:
+        # a later mesh may shard any dim (colwise TP dim 0, rowwise dim 1, FSDP dim 0), so rows and columns
+        # both follow the power-of-two splits, and so does every dim the source sharded (the chunk policy
+        # drops dims the tensor does not have)
+        dims = {0, 1} | {int(dict(pl)["dim"]) for pl in self.placements if "dim" in dict(pl)}
+        return {d: frozenset() for d in sorted(dims)}
+
+    def _fields_json(self) -> dict[str, Any]:
+        mesh: dict[str, Any] = {"shape": list(self.mesh_shape)}
+        if self.mesh_dims:
+            mesh["dims"] = list(self.mesh_dims)
+        return {"mesh": mesh, "placements": [dict(pl) for pl in self.placements]}
 
 
 REPLICATED = Replicated()

@@ -21,6 +21,7 @@ from .kinds import (
     SCHEMA_FILE,
     STAGE_NAMES,
     Averaged,
+    DTensorSplit,
     Expert,
     Fused,
     Partitioned,
@@ -33,7 +34,7 @@ from .kinds import (
 __all__ = ["parse_pattern", "pattern_to_json", "validate_pattern_record", "check_pattern", "without_placement",
            "clear_parse_caches"]
 
-_KIND_CLASSES = {c.kind: c for c in (Replicated, Averaged, Partitioned, Vocab, Fused, Expert)}
+_KIND_CLASSES = {c.kind: c for c in (Replicated, Averaged, Partitioned, Vocab, Fused, Expert, DTensorSplit)}
 _ALLOWED_KEYS = {
     "replicated": {"kind", "placement"},
     "averaged": {"kind", "placement", "max_deviation"},
@@ -41,6 +42,7 @@ _ALLOWED_KEYS = {
     "vocab": {"kind", "placement", "dim", "original_size"},
     "fused": {"kind", "placement", "dim", "sizes", "widths"},
     "expert": {"kind", "placement", "dim", "num_experts", "inner"},
+    "dtensor": {"kind", "placement", "mesh", "placements"},
 }
 
 
@@ -191,6 +193,8 @@ def _parse(rec: Mapping[str, Any], name: str | None, inner: bool) -> Pattern:
                            f"(place the expert pattern itself)")
     if kind == "replicated":
         return Replicated(placement=placement)
+    if kind == "dtensor":
+        return _parse_dtensor(rec, name, placement)
     if kind == "averaged":
         dev = rec.get("max_deviation", 0.0)
         if not isinstance(dev, (int, float)) or isinstance(dev, bool) or not dev >= 0:
@@ -251,6 +255,41 @@ def validate_pattern_record(record: Any, *, name: str | None = None) -> Pattern:
     return parse_pattern(record, name=name)
 
 
+_DTENSOR_PLACEMENT_KEYS = {"replicate": {"type"}, "shard": {"type", "dim"},
+                           "strided_shard": {"type", "dim", "split_factor"}}
+
+
+def _parse_dtensor(rec: Mapping[str, Any], name: str | None, placement: Placement | None) -> DTensorSplit:
+    mesh = rec.get("mesh")
+    if not isinstance(mesh, Mapping) or set(mesh) - {"shape", "dims"} or "shape" not in mesh:
+        raise PatternError(f"{_who(name)}: dtensor pattern needs 'mesh': {{'shape': [...], 'dims': [...]}}, "
+                           f"got {mesh!r}")
+    shape = _int_list(mesh["shape"], "mesh.shape", name)
+    if not shape or any(n < 1 for n in shape):
+        raise PatternError(f"{_who(name)}: dtensor mesh.shape must list sizes >= 1, got {list(shape)}")
+    dims = mesh.get("dims") or ()
+    if not isinstance(dims, (list, tuple)) or any(not isinstance(d, str) for d in dims) or (
+            dims and len(dims) != len(shape)):
+        raise PatternError(f"{_who(name)}: dtensor mesh.dims must name each of the {len(shape)} mesh dims, "
+                           f"got {dims!r}")
+    pls = rec.get("placements")
+    if not isinstance(pls, (list, tuple)) or len(pls) != len(shape):
+        raise PatternError(f"{_who(name)}: dtensor pattern needs one placement per mesh dim ({len(shape)}), "
+                           f"got {pls!r}")
+    parsed = []
+    for pl in pls:
+        kind = pl.get("type") if isinstance(pl, Mapping) else None
+        if kind not in _DTENSOR_PLACEMENT_KEYS or set(pl) != _DTENSOR_PLACEMENT_KEYS[kind]:
+            raise PatternError(f"{_who(name)}: dtensor placement {pl!r} is not one of {{'type': 'replicate'}}, "
+                               "{'type': 'shard', 'dim': d}, {'type': 'strided_shard', 'dim': d, 'split_factor': k}")
+        if "dim" in pl:
+            _int(pl["dim"], "placement dim", name)
+        if "split_factor" in pl:
+            _int(pl["split_factor"], "placement split_factor", name, minimum=1)
+        parsed.append(tuple((k, pl[k]) for k in ("type", "dim", "split_factor") if k in pl))
+    return DTensorSplit(mesh_shape=shape, mesh_dims=tuple(dims), placements=tuple(parsed), placement=placement)
+
+
 def check_pattern(pattern: Any, shape: Sequence[int], *, name: str | None = None) -> Pattern:
     """Check that a pattern fits a logical ``shape`` (topology-independent checks); returns the parsed pattern."""
     p = parse_pattern(pattern, name=name)
@@ -282,6 +321,12 @@ def _check_shape(p: Pattern, shape: tuple[int, ...], name: str | None) -> None:
                 if sum(wj) != s:
                     raise PatternError(f"{_who(name)}: widths for tp={tp} of sub-parameter {j} are {list(wj)} "
                                        f"(sum {sum(wj)}) but its size is {s}")
+    elif isinstance(p, DTensorSplit):
+        for pl in p.placements:
+            d = dict(pl).get("dim")
+            if d is not None and d >= ndim:
+                raise PatternError(f"{_who(name)}: dtensor placement {dict(pl)} shards dim {d} but the tensor has "
+                                   f"shape {list(shape)} ({ndim} dims)")
     elif isinstance(p, Expert):
         if shape[dim] != p.num_experts:
             raise PatternError(f"{_who(name)}: expert dim {dim} has size {shape[dim]} but num_experts is "

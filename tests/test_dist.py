@@ -1,0 +1,413 @@
+"""ucp_store.dist: DTensor / FSDP2 / TP state dicts saved from every rank and resumed on other meshes.
+
+Fast tests (one process, no process group): the placement arithmetic against torch's own splitting,
+the state-dict keys, a save / load / verify / async_save / Checkpointer round trip with the demo model,
+and the bad-input errors. Slow tests (real gloo processes, tests/dist_worker.py): the demo transformer
+trained on a mesh, saved with ucp_store.dist.save and DCP, resumed on other meshes with both; model and
+optimizer state must be bit-identical to DCP's resume and the next-step losses equal.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import pytest
+import torch
+from ucp_test_helpers import REPO, run_python
+
+import ucp_store
+import ucp_store.dist as ucpd
+from ucp_store.demo.model import (
+    ModelConfig,
+    batch,
+    build_model,
+    build_optimizer,
+    train_step,
+)
+from ucp_store.dist import layout as lay
+from ucp_store.dist.statedict import flatten
+from ucp_store.errors import (
+    ConfigurationError,
+    InvalidNameError,
+    PatternError,
+    ReferenceNotFound,
+    ShapeMismatch,
+    UcpError,
+)
+
+
+# ----------------------------------------------------------------------------------------- pure layout
+def _torch_local_indices(size, mesh_shape, placements, coord):
+    """The indices torch's own placement splitting gives ``coord`` (left to right, as distribute_tensor)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    local = torch.arange(size)
+    for n, p, c in zip(mesh_shape, placements, coord):
+        if p["type"] == "replicate":
+            pl = Replicate()
+            continue
+        pl = Shard(0) if p["type"] == "shard" else _StridedShard(0, split_factor=p["split_factor"])
+        local = pl._split_tensor(local, n, with_padding=False)[0][c]
+    return local.tolist()
+
+
+_MESHES = [
+    ((2,), [{"type": "shard", "dim": 0}]),
+    ((3,), [{"type": "shard", "dim": 0}]),
+    ((4,), [{"type": "shard", "dim": 0}]),
+    ((2, 2), [{"type": "shard", "dim": 0}, {"type": "shard", "dim": 0}]),
+    ((2, 3), [{"type": "replicate"}, {"type": "shard", "dim": 0}]),
+    ((2, 2), [{"type": "strided_shard", "dim": 0, "split_factor": 2}, {"type": "shard", "dim": 0}]),
+]
+# _StridedShard needs even splits (torch's own rule), so it only meets sizes divisible by 4
+_CASES = [(size, case) for size in (8, 12, 40, 41, 88, 2) for case in _MESHES
+          if size % 4 == 0 or all(p["type"] != "strided_shard" for p in case[1])]
+
+
+@pytest.mark.parametrize(("size", "case"), _CASES)
+def test_dim_indices_match_torch_splitting(size, case):
+    mesh_shape, placements = case
+    seen = []
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        mine = lay.dim_indices((size,), mesh_shape, placements, coord)[0]
+        assert mine == _torch_local_indices(size, mesh_shape, placements, coord), coord
+        if lay.is_writer_coord(placements, coord):
+            seen += mine
+    assert sorted(seen) == list(range(size))  # writers tile the tensor exactly once
+
+
+def test_strided_shard_regions_are_the_documented_rows():
+    # torch's docstring: 8 rows on a 2x2 (dp, tp) mesh with [_StridedShard(0, sf=2), Shard(0)]
+    pl = [{"type": "strided_shard", "dim": 0, "split_factor": 2}, {"type": "shard", "dim": 0}]
+    rows = {c: [r.global_box[0] for r in lay.local_regions((8, 3), (2, 2), pl, c)] for c in lay.all_coords((2, 2))}
+    assert rows == {(0, 0): [(0, 2)], (0, 1): [(4, 6)], (1, 0): [(2, 4)], (1, 1): [(6, 8)]}
+    assert lay.split_points((8, 3), (2, 2), pl) == {0: [2, 4, 6]}
+    # two boxes when the rank's rows are not contiguous (sf=2 over a 1-D mesh of 2)
+    regions = lay.local_regions((8,), (2,), [{"type": "strided_shard", "dim": 0, "split_factor": 2}], (1,))
+    assert [(r.global_box, r.local_box) for r in regions] == [(((2, 4),), ((0, 2),)), (((6, 8),), ((2, 4),))]
+
+
+def test_partial_placement_is_refused():
+    from torch.distributed.tensor import Partial
+
+    with pytest.raises(UcpError, match="Partial"):
+        lay.placement_json(Partial())
+
+
+def test_dtensor_pattern_validation():
+    from ucp_store.patterns import check_pattern
+    from ucp_store.schema import validate
+
+    good = {"kind": "dtensor", "mesh": {"shape": [2, 2], "dims": ["dp", "tp"]},
+            "placements": [{"type": "strided_shard", "dim": 0, "split_factor": 2}, {"type": "shard", "dim": 0}]}
+    validate("pattern", good)
+    assert check_pattern(good, (8, 4)).to_json() == good
+    with pytest.raises(PatternError, match="dim 2"):
+        check_pattern({**good, "placements": [{"type": "shard", "dim": 2}, {"type": "replicate"}]}, (8, 4), name="w")
+    with pytest.raises(PatternError, match="one placement per mesh dim"):
+        check_pattern({**good, "placements": [{"type": "replicate"}]}, (8, 4), name="w")
+    with pytest.raises(PatternError, match="not one of"):
+        check_pattern({**good, "placements": [{"type": "partial"}, {"type": "replicate"}]}, (8, 4), name="w")
+
+
+# ----------------------------------------------------------------------------------------- state dict keys
+def test_state_dict_keys():
+    t = torch.zeros(2)
+    sd = {"model": {"a.weight": t}, "optim": {"state": {"a.weight": {"exp_avg": t, "step": torch.tensor(1.0)}},
+                                              "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a.weight"]}]},
+          "extra": {"opt2": {"state": {"a.weight": {"exp_avg": t}}, "param_groups": []}},
+          "flat": {"state.b.weight.exp_avg": t, "param_groups.b.weight.lr": 0.5}}
+    keys = {leaf.path: leaf.key for leaf in flatten(sd)}
+    assert keys[("model", "a.weight")] == ("a.weight", "weight")
+    assert keys[("optim", "state", "a.weight", "exp_avg")] == ("a.weight", "exp_avg")
+    assert keys[("optim", "state", "a.weight", "step")] == ("a.weight", "step")
+    assert keys[("extra", "opt2", "state", "a.weight", "exp_avg")] == ("a.weight", "extra.opt2.exp_avg")
+    assert keys[("flat", "state.b.weight.exp_avg")] == ("b.weight", "flat.exp_avg")
+    assert keys[("optim", "param_groups", 0, "betas")] is None  # a JSON leaf
+    with pytest.raises(ConfigurationError, match="both map to"):
+        flatten({"model": {"a": t}, "a": t})
+    with pytest.raises(InvalidNameError, match="escape"):
+        flatten({"model": {"../../etc/passwd": t}})
+
+
+# ----------------------------------------------------------------------------------------- one process
+def _sd(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m, o = get_state_dict(model, opt)
+    return {"model": m, "optim": o}
+
+
+def _set(model, opt, sd):
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def _trained(seed=0, steps=2, tie=False):
+    cfg = ModelConfig(tie=tie)
+    model = build_model(cfg, seed)
+    opt = build_optimizer(model)
+    for s in range(steps):
+        train_step(model, opt, *batch(cfg, s))
+    return cfg, model, opt
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_single_process_round_trip(tmp_path, tie):
+    cfg, model, opt = _trained(tie=tie)
+    sd = _sd(model, opt)
+    cid = ucpd.save(sd, store=tmp_path / "s", run="gpt", step=2, progress=False)
+    _, m2, o2 = _trained(seed=7, steps=1, tie=tie)
+    sd2 = _sd(m2, o2)
+    assert not ucpd.verify(sd2, "gpt@2", store=tmp_path / "s").ok
+    res = ucpd.load(sd2, store=tmp_path / "s", ref="gpt@latest")
+    assert res.checkpoint_id == cid and res.missing == [] and res.unexpected == []
+    _set(m2, o2, sd2)
+    for (k, a), (_, b) in zip(_sd(model, opt)["model"].items(), _sd(m2, o2)["model"].items()):
+        assert torch.equal(a, b), k
+    assert ucpd.verify(_sd(m2, o2), "gpt@2", store=tmp_path / "s").ok
+    assert train_step(model, opt, *batch(cfg, 2)) == train_step(m2, o2, *batch(cfg, 2))
+    # the learning rate (a JSON leaf) round-trips too
+    st = ucp_store.open_store(str(tmp_path / "s"))
+    infos = {(i.name, i.state): i for i in st.checkpoint("gpt@2").tensors()}
+    assert ("layers.0.attention.wq.weight", "exp_avg_sq") in infos and infos[("norm.weight", "weight")].pattern is None
+    # hashed from the writers' chunk digests (no read-back); `ucp verify` recomputes and agrees
+    assert all(i.content_hash.startswith("xxh3-128-chunks:") for i in infos.values())
+    assert st.checkpoint("gpt@2").verify() == []
+    # the same state saved again deduplicates against the first version's arrays
+    ucpd.save(_sd(model, opt), store=tmp_path / "s", run="gpt", step=3, progress=False)
+    ucpd.save(_sd(model, opt), store=tmp_path / "s", run="copy", step=3, progress=False)
+    first = {(i.name, i.state): (i.content_hash, i.array_id) for i in st.checkpoint("gpt@3").tensors()}
+    copy = {(i.name, i.state): (i.content_hash, i.array_id) for i in st.checkpoint("copy@3").tensors()}
+    assert {k: h for k, (h, _) in copy.items()} == {k: h for k, (h, _) in first.items()}
+    assert {a for _, a in copy.values()} <= {a for _, a in first.values()}  # no new array written
+
+
+def test_verify_names_tensor_and_box(tmp_path):
+    _, model, opt = _trained()
+    sd = _sd(model, opt)
+    ucpd.save(sd, store=tmp_path / "s", run="gpt", step=2, progress=False)
+    with torch.no_grad():
+        sd["optim"]["state"]["layers.1.feed_forward.w2.weight"]["exp_avg"][3, 5] += 1e-3
+    report = ucpd.verify(sd, "gpt@2", store=tmp_path / "s")
+    assert not report.ok and len(report.mismatches) == 1
+    m = report.mismatches[0]
+    assert (m.name, m.state, m.box, m.differing, m.first) == ("layers.1.feed_forward.w2.weight", "exp_avg",
+                                                               [[0, 40], [0, 88]], 1, [3, 5])
+    assert "layers.1.feed_forward.w2.weight" in str(report) and "[[0, 40], [0, 88]]" in str(report)
+
+
+def test_load_errors(tmp_path):
+    _, model, opt = _trained()
+    ucpd.save(_sd(model, opt), store=tmp_path / "s", run="gpt", step=2, progress=False)
+    with pytest.raises(ReferenceNotFound, match="gpt@9"):
+        ucpd.load(_sd(model, opt), store=tmp_path / "s", ref="gpt@9")
+    sd = _sd(model, opt)
+    sd["model"]["norm.weight"] = torch.zeros(41)
+    with pytest.raises(ShapeMismatch, match=r"norm\.weight.*\[41\].*\[40\]"):
+        ucpd.load(sd, store=tmp_path / "s", ref="gpt@2")
+    sd = _sd(model, opt)
+    sd["model"]["head.extra"] = torch.zeros(3)
+    with pytest.raises(ReferenceNotFound, match=r"head\.extra"):
+        ucpd.load(sd, store=tmp_path / "s", ref="gpt@2")
+    res = ucpd.load(sd, store=tmp_path / "s", ref="gpt@2", strict=False)
+    assert res.missing == ["head.extra [weight]"]
+    sd = {"model": {"norm.weight": torch.zeros(40)}}
+    res = ucpd.load(sd, store=tmp_path / "s", ref="gpt@2", strict=False)
+    assert res.missing == [] and "norm.bias [weight]" in res.unexpected
+    with pytest.raises(ConfigurationError, match="neither a tensor nor JSON"):
+        ucpd.save({"model": {"w": torch.zeros(2), "obj": object()}}, store=tmp_path / "s", run="x", step=0)
+    assert [r["run"] for r in ucp_store.open_store(str(tmp_path / "s")).runs()] == ["gpt"]
+
+
+def test_async_save_thread_is_the_state_at_the_call(tmp_path):
+    cfg, model, opt = _trained(steps=1)
+    sd = _sd(model, opt)
+    ucpd.save(sd, store=tmp_path / "s", run="ref", step=1, progress=False)
+    handle = ucpd.async_save(sd, store=tmp_path / "s", run="a", step=1, mode="thread")
+    for s in range(1, 4):  # mutates every parameter and Adam moment in place while the save runs
+        train_step(model, opt, *batch(cfg, s))
+    cid = handle.result()
+    st = ucp_store.open_store(str(tmp_path / "s"))
+    a = {(i.name, i.state): i.content_hash for i in st.checkpoint("a@1").tensors()}
+    b = {(i.name, i.state): i.content_hash for i in st.checkpoint("ref@1").tensors()}
+    assert a == b and len(a) == 104 and st.resolve("a@1") == cid
+    assert not ucpd.verify(_sd(model, opt), "a@1", store=tmp_path / "s").ok
+    # a second call waits for the first; a failure surfaces through result() and lists nothing
+    h2 = ucpd.async_save(_sd(model, opt), store=tmp_path / "s", run="a", step=4, mode="thread")
+    h3 = ucpd.async_save(_sd(model, opt), store=tmp_path / "s", run="a", step=4, mode="thread")
+    assert h2.result()
+    with pytest.raises(UcpError, match="already has a committed checkpoint at step 4"):
+        h3.result()
+    assert [v["step"] for v in st.list_checkpoints("a")] == [1, 4]
+
+
+def test_checkpointer_retention_and_resume(tmp_path):
+    cfg, model, opt = _trained(steps=0)
+    ck = ucpd.Checkpointer(tmp_path / "s", "run", every=2, keep_last=2, async_mode="thread")
+    assert ck.load_latest(_sd(model, opt)) is None  # nothing saved yet
+    for s in range(1, 9):
+        train_step(model, opt, *batch(cfg, s))
+        out = ck.maybe_save(s, _sd(model, opt))
+        assert (out is None) == (s % 2 == 1)
+    ck.close()
+    st = ucp_store.open_store(str(tmp_path / "s"))
+    assert [v["step"] for v in st.list_checkpoints("run")] == [6, 8]
+    _, m2, o2 = _trained(seed=3, steps=0)
+    sd2 = _sd(m2, o2)
+    assert ucpd.Checkpointer(tmp_path / "s", "run").load_latest(sd2) == 8
+    _set(m2, o2, sd2)
+    assert ucpd.verify(_sd(m2, o2), "run@8", store=tmp_path / "s").ok
+    assert train_step(model, opt, *batch(cfg, 9)) == train_step(m2, o2, *batch(cfg, 9))
+    with pytest.raises(ConfigurationError, match="every"):
+        ucpd.Checkpointer(tmp_path / "s", "run", every=0)
+
+
+# ----------------------------------------------------------------------------------------- real gloo ranks
+def _spawn(tmp_path, name, spec, timeout=900):
+    out = tmp_path / name
+    spec = {**spec, "out": str(out), "timeout": timeout - 30}
+    proc = run_python([str(REPO / "tests" / "dist_worker.py"), json.dumps(spec)], timeout=timeout,
+                      UCP_DIST_TIMEOUT="120")
+    results = []
+    for r in range(spec["world"]):
+        path = out / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return proc, results
+
+
+def _ok(proc, results):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in results:
+        assert r is not None and "crash" not in r, (r or {}).get("crash", proc.stderr[-3000:])
+    return results
+
+
+SOURCES = {  # name -> (world, mesh)
+    "tpfsdp": (4, {"tp": 2, "dp": 2}),
+    "fsdp4": (4, {"dp": 4}),
+    "hsdp": (4, {"rep": 2, "dp": 2}),
+    "fsdp2": (2, {"dp": 2}),
+}
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Every source mesh trained STEPS steps and saved with ucp_store.dist and with DCP."""
+    base = tmp_path_factory.mktemp("dist")
+    store = str(base / "store")
+    for world in sorted({w for w, _ in SOURCES.values()}, reverse=True):
+        jobs = [{"role": "source", "run": name, "dcp": str(base / f"dcp-{name}"), "steps": STEPS, **mesh,
+                 "store": store} for name, (w, mesh) in SOURCES.items() if w == world]
+        _ok(*_spawn(base, f"src{world}", {"world": world, "role": "source", "jobs": jobs}))
+    return base, store
+
+
+RESUMES = {  # world -> [(source, target mesh)]
+    2: [("tpfsdp", {"tp": 2}), ("tpfsdp", {"dp": 2}), ("fsdp4", {"dp": 2})],
+    1: [("tpfsdp", {})],
+    3: [("fsdp2", {"dp": 3})],
+    4: [("hsdp", {"dp": 4})],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(RESUMES))
+def test_resume_on_other_meshes_equals_dcp(sources, world):
+    base, store = sources
+    jobs = [{"role": "resume", "ref": f"{src}@{STEPS}", "dcp": str(base / f"dcp-{src}"), "steps": STEPS, "store": store,
+             "tp": 1, "dp": 1, "rep": 1, **mesh} for src, mesh in RESUMES[world]]
+    results = _ok(*_spawn(base, f"resume{world}", {"world": world, "role": "resume", "jobs": jobs}))
+    for r in results:
+        for (src, mesh), job in zip(RESUMES[world], r["jobs"]):
+            what = f"{src} -> {mesh or '1x1'} rank {r['rank']}"
+            assert job["diffs"] == [], what  # model and optimizer state bit-identical to DCP's resume
+            assert job["loss_ucp"] == job["loss_dcp"], what  # and so are the next-step losses
+            assert job["after"] == [], what
+            assert job["verify_ok"], what
+
+
+@pytest.mark.slow
+def test_placements_recorded_in_catalog(sources):
+    _, store = sources
+    st = ucp_store.open_store(store)
+    infos = {(i.name, i.state): i for i in st.checkpoint(f"tpfsdp@{STEPS}").tensors()}
+    wq = infos[("layers.0.attention.wq.weight", "exp_avg")].pattern
+    assert wq == {"kind": "dtensor", "mesh": {"shape": [2, 2], "dims": ["dp", "tp"]},
+                  "placements": [{"type": "strided_shard", "dim": 0, "split_factor": 2}, {"type": "shard", "dim": 0}]}
+    assert infos[("layers.0.attention.wo.weight", "weight")].pattern["placements"] == [
+        {"type": "shard", "dim": 0}, {"type": "shard", "dim": 1}]
+    hsdp = {(i.name, i.state): i for i in st.checkpoint(f"hsdp@{STEPS}").tensors()}
+    assert hsdp[("tok_embeddings.weight", "weight")].pattern["placements"] == [{"type": "replicate"},
+                                                                                {"type": "shard", "dim": 0}]
+    _cols, rows = st.query("SELECT name FROM tensors WHERE state = 'weight' AND pattern LIKE '%strided_shard%' "
+                          "ORDER BY name")
+    assert ("layers.1.feed_forward.w1.weight",) in rows
+    out = run_python(["-m", "ucp_store.cli", "--store", store, "show", f"tpfsdp@{STEPS}"])
+    assert out.returncode == 0 and "dtensor" in out.stdout, out.stderr
+
+
+@pytest.mark.slow
+def test_verify_and_async_save_across_ranks(tmp_path):
+    store = str(tmp_path / "store")
+    jobs = [{"role": "verify", "run": "v", "target": "layers.1.feed_forward.w2.weight", "bad_rank": 3},
+            {"role": "async", "run": "at", "mode": "thread"},
+            {"role": "async", "run": "ap", "mode": "process"}]
+    results = _ok(*_spawn(tmp_path, "misc", {"world": 4, "tp": 2, "dp": 2, "store": store, "jobs": jobs}))
+    for r in results:
+        v, at, ap = r["jobs"]
+        assert v["clean"]
+        # one element of rank 3's shard: (dp=1, tp=1) holds rows 20..39, columns 44..87 of w2 [40, 88]
+        assert len(v["mismatches"]) == 1, v["text"]
+        m = v["mismatches"][0]
+        assert (m["name"], m["state"], m["rank"], m["box"], m["differing"]) == (
+            "layers.1.feed_forward.w2.weight", "weight", 3, [[20, 40], [44, 88]], 1)
+        assert "layers.1.feed_forward.w2.weight" in v["text"]
+        for a in (at, ap):
+            assert a["same"] and a["n"] == 104 and a["later_differs"], a
+
+
+@pytest.mark.slow
+def test_bad_input_errors_on_every_rank(tmp_path):
+    store = str(tmp_path / "store")
+    cases = ["missing_ref", "shape", "keys", "save_keys", "split"]
+    results = _ok(*_spawn(tmp_path, "bad", {"world": 2, "tp": 2, "role": "bad", "run": "b", "store": store,
+                                            "cases": cases}))
+    for r in results:
+        got = r["cases"]
+        assert got["missing_ref"]["error"] == "ReferenceNotFound" and "b@99" in got["missing_ref"]["message"]
+        assert "norm.weight" in got["shape"]["message"] and "[41]" in got["shape"]["message"] \
+            and "[40]" in got["shape"]["message"]
+        assert got["keys"]["error"] == "ReferenceNotFound" and "extra.weight" in got["keys"]["message"]
+        assert got["save_keys"]["error"] == "ConfigurationError" and "only_on_rank1" in got["save_keys"]["message"]
+        assert "layers.0.attention.wq.weight" in got["split"]["message"]
+        assert got["split"]["error"] in ("TopologyError", "UcpError")
+    st = ucp_store.open_store(store)
+    assert [r["run"] for r in st.runs()] == ["b"]  # the failed save listed nothing
+
+
+@pytest.mark.slow
+def test_killed_rank_lists_nothing_and_gc_reclaims(tmp_path):
+    store = str(tmp_path / "store")
+    proc, results = _spawn(tmp_path, "kill", {"world": 2, "tp": 2, "role": "kill", "run": "k", "store": store,
+                                              "victim": 0})
+    assert proc.returncode != 0 and results[0] is None  # rank 0 (the owner of the pending save) died hard
+    assert results[1] is not None and results[1]["error"] == "UcpError", results[1]
+    assert "collective" in results[1]["message"]
+    st = ucp_store.open_store(store)
+    assert st.list_checkpoints() == []
+    pending = st.list_checkpoints(include_pending=True)
+    assert len(pending) == 1 and pending[0]["status"] == "pending"
+    report = st.gc()
+    assert report.removed_pending == [pending[0]["id"]]
+    assert st.list_checkpoints(include_pending=True) == []
+    assert not any((tmp_path / "store" / "arrays").iterdir())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

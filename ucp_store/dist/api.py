@@ -1,0 +1,583 @@
+"""``save`` / ``load`` / ``verify`` of live DTensor / FSDP2 / TP state dicts, on every rank, into any mesh.
+
+The calls mirror ``torch.distributed.checkpoint``: every rank passes the nested dict that
+``get_state_dict(model, optimizer)`` returns. Each tensor becomes one logical Zarr array (its global
+shape, whatever mesh holds it); the DTensor's mesh and placements go into the catalog as a ``dtensor``
+pattern.
+
+Save, on every rank:
+1. flatten the dict (``statedict.py``) and, per tensor, compute the boxes its local shard covers
+   (``layout.py``: ``Shard``, uneven ``Shard``, ``_StridedShard``, ``Replicate``, 2-D meshes);
+2. one ``all_gather_object`` of (key, shape, dtype, boxes) on a gloo group with a bounded timeout: the
+   ranks check they hold the same tensors, and the lowest rank proposing a box writes it, so replicas
+   (``Replicate`` mesh dims, plain tensors, the same DTensor on sibling sub-meshes) are written once;
+3. stage the boxes it writes to host memory (device tensors are copied to host, pinned buffers when
+   asynchronous) and write them with ``CheckpointWriter.write_region`` into the pending version;
+4. rank 0 commits after every rank's arrays are durable (``ucp_store.distributed``); on an error
+   anywhere, every rank raises and nothing is listed.
+
+Load, on every rank: each rank reads only the chunks that intersect the boxes of its live DTensors
+(from their own placements and mesh, whatever the saving mesh was) and copies them in place. Then one
+collective makes every rank raise if any rank failed, so no rank trains on while another stopped.
+
+Without a process group (or with a world of one) everything runs locally with no collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import dtypes
+from ..errors import (
+    ConfigurationError,
+    ReferenceNotFound,
+    ShapeMismatch,
+    TopologyError,
+    UcpError,
+)
+from . import layout as lay
+from .statedict import Leaf, flatten, from_json, json_value, path_text, set_leaf
+
+__all__ = ["STATE_DICT_OBJECT", "LoadResult", "Mismatch", "VerifyReport", "load", "save", "verify"]
+
+#: name of the JSON object holding the state dict's structure (tensor keys and non-tensor values by path)
+STATE_DICT_OBJECT = "dist.state_dict"
+
+
+# ----------------------------------------------------------------------------------------- context
+@contextlib.contextmanager
+def collective_errors(what: str):
+    """Turn a failed collective (a rank died, or the bounded timeout passed) into a ``UcpError`` naming ``what``."""
+    try:
+        yield
+    except RuntimeError as exc:
+        from ..distributed import default_timeout
+
+        raise UcpError(f"{what}: a collective with the other ranks failed (a rank died, or none answered within "
+                       f"UCP_DIST_TIMEOUT={default_timeout():g} s): {str(exc).splitlines()[0][:300]}") from exc
+
+
+class _Ctx:
+    """Process-group facts for one call: rank, world size and the bounded-timeout gloo group."""
+
+    def __init__(self, group=None, *, tag: str = "control", timeout: float | None = None):
+        import torch.distributed as dist
+
+        self.dist = None
+        self.rank, self.world, self.group = 0, 1, None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            from ..distributed import control_group
+
+            self.dist = dist
+            self.group = control_group(group, timeout=timeout, tag=tag)
+            self.rank = dist.get_rank(self.group)
+            self.world = dist.get_world_size(self.group)
+
+    def gather(self, obj: Any, what: str = "collective") -> list:
+        if self.dist is None:
+            return [obj]
+        out: list = [None] * self.world
+        with collective_errors(what):
+            self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def raise_if_any_failed(self, error: BaseException | None, what: str) -> None:
+        """A collective: every rank raises when any rank failed (naming each failing rank)."""
+        if self.dist is None:
+            if error is not None:
+                raise error
+            return
+        from ..distributed import gather_errors
+
+        with collective_errors(what):
+            failures = gather_errors(error, self.group)
+        if not failures:
+            return
+        if error is not None:  # this rank's own error, in its own class; the others name it below
+            raise error
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
+        raise UcpError(f"{what} failed on {len(failures)} rank(s): {detail}") from error
+
+
+# ----------------------------------------------------------------------------------------- tensors
+@dataclass
+class _Tensor:
+    """One tensor leaf on this rank: its logical shape, local tensor and local boxes."""
+
+    leaf: Leaf
+    shape: tuple[int, ...]
+    dtype: str
+    local: torch.Tensor
+    regions: list[lay.Region]
+    candidate: bool  # this rank may write its boxes (index 0 on the mesh dims that replicate it)
+    pattern: dict | None = None
+    boundaries: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.leaf.key  # type: ignore[return-value]
+
+    @property
+    def what(self) -> str:
+        return f"state dict entry {path_text(self.leaf.path)!r} (tensor {self.key[0]!r} state {self.key[1]!r})"
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _describe(leaf: Leaf) -> _Tensor:
+    t = leaf.value
+    what = f"state dict entry {path_text(leaf.path)!r}"
+    if _is_dtensor(t):
+        mesh = t.device_mesh
+        coord = mesh.get_coordinate()
+        placements = [lay.placement_json(p) for p in t.placements]
+        shape = tuple(int(s) for s in t.shape)
+        local = t.to_local()
+        mesh_shape = tuple(int(n) for n in mesh.mesh.shape)
+        if coord is None:  # this rank is not part of the DTensor's mesh: it holds nothing
+            return _Tensor(leaf, shape, dtypes.zarr_name(local.dtype, what=what), local, [], False)
+        regions = lay.local_regions(shape, mesh_shape, placements, coord, what=what)
+        expected = lay.local_shape(shape, mesh_shape, placements, coord)
+        if tuple(local.shape) != expected:
+            raise TopologyError(f"{what}: the local shard has shape {tuple(local.shape)} but placements "
+                                f"{list(t.placements)} on mesh {list(mesh_shape)} at {tuple(coord)} give {expected}; "
+                                "this placement layout is not supported")
+        pattern = {"kind": "dtensor", "mesh": {"shape": list(mesh_shape)}, "placements": placements}
+        if mesh.mesh_dim_names:
+            pattern["mesh"]["dims"] = list(mesh.mesh_dim_names)
+        return _Tensor(leaf, shape, dtypes.zarr_name(local.dtype, what=what), local, regions,
+                       lay.is_writer_coord(placements, coord), pattern,
+                       lay.split_points(shape, mesh_shape, placements))
+    shape = tuple(int(s) for s in t.shape)
+    full = lay.Region(tuple((0, n) for n in shape), tuple((0, n) for n in shape))
+    return _Tensor(leaf, shape, dtypes.zarr_name(t.dtype, what=what), t, [full] if t.numel() or not shape else [],
+                   True)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy-or-view of ``t`` (device tensors are copied to CPU)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+# ----------------------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class WriteItem:
+    """One box this rank writes (plain data: it crosses to a background writer process)."""
+
+    name: str
+    state: str
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    pattern: dict | None
+    boundaries: dict
+    origin: bool
+
+
+@dataclass
+class _SavePlan:
+    items: list[WriteItem]
+    sources: list[tuple[torch.Tensor, tuple]]  # per item: (local tensor, local box slices); () for 0-d
+    objects: list[dict]
+    provenance: dict
+
+    def signature(self) -> tuple:
+        """What the staging buffers depend on: the items and their dtypes."""
+        return tuple((it, src.dtype, str(src.device)) for it, (src, _) in zip(self.items, self.sources))
+
+
+def _plan_save(state_dict: Any, ctx: _Ctx) -> _SavePlan:
+    """Flatten, describe, gather and decide who writes what (one all_gather_object)."""
+    error: BaseException | None = None
+    tensors: list[_Tensor] = []
+    objects: list[dict] = []
+    meshes: dict[str, dict] = {}
+    proposal: list = []
+    try:
+        leaves = flatten(state_dict)
+        for leaf in leaves:
+            if leaf.is_tensor:
+                t = _describe(leaf)
+                tensors.append(t)
+                objects.append({"path": list(leaf.path), "tensor": list(leaf.key)})
+                if t.pattern is not None:
+                    m = t.leaf.value.device_mesh
+                    meshes.setdefault(repr(m.mesh.tolist()), {"shape": t.pattern["mesh"]["shape"],
+                                                              "dims": list(m.mesh_dim_names or ()),
+                                                              "ranks": m.mesh.tolist()})
+            else:
+                objects.append({"path": list(leaf.path), "value": json_value(leaf)})
+        proposal = [(t.key, t.shape, t.dtype, [r.global_box for r in t.regions] if t.candidate else [])
+                    for t in tensors]
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+        error = exc
+    ctx.raise_if_any_failed(error, "save (planning)")
+    everyone = ctx.gather(proposal)
+    # every rank checks the same facts and raises the same error, so none waits for another
+    mine = {p[0]: p for p in proposal}
+    winners: dict[tuple, int] = {}
+    holders: dict[tuple, int] = {}
+    for r, props in enumerate(everyone):
+        keys = {p[0] for p in props}
+        if keys != set(mine):
+            missing, extra = sorted(set(mine) - keys)[:5], sorted(keys - set(mine))[:5]
+            raise ConfigurationError(f"save: rank {r} holds different tensors than rank {ctx.rank} (rank {r} lacks "
+                                     f"{missing or 'none'}, has extra {extra or 'none'}); every rank must pass the "
+                                     "same state dict structure")
+        for key, shape, dtype, boxes in props:
+            _, my_shape, my_dtype, _ = mine[key]
+            if tuple(shape) != tuple(my_shape) or dtype != my_dtype:
+                raise ShapeMismatch(f"save: tensor {key[0]!r} state {key[1]!r} is {dtype}{list(shape)} on rank {r} "
+                                    f"but {my_dtype}{list(my_shape)} on rank {ctx.rank}")
+            holders.setdefault(key, r)
+            for box in boxes:
+                winners.setdefault((key, tuple(box)), r)
+    covered: dict[tuple, int] = {}
+    for (key, box) in winners:
+        n = 1
+        for lo, hi in box:
+            n *= hi - lo
+        covered[key] = covered.get(key, 0) + n
+    items: list[WriteItem] = []
+    sources: list[tuple[torch.Tensor, tuple]] = []
+    for t in tensors:
+        numel = int(np.prod(t.shape)) if t.shape else 1
+        if numel and covered.get(t.key, 0) != numel:
+            raise TopologyError(f"save: {t.what}: the ranks' shards cover {covered.get(t.key, 0)} of {numel} elements "
+                                f"of shape {list(t.shape)}; the placements do not tile the tensor")
+        if not numel:  # nothing to write, but one rank records the (empty) array
+            if holders[t.key] == ctx.rank:
+                items.append(WriteItem(*t.key, t.shape, (0,) * len(t.shape), t.pattern, t.boundaries, True))
+                sources.append((t.local, tuple(slice(0, 0) for _ in t.shape)))
+            continue
+        if not t.candidate:
+            continue
+        for region in t.regions:
+            if winners.get((t.key, region.global_box)) == ctx.rank:
+                origin = all(lo == 0 for lo, _ in region.global_box)
+                items.append(WriteItem(*t.key, t.shape, region.offset, t.pattern, t.boundaries, origin))
+                sources.append((t.local, region.local_slices()))
+    provenance = {"source_kind": "dist", "source_path": None,
+                  "extra": {"dist": {"world_size": ctx.world, "meshes": list(meshes.values())}}}
+    return _SavePlan(items, sources, objects, provenance)
+
+
+# ----------------------------------------------------------------------------------------- save
+def _open(store, *, create: bool):
+    from ..store import Store, open_store
+
+    if isinstance(store, Store):
+        return store
+    if store is None or isinstance(store, (str, os.PathLike)):
+        return open_store(None if store is None else os.fspath(store), create=create)
+    raise ConfigurationError(f"store must be a URL, a path or a Store, got {type(store).__name__}")
+
+
+def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *, run: str, step: int,
+                message: str | None, parent: str | None, progress: bool) -> str:
+    """Begin/join, write every staged box, rank 0 writes the objects, commit (all ranks or none)."""
+    from ..progress import track
+
+    msg = message or f"ucp_store.dist.save from {ctx.world} rank(s)"
+    if ctx.dist is None:
+        writer = store.begin(run, step, parent=parent, message=msg, provenance=plan.provenance)
+    else:
+        from ..distributed import distributed_begin
+
+        # distributed_begin raises on every rank when rank 0 cannot begin or a rank cannot join
+        with collective_errors(f"save of {run}@{step} (begin)"):
+            writer = distributed_begin(store, run, step, group=ctx.group, parent=parent, message=msg,
+                                       provenance=plan.provenance)
+    error = None
+    try:
+        pairs = list(zip(plan.items, staged))
+        for it, data in track(pairs, f"save {run}@{step}", enabled=progress and ctx.rank == 0,
+                              weight=lambda pair: pair[1].numel() * pair[1].element_size()):
+            writer.write_region(it.name, it.state, data, shape=it.shape, offset=it.offset, pattern=it.pattern,
+                                boundaries=it.boundaries, origin=it.origin)
+        if ctx.rank == 0:
+            writer.write_object(STATE_DICT_OBJECT, {"format": 1, "leaves": plan.objects})
+    except BaseException as exc:  # noqa: BLE001
+        error = exc
+    if ctx.dist is None:
+        if error is not None:
+            writer.abort()
+            raise error
+        try:
+            _set_region_hashes(writer, [writer.region_digests()])
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.commit().id
+    from ..distributed import all_ok, distributed_commit
+
+    try:
+        with collective_errors(f"save of {run}@{step}"):
+            ok = all_ok(error is None, ctx.group)
+    except UcpError:
+        writer.abort()
+        raise
+    if not ok:
+        writer.abort()
+        if error is not None:
+            raise error
+        raise UcpError(f"save of {run}@{step} failed on another rank; aborted (nothing listed)")
+    try:
+        with collective_errors(f"save of {run}@{step} (commit)"):
+            _set_region_hashes(writer, ctx.gather(writer.region_digests()))
+            return distributed_commit(writer, group=ctx.group)
+    except UcpError:
+        writer.abort()
+        raise
+
+
+def _set_region_hashes(writer, parts: list[dict]) -> None:
+    """Combine every rank's chunk digests into each array's content hash (no read-back of what was written).
+
+    An array whose boxes did not fall on whole chunks on some rank (None) keeps the read-back hash."""
+    from .. import format as fmt
+
+    merged: dict = {}
+    for part in parts:
+        for key, digests in part.items():
+            if digests is None or merged.get(key, {}) is None:
+                merged[key] = None
+            else:
+                merged.setdefault(key, {}).update(digests)
+    for key, (_, _, layout, _) in writer._sharded.items():
+        digests = merged.get(key)
+        if digests:
+            h = fmt.chunk_tree_hash(layout, digests)
+            if h is not None:
+                writer.set_region_hash(key[0], key[1], h)
+
+
+def _open_everywhere(store, create: bool, ctx: _Ctx):
+    """Rank 0 opens (or creates) the store first, then the others open it; every rank raises on a failure."""
+    st, error = None, None
+    try:
+        st = _open(store, create=create) if ctx.rank == 0 else None
+    except BaseException as exc:  # noqa: BLE001
+        error = exc
+    ctx.raise_if_any_failed(error, "save (open store)")
+    if st is None:
+        try:
+            st = _open(store, create=False)
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+    if ctx.dist is not None:
+        ctx.raise_if_any_failed(error, "save (open store)")  # every rank, rank 0 included
+    return st
+
+
+def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
+         parent: str | None = "auto", group=None, progress: bool = True, create: bool = True) -> str:
+    """Save a (sharded) training state dict as ``run@step``; call on every rank. Returns the version id.
+
+    ``state_dict`` is what ``get_state_dict(model, optimizer)`` returns (or any nested dict of DTensors,
+    tensors and JSON values). Each rank writes only the boxes it owns; replicated data is written once.
+    The version is committed only after every rank's arrays are durable; on an error anywhere every rank
+    raises and nothing is listed. ``store`` is a URL, a folder or a ``Store`` (created if missing)."""
+    from .asyncsave import wait
+
+    wait()  # an async save in flight commits first
+    ctx = _Ctx(group)
+    plan = _plan_save(state_dict, ctx)
+    st = _open_everywhere(store, create, ctx)
+    staged = [_host(src[sl] if sl else src) for src, sl in plan.sources]
+    return _write_plan(st, plan, staged, ctx, run=run, step=step, message=message, parent=parent, progress=progress)
+
+
+# ----------------------------------------------------------------------------------------- load
+@dataclass
+class LoadResult:
+    """What ``load`` did: the version loaded, keys skipped (``strict=False``) and bytes read by this rank."""
+
+    checkpoint_id: str
+    missing: list[str] = field(default_factory=list)  # in the state dict, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state dict
+    bytes_read: int = 0
+
+
+def _catalog_view(store, ref: str):
+    ck = store.checkpoint(ref)
+    infos = {(i.name, i.state): i for i in ck.tensors()}
+    objs = ck.objects().get(STATE_DICT_OBJECT)
+    values = {}
+    if isinstance(objs, dict):
+        for leaf in objs.get("leaves", ()):
+            if "value" in leaf:
+                values[tuple(leaf["path"])] = leaf["value"]
+    return ck, infos, values
+
+
+def _key_text(key: tuple[str, str]) -> str:
+    return f"{key[0]} [{key[1]}]"
+
+
+def load(state_dict: dict, *, store: Any = None, ref: str, strict: bool = True, group=None,
+         progress: bool = True) -> LoadResult:
+    """Load version ``ref`` into ``state_dict`` in place, on any mesh; call on every rank.
+
+    Each rank reads only the chunks intersecting its local boxes (from its live DTensors' placements).
+    A key or shape mismatch raises an error naming the key and both shapes; ``strict=False`` loads the
+    keys both have and reports the rest in the result. Non-tensor values (learning rates, ...) are
+    restored too. If any rank fails, every rank raises."""
+    from ..io import _box_sink, _Reader
+    from ..patterns import Box
+    from ..progress import track
+    from .asyncsave import wait
+
+    wait()  # an async save in flight commits first
+    ctx = _Ctx(group)
+    error: BaseException | None = None
+    result = LoadResult("")
+    try:
+        st = _open(store, create=False)
+        ck, infos, values = _catalog_view(st, ref)
+        result.checkpoint_id = ck.id
+        leaves = flatten(state_dict)
+        tensors = [_describe(leaf) for leaf in leaves if leaf.is_tensor]
+        wanted = {t.key for t in tensors}
+        result.missing = sorted(_key_text(t.key) for t in tensors if t.key not in infos)
+        result.unexpected = sorted(_key_text(k) for k in infos if k not in wanted)
+        if strict and result.missing:
+            near = sorted(_key_text(k) for k in infos)[:5]
+            raise ReferenceNotFound(f"load {ref}: {len(result.missing)} state dict tensor(s) are not in checkpoint "
+                                    f"{ck.id}: {', '.join(result.missing[:5])}; it has e.g. {', '.join(near)} "
+                                    "(strict=False loads the intersection)")
+        for t in tensors:
+            info = infos.get(t.key)
+            if info is not None and tuple(info.shape) != t.shape:
+                raise ShapeMismatch(f"load {ref}: {t.what} has shape {list(t.shape)} in the state dict but "
+                                    f"{list(info.shape)} in checkpoint {ck.id}")
+        reader = _Reader(ck, infos=infos)
+        for t in track([t for t in tensors if t.key in infos], f"load {ref}", enabled=progress and ctx.rank == 0):
+            info = infos[t.key]
+            for region in t.regions:
+                reader.submit(info, Box(region.global_box), _box_sink(t.local, Box(region.local_box)))
+        reader.drain()
+        result.bytes_read = reader.bytes_copied
+        for leaf in leaves:
+            if not leaf.is_tensor and leaf.path in values:
+                set_leaf(state_dict, leaf.path, from_json(values[leaf.path], leaf.value))
+        if any(t.local.device.type == "cuda" for t in tensors):
+            torch.cuda.synchronize()
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+        error = exc
+    ctx.raise_if_any_failed(error, f"load of {ref}")
+    return result
+
+
+# ----------------------------------------------------------------------------------------- verify
+@dataclass
+class Mismatch:
+    """One box of one tensor that differs from the checkpoint (or a key/shape problem when ``box`` is None)."""
+
+    name: str
+    state: str
+    path: str
+    rank: int
+    box: list | None
+    differing: int
+    first: list | None = None
+    reason: str = "values differ"
+
+    def __str__(self) -> str:
+        where = f" box {self.box}" if self.box is not None else ""
+        first = f", first at {self.first}" if self.first is not None else ""
+        return (f"tensor {self.name!r} state {self.state!r} ({self.path}) on rank {self.rank}{where}: {self.reason}"
+                f" ({self.differing} element(s){first})")
+
+
+@dataclass
+class VerifyReport:
+    """``verify``'s answer, the same on every rank: ``ok`` and every differing tensor and box."""
+
+    checkpoint_id: str
+    mismatches: list[Mismatch]
+    checked_elements: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"checkpoint {self.checkpoint_id}: every box matches ({self.checked_elements} elements)"
+        lines = [f"checkpoint {self.checkpoint_id}: {len(self.mismatches)} mismatch(es)"]
+        lines += [f"  {m}" for m in self.mismatches]
+        return "\n".join(lines)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view(np.dtype(f"u{a.dtype.itemsize}")) if a.dtype.itemsize in (1, 2, 4, 8) else a.view(np.uint8)
+
+
+def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progress: bool = True) -> VerifyReport:
+    """Compare a live (sharded) state dict with version ``ref``, bit for bit; call on every rank.
+
+    Each rank checks its own boxes; the report (gathered, the same on every rank) names every tensor and
+    box that differs, and keys or shapes that do not match."""
+    from ..patterns import Box
+    from ..progress import track
+
+    ctx = _Ctx(group)
+    error: BaseException | None = None
+    mine: list[Mismatch] = []
+    checked = 0
+    ck_id = ""
+    try:
+        st = _open(store, create=False)
+        ck, infos, _ = _catalog_view(st, ref)
+        ck_id = ck.id
+        tensors = [_describe(leaf) for leaf in flatten(state_dict) if leaf.is_tensor]
+        for t in track(tensors, f"verify {ref}", enabled=progress and ctx.rank == 0):
+            path = path_text(t.leaf.path)
+            info = infos.get(t.key)
+            if info is None:
+                mine.append(Mismatch(t.key[0], t.key[1], path, ctx.rank, None, 0, reason="not in the checkpoint"))
+                continue
+            if tuple(info.shape) != t.shape or info.dtype != t.dtype:
+                mine.append(Mismatch(t.key[0], t.key[1], path, ctx.rank, None, 0,
+                                     reason=f"is {t.dtype}{list(t.shape)} live but {info.dtype}{list(info.shape)} "
+                                            "stored"))
+                continue
+            handle = ck.tensor(*t.key)
+            for region in t.regions:
+                stored = handle.read_numpy(region.global_slices()) if region.global_box else handle.read_numpy(())
+                live = dtypes.to_numpy(_host(t.local[region.local_slices()] if region.local_box else t.local),
+                                       what=t.what)
+                diff = _bits(stored) != _bits(live)
+                checked += int(live.size)
+                n = int(diff.sum())
+                if n:
+                    first = np.unravel_index(int(np.argmax(diff.reshape(-1))), diff.shape) if diff.ndim else ()
+                    mine.append(Mismatch(t.key[0], t.key[1], path, ctx.rank, [list(b) for b in region.global_box], n,
+                                         [int(lo + i) for (lo, _), i in zip(region.global_box, first)]))
+        _ = Box  # boxes are plain tuples here
+    except BaseException as exc:  # noqa: BLE001
+        error = exc
+    ctx.raise_if_any_failed(error, f"verify of {ref}")
+    parts = ctx.gather(([m.__dict__ for m in mine], checked))
+    everything = [Mismatch(**d) for ms, _ in parts for d in ms]
+    return VerifyReport(ck_id, everything, sum(c for _, c in parts))
+
+
+def _iter_tensors(state_dict) -> Iterable[_Tensor]:
+    return (_describe(leaf) for leaf in flatten(state_dict) if leaf.is_tensor)

@@ -1,0 +1,266 @@
+"""``async_save``: stage the state in host memory, return, and write + commit in the background.
+
+The call blocks only for planning (one small gather on the control group) and the copy of this rank's
+boxes into a staging buffer (host memory, pinned when the tensors are on a GPU, copied with
+``non_blocking`` and one synchronise). The buffers are kept and reused by the next call with the same
+layout. After the call returns, training may change its tensors at will: the background writer only
+reads the staging buffers, so the committed version is the state at the moment of the call.
+
+Two background modes:
+- ``"thread"``: a thread of this process writes and commits (TensorStore and hashing release the GIL for
+  most of the work);
+- ``"process"``: a persistent writer process per rank (its own gloo group among the writers), fed the
+  staging buffers through shared memory once and then only small messages: the trainer's interpreter
+  does none of the writing. ``tools/bench_dist.py`` measures both.
+
+A second ``async_save`` (or ``save`` / ``load``) first waits for the one in flight. ``handle.result()``
+returns the version id or raises the background error; every rank raises when any rank failed, and
+nothing is listed then.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..errors import ConfigurationError, UcpError
+from .api import _Ctx, _open_everywhere, _plan_save, _SavePlan, _write_plan
+
+__all__ = ["AsyncSaveHandle", "async_save", "close", "wait"]
+
+_MODES = ("thread", "process")
+_LOCK = threading.Lock()
+_PENDING: AsyncSaveHandle | None = None
+
+
+class AsyncSaveHandle:
+    """The future of one ``async_save``: ``result()`` gives the version id or raises the background error."""
+
+    def __init__(self, run: str, step: int, mode: str):
+        self.run, self.step, self.mode = run, step, mode
+        self._event = threading.Event()
+        self._id: str | None = None
+        self._error: BaseException | None = None
+        #: seconds the caller was blocked (planning + staging)
+        self.blocked_s = 0.0
+        #: bytes this rank staged
+        self.staged_bytes = 0
+
+    def _finish(self, cid: str | None, error: BaseException | None) -> None:
+        self._id, self._error = cid, error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> str:
+        """Wait for the commit; returns the version id, or raises what failed (on any rank)."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"async save of {self.run}@{self.step} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._id  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"AsyncSaveHandle({self.run}@{self.step}, {self.mode}, {state})"
+
+
+def wait() -> None:
+    """Wait for the async save in flight, if any (its error stays on its handle)."""
+    with _LOCK:
+        pending = _PENDING
+    if pending is not None:
+        pending._event.wait()
+
+
+# ----------------------------------------------------------------------------------------- staging
+class _Stager:
+    """Host buffers for this rank's boxes, reused while the layout stays the same."""
+
+    def __init__(self) -> None:
+        self.signature: tuple | None = None
+        self.buffers: list[torch.Tensor] = []
+        self.generation = 0
+
+    def stage(self, plan: _SavePlan, *, shared: bool) -> list[torch.Tensor]:
+        sig = (plan.signature(), shared)
+        views = [src[sl] if sl else src for src, sl in plan.sources]
+        if sig != self.signature:
+            bufs = []
+            for v in views:
+                pin = v.device.type == "cuda" and not shared
+                b = torch.empty(tuple(v.shape), dtype=v.dtype, device="cpu", pin_memory=pin)
+                bufs.append(b.share_memory_() if shared else b)
+            self.buffers, self.signature = bufs, sig
+            self.generation += 1
+        cuda = False
+        for b, v in zip(self.buffers, views):
+            cuda = cuda or v.device.type == "cuda"
+            b.copy_(v, non_blocking=v.device.type == "cuda")
+        if cuda:
+            torch.cuda.synchronize()
+        return self.buffers
+
+
+_STAGER = _Stager()
+
+
+# ----------------------------------------------------------------------------------------- process mode
+class _WriterProcess:
+    """One persistent writer process for this rank, and the thread that waits for its answers."""
+
+    def __init__(self, ctx: _Ctx):
+        import torch.multiprocessing as mp
+
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), 0
+        if ctx.rank == 0:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        addr, port = ctx.gather((addr, port))[0] if ctx.dist is not None else (addr, port)
+        mpctx = mp.get_context("spawn")
+        self.requests = mpctx.Queue()
+        self.responses = mpctx.Queue()
+        self.proc = mpctx.Process(target=_writer_main, args=(self.requests, self.responses, ctx.rank, ctx.world,
+                                                             addr, port), daemon=True, name="ucp-async-writer")
+        self.proc.start()
+        self.generation = -1
+        self.key = (ctx.rank, ctx.world)
+
+    def submit(self, handle: AsyncSaveHandle, buffers, generation: int, job: dict) -> None:
+        if generation != self.generation:
+            self.requests.put(("buffers", buffers))
+            self.generation = generation
+        self.requests.put(("save", job))
+
+        def waiter() -> None:
+            while True:
+                try:
+                    kind, payload = self.responses.get(timeout=5)
+                    break
+                except Exception:  # noqa: BLE001 - queue.Empty: check that the writer is alive
+                    if not self.proc.is_alive():
+                        kind, payload = "error", f"the async writer process died (exit code {self.proc.exitcode})"
+                        break
+            if kind == "ok":
+                handle._finish(payload, None)
+            else:
+                handle._finish(None, UcpError(f"async save of {handle.run}@{handle.step} failed: {payload}"))
+
+        threading.Thread(target=waiter, daemon=True, name="ucp-async-wait").start()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.requests.put(("stop", None))
+            self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def _writer_main(requests, responses, rank: int, world: int, addr: str, port: int) -> None:
+    """The writer process: its own gloo world among the ranks' writers; writes and commits each job."""
+    import datetime as _dt
+
+    import torch.distributed as dist
+
+    from ..distributed import default_timeout
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                                timeout=_dt.timedelta(seconds=default_timeout()))
+    buffers: list[torch.Tensor] = []
+    while True:
+        kind, payload = requests.get()
+        if kind == "stop":
+            break
+        if kind == "buffers":
+            buffers = payload
+            continue
+        try:
+            ctx = _Ctx(None, tag="async-writer")
+            plan = _SavePlan(payload["items"], [], payload["objects"], payload["provenance"])
+            st = _open_everywhere(payload["store"], True, ctx)
+            cid = _write_plan(st, plan, buffers, ctx, run=payload["run"], step=payload["step"],
+                              message=payload["message"], parent=payload["parent"], progress=False)
+            responses.put(("ok", cid))
+        except BaseException as exc:  # noqa: BLE001 - reported to the trainer
+            responses.put(("error", f"{type(exc).__name__}: {exc}"))
+    if world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_WRITERS: dict[tuple, _WriterProcess] = {}
+
+
+def close() -> None:
+    """Wait for the save in flight and stop the writer processes (also run at exit)."""
+    wait()
+    for w in list(_WRITERS.values()):
+        w.stop()
+    _WRITERS.clear()
+
+
+atexit.register(close)
+
+
+# ----------------------------------------------------------------------------------------- the call
+def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
+               parent: str | None = "auto", group=None, mode: str = "thread", create: bool = True) -> AsyncSaveHandle:
+    """Like ``save``, but return once the state is staged in host memory; write and commit in the background.
+
+    ``mode`` is ``"thread"`` or ``"process"`` (see the module docstring). Call on every rank. The returned
+    handle's ``result()`` gives the version id or raises; a later call waits for this one first."""
+    global _PENDING
+    if mode not in _MODES:
+        raise ConfigurationError(f"async_save: mode={mode!r}; expected one of {', '.join(_MODES)}")
+    from ..store import Store
+
+    if mode == "process" and isinstance(store, Store):
+        store = store.location.url
+    wait()
+    t0 = time.perf_counter()
+    ctx = _Ctx(group)
+    plan = _plan_save(state_dict, ctx)
+    buffers = _STAGER.stage(plan, shared=mode == "process")
+    handle = AsyncSaveHandle(run, step, mode)
+    handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
+    if mode == "thread":
+        bg = _Ctx(group, tag="async")  # its own gloo group: its collectives never interleave with the caller's
+        staged = list(buffers)
+
+        def work() -> None:
+            try:
+                st = _open_everywhere(store, create, bg)
+                cid = _write_plan(st, plan, staged, bg, run=run, step=step, message=message, parent=parent,
+                                  progress=False)
+                handle._finish(cid, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to result()
+                handle._finish(None, exc)
+
+        thread = threading.Thread(target=work, daemon=True, name="ucp-async-save")
+    else:
+        key = (ctx.rank, ctx.world)
+        writer = _WRITERS.get(key)
+        if writer is None or not writer.proc.is_alive():
+            writer = _WRITERS[key] = _WriterProcess(ctx)
+        job = {"items": plan.items, "objects": plan.objects, "provenance": plan.provenance,
+               "store": store if store is None else os.fspath(store) if not isinstance(store, str) else store,
+               "run": run, "step": step, "message": message, "parent": parent}
+        thread = None
+    with _LOCK:
+        _PENDING = handle
+    if thread is not None:
+        thread.start()
+    else:
+        writer.submit(handle, buffers, _STAGER.generation, job)
+    handle.blocked_s = time.perf_counter() - t0
+    return handle
