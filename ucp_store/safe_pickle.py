@@ -26,7 +26,7 @@ import threading
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -451,10 +451,13 @@ class DcpRecord:
         return type(self) is type(other) and all(getattr(self, f, None) == getattr(other, f, None)
                                                  for f in self._fields)
 
-    __hash__ = None
+    # no __hash__: defining __eq__ alone sets it to None, so records are unhashable (MetadataIndex adds its own)
+
+    if TYPE_CHECKING:  # fields are set per record type from ``_fields``; to the type checker, any attribute
+        def __getattr__(self, name: str) -> Any: ...
 
 
-def _record(name: str, fields: str, defaults: dict | None = None, **extra) -> type:
+def _record(name: str, fields: str, defaults: dict | None = None, **extra) -> type[DcpRecord]:
     return type(name, (DcpRecord,), {"_fields": tuple(fields.split()), "_defaults": defaults or {}, **extra})
 
 
@@ -567,8 +570,9 @@ def load_dcp_metadata(path: str | os.PathLike) -> Any:
                     bad.append(f"{mod}.{qual}")
                 recent.append(None)
             elif name == "STACK_GLOBAL":
-                pair = recent[-2:] if len(recent) >= 2 else [None, None]
-                g = ".".join(pair) if all(isinstance(x, str) for x in pair) else "<computed global>"
+                mod_arg, qual_arg = recent[-2:] if len(recent) >= 2 else (None, None)
+                g = (f"{mod_arg}.{qual_arg}" if isinstance(mod_arg, str) and isinstance(qual_arg, str)
+                     else "<computed global>")
                 if g not in allow:
                     bad.append(g)
                 recent.append(None)
@@ -577,9 +581,9 @@ def load_dcp_metadata(path: str | os.PathLike) -> Any:
             elif name == "MEMOIZE":
                 memo[len(memo)] = recent[-1] if recent else None
             elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[int(arg)] = recent[-1] if recent else None
+                memo[cast(int, arg)] = recent[-1] if recent else None  # pickletools decodes it as an int
             elif name in ("GET", "BINGET", "LONG_BINGET"):
-                recent.append(memo.get(int(arg)))
+                recent.append(memo.get(cast(int, arg)))
             elif name in ("FRAME", "PROTO", "MARK", "STOP"):
                 pass
             else:

@@ -52,7 +52,7 @@ import struct
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -132,11 +132,12 @@ def _classify(md: Any, optim_prefixes: Iterable[str] | None, model_prefix: str |
     tensor_keys = [k for k, v in sdm.items() if isinstance(v, TensorStorageMetadata)]
     paths = {k: _path_of(md, k) for k in sdm}
     # optimizer prefixes: a top-level component with `state.<fqn>.<state>` tensors and param_groups entries
-    heads = {}
+    heads: dict[str | int, list[str]] = {}
     for k in sdm:
         p = paths[k]
         head = p[0] if len(p) > 1 else k.split(".", 1)[0]
         heads.setdefault(head, []).append(k)
+    optim: list[str | int]
     if optim_prefixes is None:
         optim = []
         for head, keys in heads.items():
@@ -150,12 +151,13 @@ def _classify(md: Any, optim_prefixes: Iterable[str] | None, model_prefix: str |
     optim_fqns: set[str] = set()
     for k in tensor_keys:
         for head in optim:
-            if k.startswith(f"{head}.state."):
+            state_prefix = f"{head}.state."
+            if k.startswith(state_prefix):
                 p = paths[k]
                 if len(p) == 4 and p[0] == head and p[1] == "state" and isinstance(p[2], str):
                     fqn, state = p[2], str(p[3])  # nested: the path holds the FQN whole
                 else:
-                    rest = k[len(head) + len(".state."):]
+                    rest = k[len(state_prefix):]
                     if "." not in rest:
                         break
                     fqn, state = rest.rsplit(".", 1)
@@ -266,7 +268,7 @@ def _untransform(files: _Files, rel: str, off: int, length: int, descriptors, wh
 
     raw = io.BytesIO(bytes(files.view(rel, off, length, what)))
     try:
-        stream = raw
+        stream: IO[bytes] = raw
         for ex in ExtensionRegistry().from_descriptor_list(list(descriptors)):
             if isinstance(ex, StreamTransformExtension):
                 stream = ex.transform_from(stream)
@@ -300,7 +302,8 @@ def _load_chunk(files: _Files, info: Any, fqn: str, what: str) -> torch.Tensor:
     if not isinstance(entry, dict):
         raise SourceFormatError(f"{os.path.join(files.folder, rel)}: the safetensors blob at byte {off} has no "
                                 f"entry {fqn!r} for {what}")
-    dt = _ST_DTYPES.get(entry.get("dtype"))
+    code = entry.get("dtype")
+    dt = _ST_DTYPES.get(code) if isinstance(code, str) else None
     if dt is None:
         raise SourceFormatError(f"{os.path.join(files.folder, rel)}: {what}: safetensors dtype "
                                 f"{entry.get('dtype')!r} is not supported")
@@ -358,7 +361,7 @@ def _torch_chunk_in_place(view: memoryview) -> torch.Tensor:
     if f"{prefix}byteorder" in zf.namelist() and zf.read(f"{prefix}byteorder") != sys_byteorder().encode():
         raise ValueError("byte order differs from this machine's")
 
-    def persistent_load(pid):
+    def load_storage(pid):
         typename, storage_type, key, _location, numel = pid
         if typename != "storage":
             raise ValueError(f"persistent id {typename!r}")
@@ -379,9 +382,11 @@ def _torch_chunk_in_place(view: memoryview) -> torch.Tensor:
             untyped = torch.UntypedStorage(0)
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
-    up = wou.Unpickler(io.BytesIO(zf.read(pkl)), encoding="utf-8")
-    up.persistent_load = persistent_load
-    t = up.load()
+    class _Unpickler(wou.Unpickler):
+        def persistent_load(self, pid):
+            return load_storage(pid)
+
+    t = _Unpickler(io.BytesIO(zf.read(pkl)), encoding="utf-8").load()
     if not isinstance(t, torch.Tensor):
         raise TypeError("not a tensor")
     return t
@@ -480,7 +485,7 @@ class DcpSource:
                 self._bytes_info[fqn] = info
             else:
                 self._storage[(fqn, tuple(int(x) for x in off))] = info
-        seen: dict[tuple[str, str], str] = {}
+        seen: dict[tuple[str | None, str | None], str] = {}
         for e in self.entries.values():
             if e.kind == "tensor":
                 if (e.name, e.state) in seen:
@@ -571,6 +576,8 @@ class DcpSource:
                 self._objects[e.key] = t.clone() if t.data_ptr() else t
                 continue
             pos += 1
+            if e.name is None or e.state is None:  # _classify names every tensor entry
+                raise UcpError(f"{self.folder}: DCP key {e.key!r} was classified as a tensor without a name/state")
             yield TensorRecord(e.name, e.state, t, position=pos)
 
     def objects(self) -> dict[str, Any]:
@@ -713,12 +720,13 @@ def _plan(checkpoint, states: Iterable[str] | None) -> tuple[dict, dict[str, tup
         for (name, state), info in infos.items():
             if wanted and state not in wanted:
                 continue
+            path: tuple[str | int, ...]  # DCP's OBJ_PATH
             if state == model_state:
-                path = ["model", name]
+                path = ("model", name)
             elif state in ("fp32", "weight"):
                 continue
             else:
-                path = ["optim", "state", name, state]
+                path = ("optim", "state", name, state)
             key = ".".join(map(str, path))
             set_element(sd, path, placeholder(info))
             tensors[key] = (name, state)
@@ -728,7 +736,7 @@ def _plan(checkpoint, states: Iterable[str] | None) -> tuple[dict, dict[str, tup
                    and len(v.get("path", [])) > 1}
     keep_optim = not wanted or any(s != _MODEL_STATE for s in wanted)
     for key, v in keys.items():
-        path = v.get("path") or [key]
+        path = tuple(v.get("path") or [key])  # DCP's OBJ_PATH is a tuple
         kind = v.get("kind")
         if kind == "tensor":
             ns = (v["name"], v["state"])

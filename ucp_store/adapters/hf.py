@@ -27,7 +27,7 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from .. import dtypes, names
 from ..errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
 from .base import TensorRecord, import_source
 from .hf_map import NameMap, Piece, load_map, plan_outputs
+
+if TYPE_CHECKING:
+    from ..records import TensorInfo
 
 __all__ = ["HfSource", "SafetensorsHeader", "read_header", "import_hf", "export_hf", "parse_size",
            "ST_DTYPES", "CONFIG_OBJECT", "GENERATION_CONFIG_OBJECT"]
@@ -251,6 +254,9 @@ class HfSource:
                 if end == start:
                     arr = np.zeros(shape, dtype=np_dtype)
                 else:
+                    if mm is None:  # read_header checked every entry against the data section's size
+                        raise SourceFormatError(f"safetensors file {h.path} tensor {name!r}: the file has no data "
+                                                f"after its header, the tensor needs bytes [{start}, {end})")
                     if os.path.getsize(h.path) < h.data_start + end:
                         raise SourceFormatError(f"safetensors file {h.path} tensor {name!r}: the file shrank to "
                                                 f"{os.path.getsize(h.path)} bytes while being read")
@@ -424,7 +430,9 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
             for i, p in enumerate(pieces):
                 by_source.setdefault((p.source.name, p.source.state), []).append(i)
             sources = [pieces[idx[0]].source for idx in by_source.values()]
-            batches, cur, cur_bytes = [], [], 0
+            batches: list[list[TensorInfo]] = []
+            cur: list[TensorInfo] = []
+            cur_bytes = 0
             for info in sources:
                 if cur and cur_bytes + info.nbytes > batch_bytes:
                     batches.append(cur)
@@ -438,6 +446,8 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
             ahead = pool.submit(read_tensors, checkpoint, batches[0]) if batches else None
             for k, batch in enumerate(track(batches, f"export {os.path.basename(dest)}", enabled=progress,
                                             weight=lambda b: sum(i.nbytes for i in b))):
+                if ahead is None:  # submitted for every batch: batches[0] first, then batches[k + 1]
+                    raise UcpError(f"export {dest}: internal error, batch {k} was not read")
                 got = ahead.result()
                 ahead = pool.submit(read_tensors, checkpoint, batches[k + 1]) if k + 1 < len(batches) else None
                 for info in batch:
@@ -449,7 +459,9 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
                         if part.dtype != want:
                             part = part.to(want)
                         arr = dtypes.to_numpy(part, what=f"tensor {p.name!r}")
-                        _pwrite_all(fds[file_of[i]], memoryview(arr.reshape(-1).view(np.uint8)), offset_of[i])
+                        # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; 3.11 arrays are buffers too
+                        buf = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+                        _pwrite_all(fds[file_of[i]], buf, offset_of[i])
             for fd in fds.values():  # durable before the rename makes the folder visible
                 os.fsync(fd)
         finally:

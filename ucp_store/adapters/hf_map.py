@@ -126,6 +126,9 @@ class _Expr:
 
         def ev(node) -> int:
             if isinstance(node, ast.Constant):
+                if isinstance(node.value, bool) or not isinstance(node.value, int):  # _check admits int only
+                    raise ConfigurationError(f"{self.where}: size expression {self.text!r} has the non-integer "
+                                             f"constant {node.value!r}")
                 return node.value
             if isinstance(node, ast.Name):
                 if node.id not in env:
@@ -294,6 +297,9 @@ class NameMap:
     def _split(self, rule: _Rule, groups: dict, info: Any, env: dict) -> list[Piece]:
         where = f"name map {self.origin} {rule.where}"
         what = f"stored tensor {info.name!r} (shape {list(info.shape)})"
+        into = rule.into
+        if into is None:  # plan() splits only with a split rule, which always has 'into'
+            raise ConfigurationError(f"{where}: {what}: the rule has no split 'into' names")
         pattern = info.pattern if isinstance(info.pattern, dict) else None
         fused = pattern if pattern and pattern.get("kind") == "fused" else None
         dim = rule.dim
@@ -303,9 +309,9 @@ class NameMap:
                 raise ConfigurationError(f"{where}: split dim {dim} disagrees with the fused pattern of {what} "
                                          f"(dim {fdim})")
             dim = fdim
-            if len(fsizes) != len(rule.into):
+            if len(fsizes) != len(into):
                 raise ConfigurationError(f"{where}: {what} fuses {len(fsizes)} sub-parameters (sizes {fsizes}) but "
-                                         f"the rule splits it into {len(rule.into)}")
+                                         f"the rule splits it into {len(into)}")
             if rule.sizes is not None:
                 mine = [s.value(env, what) for s in rule.sizes]
                 if mine != fsizes:
@@ -323,7 +329,7 @@ class NameMap:
             raise ConfigurationError(f"{where}: sizes {sizes} add up to {sum(sizes)}, but dim {dim} of {what} has "
                                      f"{info.shape[dim]} (check the config values the sizes use)")
         pieces, start = [], 0
-        for name, size in zip(rule.into, sizes):
+        for name, size in zip(into, sizes):
             pieces.append(Piece(name.format(**groups), info, dim, start, start + size))
             start += size
         return pieces
