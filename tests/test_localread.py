@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -335,3 +336,14 @@ def test_corrupt_store_array_named_through_load_shard(tmp_path):
         store.checkpoint("r@1").state_dict("fp32")
     problems = store.checkpoint("r@1").verify()
     assert [p["chunk"] for p in problems] == [[0, 0]] and "crc32c mismatch" in problems[0]["error"]
+
+
+def test_small_chunk_target_store_reads_rows(tmp_path):
+    """A store may choose inner chunks down to 128 KiB (rows then cost a quarter of the default's bytes)."""
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True, chunk_target_bytes=256 << 10)
+    w = torch.randn(512, 1024, generator=torch.Generator().manual_seed(4))
+    store.save("r", 1, {"w": w}, state="fp32")
+    h = store.checkpoint("r@1").tensor("w", "fp32")
+    assert math.prod(h.info.chunk_shape) * 4 <= 256 << 10
+    assert isinstance(h.ts(), LocalArray)
+    assert torch.equal(h[300], w[300]) and torch.equal(h[:, 7], w[:, 7]) and torch.equal(h.read(), w)

@@ -1,6 +1,12 @@
-"""crc32c libraries on this machine: numcodecs CRC32C (google_crc32c underneath) vs google_crc32c vs crc32c."""
-import time, numpy as np
-import google_crc32c, crc32c
+"""crc32c libraries on this machine: numcodecs CRC32C (google_crc32c underneath) vs google_crc32c vs crc32c.
+
+    python tools/bench_crc32c.py      # needs the ``crc32c`` package too: pip install -c constraints-cpu.txt crc32c
+"""
+import time
+
+import crc32c
+import google_crc32c
+import numpy as np
 from numcodecs import CRC32C
 from concurrent.futures import ThreadPoolExecutor
 codec = CRC32C()

@@ -1,6 +1,12 @@
 """Store write/read throughput and single-row/column reads, side by side with the peers, in one run.
 
     python tools/bench_store.py --gib 2 --out bench-out/store.json
+    python tools/bench_store.py --gib 0.5 --repeats 3 --chunk-kib 1024,256 --lean   # fits a shared 2-core box
+
+Reads are interleaved (every reader once per round, best of ``--repeats``): ucp's local read path, the
+same reads through TensorStore (``UCP_LOCAL_READ=0``), a raw read of the same bytes into fresh memory,
+torch.load and safetensors; ratios are printed against torch.load and the raw read. ``--chunk-kib`` adds
+stores with other inner-chunk targets (the chunk policy's choice).
 
 Peers on the same tensors: torch.save / torch.load(weights_only=True), safetensors save_file /
 load_file, and for the partial reads safetensors ``get_slice`` and loading the whole file.

@@ -23,7 +23,7 @@ __all__ = ["MIB", "MIN_TARGET", "MAX_TARGET", "DEFAULT_TARGET", "DEFAULT_SHARD_T
            "MIN_CHUNK_BYTES", "VOCAB_ROW_UNIT", "Chunking", "split_dims_for_pattern", "choose_chunking"]
 
 MIB = 1 << 20
-MIN_TARGET = 1 * MIB
+MIN_TARGET = MIB // 8  # 128 KiB: with the local read path a row read costs about its chunk (tools/bench_store.py)
 MAX_TARGET = 8 * MIB
 DEFAULT_TARGET = 1 * MIB
 DEFAULT_SHARD_TARGET = 512 * MIB
@@ -87,7 +87,8 @@ def choose_chunking(
     topologies (it already trades alignment against a minimum chunk size).
     """
     if not MIN_TARGET <= target_bytes <= MAX_TARGET:
-        raise ValueError(f"chunk target must be between 1 and 8 MiB, got {target_bytes} bytes")
+        raise ValueError(f"chunk target must be between {MIN_TARGET >> 10} KiB and {MAX_TARGET >> 20} MiB, "
+                         f"got {target_bytes} bytes")
     shape = tuple(int(s) for s in shape)
     if not shape:
         return Chunking((), ())
