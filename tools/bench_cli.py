@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
             ("git --version", [shutil.which("git") or "git", "--version"]),
             ("python -c pass", [py, "-c", "pass"]),
             ("python -c 'import ucp_store'", [py, "-c", "import ucp_store"]),
+            # the floor of any command that reads the catalog through SQLAlchemy (a core dependency)
+            ("python -c 'import sqlalchemy'", [py, "-c", "import sqlalchemy"]),
+            ("python -c 'import sqlalchemy.orm'", [py, "-c", "import sqlalchemy.orm"]),
             ("ucp --help", [ucp, "--help"]),
             ("ucp ls", [ucp, "--store", store, "ls"]),
             ("ucp ls bench", [ucp, "--store", store, "ls", "bench"]),
