@@ -123,7 +123,7 @@ def choose_chunking(
                 chunk[d] *= 2
                 grown = True
                 break
-    if pattern and pattern.get("kind") == "dtensor":
+    if parsed is not None and parsed.kind == "dtensor":
         # Aligned on several dims, the 64-way units make small tiles; grow them back towards the target,
         # always the dim with the most chunks, keeping every edge named in ``boundaries`` (the source split).
         def can_double(d: int) -> bool:

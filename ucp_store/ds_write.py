@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -97,8 +97,10 @@ def _file_record(sd: dict, fname: str, notes: list) -> dict:
 def _flat_states(osd: dict, g: int, where: str) -> tuple[dict[str, torch.Tensor], Any]:
     fp32 = osd["single_partition_of_fp32_groups"]
     bos = osd["base_optimizer_state"]
+    st: dict[Any, Any]
     if isinstance(bos, dict) and "state" in bos:
-        st = bos["state"].get(g, bos["state"].get(str(g), {})) if isinstance(bos["state"], dict) else bos["state"][g]
+        states = bos["state"]
+        st = (states[g] if g in states else states.get(str(g), {})) if isinstance(states, dict) else states[g]
     elif isinstance(bos, list):
         st = bos[g] if g < len(bos) else {}
     else:
@@ -111,7 +113,10 @@ def _flat_states(osd: dict, g: int, where: str) -> tuple[dict[str, torch.Tensor]
 
 
 def _classify(staged: dict) -> tuple[str | None, dict | None, str, dict, dict[int, dict], list[str]]:
-    model_name = model_sd = optim_name = optim_sd = None
+    model_name: str | None = None
+    model_sd: dict | None = None
+    optim_name: str | None = None
+    optim_sd: dict | None = None
     layers: dict[int, dict] = {}
     for name, sd in staged.items():
         if MODEL_RE.match(name) or ZERO3_MODEL_RE.match(name):
@@ -123,7 +128,7 @@ def _classify(staged: dict) -> tuple[str | None, dict | None, str, dict, dict[in
         else:
             raise SourceFormatError(f"DeepSpeed handed the ucp engine a file {name!r} it does not know (expected "
                                     "model, optimizer or pipeline layer states); MoE saves are not supported")
-    if optim_sd is None:
+    if optim_sd is None or optim_name is None:
         raise ConfigurationError("save_checkpoint produced no ZeRO optimizer state on this rank: the ucp engine "
                                  "needs a ZeRO (stage 1-3) or bf16 optimizer")
     return model_name, model_sd, optim_name, optim_sd, layers, sorted(n for n in staged if LAYER_RE.match(n))
@@ -146,7 +151,8 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     rank, stage, dp_rank = meta["rank"], meta["stage"], meta["dp_rank"]
     model_name, model_sd, optim_name, optim_sd, layers, layer_names = _classify(staged)
     osd = optim_sd["optimizer_state_dict"]
-    prefix = OPTIM_RE.match(optim_name).group(1) or ""
+    # _classify only returns an optimizer file name that OPTIM_RE matched
+    prefix = cast(re.Match[str], OPTIM_RE.match(optim_name)).group(1) or ""
     local = {
         "rank": rank, "stage": stage, "dp": dp_rank, "optim_file": optim_name, "layer_files": layer_names,
         "model_file": model_name,
@@ -160,7 +166,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
         "mappings": None if zero >= 3 else [{n: (int(a.start), int(a.numel)) for n, a in g.items()}
                                             for g in osd["param_slice_mappings"]],
     }
-    parts = [None] * world
+    parts: list[Any] = [None] * world
     if multi:
         dist.all_gather_object(parts, local, group=group)
     else:
@@ -170,7 +176,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                                  "the ucp engine does not handle them yet; save with DeepSpeed's engine and "
                                  "`ucp import deepspeed`")
     # ---------------------------------------------------------------- the global plan (the importer's _plan)
-    by_stage = {}
+    by_stage: dict[int, dict[str, Any]] = {}
     for p in sorted(parts, key=lambda p: (p["stage"], p["dp"])):
         if p["param_shapes"] is not None:
             by_stage.setdefault(p["stage"], p)
@@ -235,7 +241,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
         if hook is not None:
             hook(name, state)
 
-    def phase1():
+    def phase1() -> None:
         mine = [p for p in params if p["stage"] == stage]
         if zero < 3:
             before = [p for p in parts if p["stage"] == stage and p["dp"] < dp_rank]
@@ -348,11 +354,11 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
         raise error
     # ---------------------------------------------------------------- phase 2: agree, weights, objects
     per_file = {}
-    if model_sd is not None:
+    if model_sd is not None and model_name is not None:  # _classify sets both or neither
         per_file[model_name] = _file_record(model_sd, model_name, [])
     info = {"metas": metas, "steps": steps, "kinds": kinds, "lp_differs": lp_differs, "files": per_file,
             "rng": meta["rng"], "rank": rank}
-    gathered = [None] * world
+    gathered: list[Any] = [None] * world
     if multi:
         dist.all_gather_object(gathered, info, group=group)
     else:
@@ -367,6 +373,9 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                     writer.write(name, "weight", lp_all[name].detach().reshape(spec["shape"]).cpu().clone(),
                                  pattern=_with_placement(None, placement(name)), position=position[name] * 16 + 15)
         if rank == 0:
+            if model_name is None or model_sd is None:
+                raise SourceFormatError("save_checkpoint produced no model states file on global rank 0: the ucp "
+                                        "engine reads the run's configuration and step from it")
             all_metas, all_steps, all_kinds, files = {}, {}, {}, {}
             for g_ in gathered:
                 all_metas.update(g_["metas"])

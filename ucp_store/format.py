@@ -292,7 +292,8 @@ CHUNK_HASH_PREFIX = "xxh3-128-chunks:"
 
 def chunk_digest(data: np.ndarray) -> bytes:
     """xxh3-128 digest of one inner chunk's C-order bytes (the edge chunks clipped to the array)."""
-    return xxhash.xxh3_128_digest(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    # ``.data`` is the same bytes as a memoryview (numpy's stubs give ndarray ``__buffer__`` only on 3.12+)
+    return xxhash.xxh3_128_digest(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
 
 
 def chunk_indices(layout: "ArrayLayout") -> Iterator[tuple[int, ...]]:
@@ -369,7 +370,8 @@ def verify_array(handle: ts.TensorStore, layout: ArrayLayout, array_url: str, *,
                 cb = layout.chunk_box(idx)
                 if cb and not lo <= cb[0][0] < (box[0][1] if box else 1):
                     continue
-                local = tuple(slice(a - (lo if d == 0 else 0), b - (lo if d == 0 else 0)) for d, (a, b) in enumerate(cb))
+                local = tuple(slice(a - (lo if d == 0 else 0), b - (lo if d == 0 else 0))
+                              for d, (a, b) in enumerate(cb))
                 digests[idx] = chunk_digest(data[local] if local else data)
         else:
             hasher.update(data)

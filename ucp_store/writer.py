@@ -516,7 +516,7 @@ class CheckpointWriter:
             pass  # gc will reclaim what is left; the checkpoint is not listed either way
 
 
-def _writer_aligned_shards(layout: fmt.ArrayLayout, source_points: dict[int, Iterable[int]]) -> tuple[int, ...]:
+def _writer_aligned_shards(layout: fmt.ArrayLayout, source_points: Mapping[int, Iterable[int]]) -> tuple[int, ...]:
     """Shard extents that divide the source topology's split points (in whole inner chunks) where they can.
 
     Then each writer rank owns whole shard files; where a split point is not a multiple of the inner

@@ -79,7 +79,8 @@ def main(args) -> int:
     _torchrun(console, out, 2, [{**model, "kind": "train", "steps": STEPS, "next_steps": NEXT, "save_dir": ds,
                                  "tag": tag, "convert": True, "out": os.path.join(out, "train.json")}])
 
-    console.print("\n[bold]== 2. import the ZeRO folder directly, and DeepSpeed's universal folder for comparison ==[/]")
+    console.print("\n[bold]== 2. import the ZeRO folder directly, and DeepSpeed's universal folder "
+                  "for comparison ==[/]")
     _ucp(console, store, "init")
     _ucp(console, store, "import", "deepspeed", os.path.join(ds, tag), "--run", "demo")
     _ucp(console, store, "import", "deepspeed-universal", os.path.join(ds, f"{tag}_universal"), "--run",
@@ -132,7 +133,8 @@ def main(args) -> int:
     console.print(f"wrote {os.path.relpath(os.path.join(out, 'losses.png'))} and "
                   f"{os.path.relpath(os.path.join(out, 'plan.png'))}")
     if not worst <= RTOL:
-        raise DemoError(f"DeepSpeed resumed from the ucp export diverged: relative loss difference {worst:.2e} > {RTOL:.0e}")
+        raise DemoError(f"DeepSpeed resumed from the ucp export diverged: relative loss difference "
+                        f"{worst:.2e} > {RTOL:.0e}")
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +147,7 @@ def _tied_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         h_dt = DTensor.from_local(h, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        logits = F.linear(h_dt, weight)
+        logits = cast(DTensor, F.linear(h_dt, weight))  # DTensor in, DTensor out (torch types it as Tensor)
         return logits.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
     return F.linear(h, weight)
 

@@ -124,10 +124,12 @@ def run_demo(args) -> int:
               "device": device}
 
     console.print(f"[bold]ucp demo[/]: a {cfg.layers}-layer GPT on generated text, trained in real torch.distributed "
-                  f"processes ({'NCCL on GPUs' if device == 'cuda' else 'gloo on CPUs'}), saved through ucp_store.dist into "
-                  f"{_show_path(store_url)}")
+                  f"processes ({'NCCL on GPUs' if device == 'cuda' else 'gloo on CPUs'}), "
+                  f"saved through ucp_store.dist into {_show_path(store_url)}")
     save_txt = ", ".join(f"{s}{' (async_save)' if k == 'async' else ''}" for s, k in sorted(saves.items()))
-    plan = [("train", RUNS[0], 0, None, saves)] + [("resume", r, resume, f"{RUN}@{resume}", {}) for r in RUNS]
+    # (what, the RUNS entry, start step, load reference, {step: save kind})
+    plan: list[tuple[str, tuple[str, str, int, int, str], int, str | None, dict[int, str]]] = \
+        [("train", RUNS[0], 0, None, saves)] + [("resume", r, resume, f"{RUN}@{resume}", {}) for r in RUNS]
     results: dict[str, tuple[dict, dict]] = {}
     walls: dict[str, float] = {}
     with _progress(console, not getattr(args, "no_progress", False)) as progress:

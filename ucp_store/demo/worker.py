@@ -181,12 +181,15 @@ def _boxes(model, param: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from ..dist.layout import local_regions, placement_json
+    from ..errors import TopologyError
 
     t = dict(model.named_parameters())[param]
     if not isinstance(t, DTensor):
         return {"param": param, "boxes": [[[0, n] for n in t.shape]], "coords": {}}
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
+    if coord is None:
+        raise TopologyError(f"{param}: this rank is not part of the parameter's device mesh {mesh.mesh.tolist()}")
     regions = local_regions(tuple(t.shape), tuple(mesh.mesh.shape), [placement_json(p) for p in t.placements], coord)
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     return {"param": param, "boxes": [[list(b) for b in r.global_box] for r in regions],

@@ -155,7 +155,7 @@ def _describe(leaf: Leaf) -> _Tensor:
             raise TopologyError(f"{what}: the local shard has shape {tuple(local.shape)} but placements "
                                 f"{list(t.placements)} on mesh {list(mesh_shape)} at {tuple(coord)} give {expected}; "
                                 "this placement layout is not supported")
-        pattern = {"kind": "dtensor", "mesh": {"shape": list(mesh_shape)}, "placements": placements}
+        pattern: dict[str, Any] = {"kind": "dtensor", "mesh": {"shape": list(mesh_shape)}, "placements": placements}
         if mesh.mesh_dim_names:
             pattern["mesh"]["dims"] = list(mesh.mesh_dim_names)
         return _Tensor(leaf, shape, dtypes.zarr_name(local.dtype, what=what), local, regions,
@@ -213,7 +213,7 @@ def _plan_save(state_dict: Any, ctx: _Ctx) -> _SavePlan:
             if leaf.is_tensor:
                 t = _describe(leaf)
                 tensors.append(t)
-                objects.append({"path": list(leaf.path), "tensor": list(leaf.key)})
+                objects.append({"path": list(leaf.path), "tensor": list(t.key)})
                 if t.pattern is not None:
                     m = t.leaf.value.device_mesh
                     meshes.setdefault(repr(m.mesh.tolist()), {"shape": t.pattern["mesh"]["shape"],

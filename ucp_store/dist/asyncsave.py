@@ -24,7 +24,7 @@ import atexit
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -260,7 +260,7 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
         _PENDING = handle
     if thread is not None:
         thread.start()
-    else:
-        writer.submit(handle, buffers, _STAGER.generation, job)
+    else:  # process mode: the writer was looked up or started above
+        cast(_WriterProcess, writer).submit(handle, buffers, _STAGER.generation, job)
     handle.blocked_s = time.perf_counter() - t0
     return handle

@@ -15,10 +15,13 @@ Retention goes through the registry: the run's stored policy (``Store.set_retent
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError, ReferenceNotFound
 from .api import _Ctx, _open, load, save
+
+if TYPE_CHECKING:
+    from .asyncsave import AsyncSaveHandle
 
 __all__ = ["Checkpointer"]
 
@@ -44,7 +47,7 @@ class Checkpointer:
         self.store_arg, self.run, self.every = store, run, every
         self.keep_last, self.keep_every, self.async_mode = keep_last, keep_every, async_mode
         self.group, self.create = group, create
-        self._pending = None  # the AsyncSaveHandle in flight
+        self._pending: AsyncSaveHandle | None = None  # the save in flight
         self._policy_set = False
         self.last_id: str | None = None
 

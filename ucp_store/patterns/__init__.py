@@ -109,8 +109,8 @@ from .zero import (
 
 __all__ = [
     # kinds
-    "KINDS", "TP_REPLICATED_KINDS", "STAGE_NAMES", "SCHEMA_FILE", "Placement", "Pattern", "Replicated", "Averaged", "DTensorSplit",
-    "Partitioned", "Vocab", "Fused", "Expert", "REPLICATED",
+    "KINDS", "TP_REPLICATED_KINDS", "STAGE_NAMES", "SCHEMA_FILE", "Placement", "Pattern", "Replicated", "Averaged",
+    "DTensorSplit", "Partitioned", "Vocab", "Fused", "Expert", "REPLICATED",
     # parsing and validation
     "parse_pattern", "pattern_to_json", "validate_pattern_record", "check_pattern", "without_placement",
     # placement
