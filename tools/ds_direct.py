@@ -29,10 +29,9 @@ import sys
 import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import ds_train
 import torch
+
+from ucp_store.demo import ds_train  # the DeepSpeed training harness (models, configs, data, train_steps)
 
 
 def optimizer_state(engine) -> dict:
