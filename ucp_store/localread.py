@@ -121,11 +121,25 @@ def open_reader(location: Location, rel: str, layout: fmt.ArrayLayout, context, 
     catalog's record; the layout's own chain when not given) is exactly the store's uncompressed chain;
     a TensorStore handle otherwise (S3, compression, any other chain). ``UCP_LOCAL_READ=0`` forces
     TensorStore everywhere (benchmarks compare the two)."""
-    chain = layout.codecs() if codecs is None else codecs
-    if (location.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0"
-            and is_local_chain(chain, layout)):
-        return LocalArray(os.path.join(location.root, _safe_rel(rel)), layout)
+    if location.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0":
+        if codecs is None:
+            local = is_local_chain(layout.codecs(), layout)
+        else:
+            # the catalog's records share one codecs object per distinct value (checkpoint._fetch_infos):
+            # check each object once per chunk geometry; the entry holds the object so its id stays valid
+            key = (id(codecs), layout.chunk_shape, layout.sharded, layout.compression)
+            hit = _chain_checks.get(key)
+            if hit is None or hit[0] is not codecs:
+                if len(_chain_checks) >= 4096:
+                    _chain_checks.clear()
+                hit = _chain_checks[key] = (codecs, is_local_chain(codecs, layout))
+            local = hit[1]
+        if local:
+            return LocalArray(os.path.join(location.root, _safe_rel(rel)), layout)
     return fmt.open_array(location, rel, layout, context)
+
+
+_chain_checks: dict[tuple, tuple] = {}  # (id(codecs), chunk shape, sharded, compression) -> (codecs, local?)
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
