@@ -347,3 +347,50 @@ def test_small_chunk_target_store_reads_rows(tmp_path):
     assert math.prod(h.info.chunk_shape) * 4 <= 256 << 10
     assert isinstance(h.ts(), LocalArray)
     assert torch.equal(h[300], w[300]) and torch.equal(h[:, 7], w[:, 7]) and torch.equal(h.read(), w)
+
+
+@pytest.mark.parametrize("case", ["index byte", "index crc", "entry past end of file", "missing chunk",
+                                  "truncated", "missing shard"])
+def test_held_handle_sees_index_changes_after_caching(where, case):
+    """A held LocalArray caches each shard's checked index; a later change to the file is still caught."""
+    import time
+
+    loc, _ = where
+    x = random_bits(SHAPE, torch.float32, torch.Generator().manual_seed(5))
+    rel, layout = _write(where, x, CHUNK, PER_SHARD)
+    local, _ = _both(where, rel, layout)
+    assert local.read(((0, 40), (0, 30))).tobytes() == x.numpy().tobytes()  # every index now cached
+    assert local.read(((25, 26), (12, 13))).tobytes() == x.numpy()[25:26, 12:13].tobytes()
+    path = _shard_path(loc, rel, (1, 0))
+    saved = path.read_bytes()
+    time.sleep(0.02)  # past the filesystem's timestamp granularity: the write below changes mtime/ctime
+    _corrupt(case, path)
+    url = loc.display(rel)
+    try:
+        for box in [((0, 40), (0, 30)), ((25, 26), (12, 13))]:
+            with pytest.raises(ChecksumError, match=r"chunk \[") as exc:
+                fmt.read_box(local, layout, box, what="tensor 'x' state 'fp32'", array_url=url)
+            assert url in str(exc.value)
+    finally:
+        time.sleep(0.02)
+        path.write_bytes(saved)
+    assert local.read(((0, 40), (0, 30))).tobytes() == x.numpy().tobytes()
+
+
+def test_held_handle_sees_a_replaced_shard(where):
+    """A shard file replaced by another with the same size (a re-save) is read as it is now."""
+    loc, ctx = where
+    x = random_bits(SHAPE, torch.float32, torch.Generator().manual_seed(6))
+    y = random_bits(SHAPE, torch.float32, torch.Generator().manual_seed(7))
+    rel, layout = _write(where, x, CHUNK, PER_SHARD)
+    rel_y, _ = _write(where, y, CHUNK, PER_SHARD)
+    local, _ = _both(where, rel, layout)
+    assert local.read(((0, 40), (0, 30))).tobytes() == x.numpy().tobytes()
+    for sidx in [(0, 0), (1, 0), (2, 0), (3, 0)]:
+        src, dst = _shard_path(loc, rel_y, sidx), _shard_path(loc, rel, sidx)
+        if src.exists():
+            tmp = dst.with_suffix(".new")
+            tmp.write_bytes(src.read_bytes())
+            tmp.replace(dst)
+    assert local.read(((0, 40), (0, 30))).tobytes() == y.numpy().tobytes()
+    assert local.read(((25, 26), (12, 13))).tobytes() == y.numpy()[25:26, 12:13].tobytes()

@@ -112,6 +112,10 @@ class TensorHandle:
         self.checkpoint = checkpoint
         self.info = info
         self._handle = None
+        # derived from info (immutable); built once
+        self._layout: fmt.ArrayLayout | None = None
+        self._what: str | None = None
+        self._array_url: str | None = None
 
     def __repr__(self) -> str:
         i = self.info
@@ -127,16 +131,22 @@ class TensorHandle:
 
     @property
     def layout(self) -> fmt.ArrayLayout:
-        i = self.info
-        return fmt.ArrayLayout.from_catalog(i.dtype, i.shape, i.chunk_shape, i.shard_shape, i.codecs)
+        if self._layout is None:
+            i = self.info
+            self._layout = fmt.ArrayLayout.from_catalog(i.dtype, i.shape, i.chunk_shape, i.shard_shape, i.codecs)
+        return self._layout
 
     @property
     def array_url(self) -> str:
-        return self.checkpoint.store.array_url(self.info.array)
+        if self._array_url is None:
+            self._array_url = self.checkpoint.store.array_url(self.info.array)
+        return self._array_url
 
     @property
     def what(self) -> str:
-        return f"tensor {self.info.name!r} state {self.info.state!r} of checkpoint {self.checkpoint.id}"
+        if self._what is None:
+            self._what = f"tensor {self.info.name!r} state {self.info.state!r} of checkpoint {self.checkpoint.id}"
+        return self._what
 
     def ts(self):
         if self._handle is None:

@@ -26,6 +26,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -255,7 +256,7 @@ def locate_bad_chunks(handle: ts.TensorStore, layout: ArrayLayout, box: Box, lim
     return bad
 
 
-def read_box(handle: ts.TensorStore, layout: ArrayLayout, box: Box, *, what: str, array_url: str) -> np.ndarray:
+def read_box(handle: Any, layout: ArrayLayout, box: Box, *, what: str, array_url: str) -> np.ndarray:
     """Read a box; a checksum failure becomes a ChecksumError naming the array and the chunk."""
     try:
         return handle[box_index(box)].read().result()

@@ -9,10 +9,13 @@ Everything no read covers stays zero: vocab padding rows, ZeRO alignment gaps, c
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -20,12 +23,36 @@ import torch
 from . import dtypes
 from . import format as fmt
 from .errors import ChecksumError, UcpError
-from .localread import LocalArray, numpy_view, open_reader
+from .localread import PARALLEL_BYTES, LocalArray, numpy_view, open_reader
 from .planner import Plan, TensorPlan
 from .planner import plan as make_plan
 from .records import TensorInfo
 
 _MAX_INFLIGHT_BYTES = 512 << 20
+# local reads below the local reader's split size run on their own pool (large reads split over
+# localread's pool, so a small read never waits behind a large one and a pool never waits on itself);
+# at most this many bytes of them are in flight
+_SMALL_INFLIGHT_BYTES = 64 << 20
+
+
+def _small_threads() -> int:
+    env = os.environ.get("UCP_SMALL_READ_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(4, min(32, 4 * (os.cpu_count() or 1)))
+
+
+_small_pool: ThreadPoolExecutor | None = None
+_small_lock = threading.Lock()
+
+
+def _get_small_pool() -> ThreadPoolExecutor:
+    global _small_pool
+    if _small_pool is None:
+        with _small_lock:
+            if _small_pool is None:
+                _small_pool = ThreadPoolExecutor(_small_threads(), thread_name_prefix="ucp-small-read")
+    return _small_pool
 
 
 def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:
@@ -51,6 +78,7 @@ class _Reader:
         self._handles: dict[str, Any] = {}
         self._inflight: deque = deque()
         self._bytes = 0
+        self._small_bytes = 0  # local small reads in flight (bounded by _SMALL_INFLIGHT_BYTES)
         self.bytes_copied = 0
 
     def handle(self, info: TensorInfo):
@@ -64,21 +92,46 @@ class _Reader:
 
     def submit(self, info: TensorInfo, box, sink) -> None:
         handle, layout = self.handle(info)
+        nbytes = box.numel * layout.itemsize
         if isinstance(handle, LocalArray):
-            self._read_local(info, handle, layout, box, sink)
+            if nbytes >= PARALLEL_BYTES:
+                self._read_local(info, handle, layout, box, sink)  # now, split over localread's pool
+                return
+            # a small read: overlapped with the others on the small-read pool; copied or delivered
+            # (sink) in this thread when it completes
+            future = _get_small_pool().submit(self._local_small, handle, layout, box, sink)
+            self._inflight.append((future, sink, info, box, nbytes, True))
+            self._small_bytes += nbytes
+            while self._small_bytes > _SMALL_INFLIGHT_BYTES:
+                self._complete_one()
             return
         future = handle[box.slices()].read()
-        nbytes = box.numel * layout.itemsize
-        self._inflight.append((future, sink, info, box, nbytes))
+        self._inflight.append((future, sink, info, box, nbytes, False))
         self._bytes += nbytes
         while self.window_bytes is not None and self._bytes > self.window_bytes:
             self._complete_one()
 
+    @staticmethod
+    def _local_small(handle: LocalArray, layout, box, sink):
+        """One small local read (a pool thread): straight into the destination when it can (returns None),
+        else the data for the sink."""
+        target = _direct_target(sink, layout, box)
+        if target is not None:
+            handle.read_into(box.ranges, target)
+            return None
+        return handle.read(box.ranges)
+
     def _complete_one(self) -> None:
-        future, sink, info, box, nbytes = self._inflight.popleft()
-        self._bytes -= nbytes
+        future, sink, info, box, nbytes, local = self._inflight.popleft()
+        if local:
+            self._small_bytes -= nbytes
+        else:
+            self._bytes -= nbytes
         try:
             data = future.result()
+            if local and data is None:
+                self.bytes_copied += nbytes
+                return
         except ValueError as exc:
             handle, layout = self.handle(info)
             what = f"tensor {info.name!r} state {info.state!r} of checkpoint {self.checkpoint.id}"
@@ -92,11 +145,9 @@ class _Reader:
         """Read now, straight into the destination when it has the stored dtype (no buffer, no second copy);
         large reads spread over the local reader's threads."""
         try:
-            target = getattr(sink, "target", None)
-            shape = tuple(hi - lo for lo, hi in box.ranges)
-            if (target is not None and target.device.type == "cpu" and target.dtype == dtypes.torch_dtype(layout.dtype)
-                    and (tuple(target.shape) == shape or target.is_contiguous())):
-                handle.read_into(box.ranges, numpy_view(target).reshape(shape))  # a view: same shape or contiguous
+            target = _direct_target(sink, layout, box)
+            if target is not None:
+                handle.read_into(box.ranges, target)
             else:
                 sink(handle.read(box.ranges))
         except ValueError as exc:
@@ -109,6 +160,17 @@ class _Reader:
     def drain(self) -> None:
         while self._inflight:
             self._complete_one()
+
+
+def _direct_target(sink, layout, box) -> np.ndarray | None:
+    """The sink's destination as a numpy view of the box's shape, when a local read can fill it directly
+    (CPU, the stored dtype, same shape or contiguous); None otherwise."""
+    target = getattr(sink, "target", None)
+    shape = tuple(hi - lo for lo, hi in box.ranges)
+    if (target is not None and target.device.type == "cpu" and target.dtype == dtypes.torch_dtype(layout.dtype)
+            and (tuple(target.shape) == shape or target.is_contiguous())):
+        return numpy_view(target).reshape(shape)  # a view: same shape or contiguous
+    return None
 
 
 def _to_torch(data: np.ndarray) -> torch.Tensor:
@@ -205,7 +267,7 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
         slot = buf[tp.fragment.buffer_start:tp.fragment.buffer_start + tp.fragment.slot]
         out.views[key] = slot
     for r in tp.reads:
-        reader.submit(info, r.box, _flat_sink(slot, r.dst.start, r.dst.stop))
+        reader.submit(info, r.box, _flat_sink(slot, cast(int, r.dst.start), cast(int, r.dst.stop)))
 
 
 class LazyShardState(ShardState):

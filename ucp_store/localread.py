@@ -121,11 +121,25 @@ def open_reader(location: Location, rel: str, layout: fmt.ArrayLayout, context, 
     catalog's record; the layout's own chain when not given) is exactly the store's uncompressed chain;
     a TensorStore handle otherwise (S3, compression, any other chain). ``UCP_LOCAL_READ=0`` forces
     TensorStore everywhere (benchmarks compare the two)."""
-    chain = layout.codecs() if codecs is None else codecs
-    if (location.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0"
-            and is_local_chain(chain, layout)):
-        return LocalArray(os.path.join(location.root, _safe_rel(rel)), layout)
+    if location.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0":
+        if codecs is None:
+            local = is_local_chain(layout.codecs(), layout)
+        else:
+            # the catalog's records share one codecs object per distinct value (checkpoint._fetch_infos):
+            # check each object once per chunk geometry; the entry holds the object so its id stays valid
+            key = (id(codecs), layout.chunk_shape, layout.sharded, layout.compression)
+            hit = _chain_checks.get(key)
+            if hit is None or hit[0] is not codecs:
+                if len(_chain_checks) >= 4096:
+                    _chain_checks.clear()
+                hit = _chain_checks[key] = (codecs, is_local_chain(codecs, layout))
+            local = hit[1]
+        if local:
+            return LocalArray(os.path.join(location.root, _safe_rel(rel)), layout)
     return fmt.open_array(location, rel, layout, context)
+
+
+_chain_checks: dict[tuple, tuple] = {}  # (id(codecs), chunk shape, sharded, compression) -> (codecs, local?)
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
@@ -166,8 +180,11 @@ def _scratch_buffer(nbytes: int) -> np.ndarray:
 class LocalArray:
     """One array of a folder store, read without TensorStore (see the module docstring).
 
-    Nothing is cached between reads (no file handle, no index): a held handle sees the files as they are
-    now, exactly as TensorStore with the store's zero-byte cache does."""
+    A held handle keeps, per shard file, the parsed and crc-checked shard index together with the file's
+    identity (device, inode, size, mtime and ctime in nanoseconds, from ``fstat`` of the file opened for
+    this read). Every read opens the file by path, so a replaced file (a new save, a repair) is seen at
+    once; an index whose file identity changed is read and checked again. The chunk bytes and their
+    crc32c are read and checked on every read."""
 
     def __init__(self, folder: str, layout: fmt.ArrayLayout):
         self.folder = folder
@@ -183,6 +200,10 @@ class LocalArray:
             self.per_shard, self.n_index = (), 0
         self.chunk_bytes = math.prod(chunk) * self.itemsize
         self.shape = tuple(shape)
+        self.chunk_shape = tuple(chunk)
+        self._expect = self.chunk_bytes + 4
+        # shard key -> (file identity, index as [n_index, 2] uint64, end of the chunk data); see the class doc
+        self._indexes: dict[str, tuple] = {}
 
     def __repr__(self) -> str:
         return f"LocalArray({self.folder!r}, shape={list(self.shape)}, chunks={list(self.layout.chunk_shape)})"
@@ -251,21 +272,23 @@ class LocalArray:
 
     def _read_single(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
         per = self.per_shard
-        sidx = tuple(i // p for i, p in zip(idx, per))
-        key = "c/" + "/".join(map(str, sidx))
+        local = 0
+        parts = []
+        for i, p in zip(idx, per):
+            s = i // p
+            parts.append(str(s))
+            local = local * p + (i - s * p)
+        key = "c/" + "/".join(parts)
         fd = self._open(key, [(idx,)])
         try:
-            size = os.fstat(fd).st_size
-            raw = self._index_raw(fd, size, key)
-            local = 0
-            for i, p, s in zip(idx, per, sidx):
-                local = local * p + (i - s * p)
-            off, nb = _ENTRY.unpack_from(raw, 16 * local)
-            expect = self.chunk_bytes + 4
-            self._check_entry(idx, key, off, nb, expect, size - len(raw))
+            index, data_end = self._index(fd, key)
+            off, nb = index[local]
+            expect = self._expect
+            if nb != expect or off + nb > data_end:
+                self._check_entry(idx, key, off, nb, expect, data_end)
             enc = _scratch_buffer(expect)
             try:
-                got = os.preadv(fd, [enc], off)
+                got = os.preadv(fd, [enc.data], off)
             except OSError as exc:
                 raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
         finally:
@@ -273,9 +296,9 @@ class LocalArray:
         if got != expect:
             raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is truncated (short read)")
         mem = enc[:-4]
-        if _crc(mem) != int.from_bytes(enc[-4:].tobytes(), "little"):
+        if _crc(mem) != int.from_bytes(enc[-4:], "little"):
             raise LocalReadError(f"chunk {list(idx)} of {self.folder}: crc32c checksum mismatch in shard file {key}")
-        chunk = self.layout.chunk_shape
+        chunk = self.chunk_shape
         src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, chunk))
         out[...] = mem.view(self.dtype).reshape(chunk)[src]
 
@@ -338,18 +361,15 @@ class LocalArray:
 
     def _runs(self, fd: int, key: str, sidx: tuple, items: list) -> list[tuple]:
         """Check the shard index and every needed entry; group the chunks into runs adjacent in the file."""
-        size = os.fstat(fd).st_size
-        raw = self._index_raw(fd, size, key)
-        index = np.frombuffer(raw, "<u8", 2 * self.n_index).reshape(self.n_index, 2)
+        index, data_end = self._index(fd, key)
         per = self.per_shard
-        expect = self.chunk_bytes + 4
-        data_end = size - len(raw)
+        expect = self._expect
         located = []
         for idx, src, dst in items:
             local = 0
             for i, p, s in zip(idx, per, sidx):
                 local = local * p + (i - s * p)
-            off, nb = int(index[local, 0]), int(index[local, 1])
+            off, nb = index[local]
             self._check_entry(idx, key, off, nb, expect, data_end)
             located.append((off, idx, src, dst))
         located.sort(key=lambda t: t[0])
@@ -365,6 +385,20 @@ class LocalArray:
             runs.append((fd, key, located[i:j], expect))
             i = j
         return runs
+
+    def _index(self, fd: int, key: str) -> tuple[list, int]:
+        """The shard index of ``key`` (open as ``fd``) as ``[(offset, nbytes)]`` per inner chunk in C order,
+        and where the chunk data ends; read and crc-checked again whenever the file's identity changed."""
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = self._indexes.get(key)
+        if hit is not None and hit[0] == ident:
+            return hit[1], hit[2]
+        raw = self._index_raw(fd, st.st_size, key)
+        index = list(_ENTRY.iter_unpack(memoryview(raw)[:16 * self.n_index]))
+        data_end = st.st_size - len(raw)
+        self._indexes[key] = (ident, index, data_end)
+        return index, data_end
 
     def _index_raw(self, fd: int, size: int, key: str) -> bytes:
         """The shard index with its crc32c (checked): ``(offset, nbytes)`` uint64 LE per inner chunk, C order."""
@@ -386,15 +420,17 @@ class LocalArray:
         crc_bytes = crcs.view(np.uint8)
         scratch_need = sum(expect for _, _, src, dst in run if src is not None or not dst.flags.c_contiguous)
         scratch = _scratch_buffer(scratch_need) if scratch_need else None
-        iov, checks = [], []
+        iov: list[Any] = []
+        checks: list[tuple[Any, ...]] = []
         pos = 0
-        for k, (off, idx, src, dst) in enumerate(run):
+        for k, (_off, idx, src, dst) in enumerate(run):
             if src is None and dst.flags.c_contiguous:
                 mem = dst.reshape(-1).view(np.uint8)
                 iov.append(mem)
                 iov.append(crc_bytes[4 * k:4 * k + 4])
                 checks.append((idx, mem, crc_bytes[4 * k:4 * k + 4], None, None))
             else:
+                assert scratch is not None  # scratch_need counted this chunk
                 enc = scratch[pos:pos + expect]
                 iov.append(enc)
                 checks.append((idx, enc[:data_bytes], enc[data_bytes:], ... if src is None else src, dst))
@@ -408,7 +444,7 @@ class LocalArray:
                                  f"(short read)")
         chunk = self.layout.chunk_shape
         for idx, mem, stored, src, dst in checks:
-            if _crc(mem) != int.from_bytes(stored.tobytes(), "little"):
+            if _crc(mem) != int.from_bytes(stored, "little"):
                 raise LocalReadError(f"chunk {list(idx)} of {self.folder}: crc32c checksum mismatch in shard file "
                                      f"{key}")
             if src is not None:
