@@ -21,7 +21,6 @@ Both resumes dump every rank's optimizer state (flat fp32 partitions, moments, s
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -133,29 +132,8 @@ def run_job(job):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", help="JSON file with a list of jobs")
-    ap.add_argument("--job", action="append", default=[], help="one job as inline JSON (repeatable)")
-    args = ap.parse_args(argv)
-    jobs = []
-    if args.jobs:
-        with open(args.jobs) as f:
-            jobs.extend(json.load(f))
-    jobs.extend(json.loads(j) for j in args.job)
-    import deepspeed
-
-    if any(j.get("dtype") == "fp16" for j in jobs):
-        ds_train._allow_cpu_fp16()
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.set_num_threads(1)
-    for job in jobs:
-        run_job(job)
-    import deepspeed.comm as dist
-
-    dist.barrier()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
+    """The harness's command line and set-up (``ucp_store.demo.ds_train.main``) with this file's jobs."""
+    ds_train.main(argv, run=run_job)
 
 if __name__ == "__main__":
     main()

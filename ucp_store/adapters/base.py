@@ -25,7 +25,7 @@ temporary name and rename at the end, so a crash never leaves a folder a foreign
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import (
     TYPE_CHECKING,
@@ -273,17 +273,3 @@ def import_source(store: "Store", source: Source, run: str, step: int, *, messag
         writer.abort()
         raise ImportFailedError(f"import of {source.describe()} failed while writing its objects; aborted") from error
     return distributed_commit(writer, group=group)
-
-
-def iter_leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Nested dicts/lists -> (dotted name, leaf) pairs; lists of plain values stay one leaf."""
-    import torch
-
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from iter_leaves(v, f"{prefix}{k}.")
-    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, torch.Tensor)) for v in obj):
-        for i, v in enumerate(obj):
-            yield from iter_leaves(v, f"{prefix}{i}.")
-    else:
-        yield prefix[:-1], obj

@@ -350,7 +350,11 @@ def _allow_cpu_fp16() -> None:
               file=sys.stderr)
 
 
-def main(argv=None):
+def main(argv=None, run=None):
+    """Run the jobs named on the command line, each with ``run`` (default: this harness's ``run_job``).
+
+    ``tools/ds_direct.py`` passes its own job runner and shares the rest (arguments, DeepSpeed set-up,
+    tear-down)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", help="JSON file with a list of jobs")
     ap.add_argument("--job", action="append", default=[], help="one job as inline JSON (repeatable)")
@@ -370,13 +374,12 @@ def main(argv=None):
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     for job in jobs:
-        run_job(job)
+        (run or run_job)(job)
     import deepspeed.comm as dist
 
     dist.barrier()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
