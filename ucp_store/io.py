@@ -1,9 +1,11 @@
-"""Executes read plans: fills preallocated torch tensors concurrently through TensorStore.
+"""Executes read plans: fills preallocated torch tensors concurrently (the local read path or TensorStore).
 
 The planner (pure) says, for one rank of a target topology, which logical boxes of which arrays land
 where; this module is the only place that turns that into I/O. Reads are issued as TensorStore
 futures (many in flight, bounded by bytes) and copied into their destinations as they complete,
 casting on the way when the target asks for another dtype (bf16 weights from fp32 masters).
+On the local path (localread) a small read runs on a pool of its own, at most _SMALL_INFLIGHT_BYTES
+in flight, straight into its destination; a large one runs at once, split over localread's pool.
 Everything no read covers stays zero: vocab padding rows, ZeRO alignment gaps, clipped tails.
 """
 
