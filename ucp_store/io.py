@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 
 from . import dtypes
 from . import format as fmt
+from ._window import FutureWindow, read_failed
 from .errors import ChecksumError, UcpError
 from .localread import PARALLEL_BYTES, LocalArray, numpy_view, open_reader
 from .planner import Plan, TensorPlan
@@ -67,7 +67,8 @@ def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:
 
 
 class _Reader:
-    """Opens each array once and keeps a bounded window of reads in flight."""
+    """Opens each array once and keeps bounded windows of reads in flight (``_window.FutureWindow``): one
+    for TensorStore futures (``window_bytes``), one for small local reads on the small-read pool."""
 
     def __init__(self, checkpoint, window_bytes: int | None = _MAX_INFLIGHT_BYTES,
                  infos: Mapping[tuple[str, str], TensorInfo] | None = None):
@@ -78,9 +79,9 @@ class _Reader:
         self.infos: Mapping[tuple[str, str], TensorInfo] = (
             _by_key(checkpoint.tensors()) if infos is None else infos)
         self._handles: dict[str, Any] = {}
-        self._inflight: deque = deque()
-        self._bytes = 0
-        self._small_bytes = 0  # local small reads in flight (bounded by _SMALL_INFLIGHT_BYTES)
+        self._remote: FutureWindow[tuple[Any, TensorInfo, Any, int]] = FutureWindow(window_bytes, self._complete)
+        self._small: FutureWindow[tuple[Any, TensorInfo, Any, int]] = FutureWindow(_SMALL_INFLIGHT_BYTES,
+                                                                                     self._complete)
         self.bytes_copied = 0
 
     def handle(self, info: TensorInfo):
@@ -102,16 +103,9 @@ class _Reader:
             # a small read: overlapped with the others on the small-read pool; copied or delivered
             # (sink) in this thread when it completes
             future = _get_small_pool().submit(self._local_small, handle, layout, box, sink)
-            self._inflight.append((future, sink, info, box, nbytes, True))
-            self._small_bytes += nbytes
-            while self._small_bytes > _SMALL_INFLIGHT_BYTES:
-                self._complete_one()
+            self._small.submit(future, nbytes, (sink, info, box, nbytes))
             return
-        future = handle[box.slices()].read()
-        self._inflight.append((future, sink, info, box, nbytes, False))
-        self._bytes += nbytes
-        while self.window_bytes is not None and self._bytes > self.window_bytes:
-            self._complete_one()
+        self._remote.submit(handle[box.slices()].read(), nbytes, (sink, info, box, nbytes))
 
     @staticmethod
     def _local_small(handle: LocalArray, layout, box, sink):
@@ -123,24 +117,24 @@ class _Reader:
             return None
         return handle.read(box.ranges)
 
-    def _complete_one(self) -> None:
-        future, sink, info, box, nbytes, local = self._inflight.popleft()
-        if local:
-            self._small_bytes -= nbytes
-        else:
-            self._bytes -= nbytes
+    def _failed(self, info: TensorInfo, box, exc: ValueError) -> UcpError:
+        """The error for a failed read: the corrupt chunk named (``fmt.read_box`` raises ChecksumError), or
+        the one wording of ``_window.read_failed``."""
+        handle, layout = self.handle(info)
+        what = f"tensor {info.name!r} state {info.state!r} of checkpoint {self.checkpoint.id}"
+        url = self.store.array_url(info.array)
+        if fmt.is_corruption(exc):
+            fmt.read_box(handle, layout, box.ranges, what=what, array_url=url)
+        return read_failed(what, url, exc)
+
+    def _complete(self, future: Any, item: tuple[Any, TensorInfo, Any, int]) -> None:
+        sink, info, box, nbytes = item
         try:
             data = future.result()
-            if local and data is None:
-                self.bytes_copied += nbytes
-                return
         except ValueError as exc:
-            handle, layout = self.handle(info)
-            what = f"tensor {info.name!r} state {info.state!r} of checkpoint {self.checkpoint.id}"
-            if fmt.is_corruption(exc):
-                fmt.read_box(handle, layout, box.ranges, what=what, array_url=self.store.array_url(info.array))
-            raise UcpError(f"{what}: reading {self.store.array_url(info.array)} failed: {exc}") from None
-        sink(data)
+            raise self._failed(info, box, exc) from None
+        if data is not None:  # None: a local read already filled the destination
+            sink(data)
         self.bytes_copied += nbytes
 
     def _read_local(self, info: TensorInfo, handle: LocalArray, layout, box, sink) -> None:
@@ -153,15 +147,12 @@ class _Reader:
             else:
                 sink(handle.read(box.ranges))
         except ValueError as exc:
-            what = f"tensor {info.name!r} state {info.state!r} of checkpoint {self.checkpoint.id}"
-            if fmt.is_corruption(exc):
-                fmt.read_box(handle, layout, box.ranges, what=what, array_url=self.store.array_url(info.array))
-            raise UcpError(f"{what}: reading {self.store.array_url(info.array)} failed: {exc}") from None
+            raise self._failed(info, box, exc) from None
         self.bytes_copied += box.numel * layout.itemsize
 
     def drain(self) -> None:
-        while self._inflight:
-            self._complete_one()
+        self._small.drain()
+        self._remote.drain()
 
 
 def _direct_target(sink, layout, box) -> np.ndarray | None:
