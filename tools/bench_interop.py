@@ -34,17 +34,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from bench_store import fsync_tree  # noqa: E402  (one copy, beside the store benchmark)
 
 import ucp_store  # noqa: E402
 from ucp_store import cli  # noqa: E402
-
-
-def fsync_tree(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
 
 
 def build_model(gib: float):

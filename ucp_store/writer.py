@@ -287,11 +287,7 @@ class CheckpointWriter:
             self._validate_pattern(name, pattern, shape)
         key = (name, state)
         if key in self._sharded:
-            aid, rel, layout, _ = self._sharded[key]
-            if layout.dtype != dtype or layout.shape != shape:
-                raise ShapeMismatch(f"{what}: box declares {dtype}{list(shape)}, earlier boxes "
-                                    f"{layout.dtype}{list(layout.shape)}")
-            handle = self._handles[key]
+            handle, layout, rel, aid = self._known_array(key, dtype, shape, f"{what}: box", "boxes")
         else:
             import xxhash
 
@@ -339,14 +335,19 @@ class CheckpointWriter:
         rank's ``finish_shards`` then records it instead of reading the array back."""
         self._region_hashes[(name, state)] = content_hash
 
+    def _known_array(self, key, dtype: str, shape, who: str, earlier: str):
+        """The array an earlier shard or box of ``key`` opened: (handle, layout, path, id); every writer of a
+        tensor-state must declare its dtype and logical shape alike."""
+        aid, rel, layout, _ = self._sharded[key]
+        if layout.dtype != dtype or layout.shape != shape:
+            raise ShapeMismatch(f"{who} declares {dtype}{list(shape)}, earlier {earlier} "
+                                f"{layout.dtype}{list(layout.shape)}")
+        return self._handles[key], layout, rel, aid
+
     def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):
         key = (name, state)
         if key in self._sharded:
-            aid, rel, layout, _ = self._sharded[key]
-            if layout.dtype != dtype or layout.shape != shape:
-                raise ShapeMismatch(f"tensor {name!r} state {state!r}: shard declares {dtype}{list(shape)}, "
-                                    f"earlier shards {layout.dtype}{list(layout.shape)}")
-            return self._handles[key], layout, rel, aid
+            return self._known_array(key, dtype, shape, f"tensor {name!r} state {state!r}: shard", "shards")
         import xxhash
 
         from .planner import chunk_alignment, split_points
