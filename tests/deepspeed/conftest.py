@@ -184,6 +184,7 @@ def cmp():
     class H:
         equal = staticmethod(tensors_equal)
         files = staticmethod(ds_universal_files)
+        run_jobs = staticmethod(run_jobs)
     return H
 
 

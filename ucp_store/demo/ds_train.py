@@ -17,11 +17,19 @@ for many checkpoints keeps the test-suite fast on 2 cores). A single job can als
 - ``model``: ``mlp`` (odd sizes: ZeRO padding, a parameter straddling the DP partitions, two param
   groups, a frozen parameter and a buffer), ``pipe`` (``PipelineModule`` with ``stages`` stages, ZeRO 0/1),
   ``tp`` (AutoTP training, ``tensor_parallel.autotp_size = tp``, fused gate/up + row-parallel down),
-  ``big`` (a stack of ``layers`` Linear(``width``) layers for the benchmark).
+  ``big`` (a stack of ``layers`` Linear(``width``) layers for the benchmark), ``pipe3d`` (Megatron-style
+  tensor x pipeline x data parallelism: a ``PipelineModule`` over ``PipeModelDataParallelTopology`` with
+  ``stages`` stages and ``tp`` tensor ranks; ``blocks`` MLP blocks of hand-written column/row-parallel
+  linears (Megatron's names ``mlp.dense_h_to_4h`` / ``mlp.dense_4h_to_h``) whose collectives run on the
+  grid's tensor group, width ``hidden``; the model records its ``universal_checkpoint_info``).
 - ``zero`` (0-3), ``dtype`` (``bf16``/``fp16``/``fp32``), ``sub_group_size`` (ZeRO-3), ``seed``,
   ``grad_accum_dtype`` (``"fp32"`` with bf16 + ZeRO-1 selects DeepSpeed's ``BF16_Optimizer``).
 - ``convert``: after saving, rank 0 runs ``python -m deepspeed.checkpoint.ds_to_universal``
   into ``save_dir/<tag>_universal`` (``--inject_missing_state``).
+- ``dump`` (resume jobs): a path prefix; after loading, every rank writes ``<dump>_rank<R>.pt`` with the
+  ZeRO partitions DeepSpeed's loader put into its optimizer (``fp32``, ``exp_avg``, ``exp_avg_sq`` per
+  parameter group, the group's parameter names, and the rank's tp/pp/dp coordinates), so a test can
+  compare them with what ``load_shard`` plans for that rank.
 - ``out``: where rank 0 writes ``{"losses": [...], "losses_hex": [...], ...}``.
 
 Losses are the mean over the *global* batch (all-reduced), so the same step at DP 1 and DP 2 sees the
@@ -114,6 +122,162 @@ class Big(nn.Module):
         return x
 
 
+# ----------------------------------------------------------------- Megatron-style TP x PP x DP model
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, gradient all-reduced over the tensor group backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        torch.distributed.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: output all-reduced over the tensor group forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _full_init(seed: int, out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full (TP=1) weight and bias of a parallel linear: each TP rank takes its slice of the same
+    tensors, so the model is the same function at every TP degree."""
+    g = torch.Generator().manual_seed(seed)
+    bound = 1.0 / in_f ** 0.5
+    return ((torch.rand(out_f, in_f, generator=g) * 2 - 1) * bound, (torch.rand(out_f, generator=g) * 2 - 1) * bound)
+
+
+def _mark_tp(p: torch.Tensor, dim: int) -> None:
+    # DeepSpeed's gradient norm counts a parameter with these attributes on every TP rank, the others once
+    p.tensor_model_parallel = True  # type: ignore[attr-defined]
+    p.model_parallel = True  # type: ignore[attr-defined]
+    p.partition_dim = dim  # type: ignore[attr-defined]
+    p.partition_stride = 1  # type: ignore[attr-defined]
+
+
+class ColumnParallelLinear(nn.Module):
+    """Rows of the weight (and the bias) split over the tensor ranks; input replicated, output split."""
+
+    def __init__(self, in_f, out_f, tp, tp_rank, seed):
+        super().__init__()
+        w, b = _full_init(seed, out_f, in_f)
+        part = out_f // tp
+        self.weight = nn.Parameter(w[tp_rank * part:(tp_rank + 1) * part].clone())
+        self.bias = nn.Parameter(b[tp_rank * part:(tp_rank + 1) * part].clone())
+        _mark_tp(self.weight, 0)
+        _mark_tp(self.bias, 0)
+        self.tp, self.group = tp, None
+
+    def forward(self, x):
+        if self.tp > 1:
+            x = _CopyToTP.apply(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Columns of the weight split over the tensor ranks; input split, output all-reduced, then the
+    (replicated) bias added."""
+
+    def __init__(self, in_f, out_f, tp, tp_rank, seed):
+        super().__init__()
+        w, b = _full_init(seed, out_f, in_f)
+        part = in_f // tp
+        self.weight = nn.Parameter(w[:, tp_rank * part:(tp_rank + 1) * part].clone())
+        self.bias = nn.Parameter(b.clone())
+        _mark_tp(self.weight, 1)
+        self.tp, self.group = tp, None
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.tp > 1:
+            y = _ReduceFromTP.apply(y, self.group)
+        return y + self.bias
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, d, f, tp, tp_rank, seed):
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(d, f, tp, tp_rank, seed)
+        self.dense_4h_to_h = RowParallelLinear(f, d, tp, tp_rank, seed + 1)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, d, f, tp, tp_rank, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.input_layernorm = nn.LayerNorm(d)
+        with torch.no_grad():  # not the default ones/zeros, so a mix-up of blocks would show
+            self.input_layernorm.weight.uniform_(0.5, 1.5)
+            self.input_layernorm.bias.uniform_(-0.1, 0.1)
+        self.mlp = ParallelMLP(d, f, tp, tp_rank, seed + 10)
+
+    def forward(self, x):
+        return x + self.mlp(self.input_layernorm(x))
+
+
+class _Linear(nn.Linear):
+    def __init__(self, din, dout, seed):
+        torch.manual_seed(seed)
+        super().__init__(din, dout)
+
+
+class _ToFloat(nn.Module):  # the loss in fp32, so resumed losses compare meaningfully
+    def forward(self, x):
+        return x.float()
+
+
+# what ds_to_universal and DeepSpeed's universal loader need to know about the TP layout (Megatron-DeepSpeed
+# passes the same in its model states); the other TP-split parameters are column-parallel (cat dim 0)
+PIPE3D_UCI = {
+    "universal_checkpoint_version": 0.2,
+    "tp_replicated_parameter_patterns": [r".*\.input_layernorm\.(weight|bias)$", r".*\.dense_4h_to_h\.bias$",
+                                         r"^\d+\.(weight|bias)$"],
+    "parameter_with_row_parallelism_patterns": [r".*\.dense_4h_to_h\.weight$"],
+}
+
+
+def _pipe3d_model(job):
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    world = torch.distributed.get_world_size()
+    tp, pp = job.get("tp", 1), job.get("stages", 2)
+    if world % (tp * pp):
+        raise SystemExit(f"pipe3d: world size {world} is not a multiple of tp={tp} x stages={pp}")
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp))
+    tp_rank = topo.get_coord(torch.distributed.get_rank()).model
+    d, f, seed = job.get("hidden", 32), 2 * job.get("hidden", 32), job.get("seed", 1234)
+    din, dout = 7, 6
+    layers = [LayerSpec(_Linear, din, d, seed)]
+    layers += [LayerSpec(ParallelBlock, d, f, tp, tp_rank, seed + 100 * (i + 1)) for i in range(job.get("blocks", 4))]
+    layers += [LayerSpec(_Linear, d, dout, seed + 7), LayerSpec(_ToFloat)]
+    model = PipelineModule(layers=layers, topology=topo, loss_fn=nn.MSELoss(), partition_method="uniform")
+    group = model._grid.get_slice_parallel_group()
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.group = group
+    # DeepSpeed saves a module's universal_checkpoint_info into every model-state file
+    model.universal_checkpoint_info = PIPE3D_UCI
+    model.din, model.dout = din, dout
+    return model
+
+
 def _pipe_model(job):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
@@ -152,11 +316,13 @@ def build_model(job):
         return Big(job.get("width", 2048), job.get("layers", 36))
     if kind == "pipe":
         return _pipe_model(job)
+    if kind == "pipe3d":
+        return _pipe3d_model(job)
     raise SystemExit(f"unknown model {kind!r}")
 
 
 def param_groups(model, job):
-    if job["model"] == "pipe" or job["model"] == "big":
+    if job["model"] in ("pipe", "pipe3d", "big"):
         return [p for p in model.parameters() if p.requires_grad]
     decay, no_decay = [], []
     for n, p in model.named_parameters():
@@ -168,10 +334,10 @@ def param_groups(model, job):
 
 def ds_config(job, world, universal=False):
     zero = job.get("zero", 1)
-    tp = job.get("tp", 1) if job["model"] == "tp" else 1
-    pp = job.get("stages", 2) if job["model"] == "pipe" else 1
+    tp = job.get("tp", 1) if job["model"] in ("tp", "pipe3d") else 1
+    pp = job.get("stages", 2) if job["model"] in ("pipe", "pipe3d") else 1
     dp = max(1, world // (tp * pp))
-    gas = 2 if job["model"] == "pipe" else 1
+    gas = 2 if _piped(job) else 1
     micro = GLOBAL_BATCH // (dp * gas)
     cfg = {
         "train_batch_size": GLOBAL_BATCH,
@@ -221,6 +387,10 @@ def ds_config(job, world, universal=False):
 
 
 # --------------------------------------------------------------------------------------------- data
+def _piped(job) -> bool:
+    return job["model"] in ("pipe", "pipe3d")
+
+
 def global_batch(step, din, dout, seed):
     g = torch.Generator().manual_seed(seed * 100003 + step)
     x = torch.randn(GLOBAL_BATCH, din, generator=g)
@@ -241,7 +411,7 @@ def train_steps(engine, job, start, count, dp_rank, dp, micro, gas):
     losses = []
     for step in range(start, start + count):
         x, y = global_batch(step, din, dout, job.get("data_seed", 7))
-        if job["model"] == "pipe":
+        if _piped(job):
             # micro-batch k of this DP rank: rows [(dp_rank * gas + k) * micro, ...)
             micro_batches = []
             for k in range(gas):
@@ -257,7 +427,7 @@ def train_steps(engine, job, start, count, dp_rank, dp, micro, gas):
             engine.backward(loss)
             engine.step()
             val = torch.tensor([loss.item()], dtype=torch.float64)
-        if job["model"] != "pipe":
+        if not _piped(job):
             dist.all_reduce(val)
             val /= dist.get_world_size()
         losses.append(float(val.item()))
@@ -273,13 +443,30 @@ def make_engine(job, universal=False):
     model = build_model(job)
     params = param_groups(model, job)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
-    if job["model"] == "pipe":
+    if _piped(job):
         dp_rank = engine.grid.data_parallel_id
     elif job["model"] == "tp":
         dp_rank = 0 if dp == 1 else dist.get_rank() // job.get("tp", 1)
     else:
         dp_rank = dist.get_rank()
     return engine, dp_rank, dp, micro, gas
+
+
+def _dump_partitions(engine, prefix: str) -> None:
+    """This rank's optimizer partitions as DeepSpeed loaded them (see the module docstring's ``dump``)."""
+    from ucp_store.ds_load import _names, _optimizer_groups
+
+    _kind, lp_groups, hp_flats, inner = _optimizer_groups(engine)
+    names = _names(engine)
+    out: dict = {"groups": [[names[p] for p in group] for group in lp_groups],
+                 "fp32": [t.detach().clone() for t in hp_flats]}
+    for st in ("exp_avg", "exp_avg_sq"):
+        out[st] = [inner.state[t][st].detach().clone() for t in hp_flats]
+    grid = getattr(engine, "grid", None)
+    if grid is not None:
+        out["coords"] = {"tp": grid.get_slice_parallel_rank(), "pp": grid.get_stage_id(),
+                         "dp": grid.get_data_parallel_id()}
+    torch.save(out, f"{prefix}_rank{torch.distributed.get_rank()}.pt")
 
 
 def run_job(job):
@@ -315,6 +502,8 @@ def run_job(job):
                                                    load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise SystemExit(f"load_checkpoint found nothing in {job['load_dir']} tag {job.get('tag')}")
+        if job.get("dump"):
+            _dump_partitions(engine, job["dump"])
         start = int(engine.global_steps)
         result["global_steps"] = start
         result["lr"] = [g["lr"] for g in engine.optimizer.param_groups]
