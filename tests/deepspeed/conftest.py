@@ -68,10 +68,10 @@ def torchrun(args: list[str], nproc: int, *, timeout: int = 600,
     return proc
 
 
-def run_jobs(jobs: list[dict], nproc: int, where: Path, name: str) -> None:
+def run_jobs(jobs: list[dict], nproc: int, where: Path, name: str, *, timeout: int = 600) -> None:
     path = where / f"{name}.json"
     path.write_text(json.dumps(jobs, indent=1))
-    torchrun([str(TRAIN), "--jobs", str(path)], nproc)
+    torchrun([str(TRAIN), "--jobs", str(path)], nproc, timeout=timeout)
 
 
 class DSSession:

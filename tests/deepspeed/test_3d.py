@@ -33,6 +33,8 @@ RESUME_PROCS = 2  # 2 processes start in a fraction of 4's time on a 2-core mach
 TARGETS = {"tp1_pp1_dp2": (1, 1), "tp2_pp1_dp1": (2, 1), "tp1_pp2_dp1": (1, 2)}
 LAYERS = 7  # PipelineModule layers: input linear, 4 blocks, head, fp32 cast
 RUN = "ds3d"
+# 8 processes on 2 shared cores: minutes when the machine is busy (a bound against a hang, not a timing check)
+TIMEOUT = 1800
 
 
 class Session:
@@ -68,7 +70,8 @@ def ds3d(tmp_path_factory, cmp) -> Session:
     s = Session(tmp_path_factory.mktemp("ds3d"))
     t0 = time.time()
     cmp.run_jobs([{"kind": "train", **SOURCE, "steps": STEPS, "next_steps": 2, "save_dir": str(s.root / "ck"),
-               "tag": TAG, "convert": True, "out": str(s.root / "train.json")}], TRAIN_PROCS, s.root, "train_jobs")
+               "tag": TAG, "convert": True, "out": str(s.root / "train.json")}], TRAIN_PROCS, s.root, "train_jobs",
+                 timeout=TIMEOUT)
     s.timings["train_save_convert"] = time.time() - t0
     t0 = time.time()
     _ucp("import", "deepspeed", s.tag_dir, "--run", RUN, "--store", s.store_path, "--no-progress")
@@ -84,7 +87,7 @@ def ds3d(tmp_path_factory, cmp) -> Session:
                 job["dump"] = str(s.root / f"dump_{name}")
             jobs.append(job)
     t0 = time.time()
-    cmp.run_jobs(jobs, RESUME_PROCS, s.root, "resume_jobs")
+    cmp.run_jobs(jobs, RESUME_PROCS, s.root, "resume_jobs", timeout=TIMEOUT)
     s.timings["resume"] = time.time() - t0
     print(f"\nTP x PP x DP fixture wall times (s): {json.dumps({k: round(v, 1) for k, v in s.timings.items()})}")
     return s
