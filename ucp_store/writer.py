@@ -40,6 +40,24 @@ __all__ = ["CheckpointWriter", "layer_of"]
 
 _ROW_BATCH = 512
 _MAX_INFLIGHT_BYTES = 1 << 30
+#: the most elements one tensor-state may have (256 Ti: 1 PiB of fp32). A larger shape is a bad input
+#: (a corrupt header, a stride-0 view of 2^62 elements), refused before a byte is hashed or allocated.
+MAX_ELEMENTS = 1 << 48
+
+
+def check_extent(shape, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints of at most :data:`MAX_ELEMENTS` elements, or a ValidationError."""
+    try:
+        dims = tuple(int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise ValidationError(f"{what}: shape {shape!r} is not a sequence of integers") from None
+    if any(d < 0 for d in dims):
+        raise ValidationError(f"{what}: shape {list(dims)} has a negative dimension")
+    n = math.prod(dims)
+    if n > MAX_ELEMENTS:
+        raise ValidationError(f"{what}: shape {list(dims)} has {n} elements (~2^{n.bit_length() - 1}); a "
+                              f"tensor-state holds at most 2^48 ({MAX_ELEMENTS})")
+    return dims
 
 
 def layer_of(pattern: dict | None) -> int | None:
@@ -134,7 +152,7 @@ class CheckpointWriter:
         layout = self._layout(array.shape, dtype, pattern)
         aid = m.new_id(32)
         rel = array_path(self.id, aid)
-        handle = fmt.create_array(self.store.location, rel, layout, self.store.context)
+        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, what=what)
         self._rows.append(m.Array(id=aid, path=rel, dtype=dtype, shape=list(layout.shape),
                                   chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
                                   codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
@@ -163,6 +181,8 @@ class CheckpointWriter:
         what = f"tensor {name!r} state {state!r}"
         if (name, state) in self._seen:
             raise DuplicateEntryError(f"{what} was already written to checkpoint {self.id}")
+        if isinstance(tensor, torch.Tensor | np.ndarray):
+            check_extent(tensor.shape, what)
         if isinstance(tensor, torch.Tensor):
             array = dtypes.to_numpy(tensor, what=what)
         elif isinstance(tensor, np.ndarray):
@@ -224,7 +244,9 @@ class CheckpointWriter:
         names.state_name(state)
         what = f"tensor {name!r} state {state!r}"
         topology = as_topology(topology)
-        shape = tuple(int(s) for s in shape)
+        shape = check_extent(shape, what)
+        if isinstance(local, torch.Tensor | np.ndarray):
+            check_extent(local.shape, what)
         if isinstance(local, torch.Tensor):
             array = dtypes.to_numpy(local, what=what)
         else:
@@ -274,7 +296,9 @@ class CheckpointWriter:
         names.tensor_name(name)
         names.state_name(state)
         what = f"tensor {name!r} state {state!r}"
-        shape = tuple(int(s) for s in shape)
+        shape = check_extent(shape, what)
+        if isinstance(local, torch.Tensor | np.ndarray):
+            check_extent(local.shape, what)
         offset = tuple(int(o) for o in offset)
         array = (dtypes.to_numpy(local, what=what) if isinstance(local, torch.Tensor)
                  else np.require(local, requirements="C"))
@@ -297,7 +321,8 @@ class CheckpointWriter:
                                      _writer_aligned_shards(layout, points), layout.compression)
             aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
             rel = array_path(self.id, aid)
-            handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True)
+            handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
+                                      what=f"tensor {name!r} state {state!r}")
             self._handles[key] = handle
             self._sharded[key] = (aid, rel, layout, pattern)
         if array.size:
@@ -365,7 +390,8 @@ class CheckpointWriter:
         # every rank derives the same array id, so all of them open one array
         aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
         rel = array_path(self.id, aid)
-        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True)
+        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
+                                  what=f"tensor {name!r} state {state!r}")
         self._handles[key] = handle
         return handle, layout, rel, aid
 
