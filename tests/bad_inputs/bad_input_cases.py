@@ -29,8 +29,16 @@ import torch
 
 import ucp_store
 from ucp_store.errors import (
-    CatalogError, ConfigurationError, DTypeError, DuplicateEntryError, InvalidNameError, ReferenceNotFound,
-    SchemaVersionError, SourceFormatError, UnsafePickleError, ValidationError,
+    CatalogError,
+    ConfigurationError,
+    DTypeError,
+    DuplicateEntryError,
+    InvalidNameError,
+    ReferenceNotFound,
+    SchemaVersionError,
+    SourceFormatError,
+    UnsafePickleError,
+    ValidationError,
 )
 
 EXIT_FAIL = 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from bad_input_cases import CASES, check, make_ctx, run_case, snapshot
 
 
