@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 import registry_load
+
 from ucp_test_helpers import REPO, postgres_schema_url, python_env
 
 

@@ -606,6 +606,7 @@ class Outcome:
     exit_code: int | None = None
     text: str = ""
     seconds: float = 0.0
+    before: Any = None  # the snapshot taken after the build, before the call
 
 
 def make_ctx(tmp: Path, good_dcp: Path, template: Path | None = None) -> Ctx:
@@ -630,7 +631,7 @@ def run_case(case: Case, ctx: Ctx) -> Outcome:
     from ucp_store import cli
 
     case.build(ctx)
-    out = Outcome(case)
+    out = Outcome(case, before=snapshot(ctx))
     t0 = time.monotonic()
     try:
         if case.cli is not None:
@@ -661,7 +662,7 @@ def run_case(case: Case, ctx: Ctx) -> Outcome:
     return out
 
 
-def check(out: Outcome, ctx: Ctx, before) -> None:
+def check(out: Outcome, ctx: Ctx) -> None:
     """The corpus's assertions for one case."""
     case = out.case
     needle = case.needle.format(**ctx.fields())
@@ -675,6 +676,6 @@ def check(out: Outcome, ctx: Ctx, before) -> None:
             f"{case.id}: {type(out.error).__name__}: {out.error}; expected {case.expect.__name__}"
     assert needle in out.text, f"{case.id}: {needle!r} not in the error: {out.text!r}"
     assert not ctx.marker.exists(), f"{case.id}: a pickle payload ran"
-    assert snapshot(ctx) == before, f"{case.id}: something was left behind in the catalog or the files"
+    assert snapshot(ctx) == out.before, f"{case.id}: something was left behind in the catalog or the files"
     if case.id.startswith(("postgres-", "s3-")):
         assert out.seconds < UNREACHABLE_LIMIT_S, f"{case.id}: took {out.seconds:.0f} s"
