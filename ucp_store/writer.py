@@ -96,6 +96,9 @@ class CheckpointWriter:
         self._handles: dict[tuple[str, str], Any] = {}
         self._origin: set[tuple[str, str]] = set()
         self._committed_hashes: dict[str, list] | None = None
+        # committed arrays this writer deduplicated against, with the data in hand, until its rows are
+        # flushed: array id -> (array, dtype, pattern, what, content hash)
+        self._borrowed: dict[str, tuple] = {}
         self._shard_positions: dict[tuple[str, str], int] = {}  # write_shard(position=...)
         self._region_digests: dict[tuple[str, str], dict | None] = {}
         self._region_hashes: dict[tuple[str, str], str] = {}
@@ -146,9 +149,15 @@ class CheckpointWriter:
     def _put_array(self, array: np.ndarray, dtype: str, pattern, what: str) -> tuple[str, str, int]:
         """Write (or dedup) one array; returns (array id, content hash, stored bytes written)."""
         h = fmt.content_hash(array, dtype)
+        local = h in self._local_arrays
         aid = self._dedup(h, dtype, array.shape)
         if aid is not None:
+            if not local:
+                self._borrowed.setdefault(aid, (array, dtype, pattern, what, h))
             return aid, h, 0
+        return self._new_array(array, dtype, pattern, what, h)
+
+    def _new_array(self, array: np.ndarray, dtype: str, pattern, what: str, h: str) -> tuple[str, str, int]:
         layout = self._layout(array.shape, dtype, pattern)
         aid = m.new_id(32)
         rel = array_path(self.id, aid)
@@ -443,12 +452,36 @@ class CheckpointWriter:
         self._objects.add(name)
         self._rows.append(row)
 
+    def _restore_borrowed(self) -> None:
+        """Write again, from the data in hand, each committed array this save deduplicated against that a
+        concurrent rm/gc swept meanwhile, and point the pending rows at the new copy: a save never needs
+        an array that is gone. The data is re-hashed first; if it changed since ``write``, the save aborts."""
+        if not self._borrowed:
+            return
+        with self.store.catalog.session() as s:
+            found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(list(self._borrowed)))))
+        remap: dict[str, str] = {}
+        for old in [a for a in self._borrowed if a not in found]:
+            array, dtype, pattern, what, h = self._borrowed.pop(old)
+            if fmt.content_hash(array, dtype) != h:
+                raise CommitRaceError(f"{what}: the array it was deduplicated against was removed by a concurrent "
+                                      "rm/gc and the tensor changed since it was written; the save is aborted, "
+                                      "retry it")
+            self._committed_hashes = None  # stale: it listed the swept array
+            remap[old] = self._new_array(array, dtype, pattern, what, h)[0]
+        for row in self._rows:
+            if getattr(row, "array_id", None) in remap:
+                row.array_id = remap[row.array_id]
+
     def flush(self) -> None:
         """Wait for in-flight writes, then record their rows under the pending checkpoint."""
         self._drain()
         if not self._rows:
             return
+        self._restore_borrowed()
+        self._drain()
         rows, self._rows = self._rows, []
+        self._borrowed.clear()  # from here the flushed rows reference them: no sweep takes them
         arrays = [r for r in rows if isinstance(r, m.Array)]
         others = [r for r in rows if not isinstance(r, m.Array)]
         with self.store.catalog.write_session() as s:
@@ -521,6 +554,7 @@ class CheckpointWriter:
         self._closed = True
         self._window.cancel()
         self._rows.clear()
+        self._borrowed.clear()
         if not self.owner:
             return
         try:
