@@ -518,6 +518,7 @@ class CheckpointWriter:
         if not self.owner:
             raise WriterClosedError(f"only the process that began checkpoint {self.id} can commit it (this writer "
                                     "joined it: call close())")
+        label = f"checkpoint {self.id}'s step"
         try:
             if self._origin:
                 self.finish_shards()
@@ -529,8 +530,10 @@ class CheckpointWriter:
                 taken = s.scalar(select(m.Checkpoint.id).where(
                     m.Checkpoint.run_id == ck.run_id, m.Checkpoint.step == ck.step,
                     m.Checkpoint.status == "committed"))
+                label = f"run {ck.run.name!r} step {ck.step}"
                 if taken:
-                    raise CommitRaceError(f"step {ck.step} of this run was committed meanwhile by {taken}")
+                    raise CommitRaceError(f"checkpoint {self.id}: {label} was committed meanwhile by {taken}; "
+                                          "nothing of this save is listed")
                 total = s.scalar(select(func.coalesce(func.sum(m.Tensor.nbytes), 0)).where(
                     m.Tensor.checkpoint_id == self.id))
                 ck.nbytes = int(total)
@@ -538,8 +541,9 @@ class CheckpointWriter:
                 ck.committed_at = _utcnow()
         except IntegrityError as exc:  # the partial unique index: a concurrent commit of the same step won
             self.abort()
-            raise CommitRaceError(f"checkpoint {self.id}: its step was committed meanwhile by another save of the "
-                           f"same run; nothing of this save is listed ({getattr(exc, 'orig', exc)})") from None
+            detail = str(getattr(exc, "orig", exc)).splitlines()[0]
+            raise CommitRaceError(f"checkpoint {self.id}: {label} was committed meanwhile by another save; nothing "
+                                  f"of this save is listed ({detail})") from None
         except BaseException:
             self.abort()
             raise
