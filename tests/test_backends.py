@@ -126,7 +126,8 @@ def test_s3_url_needs_a_catalog(monkeypatch):
     assert loc.catalog_url == "postgresql+psycopg2://u:p@db/x"
     spec = loc.kvstore("arrays/a/b.zarr")
     assert spec == {"driver": "s3", "bucket": "bucket", "path": "some/prefix/arrays/a/b.zarr/",
-                    "endpoint": "http://h:9000", "aws_region": "eu-west-1"}
+                    "endpoint": "http://h:9000", "aws_region": "eu-west-1",
+                    "context": {"s3_request_retries": {"max_retries": 4, "initial_delay": "0.2s", "max_delay": "2s"}}}
     with pytest.raises(InvalidNameError):
         loc.kvstore("arrays/../../other")
     with pytest.raises(UcpError, match="no bucket"):

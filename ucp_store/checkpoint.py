@@ -68,6 +68,8 @@ def _normalize_index(index: Any, shape: tuple[int, ...], what: str) -> tuple[fmt
             box.append((j, j + 1))
             residual.append(0)
         elif isinstance(i, slice):
+            if i.step == 0:
+                raise ValidationError(f"{what}: slice step cannot be zero ({i})")
             start, stop, step = i.indices(n)
             if step < 0:
                 raise ValidationError(f"{what}: negative slice steps are not supported ({i})")

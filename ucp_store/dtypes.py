@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import dtype_table
-from .errors import DTypeError
+from .errors import DTypeError, ValidationError
 
 __all__ = ["SUPPORTED", "zarr_name", "torch_dtype", "numpy_dtype", "itemsize", "to_numpy", "to_torch"]
 
@@ -84,6 +84,11 @@ def itemsize(name: str) -> int:
 def to_numpy(tensor: torch.Tensor, *, what: str = "tensor") -> np.ndarray:
     """A C-contiguous numpy array with the tensor's exact bits (a view where possible)."""
     name = zarr_name(tensor.dtype, what=what)
+    if tensor.layout != torch.strided:
+        raise ValidationError(f"{what}: a {tensor.layout} tensor cannot be stored; convert it with .to_dense() first")
+    if tensor.device.type == "meta":
+        raise ValidationError(f"{what}: a tensor on the meta device has no data to store (shape "
+                              f"{list(tensor.shape)}); materialise it first")
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()

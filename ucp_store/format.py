@@ -35,7 +35,7 @@ import xxhash
 from . import dtypes
 from ._window import read_failed
 from .chunking import DEFAULT_TARGET, choose_chunking
-from .errors import ChecksumError, ConfigurationError, ReadError
+from .errors import ChecksumError, ConfigurationError, ReadError, WriteError
 from .geometry import Box as _GeoBox
 from .geometry import Ranges
 from .location import Location
@@ -190,10 +190,14 @@ def array_spec(location: Location, rel: str, layout: ArrayLayout) -> dict:
 
 
 def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.Context, *,
-                 shared: bool = False) -> ts.TensorStore:
+                 shared: bool = False, what: str = "array") -> ts.TensorStore:
     """Create the array at ``rel``. ``shared``: several writers (ranks) open it at once, so an array that
     another rank created already is opened instead (its metadata must match ``layout``)."""
-    return ts.open(array_spec(location, rel, layout), create=True, open=shared, context=context).result()
+    try:
+        return ts.open(array_spec(location, rel, layout), create=True, open=shared, context=context).result()
+    except ValueError as exc:  # unreachable bucket, permissions, a full disk: name the array, not a spec dump
+        reason = str(exc).split(" [tensorstore_spec=", 1)[0]
+        raise WriteError(f"{what}: creating array {location.display(rel)} failed: {reason}") from None
 
 
 def open_array(location: Location, rel: str, layout: ArrayLayout | None, context: ts.Context,

@@ -64,6 +64,12 @@ def _safe_rel(rel: str) -> str:
     return norm
 
 
+#: TensorStore's retry policy for every S3 request of a store: an unreachable endpoint or bucket is an
+#: error after about 3 s of backoff (0.2 + 0.4 + 0.8 + 1.6 s), never minutes (TensorStore's default is 32
+#: retries up to 32 s apart). Transient throttling still gets four retries.
+S3_REQUEST_RETRIES = {"max_retries": 4, "initial_delay": "0.2s", "max_delay": "2s"}
+
+
 @dataclass(frozen=True)
 class Location:
     url: str  # as the user gave it, normalised
@@ -118,6 +124,7 @@ class Location:
             spec["endpoint"] = self.endpoint
         if self.region:
             spec["aws_region"] = self.region
+        spec["context"] = {"s3_request_retries": dict(S3_REQUEST_RETRIES)}
         return spec
 
     def display(self, rel: str) -> str:

@@ -4,11 +4,17 @@ Array paths never derive from these names (arrays live at ``location.array_path`
 write folders named after tensors (DeepSpeed's ``zero/<param>/``), so a name must never be able to
 escape a root: no absolute paths, no ``..`` or ``.`` components, no empty components, no backslashes,
 no control characters.
+
+Unicode: tensor and object names must be in NFC form (a name in NFD or another non-NFC spelling is
+refused, naming its NFC form), so two spellings of one visible name can never become two tensors;
+bidirectional controls (right-to-left marks and overrides, isolates) are refused because they make a
+name display differently from what it is.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 
 from .errors import InvalidNameError
 
@@ -16,7 +22,8 @@ __all__ = ["tensor_name", "object_name", "run_name", "tag_name", "state_name"]
 
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _STATE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def _check_path_like(kind: str, name: str, max_len: int) -> str:
@@ -26,6 +33,14 @@ def _check_path_like(kind: str, name: str, max_len: int) -> str:
         raise InvalidNameError(f"{kind} name {name[:60]!r}... is longer than {max_len} characters")
     if _CONTROL.search(name):
         raise InvalidNameError(f"{kind} name {name!r} contains control characters")
+    bidi = _BIDI.search(name)
+    if bidi:
+        raise InvalidNameError(f"{kind} name {name!r} contains the bidirectional control U+{ord(bidi.group()):04X}; "
+                               "it would display differently from what it names")
+    nfc = unicodedata.normalize("NFC", name)
+    if nfc != name:
+        raise InvalidNameError(f"{kind} name {ascii(name)} is not in Unicode NFC form; use {ascii(nfc)} (NFC and NFD "
+                               "spellings of one name must not become two tensors)")
     if "\\" in name:
         raise InvalidNameError(f"{kind} name {name!r} contains a backslash; use '/' or '.' as separator")
     if name.startswith("/") or re.match(r"^[A-Za-z]:", name) or name.startswith("~"):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sqlalchemy import exists, select, update
+from sqlalchemy.exc import IntegrityError
 
 from .catalog import models as m
 from .errors import ReferenceNotFound
@@ -165,20 +166,34 @@ def sweep_arrays(store: "Store", *, dry_run: bool, also: Iterable[str] = frozens
     also = set(also)
     location = store.location
     removed, freed = 0, 0
-    with store.catalog.write_session() as s:
-        referenced = exists().where(m.Tensor.array_id == m.Array.id)
-        referenced_obj = exists().where(m.StoredObject.array_id == m.Array.id)
-        orphans = list(s.scalars(select(m.Array).where(~referenced, ~referenced_obj)))
-        # arrays of live pending saves have no rows yet or are referenced by pending rows: keep them
-        live_pending = set(s.scalars(select(m.Checkpoint.id).where(m.Checkpoint.status == "pending")))
-        for a in orphans:
-            if array_checkpoint(a.path) in live_pending:
-                continue
-            removed += 1
-            freed += a.nbytes
-            if not dry_run:
-                s.delete(a)
-                location.delete_tree(a.path)
+    doomed: list[str] = []
+    for attempt in range(3):
+        removed, freed, doomed = 0, 0, []
+        try:
+            with store.catalog.write_session() as s:
+                referenced = exists().where(m.Tensor.array_id == m.Array.id)
+                referenced_obj = exists().where(m.StoredObject.array_id == m.Array.id)
+                orphans = list(s.scalars(select(m.Array).where(~referenced, ~referenced_obj)))
+                # arrays of live pending saves have no rows yet or are referenced by pending rows: keep them
+                live_pending = set(s.scalars(select(m.Checkpoint.id).where(m.Checkpoint.status == "pending")))
+                for a in orphans:
+                    if array_checkpoint(a.path) in live_pending:
+                        continue
+                    removed += 1
+                    freed += a.nbytes
+                    if not dry_run:
+                        s.delete(a)
+                        doomed.append(a.path)
+            break
+        except IntegrityError:
+            # PostgreSQL: a save's rows began referencing an "orphan" meanwhile (the foreign key refused
+            # the delete). Nothing was deleted; look again.
+            if attempt == 2:
+                raise
+    # Files go only once the rows' deletion has committed: a save that references one of these arrays
+    # meanwhile fails on the foreign key (and aborts) instead of committing rows whose files are gone.
+    for path in doomed:
+        location.delete_tree(path)
     # files without any row (a killed save before its rows were flushed). List the folders first: a
     # checkpoint row is inserted before its folder exists, so a folder seen here whose row is absent
     # afterwards belongs to a save that is gone, never to one that just started.

@@ -43,7 +43,7 @@ from .errors import (
     ValidationError,
     WriterClosedError,
 )
-from .location import Location
+from .location import ARRAYS_DIR, Location
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import Checkpoint
@@ -103,9 +103,19 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
         if db not in ("", ":memory:") and not os.path.exists(db):
             raise CatalogError(f"no store at {location.root} (no catalog {db}); create one with `ucp init` "
                                "or create=True")
+    fresh_root = create and location.kind == "file" and not os.path.exists(location.root)
     if create:
         location.ensure_root()
-    catalog_db = open_catalog(location.catalog_url, create=create)
+    try:
+        catalog_db = open_catalog(location.catalog_url, create=create)
+    except BaseException:
+        if fresh_root:  # an unreachable or refused catalog leaves no empty store folder behind
+            for folder in (os.path.join(location.root, ARRAYS_DIR), location.root):
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    pass
+        raise
     store = Store(location, catalog_db)
     if create:
         store._init_settings(compression, chunk_target_bytes)
@@ -221,10 +231,13 @@ class Store:
                     cid = s.scalar(q.order_by(m.Checkpoint.step.desc()).limit(1))
                 else:
                     try:
-                        cid = s.scalar(q.where(m.Checkpoint.step == int(step)))
+                        number = int(step)
                     except ValueError:
                         raise ReferenceNotFound(f"reference {ref!r}: step {step!r} is not an integer or 'latest'") \
                             from None
+                    if not 0 <= number < 2**63:  # a step the catalog's 64-bit column cannot hold names nothing
+                        raise ReferenceNotFound(f"reference {ref!r}: step {step} is out of range (0 to 2^63-1)")
+                    cid = s.scalar(q.where(m.Checkpoint.step == number))
                 if cid is None:
                     steps = [str(x) for x in s.scalars(select(m.Checkpoint.step).where(
                         m.Checkpoint.run_id == run_id, committed).order_by(m.Checkpoint.step))]
@@ -264,8 +277,8 @@ class Store:
               provenance: Mapping[str, Any] | None = None) -> "CheckpointWriter":
         """Start a checkpoint. ``parent="auto"`` links the run's latest committed version."""
         names.run_name(run)
-        if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
-            raise ValidationError(f"step must be a non-negative integer, got {step!r}")
+        if not isinstance(step, numbers.Integral) or isinstance(step, bool) or not 0 <= step < 2**63:
+            raise ValidationError(f"step must be an integer from 0 to 2^63-1, got {step!r}")
         prov = self._provenance_record(provenance)
         with self.catalog.write_session() as s:
             run_row = s.scalar(select(m.Run).where(m.Run.name == run))

@@ -40,6 +40,24 @@ __all__ = ["CheckpointWriter", "layer_of"]
 
 _ROW_BATCH = 512
 _MAX_INFLIGHT_BYTES = 1 << 30
+#: the most elements one tensor-state may have (256 Ti: 1 PiB of fp32). A larger shape is a bad input
+#: (a corrupt header, a stride-0 view of 2^62 elements), refused before a byte is hashed or allocated.
+MAX_ELEMENTS = 1 << 48
+
+
+def check_extent(shape, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints of at most :data:`MAX_ELEMENTS` elements, or a ValidationError."""
+    try:
+        dims = tuple(int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise ValidationError(f"{what}: shape {shape!r} is not a sequence of integers") from None
+    if any(d < 0 for d in dims):
+        raise ValidationError(f"{what}: shape {list(dims)} has a negative dimension")
+    n = math.prod(dims)
+    if n > MAX_ELEMENTS:
+        raise ValidationError(f"{what}: shape {list(dims)} has {n} elements (~2^{n.bit_length() - 1}); a "
+                              f"tensor-state holds at most 2^48 ({MAX_ELEMENTS})")
+    return dims
 
 
 def layer_of(pattern: dict | None) -> int | None:
@@ -78,6 +96,9 @@ class CheckpointWriter:
         self._handles: dict[tuple[str, str], Any] = {}
         self._origin: set[tuple[str, str]] = set()
         self._committed_hashes: dict[str, list] | None = None
+        # committed arrays this writer deduplicated against, with the data in hand, until its rows are
+        # flushed: array id -> (array, dtype, pattern, what, content hash)
+        self._borrowed: dict[str, tuple] = {}
         self._shard_positions: dict[tuple[str, str], int] = {}  # write_shard(position=...)
         self._region_digests: dict[tuple[str, str], dict | None] = {}
         self._region_hashes: dict[tuple[str, str], str] = {}
@@ -128,13 +149,19 @@ class CheckpointWriter:
     def _put_array(self, array: np.ndarray, dtype: str, pattern, what: str) -> tuple[str, str, int]:
         """Write (or dedup) one array; returns (array id, content hash, stored bytes written)."""
         h = fmt.content_hash(array, dtype)
+        local = h in self._local_arrays
         aid = self._dedup(h, dtype, array.shape)
         if aid is not None:
+            if not local:
+                self._borrowed.setdefault(aid, (array, dtype, pattern, what, h))
             return aid, h, 0
+        return self._new_array(array, dtype, pattern, what, h)
+
+    def _new_array(self, array: np.ndarray, dtype: str, pattern, what: str, h: str) -> tuple[str, str, int]:
         layout = self._layout(array.shape, dtype, pattern)
         aid = m.new_id(32)
         rel = array_path(self.id, aid)
-        handle = fmt.create_array(self.store.location, rel, layout, self.store.context)
+        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, what=what)
         self._rows.append(m.Array(id=aid, path=rel, dtype=dtype, shape=list(layout.shape),
                                   chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
                                   codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
@@ -163,6 +190,8 @@ class CheckpointWriter:
         what = f"tensor {name!r} state {state!r}"
         if (name, state) in self._seen:
             raise DuplicateEntryError(f"{what} was already written to checkpoint {self.id}")
+        if isinstance(tensor, torch.Tensor | np.ndarray):
+            check_extent(tensor.shape, what)
         if isinstance(tensor, torch.Tensor):
             array = dtypes.to_numpy(tensor, what=what)
         elif isinstance(tensor, np.ndarray):
@@ -224,7 +253,9 @@ class CheckpointWriter:
         names.state_name(state)
         what = f"tensor {name!r} state {state!r}"
         topology = as_topology(topology)
-        shape = tuple(int(s) for s in shape)
+        shape = check_extent(shape, what)
+        if isinstance(local, torch.Tensor | np.ndarray):
+            check_extent(local.shape, what)
         if isinstance(local, torch.Tensor):
             array = dtypes.to_numpy(local, what=what)
         else:
@@ -274,7 +305,9 @@ class CheckpointWriter:
         names.tensor_name(name)
         names.state_name(state)
         what = f"tensor {name!r} state {state!r}"
-        shape = tuple(int(s) for s in shape)
+        shape = check_extent(shape, what)
+        if isinstance(local, torch.Tensor | np.ndarray):
+            check_extent(local.shape, what)
         offset = tuple(int(o) for o in offset)
         array = (dtypes.to_numpy(local, what=what) if isinstance(local, torch.Tensor)
                  else np.require(local, requirements="C"))
@@ -297,7 +330,8 @@ class CheckpointWriter:
                                      _writer_aligned_shards(layout, points), layout.compression)
             aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
             rel = array_path(self.id, aid)
-            handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True)
+            handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
+                                      what=f"tensor {name!r} state {state!r}")
             self._handles[key] = handle
             self._sharded[key] = (aid, rel, layout, pattern)
         if array.size:
@@ -365,7 +399,8 @@ class CheckpointWriter:
         # every rank derives the same array id, so all of them open one array
         aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
         rel = array_path(self.id, aid)
-        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True)
+        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
+                                  what=f"tensor {name!r} state {state!r}")
         self._handles[key] = handle
         return handle, layout, rel, aid
 
@@ -417,12 +452,36 @@ class CheckpointWriter:
         self._objects.add(name)
         self._rows.append(row)
 
+    def _restore_borrowed(self) -> None:
+        """Write again, from the data in hand, each committed array this save deduplicated against that a
+        concurrent rm/gc swept meanwhile, and point the pending rows at the new copy: a save never needs
+        an array that is gone. The data is re-hashed first; if it changed since ``write``, the save aborts."""
+        if not self._borrowed:
+            return
+        with self.store.catalog.session() as s:
+            found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(list(self._borrowed)))))
+        remap: dict[str, str] = {}
+        for old in [a for a in self._borrowed if a not in found]:
+            array, dtype, pattern, what, h = self._borrowed.pop(old)
+            if fmt.content_hash(array, dtype) != h:
+                raise CommitRaceError(f"{what}: the array it was deduplicated against was removed by a concurrent "
+                                      "rm/gc and the tensor changed since it was written; the save is aborted, "
+                                      "retry it")
+            self._committed_hashes = None  # stale: it listed the swept array
+            remap[old] = self._new_array(array, dtype, pattern, what, h)[0]
+        for row in self._rows:
+            if getattr(row, "array_id", None) in remap:
+                row.array_id = remap[row.array_id]
+
     def flush(self) -> None:
         """Wait for in-flight writes, then record their rows under the pending checkpoint."""
         self._drain()
         if not self._rows:
             return
+        self._restore_borrowed()
+        self._drain()
         rows, self._rows = self._rows, []
+        self._borrowed.clear()  # from here the flushed rows reference them: no sweep takes them
         arrays = [r for r in rows if isinstance(r, m.Array)]
         others = [r for r in rows if not isinstance(r, m.Array)]
         with self.store.catalog.write_session() as s:
@@ -459,6 +518,7 @@ class CheckpointWriter:
         if not self.owner:
             raise WriterClosedError(f"only the process that began checkpoint {self.id} can commit it (this writer "
                                     "joined it: call close())")
+        label = f"checkpoint {self.id}'s step"
         try:
             if self._origin:
                 self.finish_shards()
@@ -470,8 +530,10 @@ class CheckpointWriter:
                 taken = s.scalar(select(m.Checkpoint.id).where(
                     m.Checkpoint.run_id == ck.run_id, m.Checkpoint.step == ck.step,
                     m.Checkpoint.status == "committed"))
+                label = f"run {ck.run.name!r} step {ck.step}"
                 if taken:
-                    raise CommitRaceError(f"step {ck.step} of this run was committed meanwhile by {taken}")
+                    raise CommitRaceError(f"checkpoint {self.id}: {label} was committed meanwhile by {taken}; "
+                                          "nothing of this save is listed")
                 total = s.scalar(select(func.coalesce(func.sum(m.Tensor.nbytes), 0)).where(
                     m.Tensor.checkpoint_id == self.id))
                 ck.nbytes = int(total)
@@ -479,8 +541,9 @@ class CheckpointWriter:
                 ck.committed_at = _utcnow()
         except IntegrityError as exc:  # the partial unique index: a concurrent commit of the same step won
             self.abort()
-            raise CommitRaceError(f"checkpoint {self.id}: its step was committed meanwhile by another save of the "
-                           f"same run; nothing of this save is listed ({getattr(exc, 'orig', exc)})") from None
+            detail = str(getattr(exc, "orig", exc)).splitlines()[0]
+            raise CommitRaceError(f"checkpoint {self.id}: {label} was committed meanwhile by another save; nothing "
+                                  f"of this save is listed ({detail})") from None
         except BaseException:
             self.abort()
             raise
@@ -495,6 +558,7 @@ class CheckpointWriter:
         self._closed = True
         self._window.cancel()
         self._rows.clear()
+        self._borrowed.clear()
         if not self.owner:
             return
         try:

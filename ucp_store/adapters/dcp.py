@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from ..errors import SourceFormatError, UcpError, UnsafePickleError
+from ..writer import MAX_ELEMENTS
 from .base import TensorRecord, import_source
 
 __all__ = ["INDEX_OBJECT", "DcpSource", "export_dcp", "import_dcp", "opaque_entries", "read_dcp_metadata"]
@@ -526,6 +527,9 @@ class DcpSource:
         size = tuple(int(s) for s in tmd.size)
         dtype = tmd.properties.dtype
         total = math.prod(size)
+        if total > MAX_ELEMENTS:  # a corrupt or crafted size: refuse before allocating
+            raise SourceFormatError(f"{self.folder}/{_METADATA}: tensor {key!r} has size {list(size)} ({total} "
+                                    f"elements); a tensor-state holds at most 2^48")
         chunks = list(tmd.chunks)
         if not chunks and total:
             raise SourceFormatError(f"{self.folder}/{_METADATA}: tensor {key!r} {list(size)} lists no saved chunks")

@@ -79,6 +79,18 @@ class SafetensorsHeader:
         return sorted(self.entries, key=lambda n: self.entries[n][2])
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
 def read_header(path: str) -> SafetensorsHeader:
     """Parse and check a safetensors header against the file's size; SourceFormatError names file and tensor."""
     try:
@@ -99,9 +111,12 @@ def read_header(path: str) -> SafetensorsHeader:
     except OSError as exc:
         raise SourceFormatError(f"safetensors file {path} cannot be read: {exc.strerror or exc}") from None
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SourceFormatError(f"safetensors file {path}: header is not valid JSON ({exc})") from None
+    except _DuplicateKey as exc:
+        raise SourceFormatError(f"safetensors file {path}: header names {exc.args[0]!r} twice (a JSON object with "
+                                "duplicate keys: which entry is meant is ambiguous)") from None
     if not isinstance(header, dict):
         raise SourceFormatError(f"safetensors file {path}: header is a {type(header).__name__}, expected an object")
     metadata = header.pop("__metadata__", None) or {}

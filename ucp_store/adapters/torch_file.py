@@ -25,6 +25,14 @@ def load_weights_only(path: str) -> Any:
     """torch.load with weights_only=True; a refused global becomes UnsafePickleError naming it."""
     if not os.path.isfile(path):
         raise SourceFormatError(f"torch file {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(2)
+    # torch.save writes a zip archive (PK) or, legacy, a pickle (protocol 2+ opens with 0x80): anything else
+    # (an empty file, an image, text) is not a torch file, whatever torch.load would make of it
+    if not head or not (head == b"PK" or head[:1] == b"\x80"):
+        what = "is empty" if not head else f"starts with {head!r}"
+        raise SourceFormatError(f"torch file {path} {what}: not a torch.save file (expected a zip archive or a "
+                                "pickle)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=_zipfile(path))
     except pickle.UnpicklingError as exc:
@@ -33,8 +41,9 @@ def load_weights_only(path: str) -> Any:
         raise UnsafePickleError(
             f"torch file {path} needs pickled globals outside the weights-only allow-list ({detail}); "
             "refusing to unpickle it (ucp never uses weights_only=False)") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise SourceFormatError(f"torch file {path} cannot be read: {str(exc).splitlines()[0][:200]} "
+    except (RuntimeError, EOFError, OSError, ValueError, IndexError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise SourceFormatError(f"torch file {path} cannot be read: {first[:200]} "
                                 "(truncated or not a torch.save file?)") from None
 
 

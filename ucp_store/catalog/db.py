@@ -8,7 +8,8 @@ One code path for SQLite and PostgreSQL:
   SQLite dialect documentation): ``BEGIN`` for reads, ``BEGIN IMMEDIATE`` for writes, so a writer takes
   the write lock up front and several processes writing at once queue instead of deadlocking on a
   read-to-write lock upgrade.
-- PostgreSQL: a plain pool with pre-ping; schema migrations serialise on an advisory lock.
+- PostgreSQL: a plain pool with pre-ping, a 10 s connect timeout (an unreachable server is an error, never
+  a hang; a ``connect_timeout`` in the URL wins); schema migrations serialise on an advisory lock.
 
 Opening a catalog (``open_catalog``) brings its schema to the head revision through the Alembic
 migrations shipped as ``ucp_store._migrations`` (the ``migrations/`` folder of a source checkout),
@@ -72,6 +73,9 @@ DEFAULT_BUSY_TIMEOUT_MS = 30_000
 DEFAULT_WRITE_ATTEMPTS = 5
 #: tables created by revision 0001; a database holding any of them but no alembic_version is refused
 _OUR_TABLES = frozenset({"runs", "checkpoints", "arrays", "tensors", "provenance", "objects", "tags", "settings"})
+#: seconds a PostgreSQL connection attempt may take (libpq ``connect_timeout``; the URL's own wins)
+PG_CONNECT_TIMEOUT_S = 10
+
 #: pg_advisory_xact_lock key serialising schema migrations ("ucpS")
 _PG_MIGRATION_LOCK = 0x75637053
 _WRITE_OPTION = "ucp_write"
@@ -318,6 +322,9 @@ def _make_engine(u: URL, busy_timeout_ms: int) -> Engine:
         kwargs["connect_args"] = {"timeout": busy_timeout_ms / 1000.0}
     else:
         kwargs["pool_pre_ping"] = True
+        if backend == "postgresql" and "connect_timeout" not in u.query:
+            # an unreachable server is an error within this many seconds, never a hang on TCP's own timeout
+            kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
     try:
         engine = create_engine(u, **kwargs)
     except (ImportError, exc.NoSuchModuleError) as e:
