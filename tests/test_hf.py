@@ -80,6 +80,10 @@ def test_import_export_from_pretrained_equal_logits(tmp_path, store, store_path,
     prov = ck.provenance
     assert prov["source_kind"] == "hf" and all(v.startswith("xxh3-128:") for v in prov["source_hashes"].values())
     assert "config.json" in prov["source_hashes"]
+    import xxhash
+
+    for f in os.listdir(src):  # every source file, hashed whole (from its memory map)
+        assert prov["source_hashes"][f] == "xxh3-128:" + xxhash.xxh3_128((src / f).read_bytes()).hexdigest(), f
 
     dest = tmp_path / "out"
     rc, out, err = ucp("export", "hf", "llama@0", dest, "--max-shard-size", SHARD, "--store", store_path)

@@ -50,6 +50,7 @@ CONFIG_OBJECT = "hf.config"
 GENERATION_CONFIG_OBJECT = "hf.generation_config"
 _JSON_FILES = {"config.json": CONFIG_OBJECT, "generation_config.json": GENERATION_CONFIG_OBJECT}
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+_IMPORT_FLUSH_BYTES = 1 << 30  # the writer's bound on bytes in flight (writer._MAX_INFLIGHT_BYTES)
 
 # safetensors dtype code -> the store's (zarr) dtype name
 ST_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
@@ -239,10 +240,8 @@ class HfSource:
     def provenance(self) -> dict:
         hashes: dict[str, str] = {}
         if self.hash_sources:
-            from .deepspeed import hash_files
-
-            hashes = hash_files(self.root, self.files + [f for f in _JSON_FILES
-                                                         if os.path.isfile(os.path.join(self.root, f))])
+            hashes = _hash_files(self.root, self.files + [f for f in (INDEX_NAME, *_JSON_FILES)
+                                                          if os.path.isfile(os.path.join(self.root, f))])
         return {"source_kind": self.kind, "source_path": self.path, "source_hashes": hashes,
                 "extra": {"files": len(self.files), "tensors": len(self)}}
 
@@ -269,12 +268,40 @@ class HfSource:
         return dict(self._objects)
 
 
+def _hash_files(root: str, files: list[str]) -> dict[str, str]:
+    """``{file: "xxh3-128:<hex>"}`` of whole files, as ``deepspeed_files.hash_files`` writes them, but hashed
+    from a memory map of each file (no copy into a read buffer; the import maps the same pages), files in
+    parallel threads."""
+    import mmap
+
+    import xxhash
+
+    def one(f: str) -> tuple[str, str]:
+        h = xxhash.xxh3_128()
+        with open(os.path.join(root, f), "rb", buffering=0) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size:
+                with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                    view = memoryview(mm)
+                    try:
+                        for pos in range(0, size, 64 << 20):
+                            h.update(view[pos:pos + (64 << 20)])
+                    finally:
+                        view.release()
+        return f, "xxh3-128:" + h.hexdigest()
+
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(files), os.cpu_count() or 1))) as ex:
+        return dict(ex.map(one, files))
+
+
 def import_hf(store, path: str | os.PathLike, run: str, step: int = 0, *, state: str = "weight",
               message: str | None = None, progress: bool = True, hash_sources: bool = True) -> str:
     """Import a Hugging Face folder as ``run@step``; returns the committed version id."""
     source = HfSource(path, state=state, hash_sources=hash_sources)
+    # the records are views of memory maps (no memory of their own): flush rows at the writer's own window
+    # of writes in flight rather than every 256 MiB, so the writes are not drained four times per GiB
     return import_source(store, source, run, step, message=message, progress=progress, distributed=False,
-                         total=len(source))
+                         total=len(source), inflight_bytes=_IMPORT_FLUSH_BYTES)
 
 
 # ------------------------------------------------------------------------------------------- export
