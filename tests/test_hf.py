@@ -80,6 +80,10 @@ def test_import_export_from_pretrained_equal_logits(tmp_path, store, store_path,
     prov = ck.provenance
     assert prov["source_kind"] == "hf" and all(v.startswith("xxh3-128:") for v in prov["source_hashes"].values())
     assert "config.json" in prov["source_hashes"]
+    import xxhash
+
+    for f in os.listdir(src):  # every source file, hashed whole (from its memory map)
+        assert prov["source_hashes"][f] == "xxh3-128:" + xxhash.xxh3_128((src / f).read_bytes()).hexdigest(), f
 
     dest = tmp_path / "out"
     rc, out, err = ucp("export", "hf", "llama@0", dest, "--max-shard-size", SHARD, "--store", store_path)
@@ -132,6 +136,40 @@ def test_single_file_and_cast_on_export(tmp_path, store):
     assert all(torch.equal(got[n], t.to(torch.bfloat16)) for n, t in model.state_dict().items())
     ref = LlamaForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).eval()  # the source, cast on load
     assert torch.equal(logits(back), logits(ref))
+
+
+def test_export_is_byte_identical_to_save_pretrained(tmp_path, store, small_chunks, monkeypatch):
+    """The export writes the very bytes ``save_pretrained`` writes (header layout, ``{"format":"pt"}``, data),
+    also when every tensor spans many stored chunks and shard files and is written in many blocks by many
+    threads, and when ``--dtype`` casts on the way out."""
+    from ucp_store.adapters import hf
+
+    small_chunks(lambda shape: ((2,) + shape[1:], (6,) + shape[1:]))  # a shard file ends mid-block
+    monkeypatch.setattr(hf, "_TASK_BYTES", 300)  # blocks of a few chunk rows: offsets inside every tensor
+    monkeypatch.setenv("UCP_EXPORT_THREADS", "3")
+    model = tiny_llama(torch.float32, seed=4)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    ck = store.checkpoint(import_hf(store, src, "b", progress=False))
+    assert any(i.chunk_shape[0] == 2 and i.shape[0] > 6 for i in ck.tensors())
+    export_hf(ck, tmp_path / "fp32", progress=False)
+    assert (tmp_path / "fp32" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    export_hf(ck, tmp_path / "bf16", dtype="bf16", progress=False)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "ref16")
+    got = (tmp_path / "bf16" / "model.safetensors").read_bytes()
+    assert got == (tmp_path / "ref16" / "model.safetensors").read_bytes()
+
+
+def test_export_of_a_corrupt_store_names_the_chunk_and_leaves_nothing(tmp_path, store, store_path, ucp):
+    from ucp_test_helpers import flip_chunk_byte
+
+    src = _saved(tmp_path, shard="1GB")
+    ck = store.checkpoint(import_hf(store, src, "c", progress=False))
+    info = ck.info("model.layers.1.mlp.up_proj.weight", "weight")
+    flip_chunk_byte(store_path, info, (0, 0))
+    rc, _, err = ucp("export", "hf", "c@0", tmp_path / "out", "--store", store_path)
+    assert rc == 1 and "model.layers.1.mlp.up_proj.weight" in err and "chunk [0, 0]" in err and "crc32c" in err
+    assert sorted(os.listdir(tmp_path)) == ["src", "store"]  # no folder, no temporary folder left behind
 
 
 def test_tied_embeddings_round_trip(tmp_path, store):

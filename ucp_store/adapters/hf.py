@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -32,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import dtypes, names
+from .._window import read_failed
 from ..errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
 from .base import TensorRecord, import_source
 from .hf_map import NameMap, Piece, load_map, plan_outputs
 
 if TYPE_CHECKING:
-    from ..records import TensorInfo
+    import torch
 
 __all__ = ["HfSource", "SafetensorsHeader", "read_header", "import_hf", "export_hf", "parse_size",
            "ST_DTYPES", "CONFIG_OBJECT", "GENERATION_CONFIG_OBJECT"]
@@ -48,6 +50,7 @@ CONFIG_OBJECT = "hf.config"
 GENERATION_CONFIG_OBJECT = "hf.generation_config"
 _JSON_FILES = {"config.json": CONFIG_OBJECT, "generation_config.json": GENERATION_CONFIG_OBJECT}
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+_IMPORT_FLUSH_BYTES = 1 << 30  # the writer's bound on bytes in flight (writer._MAX_INFLIGHT_BYTES)
 
 # safetensors dtype code -> the store's (zarr) dtype name
 ST_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
@@ -252,10 +255,8 @@ class HfSource:
     def provenance(self) -> dict:
         hashes: dict[str, str] = {}
         if self.hash_sources:
-            from .deepspeed import hash_files
-
-            hashes = hash_files(self.root, self.files + [f for f in _JSON_FILES
-                                                         if os.path.isfile(os.path.join(self.root, f))])
+            hashes = _hash_files(self.root, self.files + [f for f in (INDEX_NAME, *_JSON_FILES)
+                                                          if os.path.isfile(os.path.join(self.root, f))])
         return {"source_kind": self.kind, "source_path": self.path, "source_hashes": hashes,
                 "extra": {"files": len(self.files), "tensors": len(self)}}
 
@@ -282,12 +283,40 @@ class HfSource:
         return dict(self._objects)
 
 
+def _hash_files(root: str, files: list[str]) -> dict[str, str]:
+    """``{file: "xxh3-128:<hex>"}`` of whole files, as ``deepspeed_files.hash_files`` writes them, but hashed
+    from a memory map of each file (no copy into a read buffer; the import maps the same pages), files in
+    parallel threads."""
+    import mmap
+
+    import xxhash
+
+    def one(f: str) -> tuple[str, str]:
+        h = xxhash.xxh3_128()
+        with open(os.path.join(root, f), "rb", buffering=0) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size:
+                with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                    view = memoryview(mm)
+                    try:
+                        for pos in range(0, size, 64 << 20):
+                            h.update(view[pos:pos + (64 << 20)])
+                    finally:
+                        view.release()
+        return f, "xxh3-128:" + h.hexdigest()
+
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(files), os.cpu_count() or 1))) as ex:
+        return dict(ex.map(one, files))
+
+
 def import_hf(store, path: str | os.PathLike, run: str, step: int = 0, *, state: str = "weight",
               message: str | None = None, progress: bool = True, hash_sources: bool = True) -> str:
     """Import a Hugging Face folder as ``run@step``; returns the committed version id."""
     source = HfSource(path, state=state, hash_sources=hash_sources)
+    # the records are views of memory maps (no memory of their own): flush rows at the writer's own window
+    # of writes in flight rather than every 256 MiB, so the writes are not drained four times per GiB
     return import_source(store, source, run, step, message=message, progress=progress, distributed=False,
-                         total=len(source))
+                         total=len(source), inflight_bytes=_IMPORT_FLUSH_BYTES)
 
 
 # ------------------------------------------------------------------------------------------- export
@@ -351,6 +380,140 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+# one export task reads and writes at most this much (whole stored chunks along dim 0): below localread's
+# PARALLEL_BYTES, so each task's read runs in its own thread and the tasks, not the chunks, go in parallel
+_TASK_BYTES = 8 << 20
+_stage = threading.local()
+
+
+def _staging(slot: int, nbytes: int) -> "torch.Tensor":
+    """This thread's staging buffer ``slot`` (0: bytes as stored, 1: after a cast), at least ``nbytes``."""
+    import torch
+
+    bufs = getattr(_stage, "bufs", None)
+    if bufs is None:
+        bufs = _stage.bufs = [None, None]
+    buf = bufs[slot]
+    if buf is None or buf.numel() < nbytes:
+        buf = bufs[slot] = torch.empty(max(nbytes, _TASK_BYTES), dtype=torch.uint8)
+    return buf[:nbytes]
+
+
+def _export_threads() -> int:
+    env = os.environ.get("UCP_EXPORT_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(2, min(16, 2 * (os.cpu_count() or 1)))
+
+
+def _piece_tasks(i: int, box: tuple[tuple[int, int], ...], chunk_shape, itemsize: int) -> list[tuple[int, int, int]]:
+    """``(piece, row start, row stop)`` blocks of ``box`` along dim 0, at most ``_TASK_BYTES`` (at least one
+    stored chunk row), cut on the stored chunk grid so every chunk lands whole in one block."""
+    if not box:
+        return [(i, 0, 0)]
+    lo, hi = box[0]
+    row = math.prod(b - a for a, b in box[1:]) * itemsize
+    if hi <= lo or row == 0:
+        return []
+    c0 = max(1, int(chunk_shape[0])) if chunk_shape else hi
+    step = max(1, _TASK_BYTES // row // c0) * c0
+    tasks, a = [], lo
+    while a < hi:
+        b = min(hi, (a // step + 1) * step)
+        tasks.append((i, a, b))
+        a = b
+    return tasks
+
+
+def _write_shards(checkpoint, folder: str, layouts: list, pieces: list[Piece], out_dtypes: list[str],
+                  file_of: list[str], offset_of: list[int], label: str, progress: bool) -> None:
+    """Write every shard file of ``layouts`` into ``folder``: the header, then each piece read from the store
+    into a per-thread staging buffer (the local read path: ``preadv`` of whole chunks, crc32c checked) and
+    ``pwrite`` at its precomputed offset, blocks of all tensors in parallel threads; cast only where the
+    output dtype differs. Each file is preallocated to its final size first and fsynced once at the end."""
+    import torch
+
+    from .. import format as fmt
+    from ..localread import LocalArray, numpy_view, open_reader
+    from ..progress import track
+
+    store = checkpoint.store
+    handles: dict[str, tuple[Any, Any]] = {}
+    boxes: list[tuple[tuple[int, int], ...]] = []
+    tasks: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pieces):
+        info = p.source
+        if info.array_id not in handles:
+            layout = fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape, info.shard_shape,
+                                                  info.codecs)
+            handles[info.array_id] = (open_reader(store.location, info.array, layout, store.context,
+                                                  codecs=info.codecs), layout)
+        box = [(0, int(n)) for n in info.shape]
+        if p.dim is not None:
+            box[p.dim] = (p.start, p.stop)
+        boxes.append(tuple(box))
+        tasks += _piece_tasks(i, boxes[-1], info.chunk_shape, dtypes.itemsize(info.dtype))
+    fds: dict[str, int] = {}
+
+    def run(task: tuple[int, int, int]) -> int:
+        i, a, b = task
+        p = pieces[i]
+        info = p.source
+        handle, layout = handles[info.array_id]
+        box = boxes[i]
+        if box:
+            row0 = box[0][0]
+            box = ((a, b),) + box[1:]
+        else:
+            row0 = 0
+        shape = tuple(hi - lo for lo, hi in box)
+        n = math.prod(shape)
+        src = _staging(0, n * dtypes.itemsize(info.dtype)).view(dtypes.torch_dtype(info.dtype)).view(shape)
+        what = f"tensor {info.name!r} state {info.state!r} of checkpoint {checkpoint.id}"
+        if isinstance(handle, LocalArray):
+            try:
+                handle.read_into(box, numpy_view(src))
+            except ValueError as exc:  # name the array and the bad chunk exactly as every other read does
+                fmt.read_box(handle, layout, box, what=what, array_url=store.array_url(info.array))
+                raise read_failed(what, store.array_url(info.array), exc) from None
+        else:  # S3, compressed or foreign chains: TensorStore
+            data = fmt.read_box(handle, layout, box, what=what, array_url=store.array_url(info.array))
+            numpy_view(src)[...] = data
+        out = src
+        want = dtypes.torch_dtype(out_dtypes[i])
+        if want != src.dtype:
+            out = _staging(1, n * dtypes.itemsize(out_dtypes[i])).view(want).view(shape)
+            out.copy_(src)
+        row = (math.prod(shape[1:]) * dtypes.itemsize(out_dtypes[i])) if shape else 0
+        data_bytes = out.view(-1).view(torch.uint8).numpy()
+        # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; 3.11 arrays are buffers too
+        _pwrite_all(fds[file_of[i]], memoryview(data_bytes), offset_of[i] + (a - row0) * row)  # type: ignore[arg-type]
+        return data_bytes.nbytes
+
+    pool = ThreadPoolExecutor(max_workers=_export_threads(), thread_name_prefix="ucp-export")
+    futures: list[tuple[Any, int]] = []
+    try:
+        for fname, header, total in layouts:
+            fd = os.open(os.path.join(folder, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fds[fname] = fd
+            os.ftruncate(fd, total)  # its final size up front: every block is a pwrite at a known offset
+            _pwrite_all(fd, memoryview(header), 0)
+        for t in tasks:
+            i, a, b = t
+            size = (b - a) * math.prod(hi - lo for lo, hi in boxes[i][1:]) if boxes[i] else 1
+            futures.append((pool.submit(run, t), size * dtypes.itemsize(out_dtypes[i])))
+        for fut, _ in track(futures, label, enabled=progress, weight=lambda f: f[1]):
+            fut.result()
+        for fd in fds.values():  # durable before the rename makes the folder visible
+            os.fsync(fd)
+    finally:
+        for fut, _ in futures:
+            fut.cancel()
+        pool.shutdown(wait=True)  # no write is in flight when the files are closed (or removed)
+        for fd in fds.values():
+            os.close(fd)
+
+
 def _choose_state(checkpoint, state: str | None) -> str:
     states = {i.state for i in checkpoint.tensors()}
     chosen = state or ("weight" if "weight" in states else "fp32" if "fp32" in states else None)
@@ -362,17 +525,13 @@ def _choose_state(checkpoint, state: str | None) -> str:
 
 def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, dtype: str | None = None,
               max_shard_size: int | str = "5GB", name_map: "str | os.PathLike | Mapping | NameMap | None" = None,
-              config: "str | os.PathLike | Mapping | None" = None, progress: bool = True,
-              batch_bytes: int = 512 << 20) -> dict:
+              config: "str | os.PathLike | Mapping | None" = None, progress: bool = True) -> dict:
     """Write ``checkpoint`` as a Hugging Face folder at ``dest`` (must not exist, or be empty).
 
     ``state``: which tensor-state becomes the weights (default ``weight``, else ``fp32``); ``dtype``
     (``bf16``/``fp16``/``fp32``) casts floating tensors and sets ``config.json``'s ``dtype``;
     ``name_map``: a map file, shipped map name or dict (:mod:`ucp_store.adapters.hf_map`); ``config``:
     a ``config.json`` to write instead of the stored ``hf.config`` object. Returns a summary."""
-    from ..io import read_tensors
-    from ..progress import track
-
     dest = os.path.abspath(os.fspath(dest))
     limit = parse_size(max_shard_size)
     parent = os.path.dirname(dest)
@@ -433,59 +592,8 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        fds: dict[str, int] = {}
-        pool = ahead = None
-        try:
-            for fname, header, total in layouts:
-                fd = os.open(os.path.join(tmp, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                fds[fname] = fd
-                _pwrite_all(fd, memoryview(header), 0)
-                os.ftruncate(fd, total)
-            by_source: dict[tuple[str, str], list[int]] = {}
-            for i, p in enumerate(pieces):
-                by_source.setdefault((p.source.name, p.source.state), []).append(i)
-            sources = [pieces[idx[0]].source for idx in by_source.values()]
-            batches: list[list[TensorInfo]] = []
-            cur: list[TensorInfo] = []
-            cur_bytes = 0
-            for info in sources:
-                if cur and cur_bytes + info.nbytes > batch_bytes:
-                    batches.append(cur)
-                    cur, cur_bytes = [], 0
-                cur.append(info)
-                cur_bytes += info.nbytes
-            if cur:
-                batches.append(cur)
-            # the next batch is read (TensorStore's threads) while this one is written (pwrite drops the GIL)
-            pool = ThreadPoolExecutor(max_workers=1)
-            ahead = pool.submit(read_tensors, checkpoint, batches[0]) if batches else None
-            for k, batch in enumerate(track(batches, f"export {os.path.basename(dest)}", enabled=progress,
-                                            weight=lambda b: sum(i.nbytes for i in b))):
-                if ahead is None:  # submitted for every batch: batches[0] first, then batches[k + 1]
-                    raise UcpError(f"export {dest}: internal error, batch {k} was not read")
-                got = ahead.result()
-                ahead = pool.submit(read_tensors, checkpoint, batches[k + 1]) if k + 1 < len(batches) else None
-                for info in batch:
-                    t = got.pop((info.name, info.state))
-                    for i in by_source[(info.name, info.state)]:
-                        p = pieces[i]
-                        part = t if p.dim is None else t.narrow(p.dim, p.start, p.stop - p.start)
-                        want = dtypes.torch_dtype(out_dtypes[i])
-                        if part.dtype != want:
-                            part = part.to(want)
-                        arr = dtypes.to_numpy(part, what=f"tensor {p.name!r}")
-                        # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; 3.11 arrays are buffers too
-                        buf = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-                        _pwrite_all(fds[file_of[i]], buf, offset_of[i])
-            for fd in fds.values():  # durable before the rename makes the folder visible
-                os.fsync(fd)
-        finally:
-            if pool is not None:
-                if ahead is not None:
-                    ahead.cancel()
-                pool.shutdown(wait=True)
-            for fd in fds.values():
-                os.close(fd)
+        _write_shards(checkpoint, tmp, layouts, pieces, out_dtypes, file_of, offset_of,
+                      f"export {os.path.basename(dest)}", progress)
         cfg_out = dict(cfg)
         if target is not None:
             for key in ("dtype", "torch_dtype"):
@@ -500,11 +608,12 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
             index = {"metadata": {"total_parameters": sum(math.prod(p.shape) for p in pieces),
                                   "total_size": total_size},
                      "weight_map": {p.name: file_of[i] for i, p in enumerate(pieces)}}
-            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
-                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            _write_json(os.path.join(tmp, INDEX_NAME), index)
+        _fsync_dir(tmp)  # every file and the folder's entries durable before the rename shows them
         if os.path.isdir(dest):
             os.rmdir(dest)  # empty (checked above)
         os.replace(tmp, dest)
+        _fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -528,5 +637,16 @@ def _load_config(config: "str | os.PathLike | Mapping") -> dict:
 
 
 def _write_json(path: str, obj: Any) -> None:
+    """``obj`` as ``save_pretrained`` writes its JSON files (2-space indent, sorted keys), fsynced."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
