@@ -9,15 +9,6 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_patterns import (
-    SENTINEL,
-    build_local,
-    pattern_and_shape,
-    ref_local,
-    ref_zero_partition,
-    ref_zero_rank,
-    topologies,
-)
 
 from ucp_store.errors import PatternError, TopologyError
 from ucp_store.patterns import (
@@ -32,6 +23,16 @@ from ucp_store.patterns import (
 )
 from ucp_store.planner import EXPERT_GROUP, plan
 from ucp_store.records import TensorInfo
+
+from test_patterns import (
+    SENTINEL,
+    build_local,
+    pattern_and_shape,
+    ref_local,
+    ref_zero_partition,
+    ref_zero_rank,
+    topologies,
+)
 
 
 def member(e, n, inner=None, group="moe.0.experts", **kw):
