@@ -1,7 +1,7 @@
 """Real DeepSpeed MoE (``deepspeed.moe.layer.MoE``, 4 experts per layer, 2 MoE layers, ZeRO-2 bf16) trained
 on 2 gloo processes at ep=2, saved, imported, and resumed through ``load_shard`` into freshly built engines
-at ep=2 and ep=1 (one torchrun launch, ``ucp_store/demo/ds_moe.py``). ``ds_to_universal`` runs on the same
-checkpoint, side by side."""
+at ep=2 and ep=1 (one torchrun launch, ``ucp_store/demo/ds_moe.py``), then at ep=4 and ep=2 on 4 processes
+(a second launch). ``ds_to_universal`` runs on the same checkpoint, side by side."""
 
 from __future__ import annotations
 
@@ -91,6 +91,17 @@ def moe(tmp_path_factory) -> MoESession:
     return MoESession(root)
 
 
+@pytest.fixture(scope="session")
+def moe4(moe) -> MoESession:
+    """The same checkpoint resumed on 4 processes: ep=4 (one expert per rank and layer) and ep=2 with the
+    experts ZeRO-split over 2 expert-data-parallel ranks."""
+    common = {"zero": 2, "dtype": "bf16", "steps": 2, "store": str(moe.root / "store"), "ref": "moe@2"}
+    jobs = [{"kind": "resume_ucp", "ep": ep, **common, "out": str(moe.root / f"r4_ep{ep}.json"),
+             "dump": str(moe.root / f"dump4_ep{ep}")} for ep in (4, 2)]
+    run_jobs(jobs, 4, moe.root, "moe4_jobs")
+    return moe
+
+
 def _experts(names):
     return sorted(n for n in names if ".deepspeed_experts." in n)
 
@@ -143,6 +154,21 @@ def test_resume_through_load_shard_at_new_ep(moe, ep):
         assert resumed["losses_hex"] == train["losses_hex"]
     else:
         assert resumed["losses"] == pytest.approx(train["losses"], rel=2e-3)
+
+
+@pytest.mark.parametrize("ep", [4, 2])
+def test_resume_on_four_processes(moe4, ep):
+    """4 processes: ep=4 gives each rank one expert per layer; ep=2 splits each ep rank's experts over 2
+    ZeRO ranks. Every expert's fp32 master, exp_avg and exp_avg_sq are DeepSpeed's, bit for bit."""
+    import torch
+
+    src, got = moe4.dump("dump_src"), moe4.dump(f"dump4_ep{ep}", world=4)
+    assert set(got) == set(src)
+    bad = [k for k in src if not torch.equal(src[k], got[k])]
+    assert not bad, f"states differ after load at ep={ep} on 4 ranks: {bad[:5]}"
+    train, resumed = moe4.result("train"), moe4.result(f"r4_ep{ep}")
+    assert resumed["global_steps"] == 2 and resumed["world"] == 4
+    assert resumed["losses"] == pytest.approx(train["losses"], rel=2e-3)
 
 
 def test_ds_to_universal_side_by_side(moe):
