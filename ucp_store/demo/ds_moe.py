@@ -37,12 +37,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ds_train import GLOBAL_BATCH, global_batch
+GLOBAL_BATCH = 16  # 4 tokens per rank at dp=4: DeepSpeed's gate needs at least min_capacity tokens
 
 __all__ = ["MoENet", "run_job", "expert_state_dump", "main"]
 
 HIDDEN = 16
 FFN = 24
+
+
+def global_batch(step, din, dout, seed):
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    return torch.randn(GLOBAL_BATCH, din, generator=g), torch.randn(GLOBAL_BATCH, dout, generator=g)
 
 
 class ExpertMLP(nn.Module):
@@ -62,8 +67,10 @@ class MoENet(nn.Module):
         super().__init__()
         self.inp = nn.Linear(din, HIDDEN)
         self.moe = nn.ModuleList([
+            # capacity_factor = experts: an expert can take every token, so no token is dropped at any ep/dp
+            # and a resumed run at another topology routes exactly the same tokens
             MoE(hidden_size=HIDDEN, expert=ExpertMLP(), num_experts=experts, ep_size=ep, k=1,
-                capacity_factor=2.0, eval_capacity_factor=2.0, min_capacity=4)
+                capacity_factor=float(experts), eval_capacity_factor=float(experts), min_capacity=1)
             for _ in range(moe_layers)])
         self.head = nn.Linear(HIDDEN, dout)
         self.din, self.dout = din, dout
