@@ -15,7 +15,10 @@ state, shape, dtype, pattern, chunk_shape``) and returns a ``Plan``: for every t
 Everything not covered by a read is zero: ``TensorPlan.padding`` (vocab rows, ZeRO-3 clip tails) and
 ``BufferPlan.padding`` (ZeRO-1/2 alignment gaps and the tail). ``io.py`` allocates zeros, then executes the
 reads. Which tensor-states a rank gets: those whose placement includes its stage (layers of its stage,
-tied tensors on first and last); expert tensors give each ``ep`` rank its experts.
+tied tensors on first and last); expert tensors give each ``ep`` rank its experts (a fused ``expert``
+tensor its slice, a separate ``expert_member`` tensor only to its owner, so each ep rank's expert ZeRO
+group holds its own experts in record order: DeepSpeed's order when the records list layer by layer,
+expert by expert).
 
 Counts per tensor-state: ``bytes_needed`` (sum of read boxes), ``chunks_touched`` (distinct stored chunks
 intersecting any read box, from ``chunk_shape``; ``None`` means one chunk), ``bytes_read`` (those chunks'
@@ -45,12 +48,14 @@ from . import dtype_table
 from .errors import DTypeError, PlanError
 from .geometry import Box, FlatRange, uncovered
 from .patterns import (
-    Expert,
+    ExpertMember,
     Fragment,
     LocalLayout,
     Pattern,
     ZeroGroupLayout,
+    expert_held,
     flat_layout,
+    is_expert,
     parse_pattern,
     stage_local_name,
     stages_of_placement,
@@ -503,7 +508,7 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
             hit = by_pattern.get(id(pattern_rec))
             if hit is None:
                 hit = by_pattern[id(pattern_rec)] = _pattern_entry(pattern_rec, name, topo, stage, layer_stage,
-                                                                   on_stage, default_names)
+                                                                   on_stage, default_names, ep_rank)
             _, p, held, bare, renamed = hit
             prev_pattern, layout = pattern_rec, None
         if not held:
@@ -549,7 +554,7 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
             group = member_group.get(name)
             if group is None:
                 group = member_group[name] = _group_of(name, p, zero_groups)
-                expert = isinstance(p, Expert)
+                expert = is_expert(p)
                 members = group_members.get(group)
                 if members is None:
                     members = group_members[group] = []
@@ -631,7 +636,7 @@ def _tensor_plans(sel: _Selection, zero: _ZeroFragments, topo: Topology, rank: i
                                 f"(tensor {name!r})")
             slots.append(slot)
         elif fk == "own":
-            expert = isinstance(p, Expert)
+            expert = is_expert(p)
             numel = math.prod(layout.shape)
             if (numel, expert) not in own_fragments:
                 own = zero_group_layout([numel], topo.zero_world(expert), 3)
@@ -682,7 +687,7 @@ def _itemsize_of(dtype: str, name: str, state: str) -> int:
 
 
 def _pattern_entry(pattern_rec: Any, name: str, topo: Topology, stage: int, layer_stage: list[int] | None,
-                   on_stage: dict[Any, bool], default_names: bool) -> tuple[Any, ...]:
+                   on_stage: dict[Any, bool], default_names: bool, ep_rank: int = 0) -> tuple[Any, ...]:
     """``(record, pattern, held by this stage, placement-less twin, may be renamed)`` for a pattern record."""
     if type(pattern_rec) is dict:
         pl_raw = pattern_rec.get("placement")
@@ -695,6 +700,8 @@ def _pattern_entry(pattern_rec: Any, name: str, topo: Topology, stage: int, laye
         p = parse_pattern(json.loads(pattern_rec), name=name)
     else:
         p = parse_pattern(pattern_rec, name=name)
+    if type(p) is ExpertMember and not expert_held(p, topo.ep, ep_rank, name):
+        return pattern_rec, None, False, None, False  # another ep rank's expert
     pl = p.placement
     if pl is not None:
         held = on_stage.get(pl)
@@ -708,12 +715,12 @@ def _pattern_entry(pattern_rec: Any, name: str, topo: Topology, stage: int, laye
 
 def _group_of(name: str, pattern: Pattern, zero_groups: Mapping[str, str] | Callable[[str], str] | None) -> str:
     if zero_groups is None:
-        return EXPERT_GROUP if isinstance(pattern, Expert) else DEFAULT_GROUP
+        return EXPERT_GROUP if is_expert(pattern) else DEFAULT_GROUP
     if callable(zero_groups):
         return str(zero_groups(name))
     if name in zero_groups:
         return str(zero_groups[name])
-    return EXPERT_GROUP if isinstance(pattern, Expert) else DEFAULT_GROUP
+    return EXPERT_GROUP if is_expert(pattern) else DEFAULT_GROUP
 
 
 def _reads_for(layout: LocalLayout, fragment: Fragment | None, shape: tuple[int, ...],
@@ -746,7 +753,7 @@ def split_points(pattern: Any, shape: Sequence[int], topologies: Iterable[Topolo
     for t in topologies:
         topo = as_topology(t)
         for tp_rank in range(topo.tp):
-            for ep_rank in range(topo.ep if isinstance(p, Expert) else 1):
+            for ep_rank in range(topo.ep if is_expert(p) else 1):
                 layout = tp_layout(p, shape, topo.tp, tp_rank, ep=topo.ep, ep_rank=ep_rank,
                                    vocab_multiple=topo.vocab_multiple, name=name)
                 for c in layout.copies:

@@ -59,6 +59,7 @@ from .deepspeed_merge import (
     pattern_for,
     with_placement,
 )
+from .deepspeed_moe import open_tag_reader
 from .deepspeed_reader import DeepSpeedReader, read_zero_checkpoint, release_pages
 
 __all__ = [
@@ -139,10 +140,11 @@ class DeepSpeedSource:
     prefetch = True
 
     def __init__(self, tag_dir: str | os.PathLike, *, lp_weights: str = "auto", hash_sources: bool = True,
-                 workers: int | None = None, rank: int = 0, world: int = 1, group: Any = None):
+                 workers: int | None = None, rank: int = 0, world: int = 1, group: Any = None,
+                 experts: str = "separate"):
         self.t0 = time.time()
         self.tag_dir = os.path.abspath(os.fspath(tag_dir))
-        self.reader = DeepSpeedReader(self.tag_dir, lp_weights=lp_weights)
+        self.reader = open_tag_reader(self.tag_dir, lp_weights=lp_weights, experts=experts)
         self.hash_sources = hash_sources
         self.workers = workers
         self.rank, self.world, self.group = rank, world, group
@@ -221,7 +223,7 @@ class DeepSpeedSource:
 def import_deepspeed(store, tag_dir: str | os.PathLike, run: str, step: int | None = None, *,
                      message: str | None = None, workers: int | None = None, progress: bool = True,
                      lp_weights: str = "auto", hash_sources: bool = True, distributed: bool | None = None,
-                     parent: str | None = "auto") -> str:
+                     parent: str | None = "auto", experts: str = "separate") -> str:
     """Import a DeepSpeed tag folder into ``store`` as ``run@step``; returns the checkpoint id.
 
     ``step`` defaults to the checkpoint's ``global_steps``. Under ``torchrun`` (torch.distributed
@@ -231,7 +233,7 @@ def import_deepspeed(store, tag_dir: str | os.PathLike, run: str, step: int | No
     if distributed is False or dist is None:
         dist, rank, world = None, 0, 1
     source = DeepSpeedSource(tag_dir, lp_weights=lp_weights, hash_sources=hash_sources, workers=workers, rank=rank,
-                             world=world)
+                             world=world, experts=experts)
     if step is None:
         step = source.step
     msg = message or f"import of DeepSpeed checkpoint {source.tag_dir}"

@@ -126,8 +126,8 @@ class DeepSpeedTagFolder:
             if not f.endswith(".pt"):
                 continue
             if EXPERT_RE.match(f):
-                raise SourceFormatError(f"{self._path(f)}: DeepSpeed MoE expert files are not supported yet "
-                                        "(expected a dense ZeRO checkpoint)")
+                self._expert_file(f)
+                continue
             if m := MODEL_RE.match(f):
                 self.model_files[int(m.group(1))] = f
             elif m := ZERO3_MODEL_RE.match(f):
@@ -155,6 +155,11 @@ class DeepSpeedTagFolder:
         self.prefix = prefixes.pop()
         if unknown:
             self.notes.append(f"ignored files: {', '.join(unknown)}")
+
+    def _expert_file(self, fname: str) -> None:
+        """An MoE expert file: ``deepspeed_moe.DeepSpeedMoEReader`` reads them; this reader refuses them."""
+        raise SourceFormatError(f"{self._path(fname)}: a DeepSpeed MoE expert file; read MoE checkpoints with "
+                                "ucp_store.adapters.deepspeed_moe.DeepSpeedMoEReader (import_deepspeed picks it)")
 
     def _load(self, fname: str, what: str):
         return sp.load(self._path(fname), what=what)

@@ -211,6 +211,10 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
     if style not in ("auto", "zero12", "zero3", "portable"):
         raise ValueError("style must be 'auto', 'zero12', 'zero3' or 'portable'")
     objs = checkpoint.objects()
+    if objs.get("deepspeed/moe") is not None:
+        from .deepspeed_moe import UNIVERSAL_REFUSAL
+
+        raise ConfigurationError(f"{checkpoint.run}@{checkpoint.step}: {UNIVERSAL_REFUSAL}")
     layout = objs.get("deepspeed/layout") or {}
     src_zero = int(layout.get("zero_stage", 2))
     src_tp = int(layout.get("tp", 1))

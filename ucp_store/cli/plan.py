@@ -65,12 +65,30 @@ def run_plan(args: Any, store: Any) -> int:
         read = sum(p.bytes_read for p in plans)
         print(f"all ranks: {fmt_bytes(read)} read for {fmt_bytes(needed)} needed "
               f"(amplification {read / needed if needed else 1.0:.3f})")
+        _print_experts(infos, topo)
     if args.plot:
         from .plot import draw_plan
 
-        draw_plan(ck, plans, args.param, args.plot)
+        draw_plan(ck, plans, args.param, args.plot, topology=topo)
         print(f"wrote {args.plot}")
     return EXIT_OK
+
+
+def _print_experts(infos: Any, topo: Topology) -> None:
+    """Which experts each ep rank of the target holds, and on which ranks (when there are experts)."""
+    from ..experts_view import expert_groups, placement_rows, ranges
+
+    groups = expert_groups(infos)
+    if not groups:
+        return
+    rows = placement_rows(groups, topo.ep, topo.dp)
+    by_ep: dict[int, list[int]] = {}
+    for r in range(topo.world_size):
+        by_ep.setdefault(topo.coords(r)["ep"], []).append(r)
+    for row in rows:
+        row[4] = ranges(by_ep.get(int(row[2]), [])) if row[2] != "-" else "-"
+    print(f"experts at ep={topo.ep} (expert ZeRO over {topo.zero_world(True)} rank(s) per ep rank):")
+    table(rows, ["expert group", "stored", "ep rank", "experts", "ranks"])
 
 
 def cmd_plan(args: Any) -> int:

@@ -67,7 +67,22 @@ def cmd_show(args: Any) -> int:
 
     for line in show_lines(ck):
         print(line)
+    _show_experts(ck)
     return EXIT_OK
+
+
+def _show_experts(ck: Any) -> None:
+    """Expert placement as saved (the source's ep, from provenance), when the version has MoE experts."""
+    from ..experts_view import expert_groups, placement_rows
+
+    groups = expert_groups(ck.tensors())
+    if not groups:
+        return
+    topo = (ck.provenance or {}).get("source_topology") or {}
+    ep, dp = int(topo.get("ep", 1) or 1), int(topo.get("dp", 1) or 1)
+    print(f"experts: {len(groups)} group(s), saved at ep={ep} (dp={dp}); ep rank r holds its experts on dp ranks "
+          "d with d % ep == r")
+    table(placement_rows(groups, ep, dp), ["expert group", "stored", "ep rank", "experts", "dp ranks"])
 
 
 def cmd_log(args: Any) -> int:

@@ -42,7 +42,7 @@ def cmd_import(args: Any) -> int:
         from ..adapters.deepspeed import import_deepspeed
 
         cid = import_deepspeed(store, args.source, args.run, args.step, message=args.message,
-                               progress=progress_wanted(args))
+                               progress=progress_wanted(args), experts=getattr(args, "experts", "separate"))
     else:
         from ..adapters.deepspeed_universal import import_universal
 
@@ -91,6 +91,10 @@ def _kinds(verb: str, kinds: tuple[str, ...]) -> Any:
                 kp.add_argument("--step", type=int, default=None)
                 kp.add_argument("--message", default=None)
                 kp.add_argument("--state", default=None)
+                if kind == "deepspeed":
+                    kp.add_argument("--experts", choices=["separate", "fused"], default="separate",
+                                    help="MoE experts: one tensor per expert (expert_member, default) or one "
+                                         "[E, ...] tensor per layer and parameter (expert)")
             else:
                 kp.add_argument("ref")
                 kp.add_argument("dest")

@@ -18,6 +18,8 @@ fused           for each sub-parameter ``j`` (``sizes[j]`` rows along ``dim``) i
                 QKV under GQA ``[q_r; k_r; v_r]``, SwiGLU ``[gate_r; up_r]``
 expert          experts ``[ep_rank * E/ep, (ep_rank+1) * E/ep)`` along ``dim``, each expert laid out
                 by the ``inner`` pattern (whose dims exclude the expert dim)
+expert_member   one expert's tensor stored on its own (``experts.<e>.w1``): held only by ep rank
+                ``expert // (E/ep)``, laid out by ``inner`` there
 ==============  ==============================================================================
 
 ``placement`` (any kind) says which pipeline stages hold the tensor: ``{"layer": i}`` (the stage owning
@@ -66,12 +68,14 @@ from .kinds import (
     Averaged,
     DTensorSplit,
     Expert,
+    ExpertMember,
     Fused,
     Partitioned,
     Pattern,
     Placement,
     Replicated,
     Vocab,
+    is_expert,
 )
 from .layout import (
     Copy,
@@ -93,7 +97,7 @@ from .parse import (
     validate_pattern_record,
     without_placement,
 )
-from .placement import canonical_names, holds, placement_stages, stage_local_name, stages_of_placement
+from .placement import canonical_names, expert_held, holds, placement_stages, stage_local_name, stages_of_placement
 from .replicas import average_replicas
 from .zero import (
     FlatCopy,
@@ -110,11 +114,11 @@ from .zero import (
 __all__ = [
     # kinds
     "KINDS", "TP_REPLICATED_KINDS", "STAGE_NAMES", "SCHEMA_FILE", "Placement", "Pattern", "Replicated", "Averaged",
-    "DTensorSplit", "Partitioned", "Vocab", "Fused", "Expert", "REPLICATED",
+    "DTensorSplit", "Partitioned", "Vocab", "Fused", "Expert", "ExpertMember", "REPLICATED", "is_expert",
     # parsing and validation
     "parse_pattern", "pattern_to_json", "validate_pattern_record", "check_pattern", "without_placement",
     # placement
-    "placement_stages", "stages_of_placement", "holds", "stage_local_name", "canonical_names",
+    "placement_stages", "stages_of_placement", "holds", "expert_held", "stage_local_name", "canonical_names",
     # geometry (re-exported from ucp_store.geometry)
     "Box", "FlatRange", "flat_range_to_boxes", "row_major_strides", "split_contiguous",
     # TP/EP layouts and writers

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["KINDS", "TP_REPLICATED_KINDS", "STAGE_NAMES", "SCHEMA_FILE", "Placement", "Pattern", "Replicated",
-           "Averaged", "Partitioned", "Vocab", "Fused", "Expert", "DTensorSplit", "REPLICATED"]
+           "Averaged", "Partitioned", "Vocab", "Fused", "Expert", "ExpertMember", "DTensorSplit", "REPLICATED",
+           "is_expert"]
 
-KINDS = ("replicated", "averaged", "partitioned", "vocab", "fused", "expert", "dtensor")
+KINDS = ("replicated", "averaged", "partitioned", "vocab", "fused", "expert", "expert_member", "dtensor")
 TP_REPLICATED_KINDS = ("replicated", "averaged", "dtensor")
 STAGE_NAMES = ("first", "last")
 SCHEMA_FILE = "pattern.schema.json"
@@ -188,6 +189,49 @@ class Expert(Pattern):
 
     def _fields_json(self) -> dict[str, Any]:
         return {"dim": self.dim, "num_experts": self.num_experts, "inner": self.inner.to_json()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertMember(Pattern):
+    """One expert's tensor stored on its own (``...experts.<e>.w1``), a member of a layer's expert group.
+
+    The tensors of one MoE layer with the same ``group`` (e.g. ``moe.0.deepspeed_moe.experts``) form the
+    expert group; ``expert`` (global id, out of ``num_experts``) maps onto ep rank ``expert // (E/ep)``,
+    which alone holds the tensor (local expert index ``expert % (E/ep)``); ``inner`` lays the tensor out
+    over TP (its dims are the tensor's). Its optimizer states are ZeRO-partitioned over ``sp x edp``."""
+
+    expert: int
+    num_experts: int
+    group: str | None = None
+    inner: Pattern = Replicated()
+    kind = "expert_member"
+
+    @property
+    def tp_replicated(self) -> bool:
+        return self.inner.tp_replicated
+
+    def split_edges(self) -> dict[int, frozenset[int]]:
+        return self.inner.split_edges()
+
+    def owner(self, ep: int) -> int:
+        """The ep rank holding this expert at expert-parallel degree ``ep`` (``num_experts % ep == 0``)."""
+        return self.expert // (self.num_experts // ep)
+
+    def local_index(self, ep: int) -> int:
+        """The expert's index among its ep rank's local experts."""
+        return self.expert % (self.num_experts // ep)
+
+    def _fields_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"expert": self.expert, "num_experts": self.num_experts}
+        if self.group is not None:
+            out["group"] = self.group
+        out["inner"] = self.inner.to_json()
+        return out
+
+
+def is_expert(p: Pattern) -> bool:
+    """An expert tensor (fused ``expert`` or a separate ``expert_member``): split over ``ep``, ZeRO over edp."""
+    return isinstance(p, (Expert, ExpertMember))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import PatternError, TopologyError
 from ..geometry import Box
 from ..topology import Topology
-from .kinds import Averaged, Expert, Fused, Partitioned, Pattern, Replicated, Vocab
+from .kinds import Averaged, Expert, ExpertMember, Fused, Partitioned, Pattern, Replicated, Vocab, is_expert
 from .parse import _check_shape, _who, parse_pattern, without_placement
 from .placement import holds, stages_of_placement
 
@@ -159,6 +159,13 @@ def _layout(p: Pattern, shape: tuple[int, ...], tp: int, r: int, ep: int, ep_ran
                            tuple(Copy(c.logical.insert_dim(e, e0, e0 + per), c.local.insert_dim(e, 0, per))
                                  for c in inner.copies),
                            tuple(b.insert_dim(e, 0, per) for b in inner.padding))
+    if isinstance(p, ExpertMember):
+        # one expert's whole tensor, laid out over TP by ``inner``; only its owner ep rank holds it
+        # (``holds``), which this layout does not check
+        if p.num_experts % ep:
+            raise TopologyError(f"{_who(name)}: {p.num_experts} experts cannot be split over ep={ep}; "
+                                f"use ep in {_divisors(p.num_experts)}")
+        return _layout(p.inner, shape, tp, r, 1, 0, vmult, name)
     raise PatternError(f"{_who(name)}: unknown pattern kind {p.kind!r}")
 
 
@@ -178,7 +185,9 @@ def is_writer(pattern: Any, topology: Topology, rank: int, *, flat: bool = False
         return True
     if c["sp"] != 0:
         return False
-    return (c["edp"] if isinstance(p, Expert) else c["dp"]) == 0
+    if isinstance(p, ExpertMember) and p.owner(topology.ep) != c["ep"]:
+        return False
+    return (c["edp"] if is_expert(p) else c["dp"]) == 0
 
 
 def shard_copies(pattern: Any, shape: Sequence[int], topology: Topology, rank: int, *,

@@ -23,6 +23,7 @@ from .kinds import (
     Averaged,
     DTensorSplit,
     Expert,
+    ExpertMember,
     Fused,
     Partitioned,
     Pattern,
@@ -34,7 +35,8 @@ from .kinds import (
 __all__ = ["parse_pattern", "pattern_to_json", "validate_pattern_record", "check_pattern", "without_placement",
            "clear_parse_caches"]
 
-_KIND_CLASSES = {c.kind: c for c in (Replicated, Averaged, Partitioned, Vocab, Fused, Expert, DTensorSplit)}
+_KIND_CLASSES = {c.kind: c for c in (Replicated, Averaged, Partitioned, Vocab, Fused, Expert, ExpertMember,
+                                            DTensorSplit)}
 _ALLOWED_KEYS = {
     "replicated": {"kind", "placement"},
     "averaged": {"kind", "placement", "max_deviation"},
@@ -42,6 +44,7 @@ _ALLOWED_KEYS = {
     "vocab": {"kind", "placement", "dim", "original_size"},
     "fused": {"kind", "placement", "dim", "sizes", "widths"},
     "expert": {"kind", "placement", "dim", "num_experts", "inner"},
+    "expert_member": {"kind", "placement", "expert", "num_experts", "group", "inner"},
     "dtensor": {"kind", "placement", "mesh", "placements"},
 }
 
@@ -222,17 +225,28 @@ def _parse(rec: Mapping[str, Any], name: str | None, inner: bool) -> Pattern:
                 raise PatternError(f"{_who(name)}: widths[{str(tp)!r}] lists {len(w)} sub-parameters but sizes "
                                    f"lists {len(sizes)}")
         return Fused(dim=_int(rec["dim"], "dim", name), sizes=sizes, widths=widths, placement=placement)
-    # expert
+    # expert, expert_member
     if inner:
         raise PatternError(f"{_who(name)}: expert patterns cannot nest")
     if "num_experts" not in rec:
-        raise PatternError(f"{_who(name)}: expert pattern needs 'num_experts'")
+        raise PatternError(f"{_who(name)}: {kind} pattern needs 'num_experts'")
     inner_rec = rec.get("inner")
     inner_pattern: Pattern = REPLICATED
     if inner_rec is not None:
         if not isinstance(inner_rec, Mapping):
-            raise PatternError(f"{_who(name)}: expert.inner must be a pattern object, got {inner_rec!r}")
+            raise PatternError(f"{_who(name)}: {kind}.inner must be a pattern object, got {inner_rec!r}")
         inner_pattern = _parse(inner_rec, name, inner=True)
+    if kind == "expert_member":
+        if "expert" not in rec:
+            raise PatternError(f"{_who(name)}: expert_member pattern needs 'expert' (the global expert id)")
+        num = _int(rec["num_experts"], "num_experts", name, minimum=1)
+        expert = _int(rec["expert"], "expert", name)
+        if expert >= num:
+            raise PatternError(f"{_who(name)}: expert_member expert {expert} is not below num_experts {num}")
+        group = rec.get("group")
+        if group is not None and (not isinstance(group, str) or not group):
+            raise PatternError(f"{_who(name)}: expert_member.group must be a non-empty string, got {group!r}")
+        return ExpertMember(expert=expert, num_experts=num, group=group, inner=inner_pattern, placement=placement)
     return Expert(dim=_int(rec.get("dim", 0), "dim", name),
                   num_experts=_int(rec["num_experts"], "num_experts", name, minimum=1),
                   inner=inner_pattern, placement=placement)
@@ -332,6 +346,8 @@ def _check_shape(p: Pattern, shape: tuple[int, ...], name: str | None) -> None:
             raise PatternError(f"{_who(name)}: expert dim {dim} has size {shape[dim]} but num_experts is "
                                f"{p.num_experts}")
         _check_shape(p.inner, shape[:dim] + shape[dim + 1:], name)
+    elif isinstance(p, ExpertMember):
+        _check_shape(p.inner, shape, name)
 
 
 def without_placement(p: Pattern) -> Pattern:

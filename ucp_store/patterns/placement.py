@@ -7,10 +7,10 @@ from typing import Any
 
 from ..errors import PatternError, TopologyError
 from ..topology import Topology
-from .kinds import Placement
+from .kinds import ExpertMember, Placement
 from .parse import _who, parse_pattern
 
-__all__ = ["placement_stages", "stages_of_placement", "holds", "stage_local_name", "canonical_names"]
+__all__ = ["placement_stages", "stages_of_placement", "holds", "expert_held", "stage_local_name", "canonical_names"]
 
 
 def placement_stages(pattern: Any, topology: Topology, *, name: str | None = None) -> tuple[int, ...]:
@@ -34,8 +34,21 @@ def stages_of_placement(pl: Placement | None, topology: Topology, name: str | No
 
 
 def holds(pattern: Any, topology: Topology, rank: int, *, name: str | None = None) -> bool:
-    """Does ``rank``'s pipeline stage hold the tensor?"""
-    return topology.coords(rank)["pp"] in placement_stages(pattern, topology, name=name)
+    """Does ``rank`` hold the tensor: its pipeline stage does, and for a separate expert tensor
+    (``expert_member``) its ep rank owns that expert?"""
+    p = parse_pattern(pattern, name=name)
+    c = topology.coords(rank)
+    if isinstance(p, ExpertMember) and not expert_held(p, topology.ep, c["ep"], name):
+        return False
+    return c["pp"] in stages_of_placement(p.placement, topology, name)
+
+
+def expert_held(p: ExpertMember, ep: int, ep_rank: int, name: str | None = None) -> bool:
+    """Does ep rank ``ep_rank`` of ``ep`` hold expert ``p.expert``? ``TopologyError`` when ep does not
+    divide the experts."""
+    if p.num_experts % ep:
+        raise TopologyError(f"{_who(name)}: {p.num_experts} experts cannot be split over ep={ep}")
+    return p.owner(ep) == ep_rank
 
 
 def stage_local_name(name: str, pattern: Any, topology: Topology, stage: int | None = None) -> str:
