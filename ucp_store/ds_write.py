@@ -237,7 +237,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
 
     def shard(name, state, local_t, shape, pattern, frag, pos):
         writer.write_shard(name, state, local_t.detach().cpu(), shape=shape, pattern=pattern, topology=topo,
-                           rank=rank, fragment=frag, position=pos)
+                           rank=rank, fragment=frag, position=pos, digest=True)
         if hook is not None:
             hook(name, state)
 
@@ -339,7 +339,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 if name in seen or name in kinds or (zero >= 3 and name in frozen) or t.numel() == 0:
                     continue
                 kinds[name] = "buffer" if name in buffers else "frozen"
-                writer.write(name, "weight", t.detach().cpu().clone(), pattern=_with_placement(None, placement(name)),
+                writer.write(name, "weight", t.detach().cpu(), pattern=_with_placement(None, placement(name)),
                              position=position.get(name, len(position)) * 16)
 
     try:
@@ -357,20 +357,27 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     if model_sd is not None and model_name is not None:  # _classify sets both or neither
         per_file[model_name] = _file_record(model_sd, model_name, [])
     info = {"metas": metas, "steps": steps, "kinds": kinds, "lp_differs": lp_differs, "files": per_file,
-            "rng": meta["rng"], "rank": rank}
+            "rng": meta["rng"], "rank": rank, "digests": writer.shard_digests()}
     gathered: list[Any] = [None] * world
     if multi:
         dist.all_gather_object(gathered, info, group=group)
     else:
         gathered = [info]
     differs = sorted({n for g_ in gathered for n in g_["lp_differs"]})
+    # every rank's chunk digests (taken from memory while writing): the origin ranks hash without reading back
+    merged: dict[Any, dict] = {}
+    for g_ in gathered:
+        for key, d in g_.pop("digests").items():
+            merged.setdefault(key, {}).update(d)
+    for key, d in merged.items():
+        writer.set_chunk_digests(key[0], key[1], d)
     try:
         if dp_rank == 0 and differs:
             lp_all = meta["lp"]
             for name in differs:
                 spec = params[seen[name]]
                 if spec["stage"] == stage:
-                    writer.write(name, "weight", lp_all[name].detach().reshape(spec["shape"]).cpu().clone(),
+                    writer.write(name, "weight", lp_all[name].detach().reshape(spec["shape"]).cpu(),
                                  pattern=_with_placement(None, placement(name)), position=position[name] * 16 + 15)
         if rank == 0:
             if model_name is None or model_sd is None:
