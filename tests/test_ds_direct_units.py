@@ -84,3 +84,18 @@ def test_execute_reads_group_buffers_into_given_tensors(saved):
         execute(ck, p, infos=records, into={key: dest.double()})
     # with ``only``, buffers of other states are not even allocated
     assert execute(ck, p, infos=records, only=[]).buffers == {}
+
+
+def test_tp_and_moe_engines_are_refused_with_the_reason():
+    from types import SimpleNamespace
+
+    from ucp_store.ds_engine import engine_topology
+    from ucp_store.errors import ConfigurationError
+
+    base = {"module": SimpleNamespace(), "zero_optimization": lambda: True, "zero_optimization_stage": lambda: 2,
+            "dp_world_size": 2}
+    with pytest.raises(ConfigurationError, match=r"tensor parallelism \(mp_world_size=2\).*mean.*ucp import deepspeed"):
+        engine_topology(SimpleNamespace(**base, mp_world_size=2, has_moe_layers=False))
+    with pytest.raises(ConfigurationError, match=r"MoE engines .*ucp import deepspeed"):
+        engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=True))
+    assert engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=False))["dp"] == 2

@@ -158,9 +158,12 @@ def engine_topology(engine) -> dict:
         raise ConfigurationError("ucp_store.deepspeed_direct: MoE engines (expert parallelism) are not supported yet; "
                                  "save with DeepSpeed's own engine and `ucp import deepspeed`")
     if tp != 1:
+        # `ucp import deepspeed` compares every TP rank's copy of a replicated parameter and stores their mean
+        # when they drifted (the `averaged` pattern): no rank can write that from its own share alone
         raise ConfigurationError(f"ucp_store.deepspeed_direct: tensor parallelism (mp_world_size={tp}) is not "
-                                 "supported yet by the direct engine; save with DeepSpeed's own engine and "
-                                 "`ucp import deepspeed`, which handles TP")
+                                 "supported by the direct engine (TP-replicated parameters are stored as the mean "
+                                 "of every TP rank's replica, which no single rank holds); save with DeepSpeed's "
+                                 "own engine and `ucp import deepspeed`, which handles TP")
     zero = int(engine.zero_optimization_stage()) if engine.zero_optimization() else 0
     if zero == 0 and not _is_bf16_optimizer(engine):
         raise ConfigurationError(
