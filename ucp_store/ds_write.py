@@ -342,8 +342,13 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 writer.write(name, "weight", t.detach().cpu(), pattern=_with_placement(None, placement(name)),
                              position=position.get(name, len(position)) * 16)
 
+    stats = ce.stats
+    t_phase = time.perf_counter()
     try:
         phase1()
+        stats["submit_s"] = time.perf_counter() - t_phase
+        writer.flush()  # every array write of this rank has returned (durable)
+        stats["writes_s"] = time.perf_counter() - t_phase
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
     if multi and not _all_ok(error is None, group):
@@ -413,9 +418,13 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     if multi and not _all_ok(error is None, group):
         writer.abort()
         raise UcpError(f"save of {ce.run}@{step} failed while writing weights/objects; aborted") from error
+    stats["objects_s"] = time.perf_counter() - t_phase
     if not multi:
         if error is not None:
             writer.abort()
             raise error
-        return writer.commit().id
-    return distributed_commit(writer, group=group)
+        cid = writer.commit().id
+    else:
+        cid = distributed_commit(writer, group=group)
+    stats["commit_s"] = time.perf_counter() - t_phase
+    return cid
