@@ -19,12 +19,18 @@ def _logical():
     return {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
 
 
-def _write_dp2(store, run, logical, *, tamper=False):
+def _write_dp2(store, run, logical, *, tamper=False, open_first=True):
     """Both DP ranks' ZeRO-1 fragments through one writer, digested, merged as ds_write merges them."""
     topo = Topology(dp=2, zero_stage=1)
     names = list(SHAPES)
     group = pat.zero_group_layout([logical[n].numel() for n in names], 2, 1)
     w = store.begin(run, 1)
+    # the engine opens every array of a save together before writing (one durable metadata write each)
+    if open_first:
+        w.open_shards([(n, "fp32", SHAPES[n], torch.float32, None) for n in names], topology=topo)
+        with pytest.raises(ucp_store.errors.ShapeMismatch, match=r"'odd'.*declares float64.*open_shards float32"):
+            w.write_shard("odd", "fp32", torch.zeros(91, dtype=torch.float64), shape=SHAPES["odd"], pattern=None,
+                          topology=topo, rank=0, fragment=group.fragment(1, 0) or group.fragment(1, 1))
     for rank in range(2):
         for i, n in enumerate(names):
             f = group.fragment(i, rank)
@@ -65,7 +71,7 @@ def test_fragments_are_hashed_from_their_chunk_digests(saved):
 
 def test_a_wrong_digest_is_caught_by_verify(saved):
     store, _, logical, _ = saved
-    ck, _ = _write_dp2(store, "tampered", logical, tamper=True)
+    ck, _ = _write_dp2(store, "tampered", logical, tamper=True, open_first=False)  # arrays opened one by one
     problems = ck.verify()
     assert problems and {p["tensor"] for p in problems} == {"big"}
 

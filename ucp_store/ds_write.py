@@ -235,11 +235,21 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     error: BaseException | None = None
     show = ce.progress and rank == 0
 
+    pending: list[tuple] = []
+
     def shard(name, state, local_t, shape, pattern, frag, pos):
-        writer.write_shard(name, state, local_t.detach().cpu(), shape=shape, pattern=pattern, topology=topo,
-                           rank=rank, fragment=frag, position=pos, digest=True)
-        if hook is not None:
-            hook(name, state)
+        pending.append((name, state, local_t, shape, pattern, frag, pos))
+
+    def write_pending() -> None:
+        """Open every array of this rank's shards at once (``open_shards``), then write them."""
+        writer.open_shards([(name, state, shape, t.dtype, pattern) for name, state, t, shape, pattern, _, _ in pending],
+                           topology=topo)
+        for name, state, local_t, shape, pattern, frag, pos in pending:
+            writer.write_shard(name, state, local_t.detach().cpu(), shape=shape, pattern=pattern, topology=topo,
+                               rank=rank, fragment=frag, position=pos, digest=True)
+            if hook is not None:
+                hook(name, state)
+        pending.clear()
 
     def phase1() -> None:
         mine = [p for p in params if p["stage"] == stage]
@@ -325,6 +335,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 if hi > lo:
                     shard(name, "weight", fr.reshape(-1).narrow(0, 0, hi - lo), info["shape"],
                           _with_placement(None, placement(name)), Fragment(lo, hi, 0, hi - lo), position[name] * 16)
+        write_pending()
         # whole weights (frozen parameters of ZeRO-1/2, buffers) from DP rank 0 of each stage
         if dp_rank == 0:
             if model_sd is not None and model_sd.get("module") is not None:

@@ -84,6 +84,7 @@ class CheckpointWriter:
         # write_shard(digest=True): inner-chunk digests of what this rank wrote, computed from memory
         self._shard_digests: dict[tuple[str, str], dict] = {}
         self._chunk_digests: dict[tuple[str, str], dict] = {}  # set_chunk_digests: every rank's, merged
+        self._opened: dict[tuple[str, str], tuple] = {}  # open_shards: (layout, path, array id) before any write
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -364,10 +365,47 @@ class CheckpointWriter:
                                 f"{layout.dtype}{list(layout.shape)}")
         return self._handles[key], layout, rel, aid
 
+    def open_shards(self, specs: Iterable[tuple], *, topology, targets: Iterable = ()) -> None:
+        """Create (or open) the arrays of many tensor-states at once, ahead of their ``write_shard`` calls:
+        ``specs`` are ``(name, state, shape, dtype, pattern)`` (dtype a torch or numpy dtype or store name).
+        One array open is a metadata write made durable; waited for one by one they dominate a save of
+        many parameters, so their futures run together here."""
+        from .topology import as_topology
+
+        self._check_open()
+        topology = as_topology(topology)
+        targets = list(targets)
+        pending = []
+        for name, state, shape, dtype, pattern in specs:
+            key = (name, state)
+            if key in self._sharded or key in self._handles:
+                continue
+            shape = tuple(int(s) for s in shape)
+            dt = dtypes.zarr_name(dtype, what=f"tensor {name!r} state {state!r}")
+            layout, rel, aid = self._shard_layout(name, state, shape, dt, pattern, topology, targets)
+            pending.append((key, layout, rel, aid,
+                            fmt.create_array_async(self.store.location, rel, layout, self.store.context, shared=True)))
+        for key, layout, rel, aid, future in pending:
+            self._handles[key] = future.result()
+            self._opened[key] = (layout, rel, aid)
+
     def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):
         key = (name, state)
         if key in self._sharded:
             return self._known_array(key, dtype, shape, f"tensor {name!r} state {state!r}: shard", "shards")
+        if key in self._opened:  # open_shards created it: same layout, or the caller declared another one
+            layout, rel, aid = self._opened[key]
+            if layout.dtype != dtype or layout.shape != shape:
+                raise ShapeMismatch(f"tensor {name!r} state {state!r}: shard declares {dtype}{list(shape)}, "
+                                    f"open_shards {layout.dtype}{list(layout.shape)}")
+            return self._handles[key], layout, rel, aid
+        layout, rel, aid = self._shard_layout(name, state, shape, dtype, pattern, topology, targets)
+        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True)
+        self._handles[key] = handle
+        return handle, layout, rel, aid
+
+    def _shard_layout(self, name, state, shape, dtype, pattern, topology, targets):
+        """(layout, path, array id) of a sharded tensor-state: every rank derives the same ones."""
         import xxhash
 
         from .planner import chunk_alignment, split_points
@@ -384,10 +422,7 @@ class CheckpointWriter:
                                  _writer_aligned_shards(layout, source_points), layout.compression)
         # every rank derives the same array id, so all of them open one array
         aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
-        rel = array_path(self.id, aid)
-        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True)
-        self._handles[key] = handle
-        return handle, layout, rel, aid
+        return layout, array_path(self.id, aid), aid
 
     def finish_shards(self) -> None:
         """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of."""
