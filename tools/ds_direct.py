@@ -16,7 +16,11 @@ Builds on ``tools/ds_train.py`` (models, configs, data, ``train_steps``). Job ki
 - ``resume_ds``: the same from DeepSpeed's ``load_universal`` of ``load_dir``/``tag``.
 
 Both resumes dump every rank's optimizer state (flat fp32 partitions, moments, step) to
-``<state_prefix>_rank<r>.pt`` for bit-exact comparison, and rank 0 writes ``out`` (losses, ``losses_hex``).
+``<state_prefix>_rank<r>.pt`` for bit-exact comparison, with ``param_states_out`` every parameter's full fp32
+master and moments as DeepSpeed's ``safe_get_full_*`` accessors see them, and rank 0 writes ``out`` (losses,
+``losses_hex``). A save job with ``background`` and ``next_steps`` trains those steps right after
+``save_checkpoint`` returns, before waiting for the save (``stage_delay_s`` holds the staging back so that
+the next optimizer step certainly has to wait for it).
 """
 
 from __future__ import annotations
@@ -47,6 +51,24 @@ def optimizer_state(engine) -> dict:
     return out
 
 
+def param_states(engine) -> dict:
+    """Every trainable parameter's full fp32 master and moments through DeepSpeed's own accessors
+    (``deepspeed.utils.safe_get_full_*``; collective under ZeRO-3): {"<name>.<state>": tensor}."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # DeepSpeed links the moments to the parameters at the first step; before it, now
+        link()
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        out[f"{name}.fp32"] = safe_get_full_fp32_param(p).detach().cpu().clone()
+        for st in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}.{st}"] = safe_get_full_optimizer_state(p, st).detach().cpu().clone()
+    return out
+
+
 def run_job(job):
     import deepspeed.comm as dist
 
@@ -59,12 +81,34 @@ def run_job(job):
         engine, dp_rank, dp, micro, gas = ds_train.make_engine(job)
         steps = job.get("steps", 3)
         result["losses_before"] = ds_train.train_steps(engine, job, 0, steps, dp_rank, dp, micro, gas)
+        if job.get("warm"):
+            # benchmark: both engines save once before the measured saves (imports, thread pools, the store's
+            # first open), then one more step so that nothing measured deduplicates against the warm-up
+            if job.get("save_dir"):
+                engine.save_checkpoint(os.path.join(job["save_dir"], "warm"), tag="warm")
+            ucpds.attach(engine, store=job["store"], run=f"{job['run']}-warm", progress=False)
+            engine.save_checkpoint(tag="warm")
+            ucpds.detach(engine)
+            result["losses_before"] += ds_train.train_steps(engine, job, steps, 1, dp_rank, dp, micro, gas)
+            steps += 1
         tag = job.get("tag", f"global_step{steps}")
         if job.get("save_dir"):
             dist.barrier()
             t1 = time.perf_counter()
             engine.save_checkpoint(job["save_dir"], tag=tag, client_state=job.get("client_state", {}))
             result["files_save_s"] = time.perf_counter() - t1
+            # torch.save never fsyncs; the store commits durably. The same files made durable (every rank
+            # its own files, then the slowest rank): the durable ceiling of DeepSpeed's engine
+            folder = os.path.join(job["save_dir"], tag)
+            mine = [os.path.join(folder, f) for f in sorted(os.listdir(folder))
+                    if f.endswith(".pt") and (f"_rank_{dp_rank}_" in f or (rank == 0 and f.startswith("mp_rank_"))
+                                              or f.startswith("layer_"))]
+            for f in mine:
+                fd = os.open(f, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            dist.barrier()
+            result["files_save_fsync_s"] = time.perf_counter() - t1
             if job.get("convert") and rank == 0:
                 cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                        os.path.join(job["save_dir"], tag), "--output_folder",
@@ -77,6 +121,8 @@ def run_job(job):
             dist.barrier()
         ce = ucpds.attach(engine, store=job["store"], run=job["run"], background=job.get("background", False),
                           timeout_s=job.get("timeout_s", 120), progress=False)
+        if job.get("stage_delay_s"):  # the training step right after the save must wait for the staging
+            ce._before_stage = lambda: time.sleep(job["stage_delay_s"])
         if job.get("kill_rank") is not None and rank == job["kill_rank"]:
             def die(name, state):
                 os._exit(9)
@@ -85,21 +131,36 @@ def run_job(job):
         t1 = time.perf_counter()
         engine.save_checkpoint(tag=tag, client_state=job.get("client_state", {}))
         result["ucp_blocked_s"] = time.perf_counter() - t1
+        nxt = job.get("next_steps", 0)
+        if job.get("background") and nxt:
+            # mutate the state right away: the next steps run while the save is staged and written
+            result["losses"] = ds_train.train_steps(engine, job, steps, nxt, dp_rank, dp, micro, gas)
         result["version"] = ce.wait()
         result["ucp_save_s"] = time.perf_counter() - t1
+        result["ucp_stats"] = dict(ce.stats)
         ucpds.detach(engine)
-        if job.get("bg_run"):  # the same step again, in background mode (benchmark: the blocked time)
+        if job.get("bg_run"):  # in background mode (benchmark: the blocked time)
+            if job.get("warm"):  # a new step: the background save must not deduplicate against the sync one
+                ds_train.train_steps(engine, job, steps, 1, dp_rank, dp, micro, gas)
+                steps += 1
             ce = ucpds.attach(engine, store=job["store"], run=job["bg_run"], background=True,
                               timeout_s=job.get("timeout_s", 120), progress=False)
             dist.barrier()
             t1 = time.perf_counter()
-            engine.save_checkpoint(tag=tag)
-            result["bg_blocked_s"] = time.perf_counter() - t1
+            engine.save_checkpoint(tag=f"global_step{steps}")
+            result["bg_call_s"] = time.perf_counter() - t1
+            # the next training step runs at once; its optimizer step waits until the save is staged
+            t2 = time.perf_counter()
+            ds_train.train_steps(engine, job, steps, 1, dp_rank, dp, micro, gas)
+            result["bg_next_step_s"] = time.perf_counter() - t2
+            result["bg_step_wait_s"] = ce.stats.get("step_wait_s", 0.0)
+            result["bg_blocked_s"] = result["bg_call_s"] + result["bg_step_wait_s"]
             ce.wait()
             result["bg_save_s"] = time.perf_counter() - t1
+            result["bg_stats"] = dict(ce.stats)
             ucpds.detach(engine)
-        nxt = job.get("next_steps", 0)
-        result["losses"] = ds_train.train_steps(engine, job, steps, nxt, dp_rank, dp, micro, gas) if nxt else []
+        if "losses" not in result:
+            result["losses"] = ds_train.train_steps(engine, job, steps, nxt, dp_rank, dp, micro, gas) if nxt else []
     elif job["kind"] in ("resume_direct", "resume_ds"):
         universal = job["kind"] == "resume_ds"
         engine, dp_rank, dp, micro, gas = ds_train.make_engine(job, universal=universal)
@@ -115,6 +176,10 @@ def run_job(job):
         result["client_state"] = {k: v for k, v in (client or {}).items() if isinstance(v, (int, float, str))}
         if job.get("state_prefix"):
             torch.save(optimizer_state(engine), f"{job['state_prefix']}_rank{rank}.pt")
+        if job.get("param_states_out"):
+            full = param_states(engine)
+            if rank == 0:
+                torch.save(full, job["param_states_out"])
         start = int(engine.global_steps)
         result["global_steps"] = start
         result["lr"] = [g["lr"] for g in engine.optimizer.param_groups]

@@ -14,6 +14,10 @@ The public face of :mod:`ucp_store.ds_engine` (the checkpoint engine and ``attac
 ``attach(..., background=True)`` returns from ``save_checkpoint`` once the state is staged in host memory.
 """
 
+# What a save or a load runs is imported here, next to DeepSpeed, and not inside the first save_checkpoint
+# or load (the catalog's SQLAlchemy, TensorStore, the planner: seconds on a loaded machine). Only ``import
+# ucp_store`` itself stays light; this module needs torch and DeepSpeed anyway.
+from . import checkpoint, distributed, ds_write, io, planner, store, writer  # noqa: F401
 from .ds_engine import ENGINE_NAME, UcpCheckpointEngine, attach, detach, engine_topology
 from .ds_load import load
 

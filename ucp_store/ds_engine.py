@@ -22,9 +22,12 @@ arrays are bit-equal to ``ucp import deepspeed`` of the folder the same step wou
 once every rank's writes are durable (:mod:`ucp_store.distributed`); a failure or a dead rank on any rank
 aborts everywhere, and nothing is listed. Collectives run on a private gloo group with a bounded timeout.
 
-``background=True`` stages every tensor in host memory inside ``save`` (so training may resume, and
-update its parameters, as soon as ``save_checkpoint`` returns) and writes from a thread; :meth:`wait`
-(called by the next save, by ``load``, or by you) joins it and re-raises its error.
+``background=True``: ``save_checkpoint`` returns at once; a thread copies every tensor of the save into
+reusable host buffers (pinned for device tensors; allocated on the first save, parallel copies), then
+writes from them. The engine's optimizer ``step`` is wrapped to wait until that copy is done, so the
+forward and backward passes of the next step overlap it and no step ever mutates state being saved
+(no torn checkpoint). :meth:`wait` (called by the next save, by ``load``, or by you) joins the save and
+re-raises its error.
 
     import ucp_store.deepspeed_direct as ucpds
     ucpds.attach(engine, store="/ckpt/store", run="llama")   # once, after deepspeed.initialize
@@ -62,18 +65,87 @@ except Exception:  # pragma: no cover - deepspeed not installed
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def _to_host(obj: Any) -> Any:
-    """A deep copy of ``obj`` with every tensor copied to host memory (staging for the background mode)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        out = {k: _to_host(v) for k, v in obj.items()}
-        return type(obj)(out) if type(obj) in (dict, OrderedDict) else out
-    if isinstance(obj, list):
-        return [_to_host(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_to_host(v) for v in obj)
-    return obj
+_SPLIT_BYTES = 32 << 20  # tensors larger than this are staged in pieces, in parallel
+
+
+class _Stager:
+    """Host staging for the background mode: reusable buffers, parallel copies.
+
+    Every tensor of a save gets a host buffer, allocated on the first save and reused by the next ones
+    (keyed by its place in the state dicts, shape and dtype; pinned when the source is on an accelerator,
+    so the device-to-host copies are asynchronous DMA). Views of one storage (a module weight in the
+    model states and in the low-precision check) are copied once. Copies run on a small thread pool
+    (``copy_`` releases the GIL), large tensors split in pieces."""
+
+    def __init__(self, workers: int | None = None):
+        self._bufs: dict[tuple, torch.Tensor] = {}
+        self.workers = workers or max(1, min(4, os.cpu_count() or 1))
+        self.bytes = 0
+
+    def stage(self, obj: Any) -> Any:
+        """A copy of ``obj`` (dicts, lists, tuples) with every tensor replaced by its staged host copy."""
+        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: dict[tuple, torch.Tensor] = {}
+        used: set[tuple] = set()
+        out = self._walk(obj, (), jobs, seen, used)
+        for k in [k for k in self._bufs if k not in used]:  # a buffer no longer needed (the model changed)
+            del self._bufs[k]
+        self._copy(jobs)
+        return out
+
+    def _walk(self, obj, path, jobs, seen, used):
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            ident = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype) if t.numel() else None
+            if ident is not None and ident in seen:
+                return seen[ident]
+            key = (path, tuple(t.shape), t.dtype)
+            used.add(key)
+            buf = self._bufs.get(key)
+            if buf is None:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type != "cpu")
+                self._bufs[key] = buf
+            jobs.append((buf, t))
+            if ident is not None:
+                seen[ident] = buf
+            return buf
+        if isinstance(obj, dict):
+            out = {k: self._walk(v, path + (k,), jobs, seen, used) for k, v in obj.items()}
+            return type(obj)(out) if type(obj) in (dict, OrderedDict) else out
+        if isinstance(obj, list):
+            return [self._walk(v, path + (i,), jobs, seen, used) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._walk(v, path + (i,), jobs, seen, used) for i, v in enumerate(obj))
+        return obj
+
+    def _copy(self, jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dst, src in jobs:
+            n = src.numel() * src.element_size()
+            if n > _SPLIT_BYTES and src.is_contiguous() and src.dim() > 0:
+                d, s_ = dst.view(-1), src.reshape(-1)
+                step = max(1, _SPLIT_BYTES // src.element_size())
+                pieces.extend((d[i:i + step], s_[i:i + step]) for i in range(0, d.numel(), step))
+            else:
+                pieces.append((dst, src))
+        self.bytes = sum(s_.numel() * s_.element_size() for _, s_ in jobs)
+        on_device = any(s_.device.type != "cpu" for _, s_ in pieces)
+
+        def run(pair):
+            pair[0].copy_(pair[1], non_blocking=pair[1].device.type != "cpu")
+
+        if len(pieces) > 1 and self.workers > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="ucp-stage") as pool:
+                list(pool.map(run, pieces))
+        else:
+            for pair in pieces:
+                run(pair)
+        if on_device:
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator().synchronize()  # the asynchronous device-to-host copies have landed
 
 
 def engine_topology(engine) -> dict:
@@ -86,9 +158,12 @@ def engine_topology(engine) -> dict:
         raise ConfigurationError("ucp_store.deepspeed_direct: MoE engines (expert parallelism) are not supported yet; "
                                  "save with DeepSpeed's own engine and `ucp import deepspeed`")
     if tp != 1:
+        # `ucp import deepspeed` compares every TP rank's copy of a replicated parameter and stores their mean
+        # when they drifted (the `averaged` pattern): no rank can write that from its own share alone
         raise ConfigurationError(f"ucp_store.deepspeed_direct: tensor parallelism (mp_world_size={tp}) is not "
-                                 "supported yet by the direct engine; save with DeepSpeed's own engine and "
-                                 "`ucp import deepspeed`, which handles TP")
+                                 "supported by the direct engine (TP-replicated parameters are stored as the mean "
+                                 "of every TP rank's replica, which no single rank holds); save with DeepSpeed's "
+                                 "own engine and `ucp import deepspeed`, which handles TP")
     zero = int(engine.zero_optimization_stage()) if engine.zero_optimization() else 0
     if zero == 0 and not _is_bf16_optimizer(engine):
         raise ConfigurationError(
@@ -148,6 +223,10 @@ class UcpCheckpointEngine(_Base):
         self.last_id: str | None = None
         self.stats: dict[str, float] = {}
         self._on_write = None  # test hook: called after each array write (the harness kills a rank here)
+        self._before_stage = None  # test hook: called in the save thread before staging starts
+        self._stager = _Stager()
+        self._released = threading.Event()
+        self._released.set()
 
     # --- the CheckpointEngine interface -----------------------------------------------------------
     def create(self, info) -> None:
@@ -163,7 +242,7 @@ class UcpCheckpointEngine(_Base):
     def save(self, state_dict, path: str) -> None:
         """Keep ``state_dict`` (what DeepSpeed would write to ``path``) for ``commit``."""
         name = os.path.basename(os.fspath(path))
-        self._staged[name] = _to_host(state_dict) if self.background else state_dict
+        self._staged[name] = state_dict  # by reference; the background mode stages it in its thread
 
     def load(self, path: str, map_location=None):
         raise ConfigurationError(f"{ENGINE_NAME} cannot load the file {path!r}: a store version is loaded with "
@@ -176,6 +255,7 @@ class UcpCheckpointEngine(_Base):
         self.stats["staged_s"] = time.perf_counter() - self._t0
         if self.background:
             self._error = None
+            self._released.clear()
             self._thread = threading.Thread(target=self._run_bg, args=(staged, meta), name="ucp-ds-save", daemon=True)
             self._thread.start()
         else:
@@ -196,16 +276,41 @@ class UcpCheckpointEngine(_Base):
 
     # --- background mode --------------------------------------------------------------------------
     def _run_bg(self, staged, meta) -> None:
+        """Stage every tensor into the reusable host buffers (the optimizer's next step waits for this,
+        ``wait_staged``), release the live state, then write from the staged copies."""
         try:
+            try:
+                if self._before_stage is not None:
+                    self._before_stage()
+                t0 = time.perf_counter()
+                staged, lp = self._stager.stage((staged, meta["lp"]))
+                meta = {**meta, "lp": lp}
+                self.stats["stage_copy_s"] = time.perf_counter() - t0
+                self.stats["staged_bytes"] = self._stager.bytes
+            finally:
+                self._released.set()
             self.last_id = self._write(staged, meta)
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             self._error = exc
+
+    def wait_staged(self) -> float:
+        """Block until a background save has copied the live state it reads (the optimizer step calls this
+        before mutating it); returns the seconds waited."""
+        if self._released.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._released.wait()
+        waited = time.perf_counter() - t0
+        self.stats["step_wait_s"] = self.stats.get("step_wait_s", 0.0) + waited
+        self.stats["step_waits"] = self.stats.get("step_waits", 0) + 1
+        return waited
 
     def wait(self) -> str | None:
         """Join a background save; returns its version id, or re-raises its error."""
         th, self._thread = self._thread, None
         if th is not None:
             th.join()
+        self._released.set()
         err, self._error = self._error, None
         if err is not None:
             raise UcpError(f"background save of run {self.run!r} failed (nothing listed)") from err
@@ -220,7 +325,7 @@ class UcpCheckpointEngine(_Base):
         if topo["zero_stage"] < 3:
             # low-precision module weights, to check them against the fp32 master (importer's lp_weights="auto")
             for n, p in eng.module.named_parameters():
-                lp[n] = _to_host(p) if self.background else p
+                lp[n] = p
         step = int(eng.global_steps)
         rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
         return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "topo": topo, "lp": lp, "step": step, "rng": rng}
@@ -274,6 +379,16 @@ def attach(engine, store, run: str, *, background: bool = False, timeout_s: floa
 
     engine.save_checkpoint = save_checkpoint
     engine._copy_recovery_script = lambda *a, **k: None  # zero_to_fp32.py is a file; the store needs none
+    opt = engine.optimizer
+    opt_step = opt.step
+
+    def step(*args, **kwargs):
+        """The optimizer's step, once a background save has staged the state this step mutates."""
+        ce.wait_staged()
+        return opt_step(*args, **kwargs)
+
+    opt.step = step
+    engine._ucp_previous = (*engine._ucp_previous, opt)
     return ce
 
 
@@ -288,5 +403,6 @@ def detach(engine) -> None:
     engine.checkpoint_engine = prev[0]
     engine.__dict__.pop("save_checkpoint", None)
     engine.__dict__.pop("_copy_recovery_script", None)
+    prev[3].__dict__.pop("step", None)
     if prev[2] is not None:
         engine._copy_recovery_script = prev[2]

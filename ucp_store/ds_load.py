@@ -57,7 +57,9 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
     Returns the client state (what ``save_checkpoint(client_state=...)`` stored)."""
     from . import open_store
     from .ds_engine import UcpCheckpointEngine, engine_topology
-    from .io import load_shard
+    from .dtypes import torch_dtype
+    from .io import execute
+    from .planner import plan as make_plan
     from .safe_pickle import from_jsonable
     from .topology import Topology
 
@@ -104,8 +106,8 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
                                 f"(stored: {sorted(stored)[:5]}...); is it the same model?")
     states = list(_FLAT_STATES) if load_optimizer_states else ["fp32"]
     wanted = [st for st in (*states, "weight", "step") if st in present]
-    shard = load_shard(ck, topo, rank, states=wanted, zero_groups=lambda n: zero_groups.get(n, "g_other"))
-    by_key = {(b.group, b.state): b for b in shard.plan.buffers}
+    plan = make_plan(records, topo, rank, states=wanted, zero_groups=lambda n: zero_groups.get(n, "g_other"))
+    by_key = {(b.group, b.state): b for b in plan.buffers}
     for g, hp in enumerate(hp_flats):
         for st in states:
             b = by_key.get((f"g{g}", st))
@@ -113,25 +115,44 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
                 if hp.numel() == 0:
                     continue
                 raise UcpError(f"{ref}: no {st} partition planned for parameter group {g}")
-            buf = shard.buffers[b.key]
-            if buf.numel() != hp.numel():
-                raise UcpError(f"{ref}: parameter group {g} state {st}: the planned partition has {buf.numel()} "
+            if b.numel != hp.numel():
+                raise UcpError(f"{ref}: parameter group {g} state {st}: the planned partition has {b.numel} "
                                f"elements, DeepSpeed's flat buffer {hp.numel()} (alignment or grouping differs)")
-            if st == "fp32":
-                hp.data.copy_(buf.to(hp.dtype).view_as(hp))
+    # one state at a time, read straight into the optimizer's flat buffers where they are host fp32 (no
+    # second copy of the optimizer state); a moment the optimizer has not created yet is the buffer read
+    for st in states:
+        into: dict[str, torch.Tensor] = {}
+        after: list[tuple[int, Any, torch.Tensor | None]] = []
+        for g, hp in enumerate(hp_flats):
+            b = by_key.get((f"g{g}", st))
+            if b is None:
+                continue
+            dst = hp.data if st == "fp32" else inner.state[hp].get(st)
+            if (dst is not None and dst.device.type == "cpu" and dst.dtype == torch_dtype(b.dtype)
+                    and dst.is_contiguous()):
+                into[b.key] = dst
             else:
-                state = inner.state[hp]
-                if st in state:
-                    state[st].copy_(buf.to(state[st].dtype).view_as(state[st]))
-                else:
-                    state[st] = buf.to(device=hp.device, dtype=hp.dtype).view_as(hp).clone()
+                after.append((g, b, dst))
+        part = execute(ck, plan, only={(tp.name, tp.state) for tp in plan.tensors if tp.state == st},
+                       infos=records, into=into)
+        for g, b, dst in after:
+            buf = part.buffers[b.key]
+            hp = hp_flats[g]
+            if dst is not None:
+                dst.copy_(buf.to(dst.dtype).view_as(dst))
+            else:
+                inner.state[hp][st] = buf.to(device=hp.device, dtype=hp.dtype).view_as(hp)
+        del part
+    small = execute(ck, plan, only={(tp.name, tp.state) for tp in plan.tensors if tp.state in ("weight", "step")},
+                    infos=records)
+    for g, hp in enumerate(hp_flats):
         # the optimizer step: the same for every parameter of the group (DeepSpeed asserts it)
         if load_optimizer_states:
             step = None
             for p in lp_groups[g]:
                 key = (names[p], "step")
-                if key in shard.tensors:
-                    step = shard.tensors[key]
+                if key in small.tensors:
+                    step = small.tensors[key]
                     break
             if step is not None:
                 old = inner.state[hp].get("step")
@@ -170,7 +191,7 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
     with torch.no_grad():
         mod_params = dict(engine.module.named_parameters())
         mod_bufs = dict(engine.module.named_buffers())
-        for (name, st), t in shard.tensors.items():
+        for (name, st), t in small.tensors.items():
             if st != "weight" or name in owned:
                 continue
             dst = mod_bufs.get(name, mod_params.get(name))

@@ -235,11 +235,21 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     error: BaseException | None = None
     show = ce.progress and rank == 0
 
+    pending: list[tuple] = []
+
     def shard(name, state, local_t, shape, pattern, frag, pos):
-        writer.write_shard(name, state, local_t.detach().cpu(), shape=shape, pattern=pattern, topology=topo,
-                           rank=rank, fragment=frag, position=pos)
-        if hook is not None:
-            hook(name, state)
+        pending.append((name, state, local_t, shape, pattern, frag, pos))
+
+    def write_pending() -> None:
+        """Open every array of this rank's shards at once (``open_shards``), then write them."""
+        writer.open_shards([(name, state, shape, t.dtype, pattern) for name, state, t, shape, pattern, _, _ in pending],
+                           topology=topo)
+        for name, state, local_t, shape, pattern, frag, pos in pending:
+            writer.write_shard(name, state, local_t.detach().cpu(), shape=shape, pattern=pattern, topology=topo,
+                               rank=rank, fragment=frag, position=pos, digest=True)
+            if hook is not None:
+                hook(name, state)
+        pending.clear()
 
     def phase1() -> None:
         mine = [p for p in params if p["stage"] == stage]
@@ -325,6 +335,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 if hi > lo:
                     shard(name, "weight", fr.reshape(-1).narrow(0, 0, hi - lo), info["shape"],
                           _with_placement(None, placement(name)), Fragment(lo, hi, 0, hi - lo), position[name] * 16)
+        write_pending()
         # whole weights (frozen parameters of ZeRO-1/2, buffers) from DP rank 0 of each stage
         if dp_rank == 0:
             if model_sd is not None and model_sd.get("module") is not None:
@@ -339,11 +350,16 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 if name in seen or name in kinds or (zero >= 3 and name in frozen) or t.numel() == 0:
                     continue
                 kinds[name] = "buffer" if name in buffers else "frozen"
-                writer.write(name, "weight", t.detach().cpu().clone(), pattern=_with_placement(None, placement(name)),
+                writer.write(name, "weight", t.detach().cpu(), pattern=_with_placement(None, placement(name)),
                              position=position.get(name, len(position)) * 16)
 
+    stats = ce.stats
+    t_phase = time.perf_counter()
     try:
         phase1()
+        stats["submit_s"] = time.perf_counter() - t_phase
+        writer.flush()  # every array write of this rank has returned (durable)
+        stats["writes_s"] = time.perf_counter() - t_phase
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
     if multi and not _all_ok(error is None, group):
@@ -357,20 +373,27 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     if model_sd is not None and model_name is not None:  # _classify sets both or neither
         per_file[model_name] = _file_record(model_sd, model_name, [])
     info = {"metas": metas, "steps": steps, "kinds": kinds, "lp_differs": lp_differs, "files": per_file,
-            "rng": meta["rng"], "rank": rank}
+            "rng": meta["rng"], "rank": rank, "digests": writer.shard_digests()}
     gathered: list[Any] = [None] * world
     if multi:
         dist.all_gather_object(gathered, info, group=group)
     else:
         gathered = [info]
     differs = sorted({n for g_ in gathered for n in g_["lp_differs"]})
+    # every rank's chunk digests (taken from memory while writing): the origin ranks hash without reading back
+    merged: dict[Any, dict] = {}
+    for g_ in gathered:
+        for key, d in g_.pop("digests").items():
+            merged.setdefault(key, {}).update(d)
+    for key, d in merged.items():
+        writer.set_chunk_digests(key[0], key[1], d)
     try:
         if dp_rank == 0 and differs:
             lp_all = meta["lp"]
             for name in differs:
                 spec = params[seen[name]]
                 if spec["stage"] == stage:
-                    writer.write(name, "weight", lp_all[name].detach().reshape(spec["shape"]).cpu().clone(),
+                    writer.write(name, "weight", lp_all[name].detach().reshape(spec["shape"]).cpu(),
                                  pattern=_with_placement(None, placement(name)), position=position[name] * 16 + 15)
         if rank == 0:
             if model_name is None or model_sd is None:
@@ -406,9 +429,13 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     if multi and not _all_ok(error is None, group):
         writer.abort()
         raise UcpError(f"save of {ce.run}@{step} failed while writing weights/objects; aborted") from error
+    stats["objects_s"] = time.perf_counter() - t_phase
     if not multi:
         if error is not None:
             writer.abort()
             raise error
-        return writer.commit().id
-    return distributed_commit(writer, group=group)
+        cid = writer.commit().id
+    else:
+        cid = distributed_commit(writer, group=group)
+    stats["commit_s"] = time.perf_counter() - t_phase
+    return cid

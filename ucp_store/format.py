@@ -200,6 +200,12 @@ def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.
         raise WriteError(f"{what}: creating array {location.display(rel)} failed: {reason}") from None
 
 
+def create_array_async(location: Location, rel: str, layout: ArrayLayout, context: ts.Context, *,
+                       shared: bool = False):
+    """``create_array`` without waiting: the TensorStore future of the open (many arrays open at once)."""
+    return ts.open(array_spec(location, rel, layout), create=True, open=shared, context=context)
+
+
 def open_array(location: Location, rel: str, layout: ArrayLayout | None, context: ts.Context,
                *, assume_metadata: bool = True) -> ts.TensorStore:
     """Open an array; with ``assume_metadata`` the catalog's layout stands in for reading zarr.json."""

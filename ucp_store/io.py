@@ -221,15 +221,32 @@ def _by_key(infos: Iterable[TensorInfo]) -> dict[tuple[str, str], TensorInfo]:
 
 
 def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str]] | None = None,
-            infos: Iterable[TensorInfo] | None = None) -> ShardState:
+            infos: Iterable[TensorInfo] | None = None, into: Mapping[str, torch.Tensor] | None = None) -> ShardState:
     """Run every read of ``plan`` (or of the ``only`` tensor-states), concurrently.
 
-    ``infos``: the catalog records the plan was made from (default: all of the checkpoint's)."""
+    ``infos``: the catalog records the plan was made from (default: all of the checkpoint's).
+    ``into``: ``{buffer key: tensor}`` to read group buffers straight into (a live optimizer's flat
+    partition: host memory, contiguous, the planned dtype and size; zeroed first, as a new buffer would be)
+    instead of allocating them. With ``only``, only the buffers those tensor-states use are allocated."""
     reader = _Reader(checkpoint, infos=None if infos is None else _by_key(infos))
     out = ShardState(plan)
     wanted = None if only is None else set(only)
+    used = None if wanted is None else {tp.buffer for tp in plan.tensors
+                                        if tp.buffer is not None and (tp.name, tp.state) in wanted}
     for b in plan.buffers:
-        out.buffers[b.key] = torch.zeros(b.numel, dtype=_target_dtype(dtype, b.state, b.dtype))
+        if used is not None and b.key not in used:
+            continue
+        target = _target_dtype(dtype, b.state, b.dtype)
+        dest = None if into is None else into.get(b.key)
+        if dest is not None:
+            if (dest.device.type != "cpu" or dest.dtype != target or dest.numel() != b.numel
+                    or not dest.is_contiguous()):
+                raise UcpError(f"buffer {b.key!r} ({b.state}): the tensor to read into is {dest.dtype} "
+                               f"[{dest.numel()}] on {dest.device}, the plan needs {target} [{b.numel}] in host "
+                               "memory, contiguous")
+            out.buffers[b.key] = dest.view(-1).zero_()
+        else:
+            out.buffers[b.key] = torch.zeros(b.numel, dtype=target)
     for tp in plan.tensors:
         if wanted is not None and (tp.name, tp.state) not in wanted:
             continue

@@ -102,6 +102,10 @@ class CheckpointWriter:
         self._shard_positions: dict[tuple[str, str], int] = {}  # write_shard(position=...)
         self._region_digests: dict[tuple[str, str], dict | None] = {}
         self._region_hashes: dict[tuple[str, str], str] = {}
+        # write_shard(digest=True): inner-chunk digests of what this rank wrote, computed from memory
+        self._shard_digests: dict[tuple[str, str], dict] = {}
+        self._chunk_digests: dict[tuple[str, str], dict] = {}  # set_chunk_digests: every rank's, merged
+        self._opened: dict[tuple[str, str], tuple] = {}  # open_shards: (layout, path, array id) before any write
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -232,7 +236,8 @@ class CheckpointWriter:
 
     # --- sharded writes: each rank writes its shards straight into the logical arrays ---------------
     def write_shard(self, name: str, state: str, local: torch.Tensor, *, shape, pattern: dict | None,
-                    topology, rank: int, fragment=None, targets: Iterable = (), position: int | None = None) -> int:
+                    topology, rank: int, fragment=None, targets: Iterable = (), position: int | None = None,
+                    digest: bool = False) -> int:
         """Write rank ``rank``'s shard of a tensor-state (its TP-local tensor, or with ``fragment`` its
         ZeRO flat fragment) into the logical array; returns the number of elements written.
 
@@ -244,6 +249,9 @@ class CheckpointWriter:
         After every rank has written, each calls ``finish_shards`` (after a barrier) and rank 0 commits.
         ``position`` orders the tensor-state like ``write``'s (every rank passes the same global order);
         by default the order in which the origin rank records it.
+        ``digest``: also digest, from memory, every inner chunk that lies wholly inside one of the boxes
+        written (``shard_digests``); once every rank's are merged into ``set_chunk_digests``, the origin
+        rank hashes the array (``fmt.chunk_tree_hash``) reading back only the chunks no single write covered.
         """
         from . import patterns as pat
         from .topology import as_topology
@@ -281,6 +289,9 @@ class CheckpointWriter:
         for box, data in copies:
             self._window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
             written += data.size
+            if digest:
+                _digest_chunks_inside(self._shard_digests.setdefault((name, state), {}), layout,
+                                      tuple(lo for lo, _ in box.ranges), data)
         self._sharded.setdefault((name, state), (aid, rel, layout, pattern))
         if position is not None:
             self._shard_positions[(name, state)] = int(position)
@@ -369,6 +380,16 @@ class CheckpointWriter:
         rank's ``finish_shards`` then records it instead of reading the array back."""
         self._region_hashes[(name, state)] = content_hash
 
+    def shard_digests(self) -> dict:
+        """``{(name, state): {chunk index: digest}}`` of the chunks this writer's ``write_shard(digest=True)``
+        calls wrote whole (see ``set_chunk_digests``)."""
+        return {k: dict(v) for k, v in self._shard_digests.items()}
+
+    def set_chunk_digests(self, name: str, state: str, digests: dict) -> None:
+        """Every rank's ``shard_digests`` of one tensor-state, merged: the origin rank's ``finish_shards``
+        hashes the array from them (``xxh3-128-chunks:``), reading back only the chunks missing here."""
+        self._chunk_digests[(name, state)] = dict(digests)
+
     def _known_array(self, key, dtype: str, shape, who: str, earlier: str):
         """The array an earlier shard or box of ``key`` opened: (handle, layout, path, id); every writer of a
         tensor-state must declare its dtype and logical shape alike."""
@@ -378,10 +399,53 @@ class CheckpointWriter:
                                 f"{layout.dtype}{list(layout.shape)}")
         return self._handles[key], layout, rel, aid
 
+    def open_shards(self, specs: Iterable[tuple], *, topology, targets: Iterable = ()) -> None:
+        """Create (or open) the arrays of many tensor-states at once, ahead of their ``write_shard`` calls:
+        ``specs`` are ``(name, state, shape, dtype, pattern)`` (dtype a torch or numpy dtype or store name).
+        One array open is a metadata write made durable; waited for one by one they dominate a save of
+        many parameters, so their futures run together here."""
+        from .topology import as_topology
+
+        self._check_open()
+        topology = as_topology(topology)
+        targets = list(targets)
+        pending = []
+        for name, state, shape, dtype, pattern in specs:
+            key = (name, state)
+            if key in self._sharded or key in self._handles:
+                continue
+            shape = tuple(int(s) for s in shape)
+            dt = dtypes.zarr_name(dtype, what=f"tensor {name!r} state {state!r}")
+            layout, rel, aid = self._shard_layout(name, state, shape, dt, pattern, topology, targets)
+            pending.append((key, layout, rel, aid,
+                            fmt.create_array_async(self.store.location, rel, layout, self.store.context, shared=True)))
+        for key, layout, rel, aid, future in pending:
+            try:
+                self._handles[key] = future.result()
+            except ValueError as exc:  # unreachable bucket, permissions, a full disk: name the array
+                reason = str(exc).split(" [tensorstore_spec=", 1)[0]
+                raise WriteError(f"tensor {key[0]!r} state {key[1]!r}: creating array "
+                                 f"{self.store.location.display(rel)} failed: {reason}") from None
+            self._opened[key] = (layout, rel, aid)
+
     def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):
         key = (name, state)
         if key in self._sharded:
             return self._known_array(key, dtype, shape, f"tensor {name!r} state {state!r}: shard", "shards")
+        if key in self._opened:  # open_shards created it: same layout, or the caller declared another one
+            layout, rel, aid = self._opened[key]
+            if layout.dtype != dtype or layout.shape != shape:
+                raise ShapeMismatch(f"tensor {name!r} state {state!r}: shard declares {dtype}{list(shape)}, "
+                                    f"open_shards {layout.dtype}{list(layout.shape)}")
+            return self._handles[key], layout, rel, aid
+        layout, rel, aid = self._shard_layout(name, state, shape, dtype, pattern, topology, targets)
+        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
+                                  what=f"tensor {name!r} state {state!r}")
+        self._handles[key] = handle
+        return handle, layout, rel, aid
+
+    def _shard_layout(self, name, state, shape, dtype, pattern, topology, targets):
+        """(layout, path, array id) of a sharded tensor-state: every rank derives the same ones."""
         import xxhash
 
         from .planner import chunk_alignment, split_points
@@ -398,11 +462,7 @@ class CheckpointWriter:
                                  _writer_aligned_shards(layout, source_points), layout.compression)
         # every rank derives the same array id, so all of them open one array
         aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
-        rel = array_path(self.id, aid)
-        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
-                                  what=f"tensor {name!r} state {state!r}")
-        self._handles[key] = handle
-        return handle, layout, rel, aid
+        return layout, array_path(self.id, aid), aid
 
     def finish_shards(self) -> None:
         """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of."""
@@ -411,6 +471,8 @@ class CheckpointWriter:
             aid, rel, layout, pattern = self._sharded[key]
             handle = self._handles[key]
             h = self._region_hashes.get(key)
+            if h is None and key in self._chunk_digests:
+                h = self._tree_hash(key, handle, layout, rel)
             if h is None:
                 hasher = fmt.ContentHasher(layout.dtype, layout.shape)
                 for box in fmt.slabs(layout):
@@ -435,6 +497,20 @@ class CheckpointWriter:
                                        layer=layer_of(pattern)))
         self._origin.clear()
         self.flush()
+
+    def _tree_hash(self, key, handle, layout: fmt.ArrayLayout, rel: str) -> str:
+        """The chunk-tree hash of a sharded array from the merged digests; chunks that no single write
+        covered (a ZeRO fragment boundary inside a chunk) are read back and digested."""
+        digests = dict(self._chunk_digests[key])
+        for idx in fmt.chunk_indices(layout):
+            if idx not in digests:
+                box = layout.chunk_box(idx) if layout.shape else ()
+                digests[idx] = fmt.chunk_digest(fmt.read_box(handle, layout, box,
+                                                             what=f"tensor {key[0]!r} state {key[1]!r}",
+                                                             array_url=self.store.array_url(rel)))
+        h = fmt.chunk_tree_hash(layout, digests)
+        assert h is not None  # every chunk has a digest now
+        return h
 
     def write_object(self, name: str, value: Any) -> None:
         """Store non-tensor state: JSON (dicts, lists, numbers, strings) or a tensor/array. Never pickle."""
@@ -579,6 +655,24 @@ class CheckpointWriter:
             sweep_arrays(self.store, dry_run=False, also={self.id})
         except Exception:
             pass  # gc will reclaim what is left; the checkpoint is not listed either way
+
+
+def _digest_chunks_inside(digests: dict, layout: fmt.ArrayLayout, offset: tuple, data: np.ndarray) -> None:
+    """Digest every inner chunk of ``layout`` that lies wholly inside the box ``data`` at ``offset``."""
+    if not layout.shape:
+        digests[()] = fmt.chunk_digest(data)
+        return
+    ranges = []
+    for o, n, c, s in zip(offset, data.shape, layout.chunk_shape, layout.shape):
+        first = -(-o // c)
+        stop = (o + n) // c if o + n != s else -(-s // c)
+        if stop <= first:
+            return
+        ranges.append(range(first, stop))
+    for idx in itertools.product(*ranges):
+        sl = tuple(slice(i * c - o, min((i + 1) * c, s) - o)
+                   for i, c, s, o in zip(idx, layout.chunk_shape, layout.shape, offset))
+        digests[idx] = fmt.chunk_digest(data[sl])
 
 
 def _writer_aligned_shards(layout: fmt.ArrayLayout, source_points: Mapping[int, Iterable[int]]) -> tuple[int, ...]:

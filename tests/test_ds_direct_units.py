@@ -1,0 +1,107 @@
+"""The DeepSpeed engine's building blocks without DeepSpeed (issue 14): the writer hashes ZeRO fragments from
+the chunk digests taken while writing, and the loader reads group buffers straight into given tensors."""
+
+import pytest
+import torch
+
+import ucp_store
+from ucp_store import format as fmt
+from ucp_store import patterns as pat
+from ucp_store.io import execute
+from ucp_store.planner import plan
+from ucp_store.topology import Topology
+
+SHAPES = {"big": (384, 1024), "odd": (7, 13), "bias": (1024,)}
+
+
+def _logical():
+    g = torch.Generator().manual_seed(5)
+    return {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
+
+
+def _write_dp2(store, run, logical, *, tamper=False, open_first=True):
+    """Both DP ranks' ZeRO-1 fragments through one writer, digested, merged as ds_write merges them."""
+    topo = Topology(dp=2, zero_stage=1)
+    names = list(SHAPES)
+    group = pat.zero_group_layout([logical[n].numel() for n in names], 2, 1)
+    w = store.begin(run, 1)
+    # the engine opens every array of a save together before writing (one durable metadata write each)
+    if open_first:
+        w.open_shards([(n, "fp32", SHAPES[n], torch.float32, None) for n in names], topology=topo)
+        with pytest.raises(ucp_store.errors.ShapeMismatch, match=r"'odd'.*declares float64.*open_shards float32"):
+            w.write_shard("odd", "fp32", torch.zeros(91, dtype=torch.float64), shape=SHAPES["odd"], pattern=None,
+                          topology=topo, rank=0, fragment=group.fragment(1, 0) or group.fragment(1, 1))
+    for rank in range(2):
+        for i, n in enumerate(names):
+            f = group.fragment(i, rank)
+            if f is None or f.slot == 0:
+                continue
+            w.write_shard(n, "fp32", logical[n].reshape(-1)[f.start:f.stop], shape=SHAPES[n], pattern=None,
+                          topology=topo, rank=rank, fragment=f, position=i, digest=True)
+    digests = w.shard_digests()
+    for key, d in digests.items():
+        if tamper and key[0] == "big":
+            d[next(iter(d))] = b"\0" * 16
+        w.set_chunk_digests(key[0], key[1], d)
+    return w.commit(), digests
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    store = ucp_store.open_store(str(tmp_path_factory.mktemp("dsu") / "store"), create=True)
+    logical = _logical()
+    ck, digests = _write_dp2(store, "z", logical)
+    return store, ck, logical, digests
+
+
+def test_fragments_are_hashed_from_their_chunk_digests(saved):
+    store, ck, logical, digests = saved
+    infos = {t.name: t for t in ck.tensors()}
+    # "big" spans many chunks, each written whole by one rank but the one the DP boundary cuts (mid-row)
+    big = infos["big"]
+    layout = fmt.ArrayLayout.from_catalog(big.dtype, big.shape, big.chunk_shape, big.shard_shape,
+                                          [{"name": "bytes"}])
+    n_chunks = sum(1 for _ in fmt.chunk_indices(layout))
+    assert 1 < len(digests[("big", "fp32")]) < n_chunks  # the cut chunk is read back by the origin rank
+    for name, t in infos.items():
+        assert t.content_hash.startswith(fmt.CHUNK_HASH_PREFIX), name
+        assert torch.equal(ck.read(name, "fp32"), logical[name])
+    assert ck.verify() == []  # every hash recomputed from the stored bytes matches the one recorded
+
+
+def test_a_wrong_digest_is_caught_by_verify(saved):
+    store, _, logical, _ = saved
+    ck, _ = _write_dp2(store, "tampered", logical, tamper=True, open_first=False)  # arrays opened one by one
+    problems = ck.verify()
+    assert problems and {p["tensor"] for p in problems} == {"big"}
+
+
+def test_execute_reads_group_buffers_into_given_tensors(saved):
+    _, ck, logical, _ = saved
+    records = ck.plan_records(Topology(dp=2, zero_stage=1), 1)
+    p = plan(records, Topology(dp=2, zero_stage=1), 1)
+    plain = execute(ck, p, infos=records)
+    (key, buf), = plain.buffers.items()
+    dest = torch.full_like(buf, float("nan"))  # zeroed first: padding must not keep old values
+    got = execute(ck, p, infos=records, into={key: dest})
+    assert got.buffers[key].data_ptr() == dest.data_ptr()
+    assert torch.equal(dest, buf)
+    with pytest.raises(ucp_store.errors.UcpError, match=r"buffer .*float64.*plan needs torch.float32"):
+        execute(ck, p, infos=records, into={key: dest.double()})
+    # with ``only``, buffers of other states are not even allocated
+    assert execute(ck, p, infos=records, only=[]).buffers == {}
+
+
+def test_tp_and_moe_engines_are_refused_with_the_reason():
+    from types import SimpleNamespace
+
+    from ucp_store.ds_engine import engine_topology
+    from ucp_store.errors import ConfigurationError
+
+    base = {"module": SimpleNamespace(), "zero_optimization": lambda: True, "zero_optimization_stage": lambda: 2,
+            "dp_world_size": 2}
+    with pytest.raises(ConfigurationError, match=r"tensor parallelism \(mp_world_size=2\).*mean.*ucp import deepspeed"):
+        engine_topology(SimpleNamespace(**base, mp_world_size=2, has_moe_layers=False))
+    with pytest.raises(ConfigurationError, match=r"MoE engines .*ucp import deepspeed"):
+        engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=True))
+    assert engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=False))["dp"] == 2
