@@ -504,3 +504,39 @@ def test_whole_row_read_corruption_same_error(where, case):
     finally:
         path.write_bytes(saved)
     assert local.read(((0, 40), (0, 6), (0, 5))).tobytes() == x.numpy().tobytes()
+
+
+def test_load_shard_batches_small_reads_and_holds_readers(tmp_path, monkeypatch):
+    """Small local reads go to the pool in batches; a read failing mid-batch is named (ChecksumError for
+    its tensor), the reads before it still land; readers are held per process and see a repaired file."""
+    from ucp_store import io
+    from ucp_store.topology import Topology
+
+    monkeypatch.setattr(io, "_BATCH_READS", 3)
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    g = torch.Generator().manual_seed(9)
+    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(8)}
+    with store.begin("r", 1) as w:
+        for i, (name, t) in enumerate(ws.items()):
+            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
+    topo = Topology(tp=2)
+    ck = store.checkpoint("r@1")
+    first = ck.load_shard(topo, 1)
+    for name, t in ws.items():
+        assert torch.equal(first[(name, "fp32")], t[8:])
+    held = dict(io._held)
+    infos = {i.name: i for i in ck.tensors()}
+    assert all(any(k[1] == infos[n].array for k in held) for n in ws)
+    bad = infos["layers.4.w"]
+    path = Path(store.location.root) / bad.array / "c" / "0" / "0"
+    saved = path.read_bytes()
+    flip_byte(path, 40)
+    try:
+        with pytest.raises(ChecksumError, match=r"layers\.4\.w") as exc:
+            store.checkpoint("r@1").load_shard(topo, 1)
+        assert "chunk [" in str(exc.value)
+    finally:
+        path.write_bytes(saved)
+    again = store.checkpoint("r@1").load_shard(topo, 1)
+    assert all(torch.equal(again[(n, "fp32")], t[8:]) for n, t in ws.items())
+    assert all(io._held[k][1] is held[k][1] for k in held)  # the same held readers served the reload

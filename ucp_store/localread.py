@@ -201,9 +201,12 @@ _INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[...] = src`` (same shape and itemsize, any strides) with torch's copy loop: numpy's (glibc
-    memcpy) slows down 20-30x at some relative alignments (see ``_BAD_DISTANCE``)."""
-    if src.nbytes < 2048:
+    """``dst[...] = src`` (same shape and itemsize, any strides): numpy's copy (glibc memcpy) where every
+    row keeps one distance between destination and source that is not a slow one (``_BAD_DISTANCE``),
+    else torch's copy loop, which does not slow down (but costs a few microseconds more per call)."""
+    if src.nbytes < 2048 or (dst.strides == src.strides
+                             and not _bad_distance(dst.__array_interface__["data"][0],
+                                                   src.__array_interface__["data"][0])):
         dst[...] = src
         return
     ints = _INT_OF_SIZE.get(dst.itemsize)
