@@ -443,11 +443,13 @@ def test_whole_row_reads_match_tensorstore(where, monkeypatch, scratch_all, per_
 def test_scratch_placement_and_copy_match_the_file_offset():
     import ucp_store.localread as lr
 
-    buf, addr = lr._scratch_buffer(3 * (100 + lr._PAGE))
+    buf, addr = lr._scratch_buffer(8 * (100 + lr._PAGE))
     pos = 0
     for off in (0, 4100, 9, 8191):
         enc, pos = lr._placed(buf, addr, pos, off, 100)
         assert (enc.ctypes.data - off) % lr._PAGE == 0 and len(enc) == 100
+        half, pos = lr._placed(buf, addr, pos, off, 100, lr._HALF_PAGE)
+        assert (half.ctypes.data - off) % lr._PAGE == lr._HALF_PAGE  # both copies half a page apart
     assert lr._bad_distance(4096 + 16, 0) and lr._bad_distance(20, 4) and not lr._bad_distance(0, 0)
     assert not lr._bad_distance(4, 20) and not lr._bad_distance(64, 0)
     for dtype in (np.float32, np.float16, np.int64, np.bool_, np.complex128):
@@ -540,3 +542,25 @@ def test_load_shard_batches_small_reads_and_holds_readers(tmp_path, monkeypatch)
     again = store.checkpoint("r@1").load_shard(topo, 1)
     assert all(torch.equal(again[(n, "fp32")], t[8:]) for n, t in ws.items())
     assert all(io._held[k][1] is held[k][1] for k in held)  # the same held readers served the reload
+
+
+def test_new_store_records_the_default_chunk_target(tmp_path):
+    """A new store records the default inner-chunk target in its catalog; an explicit or earlier recorded
+    target is kept on reopening; one outside the policy's range is refused naming the range."""
+    from ucp_store.chunking import DEFAULT_TARGET, MIN_TARGET
+    from ucp_store.errors import ConfigurationError
+
+    store = ucp_store.open_store(str(tmp_path / "a"), create=True)
+    assert store.settings["chunk_target_bytes"] == DEFAULT_TARGET == MIN_TARGET
+    assert ucp_store.open_store(str(tmp_path / "a")).settings["chunk_target_bytes"] == DEFAULT_TARGET
+    rep = {"kind": "replicated"}  # no split dims: only the target cuts the chunks
+    with store.begin("r", 1) as w:
+        w.write("w", "fp32", torch.zeros(1024, 1024), pattern=rep)  # 4 MiB
+    assert math.prod(store.checkpoint("r@1").info("w", "fp32").chunk_shape) * 4 == DEFAULT_TARGET
+    big = ucp_store.open_store(str(tmp_path / "b"), create=True, chunk_target_bytes=1 << 20)
+    assert ucp_store.open_store(str(tmp_path / "b"), create=True).settings["chunk_target_bytes"] == 1 << 20
+    with big.begin("r", 1) as w:
+        w.write("w", "fp32", torch.zeros(1024, 1024), pattern=rep)
+    assert math.prod(big.checkpoint("r@1").info("w", "fp32").chunk_shape) * 4 == 1 << 20
+    with pytest.raises(ConfigurationError, match="128 KiB to 8 MiB"):
+        ucp_store.open_store(str(tmp_path / "c"), create=True, chunk_target_bytes=64 << 10)

@@ -191,29 +191,57 @@ def _scratch_buffer(nbytes: int) -> tuple[np.ndarray, int]:
     return hit
 
 
-def _placed(buf: np.ndarray, addr: int, pos: int, file_off: int, nbytes: int) -> tuple[np.ndarray, int]:
-    """``nbytes`` of ``buf`` at or after ``pos`` whose address matches ``file_off`` modulo a page."""
-    p = pos + (file_off - addr - pos) % _PAGE
+def _placed(buf: np.ndarray, addr: int, pos: int, file_off: int, nbytes: int,
+            shift: int = 0) -> tuple[np.ndarray, int]:
+    """``nbytes`` of ``buf`` at or after ``pos`` whose address is ``file_off + shift`` modulo a page.
+
+    ``shift`` 0: the kernel copies at distance 0. ``_HALF_PAGE`` when the copy out of scratch would
+    otherwise run at a slow distance: both copies then run at about half a page."""
+    p = pos + (file_off + shift - addr - pos) % _PAGE
     return buf[p:p + nbytes], p + nbytes
+
+
+_HALF_PAGE = _PAGE // 2
+
+
+def _copy_distance_slow(dst: np.ndarray, src: np.ndarray) -> bool:
+    """True when numpy's copy of ``src`` into ``dst`` would run at a slow distance on every row."""
+    return dst.strides == src.strides and _bad_distance(dst.__array_interface__["data"][0],
+                                                        src.__array_interface__["data"][0])
 
 
 _INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
+_PIECE = 16384  # elements per torch copy call: below torch's grain size, so one thread does it (under load
+                # an OpenMP team for one chunk's copy can take milliseconds)
+
+
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` (same shape and itemsize, any strides): numpy's copy (glibc memcpy) where every
     row keeps one distance between destination and source that is not a slow one (``_BAD_DISTANCE``),
-    else torch's copy loop, which does not slow down (but costs a few microseconds more per call)."""
-    if src.nbytes < 2048 or (dst.strides == src.strides
-                             and not _bad_distance(dst.__array_interface__["data"][0],
-                                                   src.__array_interface__["data"][0])):
+    else torch's copy loop in pieces of at most ``_PIECE`` elements, which does not slow down."""
+    if src.nbytes < 2048 or (dst.strides == src.strides and not _copy_distance_slow(dst, src)):
         dst[...] = src
         return
     ints = _INT_OF_SIZE.get(dst.itemsize)
     if ints is None:  # complex128: numpy's copy
         dst[...] = src
         return
-    torch.from_numpy(dst.view(ints)).copy_(torch.from_numpy(src.view(ints)))
+    if dst.ndim == 0:
+        dst[...] = src
+        return
+    if src.size > _PIECE and dst.flags.c_contiguous and src.flags.c_contiguous:
+        dst, src = dst.reshape(-1), src.reshape(-1)
+    per = src.size // max(src.shape[0], 1)
+    if per > _PIECE and src.ndim > 1:
+        for i in range(src.shape[0]):
+            _copy(dst[i], src[i])
+        return
+    td, ts = torch.from_numpy(dst.view(ints)), torch.from_numpy(src.view(ints))
+    step = max(1, _PIECE // max(per, 1))
+    for i in range(0, src.shape[0], step):
+        td[i:i + step].copy_(ts[i:i + step])
 
 
 class LocalArray:
@@ -399,6 +427,9 @@ class LocalArray:
                 self._check_entry(idx, key, off, nb, expect, data_end)
             buf, addr = _scratch_buffer(expect)
             enc, _ = _placed(buf, addr, 0, off, expect)
+            src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, self.chunk_shape))
+            if _copy_distance_slow(out, enc[:-4].view(self.dtype).reshape(self.chunk_shape)[src]):
+                enc, _ = _placed(buf, addr, 0, off, expect, _HALF_PAGE)
             try:
                 got = os.preadv(fd, [enc.data], off)
             except OSError as exc:
@@ -410,9 +441,7 @@ class LocalArray:
         mem = enc[:-4]
         if _crc(mem) != int.from_bytes(enc[-4:], "little"):
             raise LocalReadError(f"chunk {list(idx)} of {self.folder}: crc32c checksum mismatch in shard file {key}")
-        chunk = self.chunk_shape
-        src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, chunk))
-        _copy(out, mem.view(self.dtype).reshape(chunk)[src])
+        _copy(out, mem.view(self.dtype).reshape(self.chunk_shape)[src])
 
     def _check_entry(self, idx: tuple, key: str, off: int, nb: int, expect: int, data_end: int) -> None:
         if off == _MISSING and nb == _MISSING:
@@ -550,13 +579,21 @@ class LocalArray:
         pos = 0
         iov: list[Any] = []
         via: list[Any] = []  # per chunk: None (read in place) or its scratch bytes
-        for k, (off, _idx, mem, maddr, _src, _dst) in enumerate(run):
+        for k, (off, _idx, mem, maddr, _src, _dst) in enumerate(run):  # noqa: B007
             if mem is not None and not _bad_distance(maddr, off):
                 iov.append(mem)
                 iov.append(crc_bytes[4 * k:4 * k + 4])
                 via.append(None)
             else:
-                enc, pos = _placed(buf, addr, pos, off, expect)
+                enc, end = _placed(buf, addr, pos, off, expect)
+                if mem is not None:  # a whole chunk at a slow distance: scratch half a page from both
+                    slow = True
+                else:
+                    whole = enc[:data_bytes].view(self.dtype).reshape(self.chunk_shape)
+                    slow = _copy_distance_slow(_dst, whole if _src is None else whole[_src])
+                if slow:
+                    enc, end = _placed(buf, addr, pos, off, expect, _HALF_PAGE)
+                pos = end
                 iov.append(enc)
                 via.append(enc)
         try:
