@@ -13,7 +13,11 @@ C order, then its crc32c) sits at the end of the file. So for a folder store thi
   needed part is copied,
 - checks every chunk's crc32c with ``google_crc32c`` (hardware CRC32C; tools/bench_crc32c.py measured
   it against numcodecs' CRC32C and the ``crc32c`` package),
-- splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL).
+- splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL),
+- reads a box of whole rows (chunks holding whole rows, the chunk policy's usual cut) without per-chunk
+  views: each whole chunk's destination is a byte range found by arithmetic and a shard's index entries
+  are checked in one numpy pass (``_read_rows``),
+- keeps every copy away from the distances at which this CPU's copies crawl (``_BAD_DISTANCE``).
 
 Bit-exact agreement with TensorStore is the contract (tests/test_localread.py). Errors mirror it: a bad
 crc (chunk or index), a truncated or missing shard file, an index entry past the end of the file or a
