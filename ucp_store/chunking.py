@@ -7,7 +7,8 @@ power-of-two split up to 64 where the dimension allows (chunk extent divides ``n
 largest ``k <= 6`` with ``2**k | n``), and every extra boundary the caller names (uneven widths,
 sub-parameter sizes, declared source/target topologies). The other dimensions are cut only to reach
 the target chunk size (128 KiB to 8 MiB, default 128 KiB: see ``DEFAULT_TARGET``). Shards (one file
-each, via ``sharding_indexed``) group whole inner chunks up to ``shard_target_bytes`` so that one tensor-state is a few files.
+each, via ``sharding_indexed``) group whole inner chunks up to ``shard_target_bytes`` so that one
+tensor-state is a few files.
 """
 
 from __future__ import annotations
