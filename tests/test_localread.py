@@ -75,8 +75,21 @@ def arrays_and_boxes(draw):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=arrays_and_boxes())
-def test_identical_bytes_to_tensorstore(where, case):
+@given(case=arrays_and_boxes(), scratch=st.booleans())
+def test_identical_bytes_to_tensorstore(where, case, scratch):
+    """``scratch``: every chunk read through scratch placed at its file offset's page position and copied
+    (the path for destinations at a slow copy distance), else in place wherever the destination allows."""
+    import ucp_store.localread as lr
+
+    saved = lr._BAD_DISTANCE
+    lr._BAD_DISTANCE = lr._PAGE + 1 if scratch else saved
+    try:
+        _identical(where, case)
+    finally:
+        lr._BAD_DISTANCE = saved
+
+
+def _identical(where, case):
     dtype, shape, chunk, per_shard, box, seed = case
     x = random_bits(shape, dtype, torch.Generator().manual_seed(seed))
     rel, layout = _write(where, x, chunk, per_shard)
@@ -394,3 +407,160 @@ def test_held_handle_sees_a_replaced_shard(where):
             tmp.replace(dst)
     assert local.read(((0, 40), (0, 30))).tobytes() == y.numpy().tobytes()
     assert local.read(((25, 26), (12, 13))).tobytes() == y.numpy()[25:26, 12:13].tobytes()
+
+
+# --- whole-row reads (chunks of whole rows) and the slow-copy distance ---------------------------------
+
+ROWS_SHAPE, ROWS_CHUNK, ROWS_PER_SHARD = (40, 6, 5), (4, 6, 5), (3, 1, 1)  # 10 chunks of whole rows, 4 shards
+
+
+@pytest.mark.parametrize("scratch_all", [False, True])
+@pytest.mark.parametrize("per_shard", [ROWS_PER_SHARD, (3, 2, 1)])
+def test_whole_row_reads_match_tensorstore(where, monkeypatch, scratch_all, per_shard):
+    """Boxes of whole rows take the per-shard vectorized path (``_read_rows``): every start/stop against
+    the chunk edges, the array's edge chunk, shards whose grid also spans trailing dims, and every chunk
+    read through scratch (the slow-distance fallback) or in place."""
+    import ucp_store.localread as lr
+
+    if scratch_all:
+        monkeypatch.setattr(lr, "_BAD_DISTANCE", lr._PAGE + 1)  # every in-place chunk counts as slow
+    shape = (38,) + ROWS_SHAPE[1:]  # 38 rows: the last chunk is an edge chunk (2 of its 4 rows)
+    x = random_bits(shape, torch.float32, torch.Generator().manual_seed(11))
+    rel, layout = _write(where, x, ROWS_CHUNK, per_shard)
+    local, ts_handle = _both(where, rel, layout)
+    assert local._slab
+    calls = []
+    real = local._read_rows
+    monkeypatch.setattr(local, "_read_rows", lambda lo, hi, out: (calls.append((lo, hi)), real(lo, hi, out)))
+    for lo in range(0, 38, 3):
+        for hi in range(lo + 1, 39, 5):
+            box = ((lo, hi), (0, 6), (0, 5))
+            want = ts_handle[fmt.box_index(box)].read().result()
+            assert local.read(box).tobytes() == want.tobytes(), box
+    assert len(calls) > 20  # the multi-chunk boxes went through _read_rows
+
+
+def test_scratch_placement_and_copy_match_the_file_offset():
+    import ucp_store.localread as lr
+
+    buf, addr = lr._scratch_buffer(8 * (100 + lr._PAGE))
+    pos = 0
+    for off in (0, 4100, 9, 8191):
+        enc, pos = lr._placed(buf, addr, pos, off, 100)
+        assert (enc.ctypes.data - off) % lr._PAGE == 0 and len(enc) == 100
+        half, pos = lr._placed(buf, addr, pos, off, 100, lr._HALF_PAGE)
+        assert (half.ctypes.data - off) % lr._PAGE == lr._HALF_PAGE  # both copies half a page apart
+    assert lr._bad_distance(4096 + 16, 0) and lr._bad_distance(20, 4) and not lr._bad_distance(0, 0)
+    assert not lr._bad_distance(4, 20) and not lr._bad_distance(64, 0)
+    for dtype in (np.float32, np.float16, np.int64, np.bool_, np.complex128):
+        src = (np.arange(4096) % 7).astype(dtype).reshape(64, 64)
+        dst = np.zeros((64, 128), dtype)[:, ::2]
+        lr._copy(dst, src)
+        assert np.array_equal(dst, src)
+
+
+ROWS_CASES = ["chunk byte", "chunk crc", "index byte", "truncated", "missing shard", "entry past end of file",
+              "missing chunk"]
+
+
+@pytest.mark.parametrize("case", ROWS_CASES)
+def test_whole_row_read_corruption_same_error(where, case):
+    """The whole-row path checks every index entry (vectorized) and every crc: same ChecksumError as
+    TensorStore, naming chunk [4, 0, 0] (shard file c/1/0/0, its second chunk)."""
+    loc, _ = where
+    x = random_bits(ROWS_SHAPE, torch.float32, torch.Generator().manual_seed(12))
+    rel, layout = _write(where, x, ROWS_CHUNK, ROWS_PER_SHARD)
+    local, ts_handle = _both(where, rel, layout)
+    path = _shard_path(loc, rel, (1, 0, 0))
+    saved = path.read_bytes()
+    n = ROWS_PER_SHARD[0]
+    raw, start = _index(path, n)
+    off, nb = struct.unpack_from("<QQ", raw, start + 16)
+    if case == "chunk byte":
+        flip_byte(path, off + 5)
+    elif case == "chunk crc":
+        flip_byte(path, off + nb - 2)
+    elif case == "index byte":
+        flip_byte(path, start + 16 + 3)
+    elif case == "truncated":
+        path.write_bytes(raw[:len(raw) - 7])
+    elif case == "missing shard":
+        path.unlink()
+    elif case == "entry past end of file":
+        _set_entry(path, n, 1, len(raw) + 100, nb)
+    else:
+        _set_entry(path, n, 1, 2**64 - 1, 2**64 - 1)
+    url = loc.display(rel)
+    try:
+        for box in [((0, 40), (0, 6), (0, 5)), ((13, 29), (0, 6), (0, 5))]:
+            msgs = []
+            for handle in (local, ts_handle):
+                with pytest.raises(ChecksumError) as exc:
+                    fmt.read_box(handle, layout, box, what="tensor 'x' state 'fp32'", array_url=url)
+                msgs.append(str(exc.value))
+            assert msgs[0] == msgs[1] and url in msgs[0], (case, box)
+            if case not in ("index byte", "truncated", "missing shard"):
+                assert "chunk [4, 0, 0]" in msgs[0]
+        # rows in untouched shards still read
+        assert local.read(((0, 12), (0, 6), (0, 5))).tobytes() == x.numpy()[:12].tobytes()
+    finally:
+        path.write_bytes(saved)
+    assert local.read(((0, 40), (0, 6), (0, 5))).tobytes() == x.numpy().tobytes()
+
+
+def test_load_shard_batches_small_reads_and_holds_readers(tmp_path, monkeypatch):
+    """Small local reads go to the pool in batches; a read failing mid-batch is named (ChecksumError for
+    its tensor), the reads before it still land; readers are held per process and see a repaired file."""
+    from ucp_store import io
+    from ucp_store.topology import Topology
+
+    monkeypatch.setattr(io, "_BATCH_READS", 3)
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    g = torch.Generator().manual_seed(9)
+    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(8)}
+    with store.begin("r", 1) as w:
+        for i, (name, t) in enumerate(ws.items()):
+            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
+    topo = Topology(tp=2)
+    ck = store.checkpoint("r@1")
+    first = ck.load_shard(topo, 1)
+    for name, t in ws.items():
+        assert torch.equal(first[(name, "fp32")], t[8:])
+    held = dict(io._held)
+    infos = {i.name: i for i in ck.tensors()}
+    assert all(any(k[1] == infos[n].array for k in held) for n in ws)
+    bad = infos["layers.4.w"]
+    path = Path(store.location.root) / bad.array / "c" / "0" / "0"
+    saved = path.read_bytes()
+    flip_byte(path, 40)
+    try:
+        with pytest.raises(ChecksumError, match=r"layers\.4\.w") as exc:
+            store.checkpoint("r@1").load_shard(topo, 1)
+        assert "chunk [" in str(exc.value)
+    finally:
+        path.write_bytes(saved)
+    again = store.checkpoint("r@1").load_shard(topo, 1)
+    assert all(torch.equal(again[(n, "fp32")], t[8:]) for n, t in ws.items())
+    assert all(io._held[k][1] is held[k][1] for k in held)  # the same held readers served the reload
+
+
+def test_new_store_records_the_default_chunk_target(tmp_path):
+    """A new store records the default inner-chunk target in its catalog; an explicit or earlier recorded
+    target is kept on reopening; one outside the policy's range is refused naming the range."""
+    from ucp_store.chunking import DEFAULT_TARGET, MIN_TARGET
+    from ucp_store.errors import ConfigurationError
+
+    store = ucp_store.open_store(str(tmp_path / "a"), create=True)
+    assert store.settings["chunk_target_bytes"] == DEFAULT_TARGET
+    assert ucp_store.open_store(str(tmp_path / "a")).settings["chunk_target_bytes"] == DEFAULT_TARGET
+    rep = {"kind": "replicated"}  # no split dims: only the target cuts the chunks
+    with store.begin("r", 1) as w:
+        w.write("w", "fp32", torch.zeros(1024, 1024), pattern=rep)  # 4 MiB
+    assert math.prod(store.checkpoint("r@1").info("w", "fp32").chunk_shape) * 4 == DEFAULT_TARGET
+    small = ucp_store.open_store(str(tmp_path / "b"), create=True, chunk_target_bytes=MIN_TARGET)
+    assert ucp_store.open_store(str(tmp_path / "b"), create=True).settings["chunk_target_bytes"] == MIN_TARGET
+    with small.begin("r", 1) as w:
+        w.write("w", "fp32", torch.zeros(1024, 1024), pattern=rep)
+    assert math.prod(small.checkpoint("r@1").info("w", "fp32").chunk_shape) * 4 == MIN_TARGET
+    with pytest.raises(ConfigurationError, match="128 KiB to 8 MiB"):
+        ucp_store.open_store(str(tmp_path / "c"), create=True, chunk_target_bytes=64 << 10)

@@ -185,10 +185,11 @@ def catalog_store(root: str, recs: list[dict], catalog: str | None = None):
     return store, f"{run_name}@1", drop
 
 
-def per_read_seconds(arrays: int = 1000) -> float:
+def per_read_seconds(arrays: int = 1000, fresh: bool = False) -> float:
     """Seconds per read of ``load_shard`` here, from a real store of ``arrays`` small arrays (64 KiB) loaded
     by a ZeRO-3 rank: one read per array, so the figure holds TensorStore's open and read overhead,
-    which a rank holding many small fragments pays on top of the bytes."""
+    which a rank holding many small fragments pays on top of the bytes. ``fresh``: drop the per-process
+    held local readers before each load (a process's first load of these arrays)."""
     import tempfile
 
     import torch
@@ -205,6 +206,9 @@ def per_read_seconds(arrays: int = 1000) -> float:
         best = math.inf
         for _ in range(3):
             ck = store.checkpoint("r@1")
+            if fresh:
+                from ucp_store import io
+                io._held.clear()
             t0 = time.perf_counter()
             shard = ck.load_shard(topo, 1)
             best = min(best, (time.perf_counter() - t0) / shard.plan.num_reads)

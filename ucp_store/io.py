@@ -4,8 +4,10 @@ The planner (pure) says, for one rank of a target topology, which logical boxes 
 where; this module is the only place that turns that into I/O. Reads are issued as TensorStore
 futures (many in flight, bounded by bytes) and copied into their destinations as they complete,
 casting on the way when the target asks for another dtype (bf16 weights from fp32 masters).
-On the local path (localread) a small read runs on a pool of its own, at most _SMALL_INFLIGHT_BYTES
-in flight, straight into its destination; a large one runs at once, split over localread's pool.
+On the local path (localread) small reads run in batches (``_BATCH_READS``) on a pool of their own, at
+most _SMALL_INFLIGHT_BYTES in flight, straight into their destinations; a large one runs at once, split
+over localread's pool. Local readers are held per process (``_held``, bounded LRU), so a load does not
+rebuild an array's read state or re-read a shard index that did not change.
 Everything no read covers stays zero: vocab padding rows, ZeRO alignment gaps, clipped tails.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +38,15 @@ _MAX_INFLIGHT_BYTES = 512 << 20
 # localread's pool, so a small read never waits behind a large one and a pool never waits on itself);
 # at most this many bytes of them are in flight
 _SMALL_INFLIGHT_BYTES = 64 << 20
+# small local reads go to the pool in batches (one task, one future per batch): a pool task costs tens of
+# microseconds of Python and thread hand-off, more than a small read itself
+_BATCH_READS = 64
+_BATCH_BYTES = 4 << 20
+# held local readers, per process: (store root, array path, dtype, shape, chunk, shard) -> (codecs, handle,
+# layout); a LocalArray rechecks each shard file's identity on every read, so a held one is never stale
+_HELD_MAX = 4096
+_held: OrderedDict[tuple, tuple] = OrderedDict()
+_held_lock = threading.Lock()
 
 
 def _small_threads() -> int:
@@ -80,18 +92,38 @@ class _Reader:
             _by_key(checkpoint.tensors()) if infos is None else infos)
         self._handles: dict[str, Any] = {}
         self._remote: FutureWindow[tuple[Any, TensorInfo, Any, int]] = FutureWindow(window_bytes, self._complete)
-        self._small: FutureWindow[tuple[Any, TensorInfo, Any, int]] = FutureWindow(_SMALL_INFLIGHT_BYTES,
-                                                                                     self._complete)
+        self._small: FutureWindow[tuple[list, int]] = FutureWindow(_SMALL_INFLIGHT_BYTES, self._complete_batch)
+        self._batch: list[tuple] = []  # small local reads not yet handed to the pool
+        self._batch_bytes = 0
         self.bytes_copied = 0
 
     def handle(self, info: TensorInfo):
         h = self._handles.get(info.array_id)
         if h is None:
-            layout = fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape, info.shard_shape,
-                                                  info.codecs)
-            h = self._handles[info.array_id] = (open_reader(self.store.location, info.array, layout,
-                                                            self.store.context, codecs=info.codecs), layout)
+            h = self._handles[info.array_id] = self._open(info)
         return h
+
+    def _open(self, info: TensorInfo) -> tuple[Any, fmt.ArrayLayout]:
+        """The array's reader and layout: a held LocalArray when this process opened it before (same
+        geometry and codecs), else ``open_reader``'s choice (a LocalArray it returns is then held)."""
+        loc = self.store.location
+        key = (loc.root, info.array, info.dtype, info.shape, info.chunk_shape, info.shard_shape)
+        local_ok = loc.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0"
+        if local_ok:
+            with _held_lock:
+                hit = _held.get(key)
+                if hit is not None and (hit[0] is info.codecs or hit[0] == info.codecs):
+                    _held.move_to_end(key)
+                    return hit[1], hit[2]
+        layout = fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape, info.shard_shape,
+                                              info.codecs)
+        handle = open_reader(loc, info.array, layout, self.store.context, codecs=info.codecs)
+        if local_ok and isinstance(handle, LocalArray):
+            with _held_lock:
+                _held[key] = (info.codecs, handle, layout)
+                while len(_held) > _HELD_MAX:
+                    _held.popitem(last=False)
+        return handle, layout
 
     def submit(self, info: TensorInfo, box, sink) -> None:
         handle, layout = self.handle(info)
@@ -100,22 +132,31 @@ class _Reader:
             if nbytes >= PARALLEL_BYTES:
                 self._read_local(info, handle, layout, box, sink)  # now, split over localread's pool
                 return
-            # a small read: overlapped with the others on the small-read pool; copied or delivered
-            # (sink) in this thread when it completes
-            future = _get_small_pool().submit(self._local_small, handle, layout, box, sink)
-            self._small.submit(future, nbytes, (sink, info, box, nbytes))
+            # a small read: batched with others onto the small-read pool (overlapped with the rest);
+            # copied or delivered (sink) in this thread when its batch completes
+            self._batch.append((handle, layout, box, sink, info))
+            self._batch_bytes += nbytes
+            if len(self._batch) >= _BATCH_READS or self._batch_bytes >= _BATCH_BYTES:
+                self._flush()
             return
         self._remote.submit(handle[box.slices()].read(), nbytes, (sink, info, box, nbytes))
 
-    @staticmethod
-    def _local_small(handle: LocalArray, layout, box, sink):
-        """One small local read (a pool thread): straight into the destination when it can (returns None),
-        else the data for the sink."""
-        target = _direct_target(sink, layout, box)
-        if target is not None:
-            handle.read_into(box.ranges, target)
-            return None
-        return handle.read(box.ranges)
+    def _flush(self) -> None:
+        if self._batch:
+            batch, nbytes = self._batch, self._batch_bytes
+            self._batch, self._batch_bytes = [], 0
+            self._small.submit(_get_small_pool().submit(_read_batch, batch), nbytes, (batch, nbytes))
+
+    def _complete_batch(self, future: Any, item: tuple[list, int]) -> None:
+        batch, nbytes = item
+        results, failed = future.result()
+        for (_h, _l, _b, sink, _i), data in zip(batch, results):
+            if data is not None:  # None: the read already filled the destination
+                sink(data)
+        if failed is not None:
+            _h, _l, box, _s, info = batch[len(results)]
+            raise self._failed(info, box, failed) from None
+        self.bytes_copied += nbytes
 
     def _failed(self, info: TensorInfo, box, exc: ValueError) -> UcpError:
         """The error for a failed read: the corrupt chunk named (``fmt.read_box`` raises ChecksumError), or
@@ -151,8 +192,26 @@ class _Reader:
         self.bytes_copied += box.numel * layout.itemsize
 
     def drain(self) -> None:
+        self._flush()
         self._small.drain()
         self._remote.drain()
+
+
+def _read_batch(batch: list[tuple]) -> tuple[list, ValueError | None]:
+    """Small local reads one after another (a pool thread): per read None when it went straight into its
+    destination, else its data for the sink; stops at the first failure and returns it."""
+    results: list[np.ndarray | None] = []
+    for handle, layout, box, sink, _info in batch:
+        try:
+            target = _direct_target(sink, layout, box)
+            if target is not None:
+                handle.read_into(box.ranges, target)
+                results.append(None)
+            else:
+                results.append(handle.read(box.ranges))
+        except ValueError as exc:
+            return results, exc
+    return results, None
 
 
 def _direct_target(sink, layout, box) -> np.ndarray | None:

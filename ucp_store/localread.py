@@ -13,7 +13,11 @@ C order, then its crc32c) sits at the end of the file. So for a folder store thi
   needed part is copied,
 - checks every chunk's crc32c with ``google_crc32c`` (hardware CRC32C; tools/bench_crc32c.py measured
   it against numcodecs' CRC32C and the ``crc32c`` package),
-- splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL).
+- splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL),
+- reads a box of whole rows (chunks holding whole rows, the chunk policy's usual cut) without per-chunk
+  views: each whole chunk's destination is a byte range found by arithmetic and a shard's index entries
+  are checked in one numpy pass (``_read_rows``),
+- keeps every copy away from the distances at which this CPU's copies crawl (``_BAD_DISTANCE``).
 
 Bit-exact agreement with TensorStore is the contract (tests/test_localread.py). Errors mirror it: a bad
 crc (chunk or index), a truncated or missing shard file, an index entry past the end of the file or a
@@ -168,13 +172,80 @@ class _Pending:
 
 
 _scratch = threading.local()
+_PAGE = 4096
+# The kernel's copy to user memory (``rep movsb`` with FSRM, as on AMD EPYC here) and glibc's memcpy run
+# 20-30x slower when the destination sits 1-31 bytes after the source modulo a 4 KiB page
+# (tools/bench_align.py). A chunk's file offset moves by 4 bytes (its crc) per chunk, so a read straight
+# into the destination would hit that band for some chunks of every shard: those chunks are read into
+# scratch placed at the file offset's page position (distance 0) and copied with torch's copy loop,
+# which does not slow down.
+_BAD_DISTANCE = 64
 
 
-def _scratch_buffer(nbytes: int) -> np.ndarray:
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _scratch.buf = np.empty(max(nbytes, 1 << 20), np.uint8)
-    return buf[:nbytes]
+def _bad_distance(dst_addr: int, file_off: int) -> bool:
+    return 0 < (dst_addr - file_off) % _PAGE < _BAD_DISTANCE
+
+
+def _scratch_buffer(nbytes: int) -> tuple[np.ndarray, int]:
+    """This thread's scratch (at least ``nbytes`` + a page) and its address."""
+    hit = getattr(_scratch, "buf", None)
+    if hit is None or hit[0].nbytes < nbytes + _PAGE:
+        buf = np.empty(max(nbytes + _PAGE, 1 << 20), np.uint8)
+        hit = _scratch.buf = (buf, buf.ctypes.data)
+    return hit
+
+
+def _placed(buf: np.ndarray, addr: int, pos: int, file_off: int, nbytes: int,
+            shift: int = 0) -> tuple[np.ndarray, int]:
+    """``nbytes`` of ``buf`` at or after ``pos`` whose address is ``file_off + shift`` modulo a page.
+
+    ``shift`` 0: the kernel copies at distance 0. ``_HALF_PAGE`` when the copy out of scratch would
+    otherwise run at a slow distance: both copies then run at about half a page."""
+    p = pos + (file_off + shift - addr - pos) % _PAGE
+    return buf[p:p + nbytes], p + nbytes
+
+
+_HALF_PAGE = _PAGE // 2
+
+
+def _copy_distance_slow(dst: np.ndarray, src: np.ndarray) -> bool:
+    """True when numpy's copy of ``src`` into ``dst`` would run at a slow distance on every row."""
+    return dst.strides == src.strides and _bad_distance(dst.__array_interface__["data"][0],
+                                                        src.__array_interface__["data"][0])
+
+
+_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+_PIECE = 16384  # elements per torch copy call: below torch's grain size, so one thread does it (under load
+                # an OpenMP team for one chunk's copy can take milliseconds)
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` (same shape and itemsize, any strides): numpy's copy (glibc memcpy) where every
+    row keeps one distance between destination and source that is not a slow one (``_BAD_DISTANCE``),
+    else torch's copy loop in pieces of at most ``_PIECE`` elements, which does not slow down."""
+    if src.nbytes < 2048 or (dst.strides == src.strides and not _copy_distance_slow(dst, src)):
+        dst[...] = src
+        return
+    ints = _INT_OF_SIZE.get(dst.itemsize)
+    if ints is None:  # complex128: numpy's copy
+        dst[...] = src
+        return
+    if dst.ndim == 0:
+        dst[...] = src
+        return
+    if src.size > _PIECE and dst.flags.c_contiguous and src.flags.c_contiguous:
+        dst, src = dst.reshape(-1), src.reshape(-1)
+    per = src.size // max(src.shape[0], 1)
+    if per > _PIECE and src.ndim > 1:
+        for i in range(src.shape[0]):
+            _copy(dst[i], src[i])
+        return
+    td, ts = torch.from_numpy(dst.view(ints)), torch.from_numpy(src.view(ints))
+    step = max(1, _PIECE // max(per, 1))
+    for i in range(0, src.shape[0], step):
+        td[i:i + step].copy_(ts[i:i + step])
 
 
 class LocalArray:
@@ -202,6 +273,8 @@ class LocalArray:
         self.shape = tuple(shape)
         self.chunk_shape = tuple(chunk)
         self._expect = self.chunk_bytes + 4
+        # chunks hold whole rows: a box of whole rows maps each whole chunk to one contiguous byte range
+        self._slab = self.ndim >= 1 and self.chunk_shape[1:] == self.shape[1:]
         # shard key -> (file identity, index as [n_index, 2] uint64, end of the chunk data); see the class doc
         self._indexes: dict[str, tuple] = {}
 
@@ -239,10 +312,13 @@ class LocalArray:
             return
         if any(hi <= lo for lo, hi in box):
             return
-        chunk = self.layout.chunk_shape
+        chunk = self.chunk_shape
         idx = tuple(lo // c for (lo, _), c in zip(box, chunk))
         if all((hi - 1) // c == i for (_, hi), c, i in zip(box, chunk, idx)):
             self._read_single(idx, box, out)  # a row or a small slice: one chunk, fewest steps
+            return
+        if self._slab and out.flags.c_contiguous and all(b == (0, n) for b, n in zip(box[1:], self.shape[1:])):
+            self._read_rows(box[0][0], box[0][1], out)  # whole rows: no per-chunk views, one check per shard
             return
         fds: list[int] = []
         try:
@@ -251,21 +327,88 @@ class LocalArray:
                 fd = self._open(key, items)
                 fds.append(fd)
                 runs += self._runs(fd, key, sidx, items)
-            total = sum(len(r[2]) for r in runs) * self.chunk_bytes
-            if total >= PARALLEL_BYTES and len(runs) > 1:
-                futures = [_get_pool().submit(self._read_run, *r) for r in runs]
-                try:
-                    for f in futures:
-                        f.result()
-                finally:  # every run ends before its file is closed, also when one fails
-                    for f in futures:
-                        f.cancel()
-                    for f in futures:
-                        if not f.cancelled():
-                            f.exception()
-            else:
-                for r in runs:
-                    self._read_run(*r)
+            self._run_all(runs)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _run_all(self, runs: list[tuple]) -> None:
+        total = sum(len(r[2]) for r in runs) * self.chunk_bytes
+        if total >= PARALLEL_BYTES and len(runs) > 1:
+            futures = [_get_pool().submit(self._read_run, *r) for r in runs]
+            try:
+                for f in futures:
+                    f.result()
+            finally:  # every run ends before its file is closed, also when one fails
+                for f in futures:
+                    f.cancel()
+                for f in futures:
+                    if not f.cancelled():
+                        f.exception()
+        else:
+            for r in runs:
+                self._read_run(*r)
+
+    def _read_rows(self, lo: int, hi: int, out: np.ndarray) -> None:
+        """Rows ``[lo, hi)`` of an array whose chunks hold whole rows (``chunk_shape[1:] == shape[1:]``) into
+        C-contiguous ``out``: each whole chunk's destination is a contiguous byte range, found by arithmetic;
+        the shard index entries are checked with numpy, one call per shard; a chunk the rows only partly
+        cover (at most two) goes through ``_read_single``."""
+        c0, n0 = self.chunk_shape[0], self.shape[0]
+        rest = tuple((0, n) for n in self.shape[1:])
+        zeros = (0,) * (self.ndim - 1)
+        first = -(-lo // c0)                 # first chunk starting at or after lo
+        end = min(hi // c0, n0 // c0)        # chunks [first, end) lie whole inside [lo, hi) and the array
+        if end <= first:
+            first = end = lo // c0 + 1       # two partial chunks, no whole one
+        row_bytes = self.chunk_bytes // c0
+        flat = out.reshape(-1).view(np.uint8)
+        if lo < first * c0:
+            a, b = lo, min(first * c0, hi)
+            self._read_single((lo // c0,) + zeros, ((a, b),) + rest, out[a - lo:b - lo])
+        if end * c0 < hi:
+            a = max(end * c0, lo)
+            self._read_single((a // c0,) + zeros, ((a, hi),) + rest, out[a - lo:])
+        if end <= first:
+            return
+        base = flat.ctypes.data
+        expect, cb, per0 = self._expect, self.chunk_bytes, self.per_shard[0]
+        most = max(1, min(_IOV_MAX // 2, RUN_BYTES // expect))
+        tail = "/0" * (self.ndim - 1)
+        step = math.prod(self.per_shard[1:])
+        fds: list[int] = []
+        try:
+            runs: list[tuple] = []
+            for s in range(first // per0, (end - 1) // per0 + 1):
+                a, b = max(first, s * per0), min(end, (s + 1) * per0)
+                key = f"c/{s}{tail}"
+                fd = self._open(key, [((a,) + zeros,)])
+                fds.append(fd)
+                _, entries, data_end = self._index(fd, key)
+                ent = entries[(a - s * per0) * step:(b - s * per0) * step:step]  # [i, 0, ..., 0] of the shard
+                offs, nbs = ent[:, 0], ent[:, 1]
+                bad = nbs != expect
+                if data_end < expect:
+                    bad[:] = True
+                else:
+                    bad |= offs > np.uint64(data_end - expect)
+                if bad.any():
+                    k = int(np.argmax(bad))
+                    self._check_entry((a + k,) + zeros, key, int(offs[k]), int(nbs[k]), expect, data_end)
+                offl = offs.tolist()
+                items: list[tuple] = []
+                d = (a * c0 - lo) * row_bytes
+                prev = -1
+                for k, off in enumerate(offl):
+                    if items and (off != prev + expect or len(items) >= most):
+                        runs.append((fd, key, items, expect))
+                        items = []
+                    items.append((off, (a + k,) + zeros, flat[d:d + cb], base + d, None, None))
+                    prev = off
+                    d += cb
+                if items:
+                    runs.append((fd, key, items, expect))
+            self._run_all(runs)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -281,12 +424,19 @@ class LocalArray:
         key = "c/" + "/".join(parts)
         fd = self._open(key, [(idx,)])
         try:
-            index, data_end = self._index(fd, key)
+            index, _, data_end = self._index(fd, key)
             off, nb = index[local]
             expect = self._expect
             if nb != expect or off + nb > data_end:
                 self._check_entry(idx, key, off, nb, expect, data_end)
-            enc = _scratch_buffer(expect)
+            buf, addr = _scratch_buffer(expect)
+            enc, _ = _placed(buf, addr, 0, off, expect)
+            src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, self.chunk_shape))
+            view = enc[:-4].view(self.dtype).reshape(self.chunk_shape)[src]
+            same_strides = out.strides == view.strides
+            if same_strides and _bad_distance(out.__array_interface__["data"][0],
+                                              view.__array_interface__["data"][0]):
+                enc, _ = _placed(buf, addr, 0, off, expect, _HALF_PAGE)
             try:
                 got = os.preadv(fd, [enc.data], off)
             except OSError as exc:
@@ -298,9 +448,11 @@ class LocalArray:
         mem = enc[:-4]
         if _crc(mem) != int.from_bytes(enc[-4:], "little"):
             raise LocalReadError(f"chunk {list(idx)} of {self.folder}: crc32c checksum mismatch in shard file {key}")
-        chunk = self.chunk_shape
-        src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, chunk))
-        out[...] = mem.view(self.dtype).reshape(chunk)[src]
+        view = mem.view(self.dtype).reshape(self.chunk_shape)[src]
+        if same_strides:  # the placement above keeps this copy at a fast distance
+            out[...] = view
+        else:
+            _copy(out, view)
 
     def _check_entry(self, idx: tuple, key: str, off: int, nb: int, expect: int, data_end: int) -> None:
         if off == _MISSING and nb == _MISSING:
@@ -360,8 +512,12 @@ class LocalArray:
             raise ValueError(f"reading {path} failed: {exc}") from None
 
     def _runs(self, fd: int, key: str, sidx: tuple, items: list) -> list[tuple]:
-        """Check the shard index and every needed entry; group the chunks into runs adjacent in the file."""
-        index, data_end = self._index(fd, key)
+        """Check the shard index and every needed entry; group the chunks into runs adjacent in the file.
+
+        A run's items are ``(file offset, chunk index, mem, address, src, dst)``: ``mem`` the destination's
+        bytes (a whole chunk with a contiguous destination at ``address``), else None with the chunk's
+        ``src`` slices (None: all of it) and the destination view ``dst``."""
+        index, _, data_end = self._index(fd, key)
         per = self.per_shard
         expect = self._expect
         located = []
@@ -371,7 +527,11 @@ class LocalArray:
                 local = local * p + (i - s * p)
             off, nb = index[local]
             self._check_entry(idx, key, off, nb, expect, data_end)
-            located.append((off, idx, src, dst))
+            if src is None and dst.flags.c_contiguous:
+                mem = dst.reshape(-1).view(np.uint8)
+                located.append((off, idx, mem, mem.ctypes.data, None, None))
+            else:
+                located.append((off, idx, None, 0, src, dst))
         located.sort(key=lambda t: t[0])
         runs = []
         i, n = 0, len(located)
@@ -386,19 +546,21 @@ class LocalArray:
             i = j
         return runs
 
-    def _index(self, fd: int, key: str) -> tuple[list, int]:
-        """The shard index of ``key`` (open as ``fd``) as ``[(offset, nbytes)]`` per inner chunk in C order,
-        and where the chunk data ends; read and crc-checked again whenever the file's identity changed."""
+    def _index(self, fd: int, key: str) -> tuple[list, np.ndarray, int]:
+        """The shard index of ``key`` (open as ``fd``) as ``[(offset, nbytes)]`` per inner chunk in C order
+        (and the same as an ``[n, 2]`` uint64 array), and where the chunk data ends; read and crc-checked
+        again whenever the file's identity changed."""
         st = os.fstat(fd)
         ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = self._indexes.get(key)
         if hit is not None and hit[0] == ident:
-            return hit[1], hit[2]
+            return hit[1], hit[2], hit[3]
         raw = self._index_raw(fd, st.st_size, key)
-        index = list(_ENTRY.iter_unpack(memoryview(raw)[:16 * self.n_index]))
+        entries = np.frombuffer(raw, "<u8", 2 * self.n_index).reshape(-1, 2)
+        index = list(map(tuple, entries.tolist()))
         data_end = st.st_size - len(raw)
-        self._indexes[key] = (ident, index, data_end)
-        return index, data_end
+        self._indexes[key] = (ident, index, entries, data_end)
+        return index, entries, data_end
 
     def _index_raw(self, fd: int, size: int, key: str) -> bytes:
         """The shard index with its crc32c (checked): ``(offset, nbytes)`` uint64 LE per inner chunk, C order."""
@@ -415,37 +577,57 @@ class LocalArray:
         return raw
 
     def _read_run(self, fd: int, key: str, run: list, expect: int) -> None:
+        """One ``preadv`` for chunks adjacent in the file (see ``_runs`` for the items): straight into the
+        destination where it is contiguous and not at a slow distance from the file offset, else into
+        scratch placed at the file offset's page position and copied; then every crc32c checked."""
         data_bytes = expect - 4
-        crcs = np.empty(len(run), "<u4")
+        n = len(run)
+        crcs = np.empty(n, "<u4")
         crc_bytes = crcs.view(np.uint8)
-        scratch_need = sum(expect for _, _, src, dst in run if src is not None or not dst.flags.c_contiguous)
-        scratch = _scratch_buffer(scratch_need) if scratch_need else None
-        iov: list[Any] = []
-        checks: list[tuple[Any, ...]] = []
+        n_scratch = sum(1 for it in run if it[2] is None or _bad_distance(it[3], it[0]))
+        if n_scratch:
+            buf, addr = _scratch_buffer(n_scratch * (expect + _PAGE))
         pos = 0
-        for k, (_off, idx, src, dst) in enumerate(run):
-            if src is None and dst.flags.c_contiguous:
-                mem = dst.reshape(-1).view(np.uint8)
+        iov: list[Any] = []
+        via: list[Any] = []  # per chunk: None (read in place) or its scratch bytes
+        for k, (off, _idx, mem, maddr, _src, _dst) in enumerate(run):  # noqa: B007
+            if mem is not None and not _bad_distance(maddr, off):
                 iov.append(mem)
                 iov.append(crc_bytes[4 * k:4 * k + 4])
-                checks.append((idx, mem, crc_bytes[4 * k:4 * k + 4], None, None))
+                via.append(None)
             else:
-                assert scratch is not None  # scratch_need counted this chunk
-                enc = scratch[pos:pos + expect]
+                enc, end = _placed(buf, addr, pos, off, expect)
+                if mem is not None:  # a whole chunk at a slow distance: scratch half a page from both
+                    slow = True
+                else:
+                    whole = enc[:data_bytes].view(self.dtype).reshape(self.chunk_shape)
+                    slow = _copy_distance_slow(_dst, whole if _src is None else whole[_src])
+                if slow:
+                    enc, end = _placed(buf, addr, pos, off, expect, _HALF_PAGE)
+                pos = end
                 iov.append(enc)
-                checks.append((idx, enc[:data_bytes], enc[data_bytes:], ... if src is None else src, dst))
-                pos += expect
+                via.append(enc)
         try:
             got = os.preadv(fd, iov, run[0][0])
         except OSError as exc:
             raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
-        if got != expect * len(run):
+        if got != expect * n:
             raise LocalReadError(f"chunk {list(run[0][1])} of {self.folder}: shard file {key} is truncated "
                                  f"(short read)")
-        chunk = self.layout.chunk_shape
-        for idx, mem, stored, src, dst in checks:
-            if _crc(mem) != int.from_bytes(stored, "little"):
+        stored = crcs.tolist()
+        chunk = self.chunk_shape
+        for (_off, idx, mem, _a, src, dst), enc, want in zip(run, via, stored):
+            if enc is None:
+                ok = _crc(mem) == want
+            else:
+                data = enc[:data_bytes]
+                ok = _crc(data) == int.from_bytes(enc[data_bytes:], "little")
+            if not ok:
                 raise LocalReadError(f"chunk {list(idx)} of {self.folder}: crc32c checksum mismatch in shard file "
                                      f"{key}")
-            if src is not None:
-                dst[...] = mem.view(self.dtype).reshape(chunk)[src]
+            if enc is not None:
+                if mem is not None:
+                    _copy(mem, data)
+                else:
+                    whole = data.view(self.dtype).reshape(chunk)
+                    _copy(dst, whole if src is None else whole[src])

@@ -132,6 +132,7 @@ class Store:
         self._context: Any = None
         with self.catalog.session() as s:
             rows = {r.key: r.value for r in s.scalars(select(m.Setting))}
+        # a store created before the chunk target was recorded at creation wrote 1 MiB inner chunks
         self.settings: dict[str, Any] = {"compression": "none", "chunk_target_bytes": 1 << 20,
                                          "format_version": FORMAT_VERSION, **rows}
 
@@ -148,17 +149,19 @@ class Store:
         return self._context
 
     def _init_settings(self, compression: str | None, chunk_target_bytes: int | None) -> None:
+        from .chunking import DEFAULT_TARGET, MAX_TARGET, MIN_TARGET
+
         wanted: dict[str, Any] = {"format_version": FORMAT_VERSION}
+        defaults: dict[str, Any] = {"chunk_target_bytes": DEFAULT_TARGET}  # recorded unless already set
         if compression is not None:
             from .format import check_compression
 
             check_compression(compression)
             wanted["compression"] = compression
         if chunk_target_bytes is not None:
-            from .chunking import MAX_TARGET, MIN_TARGET
-
             if not MIN_TARGET <= chunk_target_bytes <= MAX_TARGET:
-                raise ConfigurationError(f"chunk target {chunk_target_bytes} bytes: expected 1 MiB to 8 MiB")
+                raise ConfigurationError(f"chunk target {chunk_target_bytes} bytes: expected "
+                                         f"{MIN_TARGET >> 10} KiB to {MAX_TARGET >> 20} MiB")
             wanted["chunk_target_bytes"] = int(chunk_target_bytes)
         with self.catalog.write_session() as s:
             for key, value in wanted.items():
@@ -167,6 +170,14 @@ class Store:
                     s.add(m.Setting(key=key, value=value))
                 elif key != "format_version":
                     row.value = value
+            for key, value in defaults.items():
+                if key not in wanted:
+                    row = s.get(m.Setting, key)
+                    if row is None:
+                        s.add(m.Setting(key=key, value=value))
+                        wanted[key] = value
+                    else:
+                        wanted[key] = row.value
         self.settings.update(wanted)
 
     def array_url(self, rel: str) -> str:

@@ -138,7 +138,7 @@ def cmd_query(args: Any) -> int:
 
 def _init_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--compression", choices=["none", "zstd", "blosc"], default=None)
-    sp.add_argument("--chunk-mib", type=float, default=None, help="inner chunk target, 1 to 8 MiB")
+    sp.add_argument("--chunk-mib", type=float, default=None, help="inner chunk target, 0.125 to 8 MiB")
 
 
 def _ls_args(sp: argparse.ArgumentParser) -> None:

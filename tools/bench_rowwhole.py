@@ -1,0 +1,48 @@
+"""Row read (held handle) at 1 MiB / 256 KiB / 128 KiB inner chunks vs safetensors held get_slice, and whole warm
+reads (state_dict) of the same 256 MiB fp32 param vs torch.load and raw reads; interleaved, best of N rounds.
+
+    .venv/bin/python tools/bench_rowwhole.py . 6             # this tree
+    .venv/bin/python tools/bench_rowwhole.py /tmp/old-tree 6 # another checkout (git archive REV ucp_store) on the same files
+"""
+import os, sys, time, math
+sys.path.insert(0, sys.argv[1])
+import numpy as np, torch, ucp_store
+from safetensors import safe_open
+from safetensors.torch import save_file
+os.environ["UCP_PROGRESS"] = "0"
+W = "/tmp/rd/focus"; os.makedirs(W, exist_ok=True)
+w = torch.randn(8192, 8192, generator=torch.Generator().manual_seed(0))
+sf, pt, raw = f"{W}/w.safetensors", f"{W}/w.pt", f"{W}/raw.bin"
+if not os.path.exists(raw):
+    save_file({"w": w}, sf); torch.save({"w": w}, pt); w.numpy().tofile(raw)
+hs = {}
+for kib in (1024, 256, 128):
+    d = f"{W}/s{kib}"
+    if not os.path.exists(d + "/done"):
+        s = ucp_store.open_store(d, create=True, chunk_target_bytes=kib << 10)
+        s.save("p", 1, {"w": w}, state="fp32"); open(d + "/done", "w").close()
+    hs[kib] = ucp_store.open_store(d).checkpoint("p@1").tensor("w", "fp32")
+stf = safe_open(sf, "pt")
+row = 4097
+def raw_aligned():
+    n = os.path.getsize(raw); buf = np.empty(n + 4096, np.uint8); k = -buf.ctypes.data % 4096
+    with open(raw, "rb", buffering=0) as f: f.readinto(memoryview(buf[k:k + n]))
+    return buf[k:k + n]
+rows = {f"ucp_row_{k}K": (lambda h=h: h[row]) for k, h in hs.items()}
+rows["safetensors_row_held"] = lambda: stf.get_slice("w")[row:row + 1, :]
+whole = {f"ucp_whole_{k}K": (lambda k=k: ucp_store.open_store(f"{W}/s{k}").checkpoint("p@1").state_dict("fp32")) for k in hs}
+whole.update({"torch_load": lambda: torch.load(pt, weights_only=True), "raw_fromfile": lambda: np.fromfile(raw, np.uint8),
+              "raw_aligned": raw_aligned})
+R = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+res = {}
+for r in range(R):
+    for k, fn in rows.items():
+        fn(); t0 = time.perf_counter()
+        for _ in range(200): out = fn()
+        res[k] = min(res.get(k, 1e9), (time.perf_counter() - t0) / 200)
+        assert torch.equal(out.reshape(-1), w[row])
+    for k, fn in whole.items():
+        fn(); t0 = time.perf_counter(); out = fn(); res[k] = min(res.get(k, 1e9), time.perf_counter() - t0); del out
+st = res["safetensors_row_held"]
+for k in rows: print(f"{k:24} {res[k]*1e6:9.1f} us  {res[k]/st:5.2f}x safetensors held")
+for k in whole: print(f"{k:24} {res[k]*1e3:9.1f} ms  {0.25/res[k]*1.074:5.2f} GB/s  torch.load/this {res['torch_load']/res[k]:5.2f}  raw_fromfile/this {res['raw_fromfile']/res[k]:5.2f}  raw_aligned/this {res['raw_aligned']/res[k]:5.2f}")
