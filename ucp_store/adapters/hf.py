@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import dtypes, names
+from .._killpoints import killpoint
 from ..errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
 from .base import TensorRecord, import_source
 from .hf_map import NameMap, Piece, load_map, plan_outputs
@@ -462,6 +463,7 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
                         # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; 3.11 arrays are buffers too
                         buf = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
                         _pwrite_all(fds[file_of[i]], buf, offset_of[i])
+                        killpoint("export.hf")
             for fd in fds.values():  # durable before the rename makes the folder visible
                 os.fsync(fd)
         finally:
