@@ -40,8 +40,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("UCP_PROGRESS", "0")
 os.environ.pop("UCP_KILL_AT", None)
 
-import torch  # noqa: E402
 import tensorstore as ts  # noqa: E402,F401  (loaded before the forks)
+import torch  # noqa: E402
 
 import ucp_store  # noqa: E402
 from ucp_store import _killpoints  # noqa: E402
@@ -49,6 +49,25 @@ from ucp_store import checkpoint as _ck  # noqa: E402,F401
 from ucp_store import format as _fmt  # noqa: E402,F401
 from ucp_store import writer as _writer  # noqa: E402,F401
 from ucp_store.adapters import torch_file as _tf  # noqa: E402,F401
+
+
+def _prewarm() -> None:
+    """Import and build, once in the driver, what every forked child would otherwise redo (no threads)."""
+    import importlib
+
+    for mod in ("ucp_store.patterns", "ucp_store.topology", "ucp_store.retention", "ucp_store.io",
+                "ucp_store.localread", "ucp_store.cli", "ucp_store.cli.maintenance", "ucp_store.dist",
+                "ucp_store.adapters.dcp", "ucp_store.adapters.hf", "ucp_store.adapters.deepspeed_universal",
+                "ucp_store.catalog.db", "torch.distributed.checkpoint", "safetensors.torch",
+                "sqlalchemy.dialects.sqlite"):
+        importlib.import_module(mod)
+    from ucp_store import schema
+
+    for kind in ("pattern", "provenance", "topology", "manifest"):
+        schema.load_schema(kind)
+
+
+_prewarm()
 
 BUCKET = "ucp-kill"
 
@@ -114,7 +133,9 @@ class Case:
 
 def snapshot(store) -> dict:
     """Every file under the store's arrays (key -> sha256) and every catalog row (table -> sorted rows)."""
-    from sqlalchemy import MetaData, select
+    from sqlalchemy import select
+
+    from ucp_store.catalog import models as m
 
     kv = ts.KvStore.open(store.location.kvstore("arrays")).result()
     files = {}
@@ -122,10 +143,8 @@ def snapshot(store) -> dict:
         raw = kv.read(key).result()
         files[key.decode()] = hashlib.sha256(bytes(raw.value)).hexdigest()
     rows: dict[str, list] = {}
-    meta = MetaData()
-    meta.reflect(store.catalog.engine)
     with store.catalog.engine.connect() as conn:
-        for name, table in sorted(meta.tables.items()):
+        for name, table in sorted(m.Base.metadata.tables.items()):
             rows[name] = sorted(json.dumps([str(v) for v in r], sort_keys=True)
                                 for r in conn.execute(select(table)))
     return {"files": files, "rows": rows}

@@ -29,7 +29,7 @@ from ucp_test_helpers import flip_byte, shard_file_and_range
 
 SHAPE, CHUNK, SHARD = (32, 6), (4, 6), (16, 6)  # 8 chunks in 2 shard files (c/0/0: chunks 0-3, c/1/0: 4-7)
 X = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
-Y = torch.arange(12, dtype=torch.int32).reshape(3, 4)  # unsharded? no: the default layout, one shard
+Y = torch.arange(12, dtype=torch.int32).reshape(3, 4)  # the default layout: untouched by every case
 
 # name -> (what it damages, the chunks verify must list for tensor "x" (None: an array-level problem))
 CORRUPTIONS = {
@@ -103,16 +103,13 @@ def _reads(handle) -> list:
     return [()] + [(slice(r, r + CHUNK[0]),) for r in range(0, SHAPE[0], CHUNK[0])] + [(slice(10, 22), slice(2, 5))]
 
 
-@pytest.mark.parametrize("local", [True, False], ids=["localread", "tensorstore"])
-@pytest.mark.parametrize("damaged", list(CORRUPTIONS), indirect=True)
-def test_reads_fail_naming_array_and_chunk_or_return_exact_data(damaged, local, monkeypatch):
-    kind, store, cid, _ = damaged
-    monkeypatch.setenv("UCP_LOCAL_READ", "1" if local else "0")
+def _check_reads(kind: str, store, cid: str, local: bool) -> None:
+    """Every read fails naming the array and a bad chunk, or returns exactly the saved bytes."""
     from ucp_store import localread
 
     handle = store.checkpoint(cid).tensor("x")
     reader = localread.open_reader(store.location, handle.info.array, handle.layout, store.context)
-    assert isinstance(reader, localread.LocalArray) == local  # the path this case means to test
+    assert isinstance(reader, localread.LocalArray) == local  # the path this pass means to test
     bad = CORRUPTIONS[kind][1] or []
     failures = 0
     for index in _reads(handle):
@@ -123,23 +120,17 @@ def test_reads_fail_naming_array_and_chunk_or_return_exact_data(damaged, local, 
             failures += 1
             msg = str(exc)
             assert handle.array_url in msg and "'x'" in msg
-            named = [c for c in bad if f"chunk {c}" in msg]
-            assert named, f"{kind}: the error names no bad chunk: {msg}"
+            assert [c for c in bad if f"chunk {c}" in msg], f"{kind}: the error names no bad chunk: {msg}"
             continue
-        # no error: the bytes must be exactly the ones saved (and then no bad chunk was in the region)
+        # no error: the bytes must be exactly the ones saved, and no bad chunk was in the region
         assert got.tobytes() == np.ascontiguousarray(want).tobytes(), f"{kind}: wrong numbers for {index}"
         rows = index[0] if index else slice(0, SHAPE[0])
         assert not [c for c in bad if rows.start < (c[0] + 1) * CHUNK[0] and c[0] * CHUNK[0] < rows.stop]
-    assert failures == (0 if not bad else failures) and (failures > 0) == bool(bad)
-    # the other tensor is untouched by every case
-    assert np.array_equal(store.checkpoint(cid).read("y").numpy(), Y.numpy())
+    assert (failures > 0) == bool(bad)
+    assert np.array_equal(store.checkpoint(cid).read("y").numpy(), Y.numpy())  # the other array is intact
 
 
-@pytest.mark.parametrize("local", [True, False], ids=["localread", "tensorstore"])
-@pytest.mark.parametrize("damaged", list(CORRUPTIONS), indirect=True)
-def test_verify_reports_every_bad_chunk_and_exits_1(damaged, local, monkeypatch, ucp):
-    kind, store, cid, root = damaged
-    monkeypatch.setenv("UCP_LOCAL_READ", "1" if local else "0")
+def _check_verify(kind: str, store, cid: str) -> list:
     url = store.checkpoint(cid).tensor("x").array_url
     problems = store.checkpoint(cid).verify()
     assert problems and all(p["tensor"] == "x" and p["array"] == url for p in problems), problems
@@ -148,6 +139,17 @@ def test_verify_reports_every_bad_chunk_and_exits_1(damaged, local, monkeypatch,
         assert all(p["chunk"] is None for p in problems)
     else:
         assert sorted(p["chunk"] for p in problems) == bad
+    return problems
+
+
+@pytest.mark.parametrize("damaged", list(CORRUPTIONS), indirect=True)
+def test_corruption_is_caught_on_both_read_paths_and_by_verify(damaged, monkeypatch, ucp):
+    kind, store, cid, root = damaged
+    for local in (True, False):
+        monkeypatch.setenv("UCP_LOCAL_READ", "1" if local else "0")
+        _check_reads(kind, store, cid, local)
+        problems = _check_verify(kind, store, cid)
+    url = store.checkpoint(cid).tensor("x").array_url
     rc, out, err = ucp("verify", "c@1", "--store", root)
     assert rc == 1 and "FAIL x" in err and url in err
     rc, out, _ = ucp("verify", "c@1", "--json", "--store", root)
@@ -155,6 +157,7 @@ def test_verify_reports_every_bad_chunk_and_exits_1(damaged, local, monkeypatch,
     report = json.loads(out)
     assert report["ok"] is False
     assert [p["chunk"] for p in report["problems"]] == [p["chunk"] for p in problems]
+    bad = CORRUPTIONS[kind][1]
     if bad is not None:
         assert sorted(p["chunk"] for p in report["problems"]) == bad  # every bad chunk, not the first one
         assert {p["shard"] for p in report["problems"]} == {fmt.ArrayLayout("float32", SHAPE, CHUNK, SHARD)
