@@ -5,7 +5,8 @@ Each case damages a copy of one small store: a flipped byte in an inner chunk, i
 catalog row whose content hash does not match its data. Then, through the local pread path and through
 TensorStore (``UCP_LOCAL_READ=0``), every read either fails with the array and a chunk named or returns
 the exact bytes saved, never other numbers; ``Checkpoint.verify`` and ``ucp verify`` report the case and
-exit 1; and ``ucp verify --json`` lists every bad chunk, not only the first.
+exit 1; and ``ucp verify --json`` lists every bad chunk, not only the first. The same damaged files in an
+S3 bucket (moto's server) are read through TensorStore's s3 driver (``slow``).
 ``CORRUPTIONS`` doubles as the table's rows (tools/fault_table.py).
 """
 
@@ -98,6 +99,34 @@ def damaged(template, tmp_path, request):
     return kind, store, cid, copy
 
 
+@pytest.fixture(scope="module")
+def moto_endpoint():
+    moto_server = pytest.importorskip("moto.server")
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        import boto3
+
+        boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1").create_bucket(Bucket="bad")
+        yield f"http://{host}:{port}"
+        server.stop()
+
+
+def _upload(folder: Path, endpoint: str, prefix: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+    for path in sorted((folder / "arrays").rglob("*")):
+        if path.is_file():
+            client.put_object(Bucket="bad", Key=f"{prefix}/{path.relative_to(folder).as_posix()}",
+                              Body=path.read_bytes())
+
+
 def _reads(handle) -> list:
     """Whole tensor, each chunk row, and a slice across the two shards."""
     return [()] + [(slice(r, r + CHUNK[0]),) for r in range(0, SHAPE[0], CHUNK[0])] + [(slice(10, 22), slice(2, 5))]
@@ -162,6 +191,25 @@ def test_corruption_is_caught_on_both_read_paths_and_by_verify(damaged, monkeypa
         assert sorted(p["chunk"] for p in report["problems"]) == bad  # every bad chunk, not the first one
         assert {p["shard"] for p in report["problems"]} == {fmt.ArrayLayout("float32", SHAPE, CHUNK, SHARD)
                                                              .shard_key(tuple(c)) for c in bad}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damaged", list(CORRUPTIONS), indirect=True)
+def test_corruption_in_a_bucket_is_caught(damaged, moto_endpoint, monkeypatch, ucp):
+    """The same damaged files in an S3 bucket (moto), read through TensorStore's s3 driver."""
+    kind, _, cid, root = damaged
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    prefix = f"s/{kind}"
+    _upload(root, moto_endpoint, prefix)
+    url = f"s3://bad/{prefix}?endpoint={moto_endpoint}&region=us-east-1"
+    catalog = f"sqlite:///{root}/catalog.db"
+    store = ucp_store.open_store(url, catalog=catalog)
+    _check_reads(kind, store, cid, local=False)
+    problems = _check_verify(kind, store, cid)
+    monkeypatch.setenv("UCP_CATALOG", catalog)
+    rc, out, _ = ucp("verify", "c@1", "--json", "--store", url)
+    assert rc == 1 and [p["chunk"] for p in json.loads(out)["problems"]] == [p["chunk"] for p in problems]
 
 
 def test_a_clean_copy_verifies(template, ucp):

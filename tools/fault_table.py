@@ -33,7 +33,7 @@ def run_driver(catalog: str, backend: str, work: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def corruption_rows() -> list[tuple[str, str, str]]:
+def corruption_rows() -> list[tuple[str, str, str, str]]:
     sys.path.insert(0, str(REPO / "tests"))
     from test_corruption import CORRUPTIONS
 
@@ -43,10 +43,14 @@ def corruption_rows() -> list[tuple[str, str, str]]:
                           timeout=1800)
     status = {}
     for m in re.finditer(r"^(PASSED|FAILED|ERROR) tests/test_corruption.py::"
-                         r"test_corruption_is_caught_on_both_read_paths_and_by_verify\[(\w+)\]", proc.stdout, re.M):
-        status[m.group(2)] = m.group(1)
-    return [(kind, what, "caught" if status.get(kind) == "PASSED" else status.get(kind, "not run"))
-            for kind, (what, _) in CORRUPTIONS.items()]
+                         r"(test_corruption_is_caught_on_both_read_paths_and_by_verify|"
+                         r"test_corruption_in_a_bucket_is_caught)\[(\w+)\]", proc.stdout, re.M):
+        status[(m.group(2).endswith("caught"), m.group(3))] = m.group(1)
+
+    def word(key) -> str:
+        return "caught" if status.get(key) == "PASSED" else status.get(key, "not run")
+
+    return [(kind, what, word((False, kind)), word((True, kind))) for kind, (what, _) in CORRUPTIONS.items()]
 
 
 def main() -> int:
@@ -87,11 +91,11 @@ def main() -> int:
     for r in failures:
         print(f"\nFAILED {r['catalog']}/{r['backend']} {r['point']}: {r['failures']}")
     if not args.skip_corruption:
-        print("\nCorruption (folder store; both read paths, Checkpoint.verify, ucp verify and --json)\n")
-        print("| case | damage | result |")
-        print("|---|---|---|")
-        for kind, what, result in corruption_rows():
-            print(f"| {kind} | {what} | {result} |")
+        print("\nCorruption (reads on every path, Checkpoint.verify, ucp verify and --json; SQLite catalog)\n")
+        print("| case | damage | folder: localread + TensorStore | S3 (moto): TensorStore |")
+        print("|---|---|---|---|")
+        for kind, what, folder, bucket in corruption_rows():
+            print(f"| {kind} | {what} | {folder} | {bucket} |")
     return 1 if failures else 0
 
 
