@@ -31,6 +31,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -110,7 +111,7 @@ def _sha(t: torch.Tensor) -> str:
 # --- the case's store --------------------------------------------------------------------------------
 
 class Case:
-    def __init__(self, work: str, n: int, catalog: str, backend: str):
+    def __init__(self, work: str, n: int | str, catalog: str, backend: str):
         self.dir = os.path.join(work, f"case{n}")
         os.makedirs(self.dir, exist_ok=True)
         self.pg_schema = None
@@ -441,7 +442,10 @@ def _killed_op(case: Case, op: str, point: str) -> None:
     run_op(case, op)
 
 
-def run_case(n: int, point: str, op: str, effect: str, args) -> dict:
+_templates: dict[str, tuple] = {}
+
+
+def run_case(n: int | str, point: str, op: str, effect: str, args) -> dict:
     case = Case(args.work, n, args.catalog, args.backend)
     result = {"point": point, "op": op, "catalog": "sqlite" if args.catalog == "sqlite" else "postgresql",
               "backend": "folder" if args.backend == "folder" else "s3", "killed": False, "survived": False,
@@ -455,7 +459,15 @@ def run_case(n: int, point: str, op: str, effect: str, args) -> dict:
             conn.exec_driver_sql(f'CREATE SCHEMA "{case.pg_schema}"')
         eng.dispose()
     try:
-        status, info = _in_child(setup, case, op)
+        if args.catalog == "sqlite" and args.backend == "folder":
+            # one setup per op, copied per case (a SQLite catalog and a folder copy exactly)
+            if op not in _templates:
+                template = Case(args.work, f"_template_{op}", args.catalog, args.backend)
+                _templates[op] = (template, _in_child(setup, template, op))
+            template, (status, info) = _templates[op]
+            shutil.copytree(template.dir, case.dir, dirs_exist_ok=True)
+        else:
+            status, info = _in_child(setup, case, op)
         if status != 0 or not info or "ok" not in info:
             result["failures"].append(f"setup failed: {info}")
             return result
@@ -484,22 +496,27 @@ def main(argv=None) -> int:
     ap.add_argument("--catalog", default="sqlite")
     ap.add_argument("--backend", default="folder")
     ap.add_argument("--points", default=None, help="comma-separated points (default: all)")
+    ap.add_argument("--combos", default=None,
+                    help='JSON [[catalog, backend, [points] or null], ...]: several in one launch (one import)')
     args = ap.parse_args(argv)
     args.work = args.work or tempfile.mkdtemp(prefix="ucp-kill-")
-    wanted = set(args.points.split(",")) if args.points else None
-    if args.backend != "folder":
-        import boto3
+    combos = (json.loads(args.combos) if args.combos
+              else [[args.catalog, args.backend, args.points.split(",") if args.points else None]])
+    for i, (catalog, backend, points) in enumerate(combos):
+        combo = argparse.Namespace(work=args.work, catalog=catalog, backend=backend)
+        if backend != "folder":
+            import boto3
 
-        os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_REGION": "us-east-1"})
-        client = boto3.client("s3", endpoint_url=args.backend, region_name="us-east-1")
-        if BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
-            client.create_bucket(Bucket=BUCKET)
-        del client
-    for n, (point, op, effect) in enumerate(CASES):
-        if wanted is not None and point not in wanted and point.split(":")[0] not in wanted:
-            continue
-        print(json.dumps(run_case(n, point, op, effect, args)), flush=True)
+            os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                               "AWS_REGION": "us-east-1"})
+            client = boto3.client("s3", endpoint_url=backend, region_name="us-east-1")
+            if BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+                client.create_bucket(Bucket=BUCKET)
+            del client
+        for n, (point, op, effect) in enumerate(CASES):
+            if points is not None and point not in points:
+                continue
+            print(json.dumps(run_case(f"{i}_{n}", point, op, effect, combo)), flush=True)
     return 0
 
 
