@@ -237,7 +237,15 @@ def read_metadata(location: Location, rel: str) -> dict:
     raw = kv.read("zarr.json").result()
     if raw.state != "value":
         raise ReadError(f"array {location.display(rel)} has no zarr.json")
-    return json.loads(bytes(raw.value))
+    try:
+        meta = json.loads(bytes(raw.value))
+    except ValueError as exc:  # a damaged file: not UTF-8, not JSON (zero length included)
+        raise ReadError(f"array {location.display(rel)}: zarr.json is corrupt ({len(raw.value)} bytes, not "
+                        f"valid JSON: {str(exc)[:120]})") from None
+    if not isinstance(meta, dict):
+        raise ReadError(f"array {location.display(rel)}: zarr.json is corrupt (a JSON {type(meta).__name__}, "
+                        "not an object)")
+    return meta
 
 
 def box_index(box: Box):

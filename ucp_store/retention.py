@@ -21,9 +21,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sqlalchemy import exists, select, update
+from sqlalchemy import exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 
+from ._killpoints import killpoint
 from .catalog import models as m
 from .errors import ReferenceNotFound
 from .location import ARRAYS_DIR, array_checkpoint, array_path, checkpoint_dir
@@ -149,12 +150,29 @@ def gc(store: "Store", *, run: str | None = None, override: RetentionPolicy | No
             if not dry_run:
                 s.execute(update(m.Checkpoint).where(m.Checkpoint.parent_id == cid).values(parent_id=None))
                 s.delete(s.get(m.Checkpoint, cid))
+        dead_runs: set[int] = set()
         for ck in s.scalars(select(m.Checkpoint).where(m.Checkpoint.status == "pending")):
             dead = (ck.owner_host == host and not _pid_alive(ck.owner_pid)) or (now - ck.created_at) > pending_timeout
             if dead:
                 report.removed_pending.append(ck.id)
                 if not dry_run:
+                    dead_runs.add(ck.run_id)
                     s.delete(ck)
+        if dead_runs:
+            # a run that a dead save's begin() created goes too, as abort() does: nothing of it is left
+            s.flush()
+            for run_id in sorted(dead_runs):
+                row = s.get(m.Run, run_id)
+                if row is not None and row.retention is None and not s.scalar(
+                        select(func.count()).select_from(m.Checkpoint).where(m.Checkpoint.run_id == run_id)) \
+                        and not s.scalar(select(func.count()).select_from(m.Tag).where(m.Tag.run_id == run_id)):
+                    try:
+                        with s.begin_nested():  # a save that began in this run meanwhile keeps it
+                            s.delete(row)
+                    except IntegrityError:
+                        pass
+    if not dry_run:
+        killpoint("gc.after_rows")
     n, freed = sweep_arrays(store, dry_run=dry_run, also=set(report.removed_pending))
     report.removed_arrays, report.freed_bytes = n, freed
     return report
@@ -194,6 +212,7 @@ def sweep_arrays(store: "Store", *, dry_run: bool, also: Iterable[str] = frozens
     # meanwhile fails on the foreign key (and aborts) instead of committing rows whose files are gone.
     for path in doomed:
         location.delete_tree(path)
+        killpoint("sweep.mid")
     # files without any row (a killed save before its rows were flushed). List the folders first: a
     # checkpoint row is inserted before its folder exists, so a folder seen here whose row is absent
     # afterwards belongs to a save that is gone, never to one that just started.
@@ -213,6 +232,7 @@ def sweep_arrays(store: "Store", *, dry_run: bool, also: Iterable[str] = frozens
             removed += 1
             if not dry_run:
                 location.delete_tree(rel)
+                killpoint("sweep.mid")
         if not dry_run:
             location.remove_empty_dir(checkpoint_dir(folder))
     return removed, freed

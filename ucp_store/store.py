@@ -30,6 +30,7 @@ from sqlalchemy import and_, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from . import names
+from ._killpoints import killpoint
 from .catalog import models as m
 from .catalog.db import open_catalog
 from .catalog.query import read_only_query
@@ -325,6 +326,7 @@ class Store:
             s.flush()
             s.add(m.Provenance(checkpoint_id=ck.id, **prov))
             cid = ck.id
+        killpoint("save.after_begin")
         if parent not in ("auto", None):
             pid = self.resolve(parent)
             with self.catalog.write_session() as s:
@@ -407,6 +409,7 @@ class Store:
                                             "untag it or use --force")
             s.execute(update(m.Checkpoint).where(m.Checkpoint.parent_id == cid).values(parent_id=None))
             s.delete(s.get(m.Checkpoint, cid))
+        killpoint("rm.after_row")
         self._sweep_arrays(dry_run=False)
         return cid
 

@@ -28,6 +28,7 @@ from sqlalchemy.exc import IntegrityError
 
 from . import dtypes, names
 from . import format as fmt
+from ._killpoints import killpoint
 from ._window import FutureWindow
 from .catalog import models as m
 from .errors import CommitRaceError, DuplicateEntryError, ShapeMismatch, ValidationError, WriteError, WriterClosedError
@@ -166,6 +167,7 @@ class CheckpointWriter:
         aid = m.new_id(32)
         rel = array_path(self.id, aid)
         handle = fmt.create_array(self.store.location, rel, layout, self.store.context, what=what)
+        killpoint("write.array_created")
         self._rows.append(m.Array(id=aid, path=rel, dtype=dtype, shape=list(layout.shape),
                                   chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
                                   codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
@@ -178,6 +180,7 @@ class CheckpointWriter:
             future.result()
         except Exception as exc:  # TensorStore raises ValueError with the kvstore's message
             raise WriteError(f"writing {item[1]} into checkpoint {self.id} failed: {exc}") from None
+        killpoint("write.array_written")
 
     def _drain(self) -> None:
         self._window.drain()
@@ -292,6 +295,7 @@ class CheckpointWriter:
             if digest:
                 _digest_chunks_inside(self._shard_digests.setdefault((name, state), {}), layout,
                                       tuple(lo for lo, _ in box.ranges), data)
+            killpoint("write.shard_box")
         self._sharded.setdefault((name, state), (aid, rel, layout, pattern))
         if position is not None:
             self._shard_positions[(name, state)] = int(position)
@@ -554,6 +558,7 @@ class CheckpointWriter:
         self._drain()
         if not self._rows:
             return
+        killpoint("flush.before_rows")
         self._restore_borrowed()
         self._drain()
         rows, self._rows = self._rows, []
@@ -566,6 +571,7 @@ class CheckpointWriter:
                 raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); the save is lost")
             s.add_all(arrays)
             s.flush()
+            killpoint("flush.mid_rows")
             # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
             new_ids = {a.id for a in arrays}
             wanted = {r.array_id for r in others if getattr(r, "array_id", None)} - new_ids
@@ -577,6 +583,7 @@ class CheckpointWriter:
                                    "save deduplicated against were removed by a concurrent rm/gc; the save is "
                                    "aborted, retry it")
             s.add_all(others)
+        killpoint("flush.after_rows")
 
     def close(self) -> None:
         """For a joined writer: flush and detach (the owner commits)."""
@@ -615,6 +622,8 @@ class CheckpointWriter:
                 ck.nbytes = int(total)
                 ck.status = "committed"
                 ck.committed_at = _utcnow()
+                s.flush()
+                killpoint("commit.in_txn")
         except IntegrityError as exc:  # the partial unique index: a concurrent commit of the same step won
             self.abort()
             detail = str(getattr(exc, "orig", exc)).splitlines()[0]
@@ -623,6 +632,7 @@ class CheckpointWriter:
         except BaseException:
             self.abort()
             raise
+        killpoint("commit.after")
         self._closed = True
         self.checkpoint = Checkpoint(self.store, self.id)
         return self.checkpoint
@@ -650,6 +660,7 @@ class CheckpointWriter:
                             select(func.count()).select_from(m.Checkpoint).where(m.Checkpoint.run_id == run_id)) \
                             and not s.scalar(select(func.count()).select_from(m.Tag).where(m.Tag.run_id == run_id)):
                         s.delete(run)
+            killpoint("abort.after_row")
             from .retention import sweep_arrays
 
             sweep_arrays(self.store, dry_run=False, also={self.id})

@@ -34,6 +34,8 @@ from typing import (
     runtime_checkable,
 )
 
+from .._killpoints import killpoint
+
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
@@ -239,6 +241,7 @@ def import_source(store: "Store", source: Source, run: str, step: int, *, messag
         try:
             write_records(writer, _records(source, prefetch), inflight_bytes=inflight_bytes, progress=show,
                           description=description, total=total)
+            killpoint("import.after_records")
             for k, v in source.objects().items():
                 writer.write_object(k, v)
         except BaseException:

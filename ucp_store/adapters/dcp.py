@@ -57,6 +57,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from .._killpoints import killpoint
 from ..errors import SourceFormatError, UcpError, UnsafePickleError
 from ..writer import MAX_ELEMENTS
 from .base import TensorRecord, import_source
@@ -805,6 +806,7 @@ def export_dcp(checkpoint, dest: str, *, states: Iterable[str] | None = None, pr
             if fqn in tensors:
                 name, state = tensors[fqn]
                 next(bar, None)
+                killpoint("export.dcp")
                 return checkpoint.read(name, state).contiguous()
             return super().resolve_data(write_item)
 

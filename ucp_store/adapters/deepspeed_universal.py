@@ -50,6 +50,7 @@ import torch
 
 from .. import names as _names
 from .. import safe_pickle as sp
+from .._killpoints import killpoint
 from ..errors import ConfigurationError, ConflictError, InvalidNameError, SourceFormatError
 from ..patterns import Averaged, Fused, Partitioned, Replicated, Vocab, parse_pattern
 from .base import import_source
@@ -276,6 +277,7 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
                 else:
                     _save({**meta, "param": t}, path)
                 written += t.numel() * t.element_size()
+                killpoint("export.universal")
         elif "weight" in states and weight_only_fallback:
             t = checkpoint.read(name, "weight")
             _save({"param": t.float()}, os.path.join(d, "fp32.pt"))

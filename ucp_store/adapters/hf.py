@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import dtypes, names
+from .._killpoints import killpoint
 from .._window import read_failed
 from ..errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
 from .base import TensorRecord, import_source
@@ -488,6 +489,7 @@ def _write_shards(checkpoint, folder: str, layouts: list, pieces: list[Piece], o
         data_bytes = out.view(-1).view(torch.uint8).numpy()
         # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; 3.11 arrays are buffers too
         _pwrite_all(fds[file_of[i]], memoryview(data_bytes), offset_of[i] + (a - row0) * row)  # type: ignore[arg-type]
+        killpoint("export.hf")
         return data_bytes.nbytes
 
     pool = ThreadPoolExecutor(max_workers=_export_threads(), thread_name_prefix="ucp-export")

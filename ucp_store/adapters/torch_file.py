@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .._killpoints import killpoint
 from ..errors import ConfigurationError, SourceFormatError, UnsafePickleError
 from .base import TensorRecord, import_source
 
@@ -139,6 +140,7 @@ def export_torch_file(checkpoint, path: str, *, state: str | None = None, progre
         raise ConfigurationError(f"cannot write torch file {path}: folder {parent} does not exist")
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(out, tmp)
+    killpoint("export.torch")
     os.replace(tmp, path)  # never leave a half-written file under the final name
     return len(out)
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._killpoints import killpoint
 from .. import dtypes
 from ..errors import (
     ConfigurationError,
@@ -309,6 +310,7 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
                               weight=lambda pair: pair[1].numel() * pair[1].element_size()):
             writer.write_region(it.name, it.state, data, shape=it.shape, offset=it.offset, pattern=it.pattern,
                                 boundaries=it.boundaries, origin=it.origin)
+            killpoint("dist.mid_write")
         if ctx.rank == 0:
             writer.write_object(STATE_DICT_OBJECT, {"format": 1, "leaves": plan.objects})
     except BaseException as exc:  # noqa: BLE001
