@@ -40,6 +40,8 @@ __all__ = ["CheckpointWriter", "layer_of"]
 
 _ROW_BATCH = 512
 _MAX_INFLIGHT_BYTES = 1 << 30
+#: pattern JSON texts that passed the schema (the schema check is the slow half of pattern validation)
+_SCHEMA_CHECKED: set[str] = set()
 
 
 def layer_of(pattern: dict | None) -> int | None:
@@ -198,7 +200,12 @@ class CheckpointWriter:
         from . import patterns as pat
         from .schema import validate
 
-        validate("pattern", pattern)
+        text = json.dumps(pattern, sort_keys=True)
+        if text not in _SCHEMA_CHECKED:  # many tensors share one pattern (all of a mesh's Shard(0) DTensors)
+            validate("pattern", pattern)
+            if len(_SCHEMA_CHECKED) > 4096:
+                _SCHEMA_CHECKED.clear()
+            _SCHEMA_CHECKED.add(text)
         pat.check_pattern(pattern, tuple(shape), name=name)
 
     # --- sharded writes: each rank writes its shards straight into the logical arrays ---------------

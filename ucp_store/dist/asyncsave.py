@@ -21,7 +21,10 @@ nothing is listed then.
 from __future__ import annotations
 
 import atexit
+import math
+import mmap
 import os
+import sys
 import threading
 import time
 from typing import Any, cast
@@ -80,6 +83,24 @@ def wait() -> None:
 
 
 # ----------------------------------------------------------------------------------------- staging
+def _host_buffer(shape: tuple, dtype: torch.dtype, *, pin: bool, shared: bool) -> torch.Tensor:
+    """An uninitialised host tensor for staging: pinned for device tensors, shared memory for the writer
+    process, otherwise prefaulted anonymous memory (``MAP_POPULATE``: the kernel maps every page in one
+    call instead of one page fault per 4 KiB on the first copy, which is most of a first call's cost)."""
+    if pin:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if shared:  # created in shared memory (``share_memory_()`` on a fresh tensor would allocate twice)
+        storage = torch.UntypedStorage._new_shared(nbytes)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if not populate or nbytes < (1 << 20):
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate),
+                           dtype=torch.uint8)  # the tensor keeps the mapping alive
+    return raw.view(dtype).view(shape)
+
+
 class _Stager:
     """Host buffers for this rank's boxes, reused while the layout stays the same."""
 
@@ -91,18 +112,25 @@ class _Stager:
     def stage(self, plan: _SavePlan, *, shared: bool) -> list[torch.Tensor]:
         sig = (plan.signature(), shared)
         views = [src[sl] if sl else src for src, sl in plan.sources]
-        if sig != self.signature:
-            bufs = []
-            for v in views:
-                pin = v.device.type == "cuda" and not shared
-                b = torch.empty(tuple(v.shape), dtype=v.dtype, device="cpu", pin_memory=pin)
-                bufs.append(b.share_memory_() if shared else b)
-            self.buffers, self.signature = bufs, sig
+        cuda = any(v.device.type == "cuda" for v in views)
+        if sig == self.signature:
+            for b, v in zip(self.buffers, views):
+                b.copy_(v, non_blocking=v.device.type == "cuda")
+        else:
+            # a new layout (the first call): allocate the next buffer on a helper thread while this one
+            # copies into the previous (both release the GIL), so allocation and copy overlap
+            self.buffers, self.signature = [], None
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(1, thread_name_prefix="ucp-stage") as pool:
+                futures = [pool.submit(_host_buffer, tuple(v.shape), v.dtype, pin=v.device.type == "cuda" and not
+                                       shared, shared=shared) for v in views]
+                for f, v in zip(futures, views):
+                    b = f.result()
+                    b.copy_(v, non_blocking=v.device.type == "cuda")
+                    self.buffers.append(b)
+            self.signature = sig
             self.generation += 1
-        cuda = False
-        for b, v in zip(self.buffers, views):
-            cuda = cuda or v.device.type == "cuda"
-            b.copy_(v, non_blocking=v.device.type == "cuda")
         if cuda:
             torch.cuda.synchronize()
         return self.buffers
@@ -222,10 +250,9 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     global _PENDING
     if mode not in _MODES:
         raise ConfigurationError(f"async_save: mode={mode!r}; expected one of {', '.join(_MODES)}")
-    from ..store import Store
-
-    if mode == "process" and isinstance(store, Store):
-        store = store.location.url
+    store_mod = sys.modules.get("ucp_store.store")  # not imported yet: ``store`` cannot be a Store (and the
+    if mode == "process" and store_mod is not None and isinstance(store, store_mod.Store):  # import stays off
+        store = store.location.url  # the caller's clock: the background opens the store)
     wait()
     t0 = time.perf_counter()
     ctx = _Ctx(group)

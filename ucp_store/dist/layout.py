@@ -30,6 +30,7 @@ __all__ = [
     "Region",
     "all_coords",
     "dim_indices",
+    "dim_runs",
     "is_writer_coord",
     "local_regions",
     "local_shape",
@@ -70,21 +71,50 @@ def _norm_dim(dim: int, ndim: int, what: str) -> int:
     return d
 
 
-def _chunk(idx: list[int], n: int) -> list[list[int]]:
-    """``torch.chunk`` on a list: pieces of ceil(len/n), so the last pieces may be short or missing."""
-    if not idx:
-        return [[] for _ in range(n)]
-    size = -(-len(idx) // n)
-    return [idx[i * size:(i + 1) * size] for i in range(n)]
+Runs = list[tuple[int, int]]  # one dim's global indices in local order, as (global_start, length) runs
 
 
-def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[dict],
-                coord: Sequence[int], *, what: str = "tensor") -> list[list[int]]:
-    """Per tensor dim, the global indices that mesh coordinate ``coord`` holds, in local order."""
+def _take(rs: Runs, lo: int, hi: int) -> Runs:
+    """The runs covering local positions ``[lo, hi)`` of the concatenation of ``rs``."""
+    out: Runs = []
+    pos = 0
+    for g, n in rs:
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            out.append((g + a - pos, b - a))
+        pos += n
+        if pos >= hi:
+            break
+    return out
+
+
+def _chunk_runs(rs: Runs, n: int, c: int) -> Runs:
+    """Piece ``c`` of ``torch.chunk(.., n)`` over the runs: pieces of ceil(len/n), the last ones short or empty."""
+    total = sum(m for _, m in rs)
+    if not total:
+        return []
+    size = -(-total // n)
+    return _take(rs, c * size, min((c + 1) * size, total))
+
+
+def _merge(rs: Runs) -> Runs:
+    out: Runs = []
+    for g, n in rs:
+        if out and out[-1][0] + out[-1][1] == g:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        elif n:
+            out.append((g, n))
+    return out
+
+
+def dim_runs(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[dict],
+             coord: Sequence[int], *, what: str = "tensor") -> list[Runs]:
+    """Per tensor dim, the global indices that mesh coordinate ``coord`` holds, in local order, as
+    ``(global_start, length)`` runs (cost grows with the number of runs, not with the dim's size)."""
     ndim = len(shape)
     if len(placements) != len(mesh_shape) or len(coord) != len(mesh_shape):
         raise TopologyError(f"{what}: {len(placements)} placements for a {len(mesh_shape)}-d mesh")
-    out = [list(range(int(s))) for s in shape]
+    out: list[Runs] = [[(0, int(s))] if int(s) else [] for s in shape]
     for mesh_dim, p in enumerate(placements):
         kind = p["type"]
         if kind == "replicate":
@@ -92,16 +122,23 @@ def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], placements: Seq
         d = _norm_dim(p["dim"], ndim, what)
         n, c = int(mesh_shape[mesh_dim]), int(coord[mesh_dim])
         if kind == "shard":
-            out[d] = _chunk(out[d], n)[c]
+            out[d] = _chunk_runs(out[d], n, c)
         else:
-            sf = p["split_factor"]
-            out[d] = [i for piece in _chunk(out[d], sf) for i in _chunk(piece, n)[c]]
-    return out
+            sf = int(p["split_factor"])
+            out[d] = _merge([r for k in range(sf) for r in _chunk_runs(_chunk_runs(out[d], sf, k), n, c)])
+    return [_merge(r) for r in out]
+
+
+def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[dict],
+                coord: Sequence[int], *, what: str = "tensor") -> list[list[int]]:
+    """Per tensor dim, the global indices that mesh coordinate ``coord`` holds, in local order."""
+    return [[i for g, n in rs for i in range(g, g + n)]
+            for rs in dim_runs(shape, mesh_shape, placements, coord, what=what)]
 
 
 def local_shape(shape, mesh_shape, placements, coord) -> tuple[int, ...]:
     """The shape of the local shard at ``coord``."""
-    return tuple(len(ix) for ix in dim_indices(shape, mesh_shape, placements, coord))
+    return tuple(sum(n for _, n in rs) for rs in dim_runs(shape, mesh_shape, placements, coord))
 
 
 def runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -113,6 +150,14 @@ def runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
             out[-1] = (gs, ls, n + 1)
         else:
             out.append((g, local, 1))
+    return out
+
+
+def _with_local(rs: Runs) -> list[tuple[int, int, int]]:
+    out, pos = [], 0
+    for g, n in rs:
+        out.append((g, pos, n))
+        pos += n
     return out
 
 
@@ -140,7 +185,7 @@ class Region:
 
 def local_regions(shape, mesh_shape, placements, coord, *, what: str = "tensor") -> list[Region]:
     """The boxes of the local shard at ``coord`` (empty if it holds nothing); a 0-d tensor is one empty box."""
-    per_dim = [runs(ix) for ix in dim_indices(shape, mesh_shape, placements, coord, what=what)]
+    per_dim = [_with_local(rs) for rs in dim_runs(shape, mesh_shape, placements, coord, what=what)]
     if any(not r for r in per_dim):
         return []
     out = []
@@ -160,8 +205,8 @@ def split_points(shape, mesh_shape, placements) -> dict[int, list[int]]:
     points: dict[int, set[int]] = {}
     ranges = [range(int(mesh_shape[i])) if i in sharding else range(1) for i in range(len(mesh_shape))]
     for coord in itertools.product(*ranges):
-        for d, ix in enumerate(dim_indices(shape, mesh_shape, placements, coord)):
-            for g, _, n in runs(ix):
+        for d, rs in enumerate(dim_runs(shape, mesh_shape, placements, coord)):
+            for g, n in rs:
                 for p in (g, g + n):
                     if 0 < p < shape[d]:
                         points.setdefault(d, set()).add(p)
