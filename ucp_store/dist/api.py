@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,11 +131,8 @@ class _Tensor:
 
 
 def _is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    mod = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (and importing it
+    return mod is not None and isinstance(t, mod.DTensor)  # costs seconds on the caller's clock)
 
 
 def _describe(leaf: Leaf) -> _Tensor:

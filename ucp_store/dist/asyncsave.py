@@ -83,16 +83,26 @@ def wait() -> None:
 
 
 # ----------------------------------------------------------------------------------------- staging
-def _host_buffer(shape: tuple, dtype: torch.dtype, *, pin: bool, shared: bool) -> torch.Tensor:
-    """An uninitialised host tensor for staging: pinned for device tensors, shared memory for the writer
-    process, otherwise prefaulted anonymous memory (``MAP_POPULATE``: the kernel maps every page in one
-    call instead of one page fault per 4 KiB on the first copy, which is most of a first call's cost)."""
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels refuse it and the first copy faults the pages in
+
+
+def _populate(addr: int, nbytes: int) -> None:
+    """Map the pages of ``[addr, addr + nbytes)`` now, in one call (ctypes releases the GIL meanwhile)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = addr & ~(mmap.PAGESIZE - 1)
+    libc.madvise(ctypes.c_void_p(start), nbytes + addr - start, _MADV_POPULATE_WRITE)
+
+
+def _host_buffer(shape: tuple, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor for staging: pinned for device tensors, otherwise prefaulted anonymous
+    memory (``MAP_POPULATE``: the kernel maps every page in one call instead of one page fault per 4 KiB on
+    the first copy, which is most of a first call's cost)."""
     if pin:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if shared:  # created in shared memory (``share_memory_()`` on a fresh tensor would allocate twice)
-        storage = torch.UntypedStorage._new_shared(nbytes)
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
     populate = getattr(mmap, "MAP_POPULATE", 0)
     if not populate or nbytes < (1 << 20):
         return torch.empty(shape, dtype=dtype)
@@ -101,13 +111,66 @@ def _host_buffer(shape: tuple, dtype: torch.dtype, *, pin: bool, shared: bool) -
     return raw.view(dtype).view(shape)
 
 
+class _Arena:
+    """The process mode's staging buffers: one ``memfd`` (Linux) that the writer process maps through
+    ``/proc/<pid>/fd/<fd>``, every buffer at a page-aligned offset. Cheaper than torch's shared storages
+    (created and faulted page by page), and nothing is left in /dev/shm when a process dies."""
+
+    def __init__(self, specs: list[tuple[tuple, torch.dtype]]):
+        self.layout: list[tuple[int, int, tuple, torch.dtype]] = []  # (offset, nbytes, shape, dtype)
+        total = 0
+        for shape, dtype in specs:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self.layout.append((total, nbytes, shape, dtype))
+            total += -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = max(total, mmap.PAGESIZE)
+        self.fd = os.memfd_create("ucp-async-stage")
+        os.ftruncate(self.fd, self.size)
+        self.raw = torch.frombuffer(mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+        self.buffers = [_arena_view(self.raw, *item) for item in self.layout]
+
+    def populate(self, i: int) -> torch.Tensor:
+        off, nbytes, _, _ = self.layout[i]
+        if nbytes:
+            _populate(self.raw.data_ptr() + off, nbytes)
+        return self.buffers[i]
+
+    def describe(self) -> dict:
+        """What the writer process needs to map the same buffers."""
+        return {"path": f"/proc/{os.getpid()}/fd/{self.fd}", "size": self.size, "layout": self.layout}
+
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
+def _arena_view(raw: torch.Tensor, off: int, nbytes: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    return raw[off:off + nbytes].view(dtype).view(shape)
+
+
+def _map_arena(desc: dict) -> list[torch.Tensor]:
+    """The writer process's view of the trainer's arena."""
+    fd = os.open(desc["path"], os.O_RDWR)
+    try:
+        raw = torch.frombuffer(mmap.mmap(fd, desc["size"], flags=mmap.MAP_SHARED), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+    return [_arena_view(raw, *item) for item in desc["layout"]]
+
+
 class _Stager:
     """Host buffers for this rank's boxes, reused while the layout stays the same."""
 
     def __init__(self) -> None:
         self.signature: tuple | None = None
         self.buffers: list[torch.Tensor] = []
+        self.arena: _Arena | None = None
         self.generation = 0
+
+    def shared_spec(self) -> Any:
+        """What the writer process maps: the arena's description, or the shared tensors themselves."""
+        return self.arena.describe() if self.arena is not None else self.buffers
 
     def stage(self, plan: _SavePlan, *, shared: bool) -> list[torch.Tensor]:
         sig = (plan.signature(), shared)
@@ -117,14 +180,26 @@ class _Stager:
             for b, v in zip(self.buffers, views):
                 b.copy_(v, non_blocking=v.device.type == "cuda")
         else:
-            # a new layout (the first call): allocate the next buffer on a helper thread while this one
+            # a new layout (the first call): a helper thread maps the next buffer's pages while this one
             # copies into the previous (both release the GIL), so allocation and copy overlap
-            self.buffers, self.signature = [], None
+            self.buffers, self.signature, self.arena = [], None, None
             from concurrent.futures import ThreadPoolExecutor
 
+            specs = [(tuple(v.shape), v.dtype) for v in views]
+            if shared and hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
+                self.arena = _Arena(specs)
+                make = self.arena.populate
+            elif shared:  # no memfd: torch's shared storages
+                def make(i: int) -> torch.Tensor:
+                    shape, dtype = specs[i]
+                    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                    return torch.empty(0, dtype=dtype).set_(  # type: ignore[call-overload]
+                        torch.UntypedStorage._new_shared(nbytes), 0, shape)
+            else:
+                def make(i: int) -> torch.Tensor:
+                    return _host_buffer(*specs[i], pin=views[i].device.type == "cuda")
             with ThreadPoolExecutor(1, thread_name_prefix="ucp-stage") as pool:
-                futures = [pool.submit(_host_buffer, tuple(v.shape), v.dtype, pin=v.device.type == "cuda" and not
-                                       shared, shared=shared) for v in views]
+                futures = [pool.submit(make, i) for i in range(len(views))]
                 for f, v in zip(futures, views):
                     b = f.result()
                     b.copy_(v, non_blocking=v.device.type == "cuda")
@@ -211,7 +286,7 @@ def _writer_main(requests, responses, rank: int, world: int, addr: str, port: in
         if kind == "stop":
             break
         if kind == "buffers":
-            buffers = payload
+            buffers = _map_arena(payload) if isinstance(payload, dict) else payload
             continue
         try:
             ctx = _Ctx(None, tag="async-writer")
@@ -288,6 +363,6 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     if thread is not None:
         thread.start()
     else:  # process mode: the writer was looked up or started above
-        cast(_WriterProcess, writer).submit(handle, buffers, _STAGER.generation, job)
+        cast(_WriterProcess, writer).submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
     handle.blocked_s = time.perf_counter() - t0
     return handle
