@@ -15,10 +15,10 @@ import sys
 
 import pytest
 import torch
-from ucp_test_helpers import REPO, run_python
 
 import ucp_store
 import ucp_store.dist as ucpd
+from ucp_store import planner
 from ucp_store.demo.model import (
     ModelConfig,
     batch,
@@ -26,20 +26,21 @@ from ucp_store.demo.model import (
     build_optimizer,
     train_step,
 )
-from ucp_store import planner
 from ucp_store.dist import layout as lay
 from ucp_store.dist.statedict import flatten
 from ucp_store.errors import (
     ConfigurationError,
     InvalidNameError,
     PatternError,
+    PlanError,
     ReferenceNotFound,
     ShapeMismatch,
-    PlanError,
     TopologyError,
     UcpError,
 )
 from ucp_store.topology import Topology
+
+from ucp_test_helpers import REPO, run_python
 
 
 # ----------------------------------------------------------------------------------------- pure layout
@@ -364,7 +365,9 @@ SOURCES = {  # name -> (world, mesh)
     "fsdp4": (4, {"dp": 4}),
     "hsdp": (4, {"rep": 2, "dp": 2}),
     "fsdp2": (2, {"dp": 2}),
+    "tied": (4, {"tp": 2, "dp": 2}),  # output projection tied to the (vocab-sharded) embedding
 }
+SOURCE_CFG = {"tied": {"tie": True}}  # ModelConfig overrides per source (the resumes use the same)
 STEPS = 2
 
 
@@ -375,13 +378,13 @@ def sources(tmp_path_factory):
     store = str(base / "store")
     for world in sorted({w for w, _ in SOURCES.values()}, reverse=True):
         jobs = [{"role": "source", "run": name, "dcp": str(base / f"dcp-{name}"), "steps": STEPS, **mesh,
-                 "store": store} for name, (w, mesh) in SOURCES.items() if w == world]
+                 "store": store, "cfg": SOURCE_CFG.get(name, {})} for name, (w, mesh) in SOURCES.items() if w == world]
         _ok(*_spawn(base, f"src{world}", {"world": world, "role": "source", "jobs": jobs}))
     return base, store
 
 
 RESUMES = {  # world -> [(source, target mesh)]
-    2: [("tpfsdp", {"tp": 2}), ("tpfsdp", {"dp": 2}), ("fsdp4", {"dp": 2})],
+    2: [("tpfsdp", {"tp": 2}), ("tpfsdp", {"dp": 2}), ("fsdp4", {"dp": 2}), ("tied", {"tp": 2})],
     1: [("tpfsdp", {})],
     3: [("fsdp2", {"dp": 3})],
     4: [("hsdp", {"dp": 4})],
@@ -393,7 +396,7 @@ RESUMES = {  # world -> [(source, target mesh)]
 def test_resume_on_other_meshes_equals_dcp(sources, world):
     base, store = sources
     jobs = [{"role": "resume", "ref": f"{src}@{STEPS}", "dcp": str(base / f"dcp-{src}"), "steps": STEPS, "store": store,
-             "tp": 1, "dp": 1, "rep": 1, **mesh} for src, mesh in RESUMES[world]]
+             "tp": 1, "dp": 1, "rep": 1, **mesh, "cfg": SOURCE_CFG.get(src, {})} for src, mesh in RESUMES[world]]
     results = _ok(*_spawn(base, f"resume{world}", {"world": world, "role": "resume", "jobs": jobs}))
     st = ucp_store.open_store(store)
     for r in results:

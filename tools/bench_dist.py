@@ -107,13 +107,13 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         order = ("ucp", "dcp") if r % 2 == 0 else ("dcp", "ucp")
         for who in order:
             if who == "ucp":
-                _, t, _ = timed(lambda: ucpd.save(sd, store=store, run="bench", step=r + 1, progress=False))
+                _, t, _ = timed(lambda r=r: ucpd.save(sd, store=store, run="bench", step=r + 1, progress=False))
             else:
                 if dcp_dir and rank == 0:
                     shutil.rmtree(dcp_dir, ignore_errors=True)
                 sync()
                 dcp_dir = os.path.join(args.dir, f"dcp{r}")
-                _, t, _ = timed(lambda: dcp.save(sd, checkpoint_id=dcp_dir))
+                _, t, _ = timed(lambda d=dcp_dir: dcp.save(sd, checkpoint_id=d))
             best(f"{who}_save_s", t)
     ref = f"bench@{args.reps}"
 
@@ -127,10 +127,10 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
                 for t in target["model"].values():
                     t.to_local().zero_()
                 if who == "ucp":
-                    res, t, nbytes = timed(lambda: ucpd.load(target, store=store, ref=ref, progress=False))
+                    res, t, nbytes = timed(lambda sd_=target: ucpd.load(sd_, store=store, ref=ref, progress=False))
                     results[f"ucp_{label}_requested_bytes"] = res.bytes_read
                 else:
-                    _, t, nbytes = timed(lambda: dcp.load(target, checkpoint_id=dcp_dir))
+                    _, t, nbytes = timed(lambda sd_=target: dcp.load(sd_, checkpoint_id=dcp_dir))
                 best(f"{who}_{label}_load_s", t)
                 results[f"{who}_{label}_read_bytes"] = nbytes
         results[f"{label}_loads_equal"] = all(torch.equal(tu["model"][k].to_local(), td["model"][k].to_local())
@@ -203,8 +203,8 @@ def _table(rs: list[dict]) -> str:
         row(text, worst[f"ucp_{label}_load_s"], worst[f"dcp_{label}_load_s"], better="lower")
         read_u = sum(r[f"ucp_{label}_read_bytes"] for r in rs)
         read_d = sum(r[f"dcp_{label}_read_bytes"] for r in rs)
-        row(f"  bytes read by all ranks (GiB)", read_u / (1 << 30), read_d / (1 << 30), better="lower")
-        row(f"  read amplification (read / needed)", read_u / need, read_d / need, better="lower")
+        row("  bytes read by all ranks (GiB)", read_u / (1 << 30), read_d / (1 << 30), better="lower")
+        row("  read amplification (read / needed)", read_u / need, read_d / need, better="lower")
     for mode in ("thread", "process"):
         for step, text in (("1", "first call"), ("n", "later calls")):
             row(f"async_save {mode}, {text}: blocked (s)", worst[f"ucp_async_{mode}_{step}_blocked_s"],
