@@ -190,10 +190,12 @@ def array_spec(location: Location, rel: str, layout: ArrayLayout) -> dict:
 
 
 def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.Context, *,
-                 shared: bool = False) -> ts.TensorStore:
+                 shared: bool = False, wait: bool = True) -> Any:
     """Create the array at ``rel``. ``shared``: several writers (ranks) open it at once, so an array that
-    another rank created already is opened instead (its metadata must match ``layout``)."""
-    return ts.open(array_spec(location, rel, layout), create=True, open=shared, context=context).result()
+    another rank created already is opened instead (its metadata must match ``layout``). ``wait=False``
+    returns the future of the ``TensorStore`` (to create many at once)."""
+    future = ts.open(array_spec(location, rel, layout), create=True, open=shared, context=context)
+    return future.result() if wait else future
 
 
 def open_array(location: Location, rel: str, layout: ArrayLayout | None, context: ts.Context,

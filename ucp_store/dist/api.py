@@ -303,6 +303,8 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
     error = None
     try:
         pairs = list(zip(plan.items, staged))
+        writer.open_regions([(it.name, it.state, dtypes.zarr_name(data.dtype, what=it.name), it.shape, it.pattern,
+                              it.boundaries) for it, data in pairs])  # every array at once
         for it, data in track(pairs, f"save {run}@{step}", enabled=progress and ctx.rank == 0,
                               weight=lambda pair: pair[1].numel() * pair[1].element_size()):
             writer.write_region(it.name, it.state, data, shape=it.shape, offset=it.offset, pattern=it.pattern,
