@@ -15,10 +15,10 @@ import sys
 
 import pytest
 import torch
-from ucp_test_helpers import REPO, run_python
 
 import ucp_store
 import ucp_store.dist as ucpd
+from ucp_store import planner
 from ucp_store.demo.model import (
     ModelConfig,
     batch,
@@ -32,10 +32,15 @@ from ucp_store.errors import (
     ConfigurationError,
     InvalidNameError,
     PatternError,
+    PlanError,
     ReferenceNotFound,
     ShapeMismatch,
+    TopologyError,
     UcpError,
 )
+from ucp_store.topology import Topology
+
+from ucp_test_helpers import REPO, run_python
 
 
 # ----------------------------------------------------------------------------------------- pure layout
@@ -114,6 +119,49 @@ def test_dtensor_pattern_validation():
 
 
 # ----------------------------------------------------------------------------------------- state dict keys
+_FSDP_TP = {"kind": "dtensor", "mesh": {"shape": [2, 2], "dims": ["dp", "tp"]},
+            "placements": [{"type": "strided_shard", "dim": 0, "split_factor": 2}, {"type": "shard", "dim": 0}]}
+
+
+@pytest.mark.parametrize(("mesh", "rows"), [
+    ("dp=2,tp=2", [[(0, 4)], [(8, 12)], [(4, 8)], [(12, 16)]]),  # the saving mesh: FSDP over TP's row blocks
+    ("dp=4", [[(0, 4)], [(4, 8)], [(8, 12)], [(12, 16)]]),  # FSDP only: the strided split becomes Shard(0)
+    ("tp=2", [[(0, 8)], [(8, 16)]]),  # TP only: the dp dim is dropped
+    ("dp=3", [[(0, 6)], [(6, 12)], [(12, 16)]]),  # uneven: torch.chunk sizes
+    ("dp=1,tp=4", [[(0, 4)], [(4, 8)], [(8, 12)], [(12, 16)]]),
+    ("dp=2,tp=4", [[(0, 2)], [(4, 6)], [(8, 10)], [(12, 14)], [(2, 4)], [(6, 8)], [(10, 12)], [(14, 16)]]),
+])
+def test_plan_mesh_reads_each_ranks_dtensor_boxes(mesh, rows):
+    recs = [{"name": "w", "state": "exp_avg", "shape": [16, 8], "dtype": "float32", "pattern": _FSDP_TP,
+             "chunk_shape": [4, 8]},
+            {"name": "b", "state": "weight", "shape": [8], "dtype": "float32", "pattern": None, "chunk_shape": [8]}]
+    plans = [planner.plan_mesh(recs, mesh, r) for r in range(len(rows))]
+    for p, want in zip(plans, rows):
+        w = p.tensor("w", "exp_avg")
+        assert [r.box.ranges[0] for r in w.reads] == want and all(r.box.ranges[1] == (0, 8) for r in w.reads)
+        assert w.local_shape == (sum(b - a for a, b in want), 8) and w.bytes_needed == w.local_shape[0] * 32
+        # chunks of 4 rows: a rank needing 2 rows reads its whole chunk; 6 rows touch two chunks
+        assert w.bytes_read == sum(-(-b // 4) * 4 - a // 4 * 4 for a, b in want) * 32
+        b = p.tensor("b", "weight")  # a plain tensor: every rank reads it whole
+        assert [r.box.ranges for r in b.reads] == [((0, 8),)] and b.bytes_needed == 32
+    assert sorted(r for w in rows for r in w) == sorted(set(r for w in rows for r in w))  # each row once
+    # a topology plan treats the dtensor pattern as replicated: every rank reads the whole tensor
+    assert planner.plan(recs, Topology(dp=len(rows)), 0).tensor("w", "exp_avg").bytes_needed == 16 * 8 * 4
+    assert planner.plan_mesh(recs, mesh, 0).to_json()["assumes"] == planner.MESH_ASSUMPTION
+
+
+def test_plan_mesh_errors():
+    recs = [{"name": "w", "state": "fp32", "shape": [16, 8], "dtype": "float32", "pattern": _FSDP_TP}]
+    with pytest.raises(PlanError, match="NAME=SIZE"):
+        planner.plan_mesh(recs, "dp=0", 0)
+    with pytest.raises(PlanError, match="name every dim once"):
+        planner.plan_mesh(recs, "dp=2,2", 0)
+    with pytest.raises(PlanError, match="outside the mesh's 4 ranks"):
+        planner.plan_mesh(recs, "dp=2,tp=2", 4)
+    with pytest.raises(TopologyError, match=r"tensor 'w' state 'fp32'.*must name its dims"):
+        planner.plan_mesh(recs, "2,2", 0)
+
+
 def test_state_dict_keys():
     t = torch.zeros(2)
     sd = {"model": {"a.weight": t}, "optim": {"state": {"a.weight": {"exp_avg": t, "step": torch.tensor(1.0)}},
@@ -246,6 +294,31 @@ def test_async_save_thread_is_the_state_at_the_call(tmp_path):
     assert [v["step"] for v in st.list_checkpoints("a")] == [1, 4]
 
 
+def test_async_save_staging_buffers_are_reused_and_exact(tmp_path):
+    # tensors over 1 MiB stage into prefaulted anonymous mappings; the second call reuses them
+    from ucp_store.dist import asyncsave
+
+    g = torch.Generator().manual_seed(5)
+    sd = {"w": torch.randn(512, 1024, generator=g), "h": torch.randn(700, 1024, generator=g).to(torch.bfloat16),
+          "s": torch.tensor(3, dtype=torch.int64)}
+    want = {k: v.clone() for k, v in sd.items()}
+    h1 = ucpd.async_save(sd, store=tmp_path / "s", run="a", step=1)
+    bufs = list(asyncsave._STAGER.buffers)
+    assert [tuple(b.shape) for b in bufs] == [(512, 1024), (700, 1024), ()]
+    assert [b.dtype for b in bufs] == [torch.float32, torch.bfloat16, torch.int64]
+    for v in sd.values():
+        v.add_(1)  # training goes on: the staged copy must not see it
+    h1.result()
+    h2 = ucpd.async_save(sd, store=tmp_path / "s", run="a", step=2)
+    assert all(a is b for a, b in zip(asyncsave._STAGER.buffers, bufs))  # the same layout reuses the buffers
+    h2.result()
+    st = ucp_store.open_store(str(tmp_path / "s"))
+    for step, state in ((1, want), (2, {k: v + 1 for k, v in want.items()})):
+        ck = st.checkpoint(f"a@{step}")
+        for k, v in state.items():
+            assert torch.equal(ck.tensor(k, "weight").read(), v), (step, k)
+
+
 def test_checkpointer_retention_and_resume(tmp_path):
     cfg, model, opt = _trained(steps=0)
     ck = ucpd.Checkpointer(tmp_path / "s", "run", every=2, keep_last=2, async_mode="thread")
@@ -292,7 +365,9 @@ SOURCES = {  # name -> (world, mesh)
     "fsdp4": (4, {"dp": 4}),
     "hsdp": (4, {"rep": 2, "dp": 2}),
     "fsdp2": (2, {"dp": 2}),
+    "tied": (4, {"tp": 2, "dp": 2}),  # output projection tied to the (vocab-sharded) embedding
 }
+SOURCE_CFG = {"tied": {"tie": True}}  # ModelConfig overrides per source (the resumes use the same)
 STEPS = 2
 
 
@@ -303,13 +378,13 @@ def sources(tmp_path_factory):
     store = str(base / "store")
     for world in sorted({w for w, _ in SOURCES.values()}, reverse=True):
         jobs = [{"role": "source", "run": name, "dcp": str(base / f"dcp-{name}"), "steps": STEPS, **mesh,
-                 "store": store} for name, (w, mesh) in SOURCES.items() if w == world]
+                 "store": store, "cfg": SOURCE_CFG.get(name, {})} for name, (w, mesh) in SOURCES.items() if w == world]
         _ok(*_spawn(base, f"src{world}", {"world": world, "role": "source", "jobs": jobs}))
     return base, store
 
 
 RESUMES = {  # world -> [(source, target mesh)]
-    2: [("tpfsdp", {"tp": 2}), ("tpfsdp", {"dp": 2}), ("fsdp4", {"dp": 2})],
+    2: [("tpfsdp", {"tp": 2}), ("tpfsdp", {"dp": 2}), ("fsdp4", {"dp": 2}), ("tied", {"tp": 2})],
     1: [("tpfsdp", {})],
     3: [("fsdp2", {"dp": 3})],
     4: [("hsdp", {"dp": 4})],
@@ -321,8 +396,9 @@ RESUMES = {  # world -> [(source, target mesh)]
 def test_resume_on_other_meshes_equals_dcp(sources, world):
     base, store = sources
     jobs = [{"role": "resume", "ref": f"{src}@{STEPS}", "dcp": str(base / f"dcp-{src}"), "steps": STEPS, "store": store,
-             "tp": 1, "dp": 1, "rep": 1, **mesh} for src, mesh in RESUMES[world]]
+             "tp": 1, "dp": 1, "rep": 1, **mesh, "cfg": SOURCE_CFG.get(src, {})} for src, mesh in RESUMES[world]]
     results = _ok(*_spawn(base, f"resume{world}", {"world": world, "role": "resume", "jobs": jobs}))
+    st = ucp_store.open_store(store)
     for r in results:
         for (src, mesh), job in zip(RESUMES[world], r["jobs"]):
             what = f"{src} -> {mesh or '1x1'} rank {r['rank']}"
@@ -330,6 +406,11 @@ def test_resume_on_other_meshes_equals_dcp(sources, world):
             assert job["loss_ucp"] == job["loss_dcp"], what  # and so are the next-step losses
             assert job["after"] == [], what
             assert job["verify_ok"], what
+            # the planner's DTensor mesh plan names exactly the bytes this live rank loaded
+            dims = [d for d in ("replicate", "dp", "tp") if mesh.get(d, 1) > 1] or ["dp"]
+            target = {"shape": [mesh.get(d, 1) for d in dims], "dims": dims}
+            mp = planner.plan_mesh(st.checkpoint(f"{src}@{STEPS}").tensors(), target, r["rank"])
+            assert mp.bytes_needed == job["bytes_read"], what
 
 
 @pytest.mark.slow
@@ -350,6 +431,22 @@ def test_placements_recorded_in_catalog(sources):
     assert ("layers.1.feed_forward.w1.weight",) in rows
     out = run_python(["-m", "ucp_store.cli", "--store", store, "show", f"tpfsdp@{STEPS}"])
     assert out.returncode == 0 and "dtensor" in out.stdout, out.stderr
+    # `ucp plan` says what a topology plan assumes of dtensor patterns, and plans a DTensor mesh exactly
+    out = run_python(["-m", "ucp_store.cli", "--store", store, "plan", f"tpfsdp@{STEPS}", "--tp", "2"])
+    assert out.returncode == 0 and "treats them as replicated" in out.stdout and "--mesh" in out.stdout, out.stderr
+    out = run_python(["-m", "ucp_store.cli", "--store", store, "plan", f"tpfsdp@{STEPS}", "--mesh", "dp=2,tp=2",
+                      "--json"])
+    assert out.returncode == 0, out.stderr
+    ranks = json.loads(out.stdout)["ranks"]
+    topo = [planner.plan(list(infos.values()), Topology(tp=2, dp=2), r) for r in range(4)]
+    assert [r["coords"] for r in ranks] == [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}, {"dp": 1, "tp": 0},
+                                            {"dp": 1, "tp": 1}]
+    # the saving mesh itself: each rank needs its quarter of every sharded tensor, far less than the topology
+    # plan's whole tensors per TP rank (the live loads' bytes equal plan_mesh's: test_resume_on_other_meshes)
+    mine = [planner.plan_mesh(list(infos.values()), "dp=2,tp=2", r) for r in range(4)]
+    assert [r["bytes_needed"] for r in ranks] == [p.bytes_needed for p in mine]
+    assert all(r["bytes_read"] >= r["bytes_needed"] for r in ranks)
+    assert 2 * sum(r["bytes_needed"] for r in ranks) < sum(p.bytes_needed for p in topo)
 
 
 @pytest.mark.slow

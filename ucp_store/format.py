@@ -190,20 +190,28 @@ def array_spec(location: Location, rel: str, layout: ArrayLayout) -> dict:
 
 
 def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.Context, *,
-                 shared: bool = False, what: str = "array") -> ts.TensorStore:
+                 shared: bool = False, what: str = "array", wait: bool = True) -> Any:
     """Create the array at ``rel``. ``shared``: several writers (ranks) open it at once, so an array that
-    another rank created already is opened instead (its metadata must match ``layout``)."""
+    another rank created already is opened instead (its metadata must match ``layout``). ``wait=False``
+    returns the future of the ``TensorStore`` (to create many at once; :func:`created` waits on it)."""
     try:
-        return ts.open(array_spec(location, rel, layout), create=True, open=shared, context=context).result()
-    except ValueError as exc:  # unreachable bucket, permissions, a full disk: name the array, not a spec dump
-        reason = str(exc).split(" [tensorstore_spec=", 1)[0]
-        raise WriteError(f"{what}: creating array {location.display(rel)} failed: {reason}") from None
+        future = ts.open(array_spec(location, rel, layout), create=True, open=shared, context=context)
+    except ValueError as exc:
+        raise _create_failed(exc, location, rel, what) from None
+    return created(future, location, rel, what) if wait else future
 
 
-def create_array_async(location: Location, rel: str, layout: ArrayLayout, context: ts.Context, *,
-                       shared: bool = False):
-    """``create_array`` without waiting: the TensorStore future of the open (many arrays open at once)."""
-    return ts.open(array_spec(location, rel, layout), create=True, open=shared, context=context)
+def created(future: Any, location: Location, rel: str, what: str = "array") -> ts.TensorStore:
+    """The array a ``create_array(wait=False)`` future opens; a failure names the array, not a spec dump."""
+    try:
+        return future.result()
+    except ValueError as exc:  # unreachable bucket, permissions, a full disk
+        raise _create_failed(exc, location, rel, what) from None
+
+
+def _create_failed(exc: ValueError, location: Location, rel: str, what: str) -> WriteError:
+    reason = str(exc).split(" [tensorstore_spec=", 1)[0]
+    return WriteError(f"{what}: creating array {location.display(rel)} failed: {reason}")
 
 
 def open_array(location: Location, rel: str, layout: ArrayLayout | None, context: ts.Context,

@@ -68,7 +68,7 @@ from .topology import Topology, as_topology
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "DEFAULT_GROUP", "EXPERT_GROUP", "NOT_FLAT_STATES", "itemsize", "Read",
            "TensorPlan", "BufferPlan", "Plan", "coalesce_reads", "chunk_footprint", "default_flat_kind", "plan",
-           "gc_paused", "split_points", "chunk_alignment"]
+           "gc_paused", "split_points", "chunk_alignment", "MESH_ASSUMPTION", "MeshPlan", "parse_mesh", "plan_mesh"]
 
 PLAN_FORMAT = "ucp_store.plan"
 PLAN_VERSION = 1
@@ -794,3 +794,124 @@ def chunk_alignment(pattern: Any, shape: Sequence[int], topologies: Iterable[Top
                        key=lambda c: (sum(1 for b in pts if b % c == 0), c & -c, -c))
             out.append(best)
     return tuple(out)
+
+
+# ====================================================================== DTensor mesh targets
+#: what a mesh plan assumes, printed with it (``ucp plan --mesh``)
+MESH_ASSUMPTION = ("each dtensor tensor-state keeps its saved placements per mesh dim name on the target mesh "
+                   "(strided-shard split factors follow the target sizes); plain tensors and other patterns are "
+                   "read whole by every rank")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshPlan:
+    """What one rank of a DTensor ``DeviceMesh`` reads (``plan_mesh``): per tensor-state, its local boxes."""
+
+    mesh_shape: tuple[int, ...]
+    mesh_dims: tuple[str, ...]
+    rank: int
+    coords: Mapping[str, int]
+    tensors: tuple[TensorPlan, ...]
+
+    @property
+    def bytes_needed(self) -> int:
+        return sum(t.bytes_needed for t in self.tensors)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(t.bytes_read for t in self.tensors)
+
+    @property
+    def chunks_touched(self) -> int:
+        return sum(t.chunks_touched for t in self.tensors)
+
+    @property
+    def num_reads(self) -> int:
+        return sum(len(t.reads) for t in self.tensors)
+
+    @property
+    def read_amplification(self) -> float:
+        needed = self.bytes_needed
+        return self.bytes_read / needed if needed else 1.0
+
+    def tensor(self, name: str, state: str) -> TensorPlan:
+        for t in self.tensors:
+            if t.name == name and t.state == state:
+                return t
+        raise PlanError(f"mesh plan for rank {self.rank} has no tensor-state ({name!r}, {state!r})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT, "version": PLAN_VERSION,
+            "mesh": {"shape": list(self.mesh_shape), "dims": list(self.mesh_dims)}, "assumes": MESH_ASSUMPTION,
+            "rank": self.rank, "coords": dict(self.coords), "tensors": [t.to_json() for t in self.tensors],
+            "totals": {"tensor_states": len(self.tensors), "reads": self.num_reads,
+                       "bytes_needed": self.bytes_needed, "chunks_touched": self.chunks_touched,
+                       "bytes_read": self.bytes_read, "read_amplification": self.read_amplification},
+        }
+
+
+def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``"dp=2,tp=2"`` -> ((2, 2), ("dp", "tp")); ``"2,2"`` -> unnamed dims."""
+    shape, dims = [], []
+    for part in [p.strip() for p in str(text).split(",") if p.strip()]:
+        name, _, size = part.rpartition("=")
+        try:
+            n = int(size)
+        except ValueError:
+            n = 0
+        if n < 1 or (name and not name.replace("_", "").isalnum()):
+            raise PlanError(f"mesh {text!r}: expected comma-separated NAME=SIZE (or SIZE) with sizes >= 1, "
+                            f"e.g. 'dp=2,tp=2'; got {part!r}")
+        shape.append(n)
+        dims.append(name)
+    if not shape:
+        raise PlanError(f"mesh {text!r}: expected comma-separated NAME=SIZE, e.g. 'dp=2,tp=2'")
+    if any(dims) and not all(dims) or len(set(dims)) != len(dims) and all(dims):
+        raise PlanError(f"mesh {text!r}: name every dim once (e.g. 'dp=2,tp=2') or none ('2,2')")
+    return tuple(shape), tuple(dims) if all(dims) else ()
+
+
+def plan_mesh(records: Iterable[Any], mesh: Mapping[str, Any] | str, rank: int, *,
+              states: Iterable[str] | None = None) -> MeshPlan:
+    """What rank ``rank`` of a DTensor mesh reads of a checkpoint (pure), as ``ucp_store.dist.load`` does:
+    each tensor-state's boxes on the target mesh (``patterns.mesh.target_placements``: the saved placements
+    by mesh dim name), and the stored chunks those boxes touch. ``mesh`` is ``{"shape": [...], "dims":
+    [...]}`` or ``"dp=2,tp=2"``; ranks are laid out row-major, as ``init_device_mesh`` does."""
+    from .patterns import mesh as pm
+
+    if isinstance(mesh, str):
+        shape_m, dims_m = parse_mesh(mesh)
+    else:
+        shape_m = tuple(int(n) for n in mesh.get("shape", ()))
+        dims_m = tuple(mesh.get("dims") or ())
+    world = math.prod(shape_m)
+    if not shape_m or any(n < 1 for n in shape_m) or (dims_m and len(dims_m) != len(shape_m)):
+        raise PlanError(f"mesh {dict(mesh) if not isinstance(mesh, str) else mesh!r}: shape must list sizes >= 1 "
+                        "and dims (if given) name each of them")
+    if not 0 <= rank < world:
+        raise PlanError(f"rank {rank} is outside the mesh's {world} ranks ({list(shape_m)})")
+    coord = pm.coord_of(rank, shape_m)
+    wanted = None if states is None else frozenset(states)
+    out = []
+    for rec in records:
+        name, state, shape_v, dtype, pattern, chunk_shape = _fields(rec)
+        if wanted is not None and state not in wanted:
+            continue
+        shape = tuple(int(s) for s in shape_v)
+        if isinstance(pattern, str):
+            pattern = json.loads(pattern)
+        elif pattern is not None and not isinstance(pattern, Mapping):
+            pattern = pattern.to_json()
+        what = f"tensor {name!r} state {state!r}"
+        placements = pm.target_placements(pattern, shape_m, dims_m, what=what)
+        regions = pm.local_regions(shape, shape_m, placements, coord, what=what)
+        isz = _itemsize_of(dtype, name, state)
+        reads = tuple(Read(Box(r.global_box), Box(r.local_box)) for r in regions)
+        chunks, nbytes = chunk_footprint([r.box for r in reads], shape,
+                                         None if chunk_shape is None else tuple(chunk_shape), isz)
+        needed = sum(r.box.numel for r in reads) * isz
+        out.append(TensorPlan(name, state, name, dtype, shape, pm.local_shape(shape, shape_m, placements, coord),
+                              reads, (), needed, chunks, nbytes))
+    coords = {(d or f"dim{i}"): c for i, (d, c) in enumerate(zip(dims_m or ("",) * len(shape_m), coord))}
+    return MeshPlan(shape_m, dims_m, rank, coords, tuple(out))

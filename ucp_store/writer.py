@@ -61,6 +61,10 @@ def check_extent(shape, what: str) -> tuple[int, ...]:
     return dims
 
 
+#: pattern JSON texts that passed the schema (the schema check is the slow half of pattern validation)
+_SCHEMA_CHECKED: set[str] = set()
+
+
 def layer_of(pattern: dict | None) -> int | None:
     """The catalog's ``tensors.layer``: the pattern's placement layer, or None."""
     if pattern is None:
@@ -234,7 +238,12 @@ class CheckpointWriter:
         from . import patterns as pat
         from .schema import validate
 
-        validate("pattern", pattern)
+        text = json.dumps(pattern, sort_keys=True)
+        if text not in _SCHEMA_CHECKED:  # many tensors share one pattern (all of a mesh's Shard(0) DTensors)
+            validate("pattern", pattern)
+            if len(_SCHEMA_CHECKED) > 4096:
+                _SCHEMA_CHECKED.clear()
+            _SCHEMA_CHECKED.add(text)
         pat.check_pattern(pattern, tuple(shape), name=name)
 
     # --- sharded writes: each rank writes its shards straight into the logical arrays ---------------
@@ -334,21 +343,9 @@ class CheckpointWriter:
         if pattern is not None:
             self._validate_pattern(name, pattern, shape)
         key = (name, state)
-        if key in self._sharded:
-            handle, layout, rel, aid = self._known_array(key, dtype, shape, f"{what}: box", "boxes")
-        else:
-            import xxhash
-
-            points = {int(d): [int(p) for p in v] for d, v in (boundaries or {}).items()}
-            layout = self._layout(shape, dtype, pattern, boundaries=points or None)
-            layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape,
-                                     _writer_aligned_shards(layout, points), layout.compression)
-            aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
-            rel = array_path(self.id, aid)
-            handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
-                                      what=f"tensor {name!r} state {state!r}")
-            self._handles[key] = handle
-            self._sharded[key] = (aid, rel, layout, pattern)
+        if key not in self._sharded:
+            self.open_regions([(name, state, dtype, shape, pattern, boundaries)])
+        handle, layout, rel, aid = self._known_array(key, dtype, shape, f"{what}: box", "boxes")
         if array.size:
             box = tuple(slice(o, o + n) for o, n in zip(offset, array.shape))
             future = handle[box].write(array) if box else handle.write(array)
@@ -357,6 +354,34 @@ class CheckpointWriter:
         if origin:
             self._origin.add(key)
         return int(array.size)
+
+    def open_regions(self, specs: Iterable[tuple]) -> None:
+        """Create (or open, when another rank did) the arrays that ``write_region`` boxes will go to, all at
+        once: ``specs`` are ``(name, state, dtype, shape, pattern, boundaries)`` as ``write_region`` takes
+        them (dtype as a store dtype name). Arrays already open are skipped; creating them concurrently
+        saves one metadata round trip per tensor-state on the caller's clock."""
+        import xxhash
+
+        pending: list[tuple] = []
+        for name, state, dtype, shape, pattern, boundaries in specs:
+            key = (name, state)
+            if key in self._sharded or any(k == key for k, *_ in pending):
+                continue
+            shape = tuple(int(x) for x in shape)
+            if pattern is not None:
+                self._validate_pattern(name, pattern, shape)
+            points = {int(d): [int(p) for p in v] for d, v in (boundaries or {}).items()}
+            layout = self._layout(shape, dtype, pattern, boundaries=points or None)
+            layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape,
+                                     _writer_aligned_shards(layout, points), layout.compression)
+            aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
+            rel = array_path(self.id, aid)
+            pending.append((key, aid, rel, layout, pattern,
+                            fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
+                                             wait=False)))
+        for key, aid, rel, layout, pattern, future in pending:
+            self._handles[key] = fmt.created(future, self.store.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
+            self._sharded[key] = (aid, rel, layout, pattern)
 
     def _digest_region(self, key, layout: fmt.ArrayLayout, offset, array: np.ndarray) -> None:
         """Digest every inner chunk of a chunk-aligned box (``fmt.chunk_tree_hash``), so that the origin rank
@@ -422,14 +447,10 @@ class CheckpointWriter:
             dt = dtypes.zarr_name(dtype, what=f"tensor {name!r} state {state!r}")
             layout, rel, aid = self._shard_layout(name, state, shape, dt, pattern, topology, targets)
             pending.append((key, layout, rel, aid,
-                            fmt.create_array_async(self.store.location, rel, layout, self.store.context, shared=True)))
+                            fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
+                                             wait=False)))
         for key, layout, rel, aid, future in pending:
-            try:
-                self._handles[key] = future.result()
-            except ValueError as exc:  # unreachable bucket, permissions, a full disk: name the array
-                reason = str(exc).split(" [tensorstore_spec=", 1)[0]
-                raise WriteError(f"tensor {key[0]!r} state {key[1]!r}: creating array "
-                                 f"{self.store.location.display(rel)} failed: {reason}") from None
+            self._handles[key] = fmt.created(future, self.store.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
             self._opened[key] = (layout, rel, aid)
 
     def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):

@@ -42,6 +42,8 @@ def run_plan(args: Any, store: Any) -> int:
 
     ck = store.checkpoint(args.ref)
     infos = ck.tensors()
+    if getattr(args, "mesh", None):
+        return _run_mesh_plan(args, ck, infos)
     topo = topology_from_args(args, infos)
     states = args.states.split(",") if args.states else None
     ranks = [args.rank] if args.rank is not None else list(range(topo.world_size))
@@ -66,6 +68,12 @@ def run_plan(args: Any, store: Any) -> int:
         print(f"all ranks: {fmt_bytes(read)} read for {fmt_bytes(needed)} needed "
               f"(amplification {read / needed if needed else 1.0:.3f})")
         _print_experts(infos, topo)
+        n_dt = sum(1 for i in infos if isinstance(i.pattern, dict) and i.pattern.get("kind") == "dtensor")
+        if n_dt:
+            print(f"note: {n_dt} tensor-state(s) were saved from DTensors (dtensor pattern); this topology plan "
+                  "treats them as replicated: every TP rank reads each one whole (ZeRO still partitions it). "
+                  "A DTensor job (ucp_store.dist.load) reads only its shards' boxes: "
+                  "plan that with --mesh, e.g. --mesh dp=2,tp=2")
     if args.plot:
         from .plot import draw_plan
 
@@ -91,6 +99,41 @@ def _print_experts(infos: Any, topo: Topology) -> None:
     table(rows, ["expert group", "stored", "ep rank", "experts", "ranks"])
 
 
+def _run_mesh_plan(args: Any, ck: Any, infos: list) -> int:
+    """``ucp plan REF --mesh dp=2,tp=2``: what each rank of a DTensor mesh reads (``planner.plan_mesh``)."""
+    from ..planner import MESH_ASSUMPTION, parse_mesh, plan_mesh
+
+    others = [f"--{f}" for f in ("tp", "pp", "dp", "sp", "ep") if getattr(args, f) != 1]
+    others += ["--zero"] * bool(args.zero) + ["--plot"] * bool(args.plot)
+    if others:
+        raise UcpError(f"--mesh plans a DTensor mesh; it does not combine with {', '.join(others)}")
+    shape, dims = parse_mesh(args.mesh)
+    world = 1
+    for n in shape:
+        world *= n
+    ranks = [args.rank] if args.rank is not None else list(range(world))
+    states = args.states.split(",") if args.states else None
+    plans = [plan_mesh(infos, {"shape": shape, "dims": dims}, r, states=states) for r in ranks]
+    if args.json:
+        if len(plans) == 1:
+            print_json(plans[0].to_json())
+        else:
+            print_json({"mesh": {"shape": list(shape), "dims": list(dims)}, "assumes": MESH_ASSUMPTION,
+                        "ranks": [{"rank": p.rank, "coords": dict(p.coords), **p.to_json()["totals"]} for p in plans]})
+        return EXIT_OK
+    print(f"{ck.run}@{ck.step} -> DTensor mesh {args.mesh}")
+    table([[p.rank, " ".join(f"{k}{v}" for k, v in p.coords.items()), len(p.tensors), p.num_reads,
+            p.chunks_touched, fmt_bytes(p.bytes_needed), fmt_bytes(p.bytes_read), f"{p.read_amplification:.3f}"]
+           for p in plans],
+          ["rank", "coords", "tensor-states", "reads", "chunks", "bytes needed", "bytes read", "amplification"])
+    needed = sum(p.bytes_needed for p in plans)
+    read = sum(p.bytes_read for p in plans)
+    print(f"all ranks: {fmt_bytes(read)} read for {fmt_bytes(needed)} needed "
+          f"(amplification {read / needed if needed else 1.0:.3f})")
+    print(f"assumes: {MESH_ASSUMPTION}")
+    return EXIT_OK
+
+
 def cmd_plan(args: Any) -> int:
     """``ucp plan``."""
     return run_plan(args, open_from_args(args))
@@ -107,6 +150,9 @@ def _plan_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--states", default=None, help="comma-separated states (default: all)")
     sp.add_argument("--plot", default=None, metavar="FILE.png", help="draw which ranks read which chunks")
     sp.add_argument("--param", default=None, help="parameter to draw (default: the largest)")
+    sp.add_argument("--mesh", default=None, metavar="DIM=N,...",
+                    help="plan a DTensor mesh instead (e.g. dp=2,tp=2): each rank reads its shards' boxes, "
+                         "the saved placements kept per mesh dim name (what ucp_store.dist.load reads)")
 
 
 COMMANDS = {"plan": Command(cmd_plan, "read plan of a version for a target topology", _plan_args)}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,11 +132,8 @@ class _Tensor:
 
 
 def _is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    mod = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (and importing it
+    return mod is not None and isinstance(t, mod.DTensor)  # costs seconds on the caller's clock)
 
 
 def _describe(leaf: Leaf) -> _Tensor:
@@ -306,6 +304,8 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
     error = None
     try:
         pairs = list(zip(plan.items, staged))
+        writer.open_regions([(it.name, it.state, dtypes.zarr_name(data.dtype, what=it.name), it.shape, it.pattern,
+                              it.boundaries) for it, data in pairs])  # every array at once
         for it, data in track(pairs, f"save {run}@{step}", enabled=progress and ctx.rank == 0,
                               weight=lambda pair: pair[1].numel() * pair[1].element_size()):
             writer.write_region(it.name, it.state, data, shape=it.shape, offset=it.offset, pattern=it.pattern,

@@ -21,7 +21,10 @@ nothing is listed then.
 from __future__ import annotations
 
 import atexit
+import math
+import mmap
 import os
+import sys
 import threading
 import time
 from typing import Any, cast
@@ -80,29 +83,129 @@ def wait() -> None:
 
 
 # ----------------------------------------------------------------------------------------- staging
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels refuse it and the first copy faults the pages in
+
+
+def _populate(addr: int, nbytes: int) -> None:
+    """Map the pages of ``[addr, addr + nbytes)`` now, in one call (ctypes releases the GIL meanwhile)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = addr & ~(mmap.PAGESIZE - 1)
+    libc.madvise(ctypes.c_void_p(start), nbytes + addr - start, _MADV_POPULATE_WRITE)
+
+
+def _host_buffer(shape: tuple, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor for staging: pinned for device tensors, otherwise prefaulted anonymous
+    memory (``MAP_POPULATE``: the kernel maps every page in one call instead of one page fault per 4 KiB on
+    the first copy, which is most of a first call's cost)."""
+    if pin:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if not populate or nbytes < (1 << 20):
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate),
+                           dtype=torch.uint8)  # the tensor keeps the mapping alive
+    return raw.view(dtype).view(shape)
+
+
+class _Arena:
+    """The process mode's staging buffers: one ``memfd`` (Linux) that the writer process maps through
+    ``/proc/<pid>/fd/<fd>``, every buffer at a page-aligned offset. Cheaper than torch's shared storages
+    (created and faulted page by page), and nothing is left in /dev/shm when a process dies."""
+
+    def __init__(self, specs: list[tuple[tuple, torch.dtype]]):
+        self.layout: list[tuple[int, int, tuple, torch.dtype]] = []  # (offset, nbytes, shape, dtype)
+        total = 0
+        for shape, dtype in specs:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self.layout.append((total, nbytes, shape, dtype))
+            total += -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = max(total, mmap.PAGESIZE)
+        self.fd = os.memfd_create("ucp-async-stage")
+        os.ftruncate(self.fd, self.size)
+        self.raw = torch.frombuffer(mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+        self.buffers = [_arena_view(self.raw, *item) for item in self.layout]
+
+    def populate(self, i: int) -> torch.Tensor:
+        off, nbytes, _, _ = self.layout[i]
+        if nbytes:
+            _populate(self.raw.data_ptr() + off, nbytes)
+        return self.buffers[i]
+
+    def describe(self) -> dict:
+        """What the writer process needs to map the same buffers."""
+        return {"path": f"/proc/{os.getpid()}/fd/{self.fd}", "size": self.size, "layout": self.layout}
+
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
+def _arena_view(raw: torch.Tensor, off: int, nbytes: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    return raw[off:off + nbytes].view(dtype).view(shape)
+
+
+def _map_arena(desc: dict) -> list[torch.Tensor]:
+    """The writer process's view of the trainer's arena."""
+    fd = os.open(desc["path"], os.O_RDWR)
+    try:
+        raw = torch.frombuffer(mmap.mmap(fd, desc["size"], flags=mmap.MAP_SHARED), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+    return [_arena_view(raw, *item) for item in desc["layout"]]
+
+
 class _Stager:
     """Host buffers for this rank's boxes, reused while the layout stays the same."""
 
     def __init__(self) -> None:
         self.signature: tuple | None = None
         self.buffers: list[torch.Tensor] = []
+        self.arena: _Arena | None = None
         self.generation = 0
+
+    def shared_spec(self) -> Any:
+        """What the writer process maps: the arena's description, or the shared tensors themselves."""
+        return self.arena.describe() if self.arena is not None else self.buffers
 
     def stage(self, plan: _SavePlan, *, shared: bool) -> list[torch.Tensor]:
         sig = (plan.signature(), shared)
         views = [src[sl] if sl else src for src, sl in plan.sources]
-        if sig != self.signature:
-            bufs = []
-            for v in views:
-                pin = v.device.type == "cuda" and not shared
-                b = torch.empty(tuple(v.shape), dtype=v.dtype, device="cpu", pin_memory=pin)
-                bufs.append(b.share_memory_() if shared else b)
-            self.buffers, self.signature = bufs, sig
+        cuda = any(v.device.type == "cuda" for v in views)
+        if sig == self.signature:
+            for b, v in zip(self.buffers, views):
+                b.copy_(v, non_blocking=v.device.type == "cuda")
+        else:
+            # a new layout (the first call): a helper thread maps the next buffer's pages while this one
+            # copies into the previous (both release the GIL), so allocation and copy overlap
+            self.buffers, self.signature, self.arena = [], None, None
+            from concurrent.futures import ThreadPoolExecutor
+
+            specs = [(tuple(v.shape), v.dtype) for v in views]
+            if shared and hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
+                self.arena = _Arena(specs)
+                make = self.arena.populate
+            elif shared:  # no memfd: torch's shared storages
+                def make(i: int) -> torch.Tensor:
+                    shape, dtype = specs[i]
+                    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                    return torch.empty(0, dtype=dtype).set_(  # type: ignore[call-overload]
+                        torch.UntypedStorage._new_shared(nbytes), 0, shape)
+            else:
+                def make(i: int) -> torch.Tensor:
+                    return _host_buffer(*specs[i], pin=views[i].device.type == "cuda")
+            with ThreadPoolExecutor(1, thread_name_prefix="ucp-stage") as pool:
+                futures = [pool.submit(make, i) for i in range(len(views))]
+                for f, v in zip(futures, views):
+                    b = f.result()
+                    b.copy_(v, non_blocking=v.device.type == "cuda")
+                    self.buffers.append(b)
+            self.signature = sig
             self.generation += 1
-        cuda = False
-        for b, v in zip(self.buffers, views):
-            cuda = cuda or v.device.type == "cuda"
-            b.copy_(v, non_blocking=v.device.type == "cuda")
         if cuda:
             torch.cuda.synchronize()
         return self.buffers
@@ -183,7 +286,7 @@ def _writer_main(requests, responses, rank: int, world: int, addr: str, port: in
         if kind == "stop":
             break
         if kind == "buffers":
-            buffers = payload
+            buffers = _map_arena(payload) if isinstance(payload, dict) else payload
             continue
         try:
             ctx = _Ctx(None, tag="async-writer")
@@ -222,10 +325,9 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     global _PENDING
     if mode not in _MODES:
         raise ConfigurationError(f"async_save: mode={mode!r}; expected one of {', '.join(_MODES)}")
-    from ..store import Store
-
-    if mode == "process" and isinstance(store, Store):
-        store = store.location.url
+    store_mod = sys.modules.get("ucp_store.store")  # not imported yet: ``store`` cannot be a Store (and the
+    if mode == "process" and store_mod is not None and isinstance(store, store_mod.Store):  # import stays off
+        store = store.location.url  # the caller's clock: the background opens the store)
     wait()
     t0 = time.perf_counter()
     ctx = _Ctx(group)
@@ -261,6 +363,6 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     if thread is not None:
         thread.start()
     else:  # process mode: the writer was looked up or started above
-        cast(_WriterProcess, writer).submit(handle, buffers, _STAGER.generation, job)
+        cast(_WriterProcess, writer).submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
     handle.blocked_s = time.perf_counter() - t0
     return handle

@@ -1,42 +1,25 @@
-"""Where a DTensor's local shard sits in its logical tensor (pure: no process group, no I/O).
-
-A DTensor on a DeviceMesh is described by its global shape, the mesh shape and one placement per mesh
-dim: ``Shard(d)`` (``torch.chunk`` semantics, so uneven splits leave the last ranks shorter or empty),
-``_StridedShard(d, split_factor)`` (what FSDP2 over TP produces: the dim is first cut into
-``split_factor`` pieces and the rank takes its chunk of each piece, so its rows are not contiguous) and
-``Replicate()``. ``Partial`` is a pending reduction, not a state, and is refused.
-
-Placements are applied left to right, as DTensor does. For every tensor dim that yields the list of
-global indices a mesh coordinate holds, in local order; the local shard is the Cartesian product of
-those lists, so it is a handful of boxes (one per contiguous run of every dim). From the same lists:
-which coordinate writes a box (the one with index 0 on every mesh dim that does not shard the tensor,
-so replicated data is written once), and the split points of all coordinates (chunk boundaries that
-let every writer own whole chunks).
-
-Placements travel as JSON: ``{"type": "shard", "dim": d}``, ``{"type": "strided_shard", "dim": d,
-"split_factor": k}``, ``{"type": "replicate"}``.
-"""
+"""DTensor placements -> boxes: the pure math lives in ``ucp_store.patterns.mesh`` (the planner uses it
+too, torch-free); this module adds ``placement_json``, which turns live torch placements into its JSON."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import TopologyError
+from ..patterns.mesh import (  # noqa: F401 - the dist modules' one import of the layout math
+    Region,
+    all_coords,
+    dim_indices,
+    dim_runs,
+    is_writer_coord,
+    local_regions,
+    local_shape,
+    runs,
+    split_points,
+)
 
-__all__ = [
-    "Region",
-    "all_coords",
-    "dim_indices",
-    "is_writer_coord",
-    "local_regions",
-    "local_shape",
-    "placement_json",
-    "runs",
-    "split_points",
-]
+__all__ = ["Region", "all_coords", "dim_indices", "dim_runs", "is_writer_coord", "local_regions", "local_shape",
+           "placement_json", "runs", "split_points"]
 
 
 def placement_json(p: Any) -> dict:
@@ -61,113 +44,3 @@ def placement_json(p: Any) -> dict:
         return {"type": "replicate"}
     raise TopologyError(f"placement {p!r} cannot be checkpointed: only Shard, _StridedShard and Replicate hold "
                         "state (a Partial DTensor is a pending reduction; redistribute it first)")
-
-
-def _norm_dim(dim: int, ndim: int, what: str) -> int:
-    d = dim + ndim if dim < 0 else dim
-    if not 0 <= d < ndim:
-        raise TopologyError(f"{what}: placement shards dim {dim} of a {ndim}-d tensor")
-    return d
-
-
-def _chunk(idx: list[int], n: int) -> list[list[int]]:
-    """``torch.chunk`` on a list: pieces of ceil(len/n), so the last pieces may be short or missing."""
-    if not idx:
-        return [[] for _ in range(n)]
-    size = -(-len(idx) // n)
-    return [idx[i * size:(i + 1) * size] for i in range(n)]
-
-
-def dim_indices(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[dict],
-                coord: Sequence[int], *, what: str = "tensor") -> list[list[int]]:
-    """Per tensor dim, the global indices that mesh coordinate ``coord`` holds, in local order."""
-    ndim = len(shape)
-    if len(placements) != len(mesh_shape) or len(coord) != len(mesh_shape):
-        raise TopologyError(f"{what}: {len(placements)} placements for a {len(mesh_shape)}-d mesh")
-    out = [list(range(int(s))) for s in shape]
-    for mesh_dim, p in enumerate(placements):
-        kind = p["type"]
-        if kind == "replicate":
-            continue
-        d = _norm_dim(p["dim"], ndim, what)
-        n, c = int(mesh_shape[mesh_dim]), int(coord[mesh_dim])
-        if kind == "shard":
-            out[d] = _chunk(out[d], n)[c]
-        else:
-            sf = p["split_factor"]
-            out[d] = [i for piece in _chunk(out[d], sf) for i in _chunk(piece, n)[c]]
-    return out
-
-
-def local_shape(shape, mesh_shape, placements, coord) -> tuple[int, ...]:
-    """The shape of the local shard at ``coord``."""
-    return tuple(len(ix) for ix in dim_indices(shape, mesh_shape, placements, coord))
-
-
-def runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Contiguous runs of a local index list: ``(global_start, local_start, length)``."""
-    out: list[tuple[int, int, int]] = []
-    for local, g in enumerate(indices):
-        if out and out[-1][0] + out[-1][2] == g:
-            gs, ls, n = out[-1]
-            out[-1] = (gs, ls, n + 1)
-        else:
-            out.append((g, local, 1))
-    return out
-
-
-@dataclass(frozen=True)
-class Region:
-    """One box of a local shard: ``global_box`` in the logical tensor, ``local_box`` in the local tensor."""
-
-    global_box: tuple[tuple[int, int], ...]
-    local_box: tuple[tuple[int, int], ...]
-
-    @property
-    def offset(self) -> tuple[int, ...]:
-        return tuple(lo for lo, _ in self.global_box)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(hi - lo for lo, hi in self.global_box)
-
-    def local_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(lo, hi) for lo, hi in self.local_box)
-
-    def global_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(lo, hi) for lo, hi in self.global_box)
-
-
-def local_regions(shape, mesh_shape, placements, coord, *, what: str = "tensor") -> list[Region]:
-    """The boxes of the local shard at ``coord`` (empty if it holds nothing); a 0-d tensor is one empty box."""
-    per_dim = [runs(ix) for ix in dim_indices(shape, mesh_shape, placements, coord, what=what)]
-    if any(not r for r in per_dim):
-        return []
-    out = []
-    for combo in itertools.product(*per_dim):
-        out.append(Region(tuple((g, g + n) for g, _, n in combo), tuple((ls, ls + n) for _, ls, n in combo)))
-    return out
-
-
-def is_writer_coord(placements: Sequence[dict], coord: Sequence[int]) -> bool:
-    """Whether ``coord`` writes its shard: index 0 on every mesh dim that replicates the tensor."""
-    return all(c == 0 for p, c in zip(placements, coord) if p["type"] == "replicate")
-
-
-def split_points(shape, mesh_shape, placements) -> dict[int, list[int]]:
-    """Per tensor dim, every global coordinate where some rank's run starts or ends (chunk boundaries)."""
-    sharding = [i for i, p in enumerate(placements) if p["type"] != "replicate"]
-    points: dict[int, set[int]] = {}
-    ranges = [range(int(mesh_shape[i])) if i in sharding else range(1) for i in range(len(mesh_shape))]
-    for coord in itertools.product(*ranges):
-        for d, ix in enumerate(dim_indices(shape, mesh_shape, placements, coord)):
-            for g, _, n in runs(ix):
-                for p in (g, g + n):
-                    if 0 < p < shape[d]:
-                        points.setdefault(d, set()).add(p)
-    return {d: sorted(v) for d, v in points.items()}
-
-
-def all_coords(mesh_shape: Iterable[int]) -> Iterable[tuple[int, ...]]:
-    """Every coordinate of a mesh, row-major (the order of its ranks)."""
-    return itertools.product(*(range(int(n)) for n in mesh_shape))
