@@ -155,13 +155,13 @@ class BufferPlan:
                 "members": list(self.members), "padding": [p.to_json() for p in self.padding]}
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    topology: Topology
+class _PlanTotals:
+    """Totals over a rank's tensor plans, shared by :class:`Plan` (topology) and :class:`MeshPlan` (DTensor mesh)."""
+
+    __slots__ = ()
     rank: int
-    coords: Mapping[str, int]
     tensors: tuple[TensorPlan, ...]
-    buffers: tuple[BufferPlan, ...]
+    _WHAT = "plan"
 
     @property
     def bytes_needed(self) -> int:
@@ -188,7 +188,22 @@ class Plan:
         for t in self.tensors:
             if t.name == name and t.state == state:
                 return t
-        raise PlanError(f"plan for rank {self.rank} has no tensor-state ({name!r}, {state!r})")
+        raise PlanError(f"{self._WHAT} for rank {self.rank} has no tensor-state ({name!r}, {state!r})")
+
+    def totals_json(self) -> dict[str, Any]:
+        return {"tensor_states": len(self.tensors), "reads": self.num_reads,
+                "bytes_needed": self.bytes_needed, "chunks_touched": self.chunks_touched,
+                "bytes_read": self.bytes_read, "read_amplification": self.read_amplification}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan(_PlanTotals):
+    topology: Topology
+    rank: int
+    coords: Mapping[str, int]
+    tensors: tuple[TensorPlan, ...]
+    buffers: tuple[BufferPlan, ...]
+
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -196,9 +211,7 @@ class Plan:
             "topology": self.topology.to_json(), "rank": self.rank, "coords": dict(self.coords),
             "tensors": [t.to_json() for t in self.tensors],
             "buffers": [b.to_json() for b in self.buffers],
-            "totals": {"tensor_states": len(self.tensors), "reads": self.num_reads,
-                       "bytes_needed": self.bytes_needed, "chunks_touched": self.chunks_touched,
-                       "bytes_read": self.bytes_read, "read_amplification": self.read_amplification},
+            "totals": self.totals_json(),
         }
 
     def to_json_text(self) -> str:
@@ -804,7 +817,7 @@ MESH_ASSUMPTION = ("each dtensor tensor-state keeps its saved placements per mes
 
 
 @dataclass(frozen=True, slots=True)
-class MeshPlan:
+class MeshPlan(_PlanTotals):
     """What one rank of a DTensor ``DeviceMesh`` reads (``plan_mesh``): per tensor-state, its local boxes."""
 
     mesh_shape: tuple[int, ...]
@@ -812,42 +825,15 @@ class MeshPlan:
     rank: int
     coords: Mapping[str, int]
     tensors: tuple[TensorPlan, ...]
+    _WHAT = "mesh plan"
 
-    @property
-    def bytes_needed(self) -> int:
-        return sum(t.bytes_needed for t in self.tensors)
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(t.bytes_read for t in self.tensors)
-
-    @property
-    def chunks_touched(self) -> int:
-        return sum(t.chunks_touched for t in self.tensors)
-
-    @property
-    def num_reads(self) -> int:
-        return sum(len(t.reads) for t in self.tensors)
-
-    @property
-    def read_amplification(self) -> float:
-        needed = self.bytes_needed
-        return self.bytes_read / needed if needed else 1.0
-
-    def tensor(self, name: str, state: str) -> TensorPlan:
-        for t in self.tensors:
-            if t.name == name and t.state == state:
-                return t
-        raise PlanError(f"mesh plan for rank {self.rank} has no tensor-state ({name!r}, {state!r})")
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": PLAN_FORMAT, "version": PLAN_VERSION,
             "mesh": {"shape": list(self.mesh_shape), "dims": list(self.mesh_dims)}, "assumes": MESH_ASSUMPTION,
             "rank": self.rank, "coords": dict(self.coords), "tensors": [t.to_json() for t in self.tensors],
-            "totals": {"tensor_states": len(self.tensors), "reads": self.num_reads,
-                       "bytes_needed": self.bytes_needed, "chunks_touched": self.chunks_touched,
-                       "bytes_read": self.bytes_read, "read_amplification": self.read_amplification},
+            "totals": self.totals_json(),
         }
 
 

@@ -59,14 +59,7 @@ def run_plan(args: Any, store: Any) -> int:
                 {"rank": p.rank, "coords": dict(p.coords), **p.to_json()["totals"]} for p in plans]})
     else:
         print(f"{ck.run}@{ck.step} -> {topo.describe()}")
-        table([[p.rank, " ".join(f"{k}{v}" for k, v in p.coords.items()), len(p.tensors), p.num_reads,
-                p.chunks_touched, fmt_bytes(p.bytes_needed), fmt_bytes(p.bytes_read), f"{p.read_amplification:.3f}"]
-               for p in plans],
-              ["rank", "coords", "tensor-states", "reads", "chunks", "bytes needed", "bytes read", "amplification"])
-        needed = sum(p.bytes_needed for p in plans)
-        read = sum(p.bytes_read for p in plans)
-        print(f"all ranks: {fmt_bytes(read)} read for {fmt_bytes(needed)} needed "
-              f"(amplification {read / needed if needed else 1.0:.3f})")
+        _print_rank_table(plans)
         _print_experts(infos, topo)
         n_dt = sum(1 for i in infos if isinstance(i.pattern, dict) and i.pattern.get("kind") == "dtensor")
         if n_dt:
@@ -99,6 +92,18 @@ def _print_experts(infos: Any, topo: Topology) -> None:
     table(rows, ["expert group", "stored", "ep rank", "experts", "ranks"])
 
 
+def _print_rank_table(plans: Any) -> None:
+    """One row per rank (reads, chunks, bytes needed and read) and the all-ranks total: topology or mesh plans."""
+    table([[p.rank, " ".join(f"{k}{v}" for k, v in p.coords.items()), len(p.tensors), p.num_reads,
+            p.chunks_touched, fmt_bytes(p.bytes_needed), fmt_bytes(p.bytes_read), f"{p.read_amplification:.3f}"]
+           for p in plans],
+          ["rank", "coords", "tensor-states", "reads", "chunks", "bytes needed", "bytes read", "amplification"])
+    needed = sum(p.bytes_needed for p in plans)
+    read = sum(p.bytes_read for p in plans)
+    print(f"all ranks: {fmt_bytes(read)} read for {fmt_bytes(needed)} needed "
+          f"(amplification {read / needed if needed else 1.0:.3f})")
+
+
 def _run_mesh_plan(args: Any, ck: Any, infos: list) -> int:
     """``ucp plan REF --mesh dp=2,tp=2``: what each rank of a DTensor mesh reads (``planner.plan_mesh``)."""
     from ..planner import MESH_ASSUMPTION, parse_mesh, plan_mesh
@@ -122,14 +127,7 @@ def _run_mesh_plan(args: Any, ck: Any, infos: list) -> int:
                         "ranks": [{"rank": p.rank, "coords": dict(p.coords), **p.to_json()["totals"]} for p in plans]})
         return EXIT_OK
     print(f"{ck.run}@{ck.step} -> DTensor mesh {args.mesh}")
-    table([[p.rank, " ".join(f"{k}{v}" for k, v in p.coords.items()), len(p.tensors), p.num_reads,
-            p.chunks_touched, fmt_bytes(p.bytes_needed), fmt_bytes(p.bytes_read), f"{p.read_amplification:.3f}"]
-           for p in plans],
-          ["rank", "coords", "tensor-states", "reads", "chunks", "bytes needed", "bytes read", "amplification"])
-    needed = sum(p.bytes_needed for p in plans)
-    read = sum(p.bytes_read for p in plans)
-    print(f"all ranks: {fmt_bytes(read)} read for {fmt_bytes(needed)} needed "
-          f"(amplification {read / needed if needed else 1.0:.3f})")
+    _print_rank_table(plans)
     print(f"assumes: {MESH_ASSUMPTION}")
     return EXIT_OK
 
