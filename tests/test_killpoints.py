@@ -121,3 +121,23 @@ def test_kill_matrix(tmp_path, request):
     bad = [(r["catalog"], r["backend"], r["point"], r["failures"]) for r in results
            if not (r["killed"] and r["survived"])]
     assert not bad, bad
+
+
+def test_overwriting_export_swaps_folders_in_one_step(tmp_path, monkeypatch):
+    """``export_universal(overwrite=True)`` puts the new folder in place with one exchange: the old content is
+    gone, the new is there, and no ``.old`` or partial sibling is left (no moment without a folder)."""
+    from ucp_store.adapters.deepspeed_universal import replace_dir
+
+    final, new = tmp_path / "t", tmp_path / ".t.partial-1"
+    final.mkdir()
+    (final / "old.pt").write_text("old")
+    new.mkdir()
+    (new / "new.pt").write_text("new")
+    if sys.platform == "linux":  # renameat2(RENAME_EXCHANGE): the two-rename fallback must not run
+        import ucp_store.adapters.deepspeed_universal as du
+
+        monkeypatch.setattr(du.os, "replace", lambda *a: pytest.fail("fell back to two renames"))
+    replace_dir(str(new), str(final))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+    assert sorted(p.name for p in final.iterdir()) == ["new.pt"]

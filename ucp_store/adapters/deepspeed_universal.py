@@ -37,6 +37,7 @@ Import reads such a folder back: :class:`UniversalFolderReader` (layout, metadat
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import re
@@ -198,6 +199,27 @@ def _universal_meta(meta: dict, deepspeed_objects: bool, warnings: list[str], na
     return out
 
 
+
+def replace_dir(new: str, final: str) -> None:
+    """Put the folder ``new`` at ``final``, which exists, and remove the old one. Where the kernel has it, one
+    ``renameat2(RENAME_EXCHANGE)`` swaps the two, so a crash at any moment leaves the old folder or the new
+    one at ``final``, never neither (two renames would leave a gap between them); elsewhere, two renames."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+        renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    except (OSError, AttributeError):
+        renameat2 = None
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2 is not None and renameat2(at_fdcwd, os.fsencode(new), at_fdcwd, os.fsencode(final),
+                                           rename_exchange) == 0:
+        shutil.rmtree(new, ignore_errors=True)  # now the old folder
+        return
+    old = f"{new}.old"
+    os.replace(final, old)
+    os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = None, *, style: str = "auto",
                      deepspeed_objects: bool = False, workers: int | None = None, progress: bool = True,
                      target: Any = None, overwrite: bool = False) -> str:
@@ -303,10 +325,7 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
             with open(os.path.join(out, "ucp_export_warnings.txt"), "w") as f:
                 f.write("\n".join(sorted(set(warnings))) + "\n")
         if os.path.lexists(final):
-            old = f"{out}.old"
-            os.replace(final, old)
-            os.replace(out, final)
-            shutil.rmtree(old, ignore_errors=True)
+            replace_dir(out, final)
         else:
             os.replace(out, final)
     except BaseException:
