@@ -2,10 +2,10 @@
 
 The matrix runs tests/killpoint_driver.py (one process per catalog x backend; it forks a process per
 kill) and asserts that every case was killed where it was meant to be and that the store survived: see
-the driver's docstring for the checks. SQLite + folder tries every point; PostgreSQL and S3 (moto's
-server) try the points whose behaviour depends on them (transactions for the catalog, object listing
-and deletion for the bucket), which keeps the CI cost in budget; ``UCP_FAULTS_FULL=1`` and
-``tools/fault_table.py`` run every point on all four combinations (the tool prints the table).
+the driver's docstring for the checks. Every point is tried on all four combinations of catalog (SQLite,
+PostgreSQL) and storage (folder, S3 through moto's server), one test per combination so that they spread
+over the test workers; ``UCP_FAULTS_QUICK=1`` keeps only the points whose behaviour depends on PostgreSQL
+and S3 there (transactions, object listing and deletion). ``tools/fault_table.py`` prints the table.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from killpoint_driver import CASES  # noqa: E402
 
 ALL = [point for point, _, _ in CASES]
-FULL = os.environ.get("UCP_FAULTS_FULL") == "1"
-# CI: every point on SQLite + folder (cases share one setup per op there), and on PostgreSQL and S3 the
-# points whose outcome depends on them: open transactions for the catalog, listing and deletion for the
-# bucket. UCP_FAULTS_FULL=1 (and tools/fault_table.py) tries every point on all four.
+FULL = os.environ.get("UCP_FAULTS_QUICK") != "1"
+# every point on all four; UCP_FAULTS_QUICK=1: on PostgreSQL and S3 only the points whose outcome depends on
+# them (open transactions for the catalog, listing and deletion for the bucket)
 MATRIX = {("sqlite", "folder"): ALL,
           ("postgresql", "folder"): ALL if FULL else ["flush.mid_rows", "commit.in_txn", "gc.after_rows"],
           ("sqlite", "s3"): ALL if FULL else ["write.array_written:2", "flush.before_rows", "sweep.mid:2"],
@@ -103,20 +102,21 @@ def moto_endpoint():
 
 
 @pytest.mark.slow
-def test_kill_matrix(tmp_path, request):
-    """Every case of MATRIX in one driver launch (torch, TensorStore and DCP are imported once)."""
+@pytest.mark.parametrize("catalog,backend", list(MATRIX))
+def test_kill_matrix(catalog, backend, tmp_path, request):
+    """Every point of MATRIX for one catalog x storage in one driver launch (torch, TensorStore and DCP are
+    imported once; each kill is a forked process)."""
     url = os.environ.get(PG_ENV)
-    combos = []
-    for (catalog, backend), points in MATRIX.items():
-        if catalog == "postgresql" and not url:
-            continue  # tests/test_backends.py skips PostgreSQL the same way when no server is given
-        combos.append([url if catalog == "postgresql" else "sqlite",
-                       request.getfixturevalue("moto_endpoint") if backend == "s3" else "folder", points])
+    if catalog == "postgresql" and not url:
+        pytest.skip(f"PostgreSQL catalog: set {PG_ENV} (tests/test_backends.py skips the same way)")
+    points = MATRIX[(catalog, backend)]
+    combos = [[url if catalog == "postgresql" else "sqlite",
+               request.getfixturevalue("moto_endpoint") if backend == "s3" else "folder", points]]
     proc = run_python(["tests/killpoint_driver.py", "--work", str(tmp_path), "--combos", json.dumps(combos)],
                       timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    want = [(c, b, p) for (c, b), points in MATRIX.items() if c == "sqlite" or url for p in ALL if p in points]
+    want = [(catalog, backend, p) for p in ALL if p in points]
     assert [(r["catalog"], r["backend"], r["point"]) for r in results] == want
     bad = [(r["catalog"], r["backend"], r["point"], r["failures"]) for r in results
            if not (r["killed"] and r["survived"])]

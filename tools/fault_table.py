@@ -37,7 +37,7 @@ def corruption_rows() -> list[tuple[str, str, str, str]]:
     sys.path.insert(0, str(REPO / "tests"))
     from test_corruption import CORRUPTIONS
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), UCP_PROGRESS="0", UCP_FAULTS_FULL="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO), UCP_PROGRESS="0", UCP_FAULTS_QUICK="0")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-n", "0", "-p", "no:cacheprovider",
                            "tests/test_corruption.py"], capture_output=True, text=True, env=env, cwd=str(REPO),
                           timeout=1800)

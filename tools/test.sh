@@ -28,4 +28,4 @@ echo "ruff check ucp_store; mypy (files from pyproject: ucp_store, strict on the
 .venv/bin/mypy
 
 export UCP_PROGRESS=0
-exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15 "$@"
