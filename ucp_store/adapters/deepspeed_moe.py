@@ -263,24 +263,11 @@ class DeepSpeedMoEReader(DeepSpeedReader):
         name, g, local = spec["name"], spec["group"], ex["local"]
         shape = spec["shapes"][0]
         want = _numel(shape)
-        frags: dict[str, list[torch.Tensor]] = {}
-        steps = []
+        steps: list = []
         used: list[tuple[torch.Tensor, int, int]] = []
-        got = 0
-        for dp in range(ex["ep_rank"], self.dp, self.ep):  # the expert-data-parallel ranks of its ep rank
-            flat, step, mapping = self._flat_states((0, dp), g)
-            addr = mapping.get(local)
-            if addr is None:
-                continue
-            start, numel = int(addr.start), int(addr.numel)
-            for k, t in flat.items():
-                if start + numel > t.numel():
-                    raise SourceFormatError(f"{self._path(self.optim_files[(0, dp)])}: fragment of {local!r} (global "
-                                            f"{name!r}) lies outside the flat {k} partition of group {g}")
-                frags.setdefault(k, []).append(t.narrow(0, start, numel))
-                used.append((t, start, numel))
-            steps.append((step, (0, dp)))
-            got += numel
+        # the expert-data-parallel ranks of its ep rank
+        frags, got = self._gather_fragments([(0, dp) for dp in range(ex["ep_rank"], self.dp, self.ep)], g, local,
+                                            f"{local!r} (global {name!r})", steps, used)
         if got != want:
             raise SourceFormatError(f"{self.tag_dir}: the fragments of expert parameter {name!r} (local {local!r} on "
                                     f"ep rank {ex['ep_rank']}) cover {got} of its {want} elements")

@@ -461,6 +461,30 @@ class DeepSpeedReader(DeepSpeedTagFolder):
         mapping = osd["param_slice_mappings"][g] if g < len(osd["param_slice_mappings"]) else {}
         return flat, step, mapping
 
+    def _gather_fragments(self, keys, g: int, local: str, label: str, steps: list,
+                          used: list) -> tuple[dict[str, list[torch.Tensor]], int]:
+        """The flat-partition fragments of the parameter named ``local`` in group ``g`` of the optimizer files
+        ``keys`` ((mp, dp) pairs, in order): per state the fragment views, and how many elements they cover.
+        Appends each file's step to ``steps`` and each view's (tensor, start, numel) to ``used``."""
+        frags: dict[str, list[torch.Tensor]] = {}
+        got = 0
+        for key in keys:
+            flat, step, mapping = self._flat_states(key, g)
+            addr = mapping.get(local)
+            if addr is None:
+                continue
+            start, numel = int(addr.start), int(addr.numel)
+            for k, t in flat.items():
+                if start + numel > t.numel():
+                    raise SourceFormatError(
+                        f"{self._path(self.optim_files[key])}: fragment of {label} [{start}, {start + numel})"
+                        f" lies outside the flat {k} partition of group {g} ({t.numel()} elements)")
+                frags.setdefault(k, []).append(t.narrow(0, start, numel))
+                used.append((t, start, numel))
+            steps.append((step, key))
+            got += numel
+        return frags, got
+
     def _records_zero12(self, wanted) -> Iterator[ParamRecord]:
         by_stage: dict[int, list[dict]] = {}
         for p in self.params:
@@ -476,28 +500,13 @@ class DeepSpeedReader(DeepSpeedTagFolder):
     def _zero12_param(self, spec: dict) -> ParamRecord:
         name, pp, g = spec["name"], spec["stage"], spec["group"]
         per_state: dict[str, list[torch.Tensor]] = {}
-        steps = []
+        steps: list = []
         used: list[tuple[torch.Tensor, int, int]] = []
         for tp in range(self.tp):
             mp = pp * self.tp + tp
             want = _numel(spec["shapes"][tp])
-            frags: dict[str, list[torch.Tensor]] = {}
-            got = 0
-            for dp in range(self.dp):
-                flat, step, mapping = self._flat_states((mp, dp), g)
-                addr = mapping.get(name)
-                if addr is None:
-                    continue
-                start, numel = int(addr.start), int(addr.numel)
-                for k, t in flat.items():
-                    if start + numel > t.numel():
-                        raise SourceFormatError(
-                            f"{self._path(self.optim_files[(mp, dp)])}: fragment of {name!r} [{start}, {start + numel})"
-                            f" lies outside the flat {k} partition of group {g} ({t.numel()} elements)")
-                    frags.setdefault(k, []).append(t.narrow(0, start, numel))
-                    used.append((t, start, numel))
-                steps.append((step, (mp, dp)))
-                got += numel
+            frags, got = self._gather_fragments([(mp, dp) for dp in range(self.dp)], g, name, repr(name),
+                                                steps, used)
             if got == 0:
                 per_state = {}
                 break
