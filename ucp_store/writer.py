@@ -389,16 +389,11 @@ class CheckpointWriter:
         digests = self._region_digests.setdefault(key, {})
         if digests is None:
             return
-        ranges = []
         for o, n, c, s in zip(offset, array.shape, layout.chunk_shape, layout.shape):
             if o % c or ((o + n) % c and o + n != s):
                 self._region_digests[key] = None
                 return
-            ranges.append(range(o // c, -(-(o + n) // c)))
-        for idx in itertools.product(*ranges):
-            sl = tuple(slice(i * c - o, min((i + 1) * c, s) - o)
-                       for i, c, s, o in zip(idx, layout.chunk_shape, layout.shape, offset))
-            digests[idx] = fmt.chunk_digest(array[sl] if sl else array)
+        _digest_chunks_inside(digests, layout, tuple(offset), array)  # aligned: every chunk it touches is inside
 
     def region_digests(self) -> dict:
         """``{(name, state): {chunk index: digest} | None}`` of the boxes this writer wrote (None: unaligned)."""
