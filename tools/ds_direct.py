@@ -25,7 +25,6 @@ the next optimizer step certainly has to wait for it).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -186,11 +185,7 @@ def run_job(job):
         result["losses"] = ds_train.train_steps(engine, job, start, job.get("steps", 2), dp_rank, dp, micro, gas)
     else:
         raise SystemExit(f"unknown job kind {job['kind']!r}")
-    result["losses_hex"] = [float(v).hex() for v in result.get("losses", [])]
-    result["wall_s"] = time.time() - t0
-    if rank == 0 and job.get("out"):
-        with open(job["out"], "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    ds_train.finish_job(result, job, rank, t0)
     del engine
     dist.barrier()
     return result

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ds_train import finish_job
+
 GLOBAL_BATCH = 16  # 4 tokens per rank at dp=4: DeepSpeed's gate needs at least min_capacity tokens
 
 __all__ = ["MoENet", "run_job", "expert_state_dump", "main"]
@@ -218,11 +220,7 @@ def run_job(job):
         result["losses"] = train_steps(engine, job, start, job.get("steps", 2), dp_rank, micro)
     else:
         raise SystemExit(f"unknown job kind {job['kind']!r}")
-    result["losses_hex"] = [float(v).hex() for v in result.get("losses", [])]
-    result["wall_s"] = time.time() - t0
-    if rank == 0 and job.get("out"):
-        with open(job["out"], "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    finish_job(result, job, rank, t0)
     del engine
     dist.barrier()
     return result

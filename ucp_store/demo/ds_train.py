@@ -48,7 +48,7 @@ import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-__all__ = ["main", "run_job"]
+__all__ = ["finish_job", "main", "run_job"]
 
 import torch
 import torch.nn.functional as F
@@ -469,6 +469,17 @@ def _dump_partitions(engine, prefix: str) -> None:
     torch.save(out, f"{prefix}_rank{torch.distributed.get_rank()}.pt")
 
 
+def finish_job(result: dict, job: dict, rank: int, t0: float) -> None:
+    """Close a job's result (every harness's ``run_job``): the losses as ``float.hex`` strings, the wall time,
+    and on rank 0 the JSON file ``job["out"]`` names."""
+    result["losses_hex"] = [float(v).hex() for v in result.get("losses", [])]
+    result["wall_s"] = time.time() - t0
+    if rank == 0 and job.get("out"):
+        os.makedirs(os.path.dirname(os.path.abspath(job["out"])), exist_ok=True)
+        with open(job["out"], "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
 def run_job(job):
     import deepspeed.comm as dist
 
@@ -510,12 +521,7 @@ def run_job(job):
         result["losses"] = train_steps(engine, job, start, job.get("steps", 2), dp_rank, dp, micro, gas)
     else:
         raise SystemExit(f"unknown job kind {job['kind']!r}")
-    result["losses_hex"] = [float(v).hex() for v in result.get("losses", [])]
-    result["wall_s"] = time.time() - t0
-    if rank == 0 and job.get("out"):
-        os.makedirs(os.path.dirname(os.path.abspath(job["out"])), exist_ok=True)
-        with open(job["out"], "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    finish_job(result, job, rank, t0)
     if rank == 0:
         print(json.dumps({k: result[k] for k in ("losses", "wall_s") if k in result}), flush=True)
     # release the engine (and its groups' buffers) before the next job
