@@ -105,3 +105,25 @@ def test_tp_and_moe_engines_are_refused_with_the_reason():
     with pytest.raises(ConfigurationError, match=r"MoE engines .*ucp import deepspeed"):
         engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=True))
     assert engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=False))["dp"] == 2
+
+
+def test_step_scalars_keep_their_parameters_pipeline_placement():
+    # the optimizer step of a pipeline parameter is loaded by the stage that owns the parameter: its 0-d array
+    # carries the parameter's placement (no layout), both in `ucp import deepspeed` and in the direct engine
+    from ucp_store.adapters.deepspeed_merge import ParamRecord, with_placement
+
+    states = {"fp32": torch.zeros(4), "step": torch.tensor(3.0)}
+    piped = ParamRecord("2.weight", states, pattern=with_placement(None, {"layer": 2}))
+    assert piped.pattern_for("fp32") == {"kind": "replicated", "placement": {"layer": 2}}
+    assert piped.pattern_for("step") == {"kind": "replicated", "placement": {"layer": 2}}
+    tied = ParamRecord("embed.weight", states, pattern={"kind": "partitioned", "dim": 0, "tp": 2,
+                                                        "placement": {"stages": ["first", "last"]}})
+    assert tied.pattern_for("step") == {"kind": "replicated", "placement": {"stages": ["first", "last"]}}
+    assert ParamRecord("w", states).pattern_for("step") is None  # no pipeline: still no pattern
+    # the planner places it like its parameter: only the stage holding layer 2 loads the step
+    topo = Topology(pp=2, layers=4, zero_stage=1)
+    rec = {"name": "2.weight", "state": "step", "shape": [], "dtype": "float32", "chunk_shape": [],
+           "pattern": piped.pattern_for("step")}
+    loads = {r: [t.name for t in plan([rec], topo, r).tensors] for r in range(topo.world_size)}
+    assert loads == {r: ["2.weight"] if topo.coords(r)["pp"] == topo.stage_of_layer(2) else []
+                     for r in range(topo.world_size)}

@@ -278,7 +278,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 if typ is not None:
                     steps[name] = typ
                     if k == 0:
-                        writer.write(name, "step", step_t.cpu(), pattern=None, position=base + len(flat))
+                        writer.write(name, "step", step_t.cpu(), pattern=pattern, position=base + len(flat))
                 lp = meta["lp"].get(name)
                 if lp is not None:
                     mine_fp32 = flat["fp32"].narrow(0, start, n).detach().cpu()
@@ -318,7 +318,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 if typ is not None:
                     steps[name] = typ
                     if lo == 0:
-                        writer.write(name, "step", step_t.cpu(), pattern=None, position=base + len(flat))
+                        writer.write(name, "step", step_t.cpu(), pattern=pattern, position=base + len(flat))
             # frozen parameters: every rank its partition
             frs = (model_sd or {}).get("frozen_param_fragments") or {}
             for name, info in frozen.items():
