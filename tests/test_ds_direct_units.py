@@ -19,12 +19,14 @@ def _logical():
     return {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
 
 
-def _write_dp2(store, run, logical, *, tamper=False, open_first=True):
+def _write_dp2(store, run, logical, *, tamper=False, open_first=True, on_flush=None):
     """Both DP ranks' ZeRO-1 fragments through one writer, digested, merged as ds_write merges them."""
     topo = Topology(dp=2, zero_stage=1)
     names = list(SHAPES)
     group = pat.zero_group_layout([logical[n].numel() for n in names], 2, 1)
     w = store.begin(run, 1)
+    if on_flush is not None:
+        on_flush(w)
     # the engine opens every array of a save together before writing (one durable metadata write each)
     if open_first:
         w.open_shards([(n, "fp32", SHAPES[n], torch.float32, None) for n in names], topology=topo)
@@ -127,3 +129,109 @@ def test_step_scalars_keep_their_parameters_pipeline_placement():
     loads = {r: [t.name for t in plan([rec], topo, r).tensors] for r in range(topo.world_size)}
     assert loads == {r: ["2.weight"] if topo.coords(r)["pp"] == topo.stage_of_layer(2) else []
                      for r in range(topo.world_size)}
+
+
+def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_path, monkeypatch):
+    # the engine's writer skips TensorStore's fsync per file and makes all it wrote durable in one parallel
+    # pass in flush(), before recording rows: every file and folder of the version's arrays is fsynced by then
+    import os
+
+    from ucp_store.catalog import models as m
+
+    store = ucp_store.open_store(str(tmp_path / "store"), create=True)
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    seen_at_rows: list[set] = []
+    from ucp_store import localwrite
+
+    local_files: list[str] = []
+    real_submit = localwrite.submit
+    monkeypatch.setattr(localwrite, "submit", lambda root, rel, *a: (local_files.append(rel),
+                                                                      real_submit(root, rel, *a))[1])
+
+    def arm(w):
+        assert w.defer_durability() and w._array_context() is store.unsynced_context
+        real_flush = type(w).flush
+
+        def flush(self=w):
+            self._drain()
+            self._make_durable()
+            if any(isinstance(r, (m.Array, m.Tensor)) for r in self._rows):
+                seen_at_rows.append(set(synced))
+            real_flush(self)
+        w.flush = flush
+
+    ck, _ = _write_dp2(store, "d", _logical(), on_flush=arm)
+    assert seen_at_rows
+    top = os.path.join(store.location.root, "arrays", ck.id)
+    written = {top, os.path.dirname(top)}
+    for folder, _, files in os.walk(top):
+        written.add(folder)
+        written.update(os.path.join(folder, f) for f in files)
+    assert len(written) > 3 * len(SHAPES)  # zarr.json and shard files of every array, and their folders
+    assert written <= seen_at_rows[0]  # durable before the first row that names them
+    assert ck.verify() == []
+    assert local_files  # whole shards went the local write path (and verify read them back above)
+    # open_shards wrote each zarr.json itself: the very bytes TensorStore writes when it creates the array
+    import tensorstore as ts
+
+    jsons = [os.path.join(f, "zarr.json") for f, _, files in os.walk(top) if "zarr.json" in files]
+    assert len(jsons) == len(SHAPES)
+    for path in jsons:
+        raw = open(path, "rb").read()
+        meta = fmt.read_metadata(store.location, os.path.relpath(os.path.dirname(path), store.location.root))
+        layout = fmt.ArrayLayout(meta["data_type"], tuple(meta["shape"]),
+                                 tuple(meta["codecs"][0]["configuration"]["chunk_shape"]),
+                                 tuple(meta["chunk_grid"]["configuration"]["chunk_shape"]), "none")
+        ref = tmp_path / "ref" / os.path.basename(os.path.dirname(path))
+        ts.open(fmt.array_spec(ucp_store.location.Location.parse(str(ref)), "", layout), create=True).result()
+        assert raw == (ref / "zarr.json").read_bytes()
+    # the arrays were written through a context without TensorStore's own fsync per file (the pass replaces it)
+    assert store.unsynced_context.spec.to_json()["file_io_sync"] is False
+    assert store.context.spec.to_json().get("file_io_sync", True) is True
+
+
+@pytest.mark.parametrize("shape,chunk,shard,dtype", [((64, 32), (8, 32), (32, 32), "float32"),
+                                                     ((4096,), (1024,), (4096,), "float32"),
+                                                     ((16, 4), (4, 4), (16, 4), "bfloat16")])
+def test_local_shard_files_are_byte_identical_to_tensorstores(tmp_path, shape, chunk, shard, dtype):
+    import numpy as np
+    import tensorstore as ts
+
+    from ucp_store import localread, localwrite
+    from ucp_store.location import Location
+
+    loc = Location.parse(str(tmp_path))
+    layout = fmt.ArrayLayout(dtype, shape, chunk, shard, "none")
+    data = dtypes_np(torch.randn(*shape, generator=torch.Generator().manual_seed(1)), dtype)
+    ts.open(fmt.array_spec(loc, "ts.zarr", layout), create=True).result().write(data).result()
+    for idx in np.ndindex(*[s // h for s, h in zip(shape, shard)]):
+        box = tuple((i * h, (i + 1) * h) for i, h in zip(idx, shard))
+        assert localwrite.whole_shard(layout, box) == idx
+        part = np.ascontiguousarray(data[tuple(slice(lo, hi) for lo, hi in box)])
+        localwrite.submit(str(tmp_path), "mine.zarr", layout, idx, part).result()
+        key = "/".join(str(i) for i in idx)
+        assert (tmp_path / "mine.zarr" / "c" / key).read_bytes() == (tmp_path / "ts.zarr" / "c" / key).read_bytes()
+    (tmp_path / "mine.zarr" / "zarr.json").write_bytes(fmt.zarr_json(layout))
+    # both readers take it
+    got = ts.open(fmt.array_spec(loc, "mine.zarr", layout), open=True).result().read().result()
+    assert got.tobytes() == data.tobytes()
+    reader = localread.open_reader(loc, "mine.zarr", layout, fmt.make_context())
+    assert isinstance(reader, localread.LocalArray)
+    full = reader[tuple(slice(0, s) for s in shape)].read().result()
+    assert np.asarray(full).tobytes() == data.tobytes()
+    # not a whole shard, a shard past the array's end, chunks that are not whole rows: TensorStore's job
+    assert localwrite.whole_shard(layout, tuple((0, h // 2) for h in shard)) is None
+    cut = fmt.ArrayLayout(dtype, (shape[0] - 1, *shape[1:]), chunk, shard, "none")
+    last = (shape[0] - 1) // shard[0] * shard[0]
+    assert localwrite.whole_shard(cut, ((last, last + shard[0]), *((0, h) for h in shard[1:]))) is None
+    if len(shape) == 2:
+        narrow = fmt.ArrayLayout(dtype, shape, (chunk[0], shape[1] // 2), shard, "none")
+        assert localwrite.whole_shard(narrow, tuple((0, h) for h in shard)) is None
+
+
+def dtypes_np(t, dtype):
+    from ucp_store import dtypes
+
+    return dtypes.to_numpy(t.to(torch.bfloat16 if dtype == "bfloat16" else torch.float32), what="test")

@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-dir", default=None,
                     help="where every run writes (default: --workdir); /dev/shm takes the disk out of the figures")
     ap.add_argument("--repeat", type=int, default=1, help="run every row N times, keep the fastest (shared machines)")
+    ap.add_argument("--save-only", action="store_true",
+                    help="--roundtrip: only the training job's saves (the blocking-save table), no convert or load")
     ap.add_argument("--roundtrip", action="store_true",
                     help="issue 14: save -> (convert) -> load on a new topology, DeepSpeed's files vs the ucp engine")
     args = ap.parse_args(argv)
@@ -285,6 +287,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def _blocking_table(saved: dict) -> dict:
+    """The blocking synchronous save, best of N with the peers interleaved (tools/ds_direct.py _blocking_reps):
+    DeepSpeed's torch.save engine, + fsync of its files, the raw write + fsync ceiling, the ucp engine."""
+    best, reps = saved["blocking_best"], saved["blocking_reps"]
+    rows = [("torch.save engine (not durable)", "torch_save"),
+            ("torch.save engine + fsync of its files", "torch_save_fsync"),
+            ("raw write + fsync, same bytes (ceiling)", "raw_write_fsync"), ("ucp engine (durable, committed)", "ucp")]
+    print(f"blocking save, best of {len(reps['ucp'])} (interleaved, order rotating); seconds, and ucp / row")
+    for label, k in rows:
+        print(f"  {label:44s} {best[k]:7.3f}  ratio ucp/this {best['ucp'] / best[k]:5.2f}   all: "
+              + " ".join(f"{x:.3f}" for x in reps[k]))
+    phases = min(saved["blocking_ucp_stats"], key=lambda st: st.get("write_s", 1e9))
+    print("  ucp phases of its fastest save (cumulative s): " + ", ".join(
+        f"{k}={v:.3f}" for k, v in phases.items() if k.endswith("_s")))
+    return {"best_s": best, "all_s": reps, "ucp_phases": phases,
+            "ratio_vs_torch_save": round(best["ucp"] / best["torch_save"], 3),
+            "ratio_vs_torch_save_fsync": round(best["ucp"] / best["torch_save_fsync"], 3),
+            "ratio_vs_raw_ceiling": round(best["ucp"] / best["raw_write_fsync"], 3)}
+
+
 def roundtrip(args) -> int:
     """Issue 14: the whole round trip both ways, side by side (see the module docstring)."""
     work = Path(args.workdir).resolve()
@@ -304,9 +326,16 @@ def roundtrip(args) -> int:
     # 1 step, a warm-up save through each engine, 1 step, the measured saves of step 2 (files, then the ucp
     # engine), 1 step, the background save of step 3 and one more step right after it
     save_job = {"kind": "save", **model, "steps": 1, "warm": True, "save_dir": str(save_dir), "tag": tag,
-                "store": str(store), "run": "sync", "bg_run": "background", "out": str(work / "save.json")}
+                "store": str(store), "run": "sync", "bg_run": "background", "out": str(work / "save.json"),
+                "repeat": max(1, args.repeat if args.repeat > 1 else 3)}
     m_save = launch([save_job], 2, "train 1 step + three saves (DP=2)")
     saved = json.loads((work / "save.json").read_text())
+    blocking = _blocking_table(saved)
+    if args.save_only:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"model": model, "blocking": blocking, "save": saved}, indent=1))
+        return 0
     m_conv = _measure_once([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                             str(save_dir / tag), "--output_folder", str(save_dir / f"{tag}_universal"),
                             "--inject_missing_state"], "ds_to_universal", dict(_env(), OMP_NUM_THREADS="1"))
@@ -334,6 +363,7 @@ def roundtrip(args) -> int:
                    "peak_rss_mb": {"save": m_save["peak_rss_tree_mb"], "load": m_lucp["peak_rss_tree_mb"]}},
         "next_loss_equal": lds["losses_hex"] == lucp["losses_hex"],
     }
+    res["blocking"] = blocking
     res["round_trip_speedup"] = round(today / direct, 2)
     res["blocked_ratio_sync"] = round(saved["ucp_blocked_s"] / saved["files_save_s"], 3)
     res["blocked_ratio_sync_vs_durable_torch_save"] = round(saved["ucp_blocked_s"] / saved["files_save_fsync_s"], 3)

@@ -225,8 +225,13 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
             "extra": {"zero_stage": zero, "direct": True, "ranks": world, "tag": ce._tag}}
     msg = ce.message or f"DeepSpeed save_checkpoint (tag {ce._tag}) through the ucp engine"
     step = int(meta["step"])
+    stats = ce.stats
+    stats["gather_s"] = time.time() - t0
     writer = (distributed_begin(ce.store, ce.run, step, group=group, parent="auto", message=msg, provenance=prov)
               if multi else ce.store.begin(ce.run, step, parent="auto", message=msg, provenance=prov))
+    # no fsync per file: every rank makes all it wrote durable in one parallel pass (flush, before agreeing)
+    writer.defer_durability()
+    stats["begin_s"] = time.time() - t0
     metas: dict[str, Any] = {}
     steps: dict[str, str] = {}
     kinds: dict[str, str] = {}
@@ -244,6 +249,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
         """Open every array of this rank's shards at once (``open_shards``), then write them."""
         writer.open_shards([(name, state, shape, t.dtype, pattern) for name, state, t, shape, pattern, _, _ in pending],
                            topology=topo)
+        stats["opened_s"] = time.time() - t0
         for name, state, local_t, shape, pattern, frag, pos in pending:
             writer.write_shard(name, state, local_t.detach().cpu(), shape=shape, pattern=pattern, topology=topo,
                                rank=rank, fragment=frag, position=pos, digest=True)
@@ -353,13 +359,14 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 writer.write(name, "weight", t.detach().cpu(), pattern=_with_placement(None, placement(name)),
                              position=position.get(name, len(position)) * 16)
 
-    stats = ce.stats
     t_phase = time.perf_counter()
     try:
         phase1()
         stats["submit_s"] = time.perf_counter() - t_phase
-        writer.flush()  # every array write of this rank has returned (durable)
+        writer._drain()  # every array write of this rank has returned
         stats["writes_s"] = time.perf_counter() - t_phase
+        writer.flush()  # ... and is durable (one fsync pass), its rows recorded
+        stats["durable_s"] = time.perf_counter() - t_phase
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
     if multi and not _all_ok(error is None, group):
