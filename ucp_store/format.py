@@ -234,9 +234,8 @@ def create_local_arrays(location: Location, items: Sequence[tuple[str, ArrayLayo
             os.replace(tmp, os.path.join(folder, "zarr.json"))
         except OSError as exc:  # permissions, a full disk
             raise WriteError(f"creating array {location.display(rel)} failed: {exc}") from None
-        out.append(ts.open(array_spec(location, rel, layout), open=True, assume_metadata=True,
-                           context=context).result())
-    return out
+        out.append(ts.open(array_spec(location, rel, layout), open=True, assume_metadata=True, context=context))
+    return [f.result() for f in out]
 
 
 def created(future: Any, location: Location, rel: str, what: str = "array") -> ts.TensorStore:

@@ -517,7 +517,8 @@ class CheckpointWriter:
             self._touch(rel)
             pending.append((key, layout, rel, aid))
         if self._unsynced is not None:
-            # deferred durability on a local store: every zarr.json written directly, made durable by flush
+            # deferred durability on a local store: every zarr.json written directly (by each rank that writes to
+            # the array: the same bytes, renamed into place), made durable by flush
             handles = fmt.create_local_arrays(self.store.location, [(rel, layout) for _, layout, rel, _ in pending],
                                               self._array_context())
         else:
