@@ -69,6 +69,34 @@ def param_states(engine) -> dict:
     return out
 
 
+def _status_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> float | None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux: clear_refs 5); returns the RSS in MB."""
+    import gc
+
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return None
+    return _status_mb("VmRSS")
+
+
+def _peak_rss_mb() -> float | None:
+    return _status_mb("VmHWM")
+
+
 def _sync_files(paths) -> None:
     for f in paths:
         fd = os.open(f, os.O_RDONLY)
@@ -238,6 +266,7 @@ def run_job(job):
     elif job["kind"] in ("resume_direct", "resume_ds"):
         universal = job["kind"] == "resume_ds"
         engine, dp_rank, dp, micro, gas = ds_train.make_engine(job, universal=universal)
+        rss_before = _reset_peak_rss()
         t1 = time.perf_counter()
         if universal:
             path, client = engine.load_checkpoint(job["load_dir"], tag=job.get("tag"), load_optimizer_states=True,
@@ -247,6 +276,11 @@ def run_job(job):
         else:
             client = ucpds.load(engine, job["ref"], store=job["store"])
         result["load_s"] = time.perf_counter() - t1
+        # the load's own peak: the process's high-water mark, reset just before the load, over its RSS then
+        peak = _peak_rss_mb()
+        if rss_before is not None and peak is not None:
+            result["load_rss_before_mb"], result["load_peak_rss_mb"] = rss_before, peak
+            result["load_peak_extra_mb"] = round(peak - rss_before, 1)
         result["client_state"] = {k: v for k, v in (client or {}).items() if isinstance(v, (int, float, str))}
         if job.get("state_prefix"):
             torch.save(optimizer_state(engine), f"{job['state_prefix']}_rank{rank}.pt")
