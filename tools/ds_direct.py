@@ -117,6 +117,7 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
     reps: dict[str, list[float]] = {"torch_save": [], "torch_save_fsync": [], "raw_write_fsync": [], "ucp": [],
                                     "ucp_background": []}
     stats = []
+    stager = None  # the background engine's host buffers: allocated by its first save, reused (attached once)
     base = os.path.join(job["save_dir"], "reps")
     for i in range(int(job["repeat"])):
         ds_train.train_steps(engine, job, steps, 1, dp_rank, dp, micro, gas)
@@ -166,6 +167,10 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
             # blocked = the save_checkpoint call + what the next optimizer step waited for the staging
             ce = ucpds.attach(engine, store=job["store"], run=f"{job['run']}-reps-bg", background=True,
                               progress=False, timeout_s=job.get("timeout_s", 120))
+            nonlocal stager
+            if stager is not None:
+                ce._stager = stager
+            stager = ce._stager
             dist.barrier()
             t1 = time.perf_counter()
             engine.save_checkpoint(tag=f"rep{i}")

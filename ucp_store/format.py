@@ -211,8 +211,9 @@ def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.
 def zarr_json(layout: ArrayLayout) -> bytes:
     """The exact zarr.json bytes TensorStore writes for ``layout`` (made once per layout, in memory)."""
     spec = {"driver": "zarr3", "kvstore": {"driver": "memory", "path": "a/"}, "metadata": layout.metadata()}
-    arr = ts.open(spec, create=True, context=ts.Context()).result()
-    return bytes(arr.kvstore.read("zarr.json").result().value)
+    kv = ts.open(spec, create=True, context=ts.Context()).result().kvstore
+    assert kv is not None  # a zarr3 array opened on a kvstore has one
+    return bytes(kv.read("zarr.json").result().value)
 
 
 def create_local_arrays(location: Location, items: Sequence[tuple[str, ArrayLayout]], context: ts.Context,

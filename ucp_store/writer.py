@@ -185,7 +185,6 @@ class CheckpointWriter:
                 list(pool.map(sync, paths))
         except OSError as exc:
             raise WriteError(f"making the arrays of checkpoint {self.id} durable failed: {exc}") from None
-        killpoint("write.durable")
 
     def _check_open(self) -> None:
         if self._closed:
