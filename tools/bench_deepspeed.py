@@ -32,6 +32,15 @@ paid once per job), then the job trains one more step so that no measured save d
 ``torch.save`` never fsyncs while the store commits durably, so the save row also shows DeepSpeed's save
 followed by an fsync of the files it wrote (every rank its own, then a barrier): the durable ceiling.
 
+The blocking save is also measured ``--repeat`` times (default 3) after the round-trip saves, each
+repetition after a new training step, the peers interleaved in a rotating order, best of N and the median
+of the paired ratios printed: DeepSpeed's torch.save engine, the same + fsync of its files, a raw write +
+fsync of the same bytes per rank (the durable ceiling: no serialisation), the ucp engine (durable and
+committed), and the ucp engine in background mode (call + the next optimizer step's wait), plus the ucp
+save's phases (cumulative seconds on rank 0). The loads run ``--load-repeat`` times each, interleaved; each
+reports the launch's peak RSS and the load's own peak (VmHWM reset just before the load, over the RSS then).
+``--save-only`` stops after the save job (the blocking table alone).
+
 Save and load times are measured inside the jobs (around ``save_checkpoint`` / the load call); the
 conversion as a process; peak RSS per process tree for each launch (training included, the same for both).
 
