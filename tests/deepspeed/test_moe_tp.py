@@ -218,3 +218,13 @@ def test_expert_tensor_parallel_files_are_refused_by_name(moetp, tmp_path):
     with pytest.raises(SourceFormatError, match=r"expert 0 of MoE layer 0 has files for model-parallel ranks \[0, 1\].*"
                                                 r"enable_expert_tensor_parallelism"):
         DeepSpeedMoEReader(bad)
+
+
+def test_cli_show_places_experts_on_global_ranks(moetp, ucp):
+    """``ucp show`` says where DeepSpeed had the experts: ep rank r on the global ranks g with g % ep == r of
+    the tp x dp world (not on dp ranks, as without TP)."""
+    rc, out, err = ucp("--store", moetp.root / "store", "show", "moetp@2")
+    assert rc == 0, err
+    assert "experts: 2 group(s), saved at ep=2 over tp=2 x dp=2 ranks (tp fastest)" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("moe.0.deepspeed_moe.experts.deepspeed_experts ")]
+    assert [r[1:] for r in rows] == [["separate", "0", "0-1", "0,2"], ["separate", "1", "2-3", "1,3"]]

@@ -157,8 +157,9 @@ class MoETPNet(nn.Module):
 def _distinct_experts(model: nn.Module, ep_rank: int, seed: int) -> None:
     """Give every expert its own values, seeded by (layer, global expert id)."""
     with torch.no_grad():
-        for li, layer in enumerate(model.moe):
-            local: Any = layer.deepspeed_moe.experts.deepspeed_experts  # type: ignore[union-attr]
+        layers: Any = model.moe
+        for li, layer in enumerate(layers):
+            local: Any = layer.deepspeed_moe.experts.deepspeed_experts
             for j, expert in enumerate(local):
                 g = torch.Generator().manual_seed(seed * 1000 + li * 100 + ep_rank * len(local) + j)
                 for p in expert.parameters():
