@@ -1,8 +1,9 @@
 """DeepSpeed MoE with a tensor-parallel dense part: real training on 4 gloo processes (TP=2 x DP=2, ep=2,
 ZeRO-2, bf16; ``MoETPNet`` in ``ucp_store/demo/ds_moe.py``: Megatron-style column/row-parallel MLP blocks
 between ``deepspeed.moe.layer.MoE`` layers, an mpu), imported, and resumed through ``load_shard`` into
-freshly built engines at TP=2 x ep=2 (4 processes, the same mesh), TP=1 x DP=2 x ep=1 and TP=2 x DP=1 x ep=1
-(2 processes). ``ds_to_universal`` runs on the same checkpoint, side by side.
+freshly built engines at TP=2 x DP=2 x ep=2 (the same mesh), TP=2 x DP=2 x ep=1 and TP=1 x DP=4 x ep=1, all in
+the one 4-process launch that trained (a second launch would cost more than the three resumes).
+``ds_to_universal`` runs on the same checkpoint, side by side.
 
 DeepSpeed builds the expert groups of whole (not tensor-parallel) experts over the whole tp x dp world, tp
 fastest: ep rank = global rank % ep, so at TP=2 x DP=2 x ep=2 TP rank 0 holds experts 0-1 and TP rank 1 experts
@@ -26,7 +27,7 @@ TAG = "global_step2"
 LAYERS, EXPERTS = 2, 4
 COMMON = {"zero": 2, "dtype": "bf16", "steps": 2}
 # resume target name -> (processes, tp, ep)
-TARGETS = {"tp2_ep2": (4, 2, 2), "tp1_ep1": (2, 1, 1), "tp2_ep1": (2, 2, 1)}
+TARGETS = {"tp2_ep2": (4, 2, 2), "tp2_ep1": (4, 2, 1), "tp1_ep1": (4, 1, 1)}
 TIMEOUT = 1200  # 4 DeepSpeed processes on 2 shared cores: a bound against a hang, not a timing check
 
 
@@ -78,8 +79,7 @@ class Session:
 
 @pytest.fixture(scope="module")
 def moetp(tmp_path_factory, cmp) -> Session:
-    """Train, save, dump, ds_to_universal, import and resume at the same mesh in one 4-process launch; resume
-    at TP=1 x DP=2 x ep=1 and TP=2 x DP=1 x ep=1 in one 2-process launch."""
+    """Train, save, dump, ds_to_universal, import and resume at every target in one 4-process launch."""
     pytest.importorskip("deepspeed")
     s = Session(tmp_path_factory.mktemp("moetp"))
     root, store = s.root, str(s.root / "store")
@@ -89,19 +89,15 @@ def moetp(tmp_path_factory, cmp) -> Session:
         return {"kind": "resume_ucp", "tp": tp, "ep": ep, **COMMON, "store": store, "ref": "moetp@2",
                 "out": str(root / f"r_{target}.json"), "dump": str(root / f"dump_{target}")}
 
-    launches = {
-        4: [{"kind": "train", "tp": 2, "ep": 2, **COMMON, "save_dir": str(root / "ck"), "tag": TAG, "convert": True,
+    jobs = [{"kind": "train", "tp": 2, "ep": 2, **COMMON, "save_dir": str(root / "ck"), "tag": TAG, "convert": True,
              "next_steps": 2, "out": str(root / "train.json"), "dump": str(root / "dump_src")},
-            {"kind": "import", "save_dir": str(root / "ck"), "tag": TAG, "store": store, "run": "moetp"},
-            resume("tp2_ep2")],
-        2: [resume(t) for t, (n, _tp, _ep) in TARGETS.items() if n == 2],
-    }
-    for nproc, jobs in launches.items():
-        path = root / f"jobs_{nproc}.json"
-        path.write_text(json.dumps(jobs, indent=1))
-        t0 = time.time()
-        cmp.torchrun([str(DRIVER), "--jobs", str(path)], nproc, timeout=TIMEOUT)
-        s.timings[f"launch_{nproc}"] = time.time() - t0
+            {"kind": "import", "save_dir": str(root / "ck"), "tag": TAG, "store": store, "run": "moetp"}]
+    jobs += [resume(t) for t in TARGETS]
+    path = root / "jobs.json"
+    path.write_text(json.dumps(jobs, indent=1))
+    t0 = time.time()
+    cmp.torchrun([str(DRIVER), "--jobs", str(path)], 4, timeout=TIMEOUT)
+    s.timings["launch_4"] = time.time() - t0
     print(f"\nMoE x TP fixture wall times (s): {json.dumps({k: round(v, 1) for k, v in s.timings.items()})}")
     return s
 
@@ -154,8 +150,8 @@ def test_import_stores_dense_tp_slices_and_every_expert_as_deepspeed_had_them(mo
 def test_resume_through_load_shard(moetp, target):
     """A fresh engine at the target mesh gets, for every parameter (every expert by global id), bit-equal fp32
     master, exp_avg and exp_avg_sq, and continues the uninterrupted run: bit for bit on the same mesh,
-    within bf16 reduction-order noise elsewhere (TP=1 joins the slices' matmuls, DP=1 routes 16 tokens at
-    once, so the gate's auxiliary loss averages over another grouping)."""
+    within bf16 reduction-order noise elsewhere (TP=1 joins the slices' matmuls, ep=1 computes every expert on
+    every rank, DP=4 routes 4 tokens per rank, so the gate's auxiliary loss averages over another grouping)."""
     import torch
 
     nproc, tp, _ep = TARGETS[target]
@@ -169,7 +165,7 @@ def test_resume_through_load_shard(moetp, target):
     if target == "tp2_ep2":
         assert resumed["losses_hex"] == train["losses_hex"]
     else:
-        assert resumed["losses"] == pytest.approx(train["losses"], rel=2e-3)
+        assert resumed["losses"] == pytest.approx(train["losses"], rel=5e-3)  # 1.3e-3 seen; a mix-up: ~6%
     assert resumed["losses"][0] != pytest.approx(train["losses_before"][0], rel=1e-2)
 
 
@@ -217,6 +213,13 @@ def test_expert_tensor_parallel_files_are_refused_by_name(moetp, tmp_path):
     shutil.copy(one, bad / "layer_0_expert_0_mp_rank_01_model_states.pt")
     with pytest.raises(SourceFormatError, match=r"expert 0 of MoE layer 0 has files for model-parallel ranks \[0, 1\].*"
                                                 r"enable_expert_tensor_parallelism"):
+        DeepSpeedMoEReader(bad)
+    # an expert of ep rank 1 written by mp rank 0 (as use_data_before_expert_parallelism places it)
+    (bad / "layer_0_expert_0_mp_rank_01_model_states.pt").unlink()
+    (bad / "layer_0_expert_2_mp_rank_01_model_states.pt").rename(bad / "layer_0_expert_2_mp_rank_00_model_states.pt")
+    with pytest.raises(SourceFormatError, match=r"layer_0_expert_2_mp_rank_00_model_states\.pt: expert 2 is on ep "
+                                                r"rank 1, whose writer \(global rank 1\) is model-parallel rank 1, "
+                                                r"not 0"):
         DeepSpeedMoEReader(bad)
 
 
