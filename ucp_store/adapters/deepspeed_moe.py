@@ -478,11 +478,11 @@ def load_engine(engine, ref: str, *, store=None) -> None:
                 if st in state:
                     state[st].copy_(buf.to(state[st].dtype).view_as(state[st]))
                 else:
-                    state[st] = buf.to(hp.dtype).view_as(hp).clone()
+                    state[st] = buf.to(device=hp.device, dtype=hp.dtype).view_as(hp).clone()
         step = next((steps[names[p]] for p in opt.bit16_groups[g] if names[p] in steps), None)
         if step is not None:
             old = inner.state[hp].get("step")
-            inner.state[hp]["step"] = (step.to(dtype=old.dtype).reshape(old.shape).clone()
+            inner.state[hp]["step"] = (step.to(device=old.device, dtype=old.dtype).reshape(old.shape).clone()
                                        if isinstance(old, torch.Tensor) else step.clone())
     opt.update_lp_params()
     for k in ("global_steps", "global_samples", "skipped_steps"):

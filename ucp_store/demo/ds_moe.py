@@ -174,7 +174,7 @@ def _gloo_gather_tokens() -> None:
     import deepspeed
     from deepspeed.moe import mappings
 
-    if getattr(mappings, "_ucp_gloo_patch", False):
+    if getattr(mappings, "_ucp_gloo_patch", False) or torch.distributed.get_backend() != "gloo":
         return
     orig = mappings._gather_tokens
 
