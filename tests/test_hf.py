@@ -146,6 +146,7 @@ def test_export_is_byte_identical_to_save_pretrained(tmp_path, store, small_chun
 
     small_chunks(lambda shape: ((2,) + shape[1:], (6,) + shape[1:]))  # a shard file ends mid-block
     monkeypatch.setattr(hf, "_TASK_BYTES", 300)  # blocks of a few chunk rows: offsets inside every tensor
+    monkeypatch.setattr(hf, "_CAST_PIECE", 7)  # the --dtype cast of a block goes in many pieces
     monkeypatch.setenv("UCP_EXPORT_THREADS", "3")
     model = tiny_llama(torch.float32, seed=4)
     src = tmp_path / "src"

@@ -408,6 +408,10 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
 # PARALLEL_BYTES, so each task's read runs in its own thread and the tasks, not the chunks, go in parallel
 _TASK_BYTES = 8 << 20
 _stage = threading.local()
+# elements per cast call: below torch's grain size (32768), so torch casts each piece on the calling thread
+# instead of an OpenMP team per block, which with every core busy (the other export threads, other jobs)
+# waits for its slowest member
+_CAST_PIECE = 30 * 1024
 
 
 def _staging(slot: int, nbytes: int) -> "torch.Tensor":
@@ -507,7 +511,9 @@ def _write_shards(checkpoint, folder: str, layouts: list, pieces: list[Piece], o
         want = dtypes.torch_dtype(out_dtypes[i])
         if want != src.dtype:
             out = _staging(1, n * dtypes.itemsize(out_dtypes[i])).view(want).view(shape)
-            out.copy_(src)
+            flat_out, flat_src = out.view(-1), src.view(-1)
+            for k in range(0, n, _CAST_PIECE):  # below torch's grain size: each piece on this thread
+                flat_out[k:k + _CAST_PIECE].copy_(flat_src[k:k + _CAST_PIECE])
         row = (math.prod(shape[1:]) * dtypes.itemsize(out_dtypes[i])) if shape else 0
         data_bytes = out.view(-1).view(torch.uint8).numpy()
         # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; 3.11 arrays are buffers too
