@@ -497,6 +497,9 @@ class DcpSource:
     prefix ``""`` means model FQNs at the top level)."""
 
     kind = "dcp"
+    # records are produced (chunks read and assembled) in a background thread, a bounded window ahead of the
+    # writer's hashing and submitting: the assembly of the next tensor overlaps the store's work on this one
+    prefetch = True
 
     def __init__(self, folder: str, *, optim_prefixes: Iterable[str] | None = None, model_prefix: str | None = None):
         self.folder = os.path.abspath(folder)
