@@ -37,6 +37,7 @@ from .._window import prefetch
 from ..errors import SourceFormatError
 from .base import TensorRecord, import_source
 from .base import write_records as _write_groups
+from .deepspeed_autoep import DeepSpeedAutoEPReader, is_autoep_tag
 from .deepspeed_files import (
     DS_MODEL_KEYS,
     EXPERT_RE,
@@ -59,7 +60,6 @@ from .deepspeed_merge import (
     pattern_for,
     with_placement,
 )
-from .deepspeed_autoep import DeepSpeedAutoEPReader, is_autoep_tag
 from .deepspeed_moe import open_tag_reader
 from .deepspeed_reader import DeepSpeedReader, read_zero_checkpoint, release_pages
 

@@ -213,8 +213,10 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
                                                 f"{pg.get('name')!r}, expected 'ep_size_{self.ep}'")
                     found.append(g)
         if len(found) != 1:
+            what = ("ds_zero_partition_groups family autoep_expert (one sub-group: raise sub_group_size)"
+                    if self.zero_stage >= 3 else f"param group ep_size_{self.ep}")
             raise SourceFormatError(f"{self._path(fname)}: {len(found)} AutoEP expert optimizer groups; expected one "
-                                    f"({'ds_zero_partition_groups family autoep_expert' if self.zero_stage >= 3 else 'param group ep_size_' + str(self.ep)})")
+                                    f"({what})")
         return found[0]
 
     def _check_expert_files(self) -> None:
@@ -233,8 +235,8 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
         for lay in self.layers:
             missing = [e for e in range(lay["num_experts"]) if (lay["layer"], e, 0) not in files]
             if missing:
-                raise SourceFormatError(f"{self.tag_dir}: AutoEP layer {lay['layer']} ({lay['prefix']}) lacks the expert "
-                                        f"files of experts {missing}")
+                raise SourceFormatError(f"{self.tag_dir}: AutoEP layer {lay['layer']} ({lay['prefix']}) lacks the "
+                                        f"expert files of experts {missing}")
 
     # --------------------------------------------------------------------------------- metadata
     @property
