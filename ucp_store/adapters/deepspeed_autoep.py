@@ -358,7 +358,7 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
         name, per_expert = spec["name"], tuple(ax["local_shape"][1:])
         out = []
         for e in range(ax["num_experts"]):
-            f = self.expert_files[(ax["layer"], e, 0)]
+            f = self.__dict__["expert_files"][(ax["layer"], e, 0)]
             sd = self._load(f, "AutoEP expert state")
             t = sd.get(f"{name}.{e}") if isinstance(sd, dict) else None
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != per_expert:
