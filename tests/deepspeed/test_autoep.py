@@ -1,6 +1,6 @@
 """DeepSpeed AutoEP (``expert_parallel``), real training on CPU: a tiny transformers DeepSeek-V3 (2 layers,
 4 routed experts, top-2, a shared expert) swapped by DeepSpeed's ``deepseek_v3`` AutoEP preset, bf16, trained on
-2 gloo processes at ep=2 under ZeRO-3 and under ZeRO-2, saved, converted by ``ds_to_universal``, imported, and
+2 gloo processes at ep=2 under ZeRO-3, ZeRO-2 and ZeRO-1, saved, converted by ``ds_to_universal``, imported, and
 resumed through ``load_shard`` into freshly built AutoEP engines at ep=2 and ep=1 (one torchrun launch,
 ``ucp_store/demo/ds_autoep.py``)."""
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "ds_autoep.py"
 TAG = "t"
 LAYERS, EXPERTS = 2, 4
-ZEROS = (3, 2)
+ZEROS = (3, 2, 1)
 EXPERT_PARAMS = [f"model.layers.{i}.mlp.experts.w{k}" for i in range(LAYERS) for k in (1, 2, 3)]
 
 
