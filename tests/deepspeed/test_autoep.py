@@ -221,3 +221,10 @@ def test_missing_expert_file_is_named(autoep, tmp_path):
     with pytest.raises(SourceFormatError, match=r"AutoEP layer 1 \(model\.layers\.1\.mlp\.experts\) lacks the expert "
                                                 r"files of experts \[3\]"):
         DeepSpeedAutoEPReader(bad)
+
+
+def test_universal_export_of_autoep_is_refused_with_the_reason(autoep, ucp, tmp_path):
+    rc, out, err = ucp("--store", autoep.root / "store", "export", "deepspeed-universal", "z3@2", tmp_path / "u")
+    assert rc != 0
+    assert "an AutoEP checkpoint is not exported as a universal folder" in err and "load_engine" in err
+    assert not (tmp_path / "u").exists() or not any((tmp_path / "u").iterdir())

@@ -49,7 +49,15 @@ from .deepspeed_files import MODEL_RE, ZERO3_MODEL_RE
 from .deepspeed_merge import ParamRecord, _numel
 from .deepspeed_reader import DeepSpeedReader, release_pages
 
-__all__ = ["AUTOEP_KEYS", "is_autoep_tag", "DeepSpeedAutoEPReader", "load_engine", "engine_topology"]
+__all__ = ["AUTOEP_KEYS", "UNIVERSAL_REFUSAL", "is_autoep_tag", "DeepSpeedAutoEPReader", "load_engine",
+           "engine_topology"]
+
+UNIVERSAL_REFUSAL = (
+    "an AutoEP checkpoint is not exported as a universal folder: DeepSpeed's AutoEP load_universal reads expert "
+    "files carrying its own AutoEP metadata (ep_is_expert_param, num_experts, the per-layer placement) that this "
+    "exporter does not write, and no export of it has been checked against DeepSpeed's loader. Convert the "
+    "DeepSpeed tag folder with ds_to_universal, or resume through load_shard: "
+    "ucp_store.adapters.deepspeed_autoep.load_engine(engine, ref, store=...)")
 
 AUTOEP_KEYS = ("ds_autoep_layers", "autoep_layers")  # DeepSpeed's AUTOEP_LAYERS_KEY and its legacy name
 AUTOEP_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
