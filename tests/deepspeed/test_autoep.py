@@ -1,8 +1,8 @@
 """DeepSpeed AutoEP (``expert_parallel``), real training on CPU: a tiny transformers DeepSeek-V3 (2 layers,
 4 routed experts, top-2, a shared expert) swapped by DeepSpeed's ``deepseek_v3`` AutoEP preset, bf16, trained on
-2 gloo processes at ep=2 under ZeRO-3, ZeRO-2 and ZeRO-1, saved, converted by ``ds_to_universal``, imported, and
-resumed through ``load_shard`` into freshly built AutoEP engines at ep=2 and ep=1 (one torchrun launch,
-``ucp_store/demo/ds_autoep.py``)."""
+2 gloo processes under ZeRO-3 (at ep=2 with the experts in several sub-groups, and at ep=1), ZeRO-2 (ep=2) and
+ZeRO-1 (ep=1), saved, converted by ``ds_to_universal``, imported, and resumed through ``load_shard`` into
+freshly built AutoEP engines at ep=2 and ep=1 (one torchrun launch, ``ucp_store/demo/ds_autoep.py``)."""
 
 from __future__ import annotations
 
@@ -22,20 +22,29 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "ds_autoep.py"
 TAG = "t"
 LAYERS, EXPERTS = 2, 4
-ZEROS = (3, 2, 1)
+# case -> (ZeRO stage, ep it is saved at, extra job keys, the eps it is resumed at). "z3" cuts the experts into
+# several ZeRO-3 sub-groups (sub_group_size); the ep=1 saves partition every expert over 2 expert-data-parallel ranks
+CASES: dict[str, tuple[int, int, dict, tuple[int, ...]]] = {
+    "z3": (3, 2, {"sub_group_size": 500}, (2, 1)),
+    "z3e1": (3, 1, {}, (2,)),
+    "z2": (2, 2, {}, (2, 1)),
+    "z1e1": (1, 1, {}, (2,)),
+}
+RESUMES = [(c, ep) for c, (_, _, _, eps) in CASES.items() for ep in eps]
 EXPERT_PARAMS = [f"model.layers.{i}.mlp.experts.w{k}" for i in range(LAYERS) for k in (1, 2, 3)]
 
 
 def _jobs(root: Path) -> list[dict]:
     jobs: list[dict] = []
-    for z in ZEROS:
-        store, ck = str(root / "store"), str(root / f"z{z}")
+    for case, (z, src_ep, extra, eps) in CASES.items():
+        store, ck = str(root / "store"), str(root / case)
         jobs += [
-            {"kind": "train", "zero": z, "ep": 2, "steps": 2, "save_dir": ck, "tag": TAG, "convert": True,
-             "next_steps": 2, "out": str(root / f"z{z}_train.json"), "dump": str(root / f"z{z}_src")},
-            {"kind": "import", "save_dir": ck, "tag": TAG, "store": store, "run": f"z{z}"},
-        ] + [{"kind": "resume_ucp", "zero": z, "ep": ep, "steps": 2, "store": store, "ref": f"z{z}@2",
-              "out": str(root / f"z{z}_ep{ep}.json"), "dump": str(root / f"z{z}_ep{ep}")} for ep in (2, 1)]
+            {"kind": "train", "zero": z, "ep": src_ep, "steps": 2, **extra, "save_dir": ck, "tag": TAG,
+             "convert": True, "next_steps": 2, "out": str(root / f"{case}_train.json"),
+             "dump": str(root / f"{case}_src")},
+            {"kind": "import", "save_dir": ck, "tag": TAG, "store": store, "run": case},
+        ] + [{"kind": "resume_ucp", "zero": z, "ep": ep, "steps": 2, "store": store, "ref": f"{case}@2",
+              "out": str(root / f"{case}_ep{ep}.json"), "dump": str(root / f"{case}_ep{ep}")} for ep in eps]
     return jobs
 
 
@@ -89,15 +98,16 @@ def autoep(tmp_path_factory) -> AutoEPSession:
     return AutoEPSession(root)
 
 
-@pytest.mark.parametrize("zero", ZEROS)
-def test_import_stores_every_expert_as_the_optimizer_held_it(autoep, zero):
+@pytest.mark.parametrize("case", CASES)
+def test_import_stores_every_expert_as_the_optimizer_held_it(autoep, case):
     """Every parameter's fp32 master, exp_avg and exp_avg_sq (the experts' as [E, ...] in global-expert order)
     equal the live optimizer's at save time, bit for bit; the experts carry the expert pattern, each expert
     has its own moments, and the router gates and shared experts are recorded with theirs."""
     import torch
 
-    src = autoep.dump(f"z{zero}_src")
-    ck = autoep.store.checkpoint(f"z{zero}@2")
+    zero, src_ep, extra, _ = CASES[case]
+    src = autoep.dump(f"{case}_src")
+    ck = autoep.store.checkpoint(f"{case}@2")
     rows = {(i.name, i.state): i for i in ck.tensors()}
     assert {n for n, _ in src if ".experts.w" in n} == set(EXPERT_PARAMS)
     for (name, state), want in src.items():
@@ -114,46 +124,47 @@ def test_import_stores_every_expert_as_the_optimizer_held_it(autoep, zero):
         assert (f"model.layers.{i}.mlp.router.gate.weight", "exp_avg") in rows
         assert (f"model.layers.{i}.mlp.shared_experts.up_proj.weight", "exp_avg_sq") in rows
     obj = ck.objects()["deepspeed/autoep"]
-    assert obj["ep"] == 2 and obj["edp"] == 1
+    assert obj["ep"] == src_ep and obj["edp"] == 2 // src_ep
+    assert len(obj["expert_groups"]) == (3 if extra.get("sub_group_size") else 1)
     assert [lay["format"] for lay in obj["layers"]] == ["zero3_partitioned" if zero == 3 else "per_expert_files"] * 2
     topo = ck.provenance["source_topology"]
-    assert topo["ep"] == 2 and topo["zero_stage"] == zero and topo["dp"] == 2
+    assert topo["ep"] == src_ep and topo["zero_stage"] == zero and topo["dp"] == 2
 
 
-@pytest.mark.parametrize("zero", ZEROS)
-@pytest.mark.parametrize("ep", [2, 1])
-def test_resume_through_load_shard_at_new_ep(autoep, zero, ep):
+@pytest.mark.parametrize("case, ep", RESUMES)
+def test_resume_through_load_shard_at_new_ep(autoep, case, ep):
     """A fresh AutoEP engine at ep (2 ranks: ep=2 -> each rank its 2 experts; ep=1 -> all 4 experts, ZeRO-split
     over 2 expert-data-parallel ranks) gets, for every expert, bit-equal fp32 master, exp_avg and exp_avg_sq;
-    the next losses follow the uninterrupted run: bit for bit at ep=2, the first step bit for bit at ep=1
-    too (the same weights and moments), later steps within reduction-order noise."""
+    the next losses follow the uninterrupted run: bit for bit at the saved ep, the first step bit for bit at
+    the other ep too (the same weights and moments), later steps within reduction-order noise."""
     import torch
 
-    src, got = autoep.dump(f"z{zero}_src"), autoep.dump(f"z{zero}_ep{ep}")
+    src, got = autoep.dump(f"{case}_src"), autoep.dump(f"{case}_ep{ep}")
     assert set(got) == set(src)
     bad = [k for k in src if not torch.equal(src[k], got[k])]
     assert not bad, f"states differ after load at ep={ep}: {bad[:5]}"
-    train, resumed = autoep.result(f"z{zero}_train"), autoep.result(f"z{zero}_ep{ep}")
+    train, resumed = autoep.result(f"{case}_train"), autoep.result(f"{case}_ep{ep}")
     assert resumed["global_steps"] == 2 and len(train["losses"]) == 2
-    if ep == 2:
+    if ep == CASES[case][1]:
         assert resumed["losses_hex"] == train["losses_hex"]
     else:
         assert resumed["losses_hex"][0] == train["losses_hex"][0]
         assert resumed["losses"] == pytest.approx(train["losses"], rel=2e-3)
 
 
-@pytest.mark.parametrize("zero", ZEROS)
-def test_ds_to_universal_side_by_side(autoep, zero):
+@pytest.mark.parametrize("case", CASES)
+def test_ds_to_universal_side_by_side(autoep, case):
     """DeepSpeed 0.19.8's converter handles these AutoEP checkpoints (ZeRO-3, and ZeRO-2 through its AutoEP
     ZeRO-1/2 consolidation step, the DeepSpeed#8147 fix): every state it writes equals ucp's import bit for
     bit, and the experts' moments equal the live optimizer's (none stale)."""
     import torch
 
-    conv = autoep.result(f"z{zero}_train")["convert"]
+    zero = CASES[case][0]
+    conv = autoep.result(f"{case}_train")["convert"]
     assert conv["returncode"] == 0, conv
     assert any("AutoEP" in s and (("ZeRO-3" in s) if zero == 3 else ("ZeRO-1/2" in s)) for s in conv["steps"])
-    ck = autoep.store.checkpoint(f"z{zero}@2")
-    zdir = autoep.root / f"z{zero}" / f"{TAG}_universal" / "zero"
+    ck = autoep.store.checkpoint(f"{case}@2")
+    zdir = autoep.root / case / f"{TAG}_universal" / "zero"
     compared = 0
     for info in ck.tensors():
         path = zdir / info.name / f"{info.state}.pt"
@@ -165,7 +176,7 @@ def test_ds_to_universal_side_by_side(autoep, zero):
         assert torch.equal(theirs.reshape(ours.shape).to(ours.dtype), ours), (info.name, info.state)
         compared += 1
     assert compared >= 3 * len(EXPERT_PARAMS) + 3 * 2 * LAYERS
-    src = autoep.dump(f"z{zero}_src")
+    src = autoep.dump(f"{case}_src")
     for name in EXPERT_PARAMS:
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
             theirs = torch.load(zdir / name / f"{state}.pt", weights_only=False)

@@ -144,11 +144,11 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
         self.edp = self.dp // self.ep
         if self.zero_stage >= 3:
             self._check_zero3_ranks()
-        self.expert_group = self._find_expert_group()
+        self.expert_groups = self._find_expert_groups()
         by_prefix = {lay["prefix"] + ".": lay for lay in self.layers}
         self.expert_specs: list[dict] = []
         for spec in self.params:
-            if spec["group"] != self.expert_group:
+            if spec["group"] not in self.expert_groups:
                 continue
             lay = next((v for k, v in by_prefix.items() if spec["name"].startswith(k)), None)
             if lay is None:
@@ -198,9 +198,10 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
                         f"data-parallel rank {edr} of {edw}; DP rank {dp} at ep={self.ep} is ep rank {dp % self.ep}, "
                         f"expert data-parallel rank {dp // self.ep} of {self.edp}")
 
-    def _find_expert_group(self) -> int:
-        """The optimizer group index of the experts: ZeRO-1/2 the param group named ep_size_<ep> with moe,
-        ZeRO-3 the sub-group of family autoep_expert with partition_count = edp."""
+    def _find_expert_groups(self) -> list[int]:
+        """The optimizer group indices of the experts: ZeRO-1/2 the one param group named ep_size_<ep> with moe,
+        ZeRO-3 every sub-group of family autoep_expert (``sub_group_size`` may cut the experts into several),
+        each partitioned over edp ranks."""
         fname = self.optim_files[(0, 0)]
         osd = self._optim((0, 0))["optimizer_state_dict"]
         found = []
@@ -220,12 +221,12 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
                         raise SourceFormatError(f"{self._path(fname)}: MoE parameter group {g} is named "
                                                 f"{pg.get('name')!r}, expected 'ep_size_{self.ep}'")
                     found.append(g)
-        if len(found) != 1:
-            what = ("ds_zero_partition_groups family autoep_expert (one sub-group: raise sub_group_size)"
-                    if self.zero_stage >= 3 else f"param group ep_size_{self.ep}")
-            raise SourceFormatError(f"{self._path(fname)}: {len(found)} AutoEP expert optimizer groups; expected one "
-                                    f"({what})")
-        return found[0]
+        if not found or (self.zero_stage < 3 and len(found) != 1):
+            what = ("ds_zero_partition_groups family autoep_expert" if self.zero_stage >= 3
+                    else f"one param group ep_size_{self.ep}")
+            raise SourceFormatError(f"{self._path(fname)}: {len(found)} AutoEP expert optimizer groups; expected "
+                                    f"{what}")
+        return sorted(found)
 
     def _check_expert_files(self) -> None:
         files = getattr(self, "expert_files", {})
@@ -260,7 +261,7 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
         out["deepspeed/layout"]["ep"] = self.ep
         out["deepspeed/layout"]["expert_files"] = sorted(getattr(self, "expert_files", {}).values())
         out["deepspeed/autoep"] = {
-            "ep": self.ep, "edp": self.edp, "form": "fused", "expert_group": self.expert_group,
+            "ep": self.ep, "edp": self.edp, "form": "fused", "expert_groups": self.expert_groups,
             "layers": [{"layer": lay["layer"], "group": lay["prefix"], "module": lay["module"],
                         "num_experts": lay["num_experts"], "format": lay["format"],
                         "tensors": [s["name"] for s in self.expert_specs if s["autoep"]["prefix"] == lay["prefix"]]}
@@ -288,20 +289,22 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
         return self._expert_record(spec)
 
     def _zero3_offsets(self) -> dict[str, int]:
-        """Offset of each expert parameter's partition in the expert sub-group's flat buffer."""
+        """Offset of each expert parameter's partition in its expert sub-group's flat buffer."""
         offs = self.__dict__.get("_z3_offsets")
         if offs is None:
-            offs, off = {}, 0
-            group = (self._ms(0, 0).get("param_shapes") or [])[self.expert_group]
-            for name, shape in group.items():
-                offs[name] = off
-                off += math.ceil(_numel(shape) / self.edp)
+            offs = {}
+            shapes = self._ms(0, 0).get("param_shapes") or []
+            for sg in self.expert_groups:
+                off = 0
+                for name, shape in shapes[sg].items():
+                    offs[name] = off
+                    off += math.ceil(_numel(shape) / self.edp)
             self.__dict__["_z3_offsets"] = offs
         return offs
 
     def _expert_record(self, spec: dict) -> ParamRecord:
         ax = spec["autoep"]
-        name, g, local = spec["name"], self.expert_group, ax["local_shape"]
+        name, g, local = spec["name"], spec["group"], ax["local_shape"]
         n = _numel(local)
         blocks: dict[str, list[torch.Tensor]] = {}
         steps: list = []
@@ -309,7 +312,7 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
         for r in range(self.ep):
             keys = [(0, d) for d in self._edp_ranks(r)]
             if self.zero_stage >= 3:
-                frags, got = self._zero3_fragments(keys, name, n, steps, used)
+                frags, got = self._zero3_fragments(keys, g, name, n, steps, used)
             else:
                 frags, got = self._gather_fragments(keys, g, name, f"{name!r} (ep rank {r})", steps, used)
             if got != n:
@@ -335,7 +338,7 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
         return ParamRecord(name=name, states=states, pattern=pattern, kind="param", shape=tuple(states["fp32"].shape),
                            group=g, stage=0, meta=meta, step_type=step_type)
 
-    def _zero3_fragments(self, keys, name: str, n: int, steps: list, used: list):
+    def _zero3_fragments(self, keys, sg: int, name: str, n: int, steps: list, used: list):
         part = math.ceil(n / self.edp)
         off = self._zero3_offsets()[name]
         frags: dict[str, list[torch.Tensor]] = {}
@@ -343,8 +346,8 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
         for i, key in enumerate(keys):
             osd = self._optim(key)["optimizer_state_dict"]
             inner = osd["optimizer_state_dict"].get("state", {})
-            st = inner.get(self.expert_group, inner.get(str(self.expert_group), {}))
-            flat = {"fp32": osd["fp32_flat_groups"][self.expert_group]}
+            st = inner.get(sg, inner.get(str(sg), {}))
+            flat = {"fp32": osd["fp32_flat_groups"][sg]}
             for k, v in st.items():
                 if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 1:
                     flat[k] = v
@@ -352,7 +355,7 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
             for k, t in flat.items():
                 if off + real > t.numel():
                     raise SourceFormatError(f"{self._path(self.optim_files[key])}: AutoEP expert {name!r} fragment "
-                                            f"[{off}, {off + real}) outside sub-group {self.expert_group} "
+                                            f"[{off}, {off + real}) outside sub-group {sg} "
                                             f"({t.numel()} elements)")
                 frags.setdefault(k, []).append(t.narrow(0, off, real))
                 used.append((t, off, real))
