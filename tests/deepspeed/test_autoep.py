@@ -165,7 +165,7 @@ def test_ds_to_universal_side_by_side(autoep, case):
     assert any("AutoEP" in s and (("ZeRO-3" in s) if zero == 3 else ("ZeRO-1/2" in s)) for s in conv["steps"])
     ck = autoep.store.checkpoint(f"{case}@2")
     zdir = autoep.root / case / f"{TAG}_universal" / "zero"
-    compared = 0
+    compared = same = 0
     for info in ck.tensors():
         path = zdir / info.name / f"{info.state}.pt"
         if info.state == "weight" or not path.exists():
@@ -173,15 +173,23 @@ def test_ds_to_universal_side_by_side(autoep, case):
         theirs = torch.load(path, weights_only=False)
         theirs = torch.as_tensor(theirs["param"] if isinstance(theirs, dict) else theirs)
         ours = ck.read(info.name, info.state)
-        assert torch.equal(theirs.reshape(ours.shape).to(ours.dtype), ours), (info.name, info.state)
         compared += 1
-    assert compared >= 3 * len(EXPERT_PARAMS) + 3 * 2 * LAYERS
+        same += torch.equal(theirs.reshape(ours.shape).to(ours.dtype), ours)
     src = autoep.dump(f"{case}_src")
+    ds_live = ucp_live = 0
     for name in EXPERT_PARAMS:
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
             theirs = torch.load(zdir / name / f"{state}.pt", weights_only=False)
             theirs = theirs["param"] if isinstance(theirs, dict) else theirs
-            assert torch.equal(theirs.reshape(-1).float(), src[(name, state)]), (name, state)
+            ds_live += torch.equal(theirs.reshape(-1).float(), src[(name, state)])
+            ucp_live += torch.equal(ck.read(name, state).reshape(-1), src[(name, state)])
+    n = 3 * len(EXPERT_PARAMS)
+    # the side-by-side row (pytest -s shows it)
+    print(f"\n[autoep side by side] {case}: ZeRO-{zero} saved at ep={CASES[case][1]} | ds_to_universal exit "
+          f"{conv['returncode']} | expert states equal to the live optimizer: ds_to_universal {ds_live}/{n}, "
+          f"ucp {ucp_live}/{n} | ds_to_universal == ucp: {same}/{compared} states")
+    assert compared >= n + 3 * 2 * LAYERS and same == compared
+    assert ds_live == n and ucp_live == n
 
 
 @pytest.mark.parametrize("ep, dp", [(1, 2), (2, 2), (4, 4), (2, 4)])
@@ -239,3 +247,39 @@ def test_universal_export_of_autoep_is_refused_with_the_reason(autoep, ucp, tmp_
     assert rc != 0
     assert "an AutoEP checkpoint is not exported as a universal folder" in err and "load_engine" in err
     assert not (tmp_path / "u").exists() or not any((tmp_path / "u").iterdir())
+
+
+def test_low_precision_expert_weights_come_from_the_expert_files(autoep, tmp_path):
+    """lp_weights="all": each fused expert's bf16 weight is stacked from DeepSpeed's per-expert files
+    (``<name>.<e>`` keys), expert e at row e: the bf16 cast of the imported fp32 master."""
+    import torch
+
+    from ucp_store.adapters.deepspeed_autoep import DeepSpeedAutoEPReader
+
+    reader = DeepSpeedAutoEPReader(autoep.root / "z2" / TAG, lp_weights="all")
+    name = "model.layers.1.mlp.experts.w2"
+    rec = next(reader.records(names=[name], include_weights=False))
+    assert rec.states["weight"].dtype == torch.bfloat16 and rec.states["weight"].shape == (EXPERTS, 16, 12)
+    assert torch.equal(rec.states["weight"], rec.states["fp32"].to(torch.bfloat16))
+    one = torch.load(autoep.root / "z2" / TAG / "layer_1_expert_3_mp_rank_00_model_states.pt", weights_only=False)
+    assert torch.equal(rec.states["weight"][3], one[f"{name}.3"])
+
+
+def test_a_placement_other_than_contiguous_is_refused(autoep, tmp_path):
+    """The reader stacks ep rank r's block at experts r*E/ep...; a placement descriptor saying otherwise
+    (here: ep rank 0 holds experts 2-3) is refused with the file and both placements named."""
+    import torch
+
+    from ucp_store.adapters.deepspeed_autoep import DeepSpeedAutoEPReader
+    from ucp_store.errors import SourceFormatError
+
+    bad = tmp_path / "t"
+    shutil.copytree(autoep.root / "z2" / TAG, bad)
+    f = bad / "mp_rank_00_model_states.pt"
+    ms = torch.load(f, weights_only=False)
+    ms["ds_autoep_layers"][0]["expert_placement"]["ranks"] = [{"rank": 0, "experts": [2, 3]},
+                                                              {"rank": 1, "experts": [0, 1]}]
+    torch.save(ms, f)
+    with pytest.raises(SourceFormatError, match=r"mp_rank_00_model_states\.pt: ds_autoep_layers\[0\]: expert_placement "
+                                                r"\{0: \[2, 3\], 1: \[0, 1\]\} is not the contiguous placement"):
+        DeepSpeedAutoEPReader(bad)
