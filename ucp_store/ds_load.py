@@ -169,7 +169,9 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
             if src is None:
                 continue
             for k, v in src.items():
-                if k != "params":
+                # hyper-parameters only: a group's identity (its name, e.g. MoE's ep_size_<ep>, and its moe
+                # flag) is the live engine's, which may have another ep than the saving one
+                if k not in ("params", "name", "moe"):
                     pg[k] = tuple(v) if isinstance(pg.get(k), tuple) and isinstance(v, list) else v
     opt = engine.optimizer
     scaler = objs.get("loss_scaler")

@@ -145,6 +145,7 @@ def test_resume_through_load_shard_at_new_ep(autoep, case, ep):
     assert not bad, f"states differ after load at ep={ep}: {bad[:5]}"
     train, resumed = autoep.result(f"{case}_train"), autoep.result(f"{case}_ep{ep}")
     assert resumed["global_steps"] == 2 and len(train["losses"]) == 2
+    assert resumed["group_identity_kept"] and f"ep_size_{ep}" in resumed["group_names"]
     if ep == CASES[case][1]:
         assert resumed["losses_hex"] == train["losses_hex"]
     else:

@@ -206,7 +206,11 @@ def run_job(job):
     elif job["kind"] == "resume_ucp":
         from ..adapters.deepspeed_autoep import load_engine
 
+        names = [(pg.get("name"), pg.get("moe")) for pg in engine.optimizer.optimizer.param_groups]
         load_engine(engine, job["ref"], store=job["store"])
+        result["group_identity_kept"] = names == [(pg.get("name"), pg.get("moe"))
+                                                  for pg in engine.optimizer.optimizer.param_groups]
+        result["group_names"] = [str(n) for n, _ in names]
         if job.get("dump"):
             torch.save(state_dump(engine), f"{job['dump']}.{rank}.pt")
         start = int(engine.global_steps)
