@@ -30,6 +30,7 @@ CASES: dict[str, tuple[int, int, dict, tuple[int, ...]]] = {
     "z2": (2, 2, {}, (2, 1)),
     "z1e1": (1, 1, {}, (2,)),
 }
+DIST_IMPORT = ("z3", "z2")  # also imported by both processes at once (torchrun shares)
 RESUMES = [(c, ep) for c, (_, _, _, eps) in CASES.items() for ep in eps]
 EXPERT_PARAMS = [f"model.layers.{i}.mlp.experts.w{k}" for i in range(LAYERS) for k in (1, 2, 3)]
 
@@ -38,13 +39,15 @@ def _jobs(root: Path) -> list[dict]:
     jobs: list[dict] = []
     for case, (z, src_ep, extra, eps) in CASES.items():
         store, ck = str(root / "store"), str(root / case)
-        jobs += [
-            {"kind": "train", "zero": z, "ep": src_ep, "steps": 2, **extra, "save_dir": ck, "tag": TAG,
-             "convert": True, "next_steps": 2, "out": str(root / f"{case}_train.json"),
-             "dump": str(root / f"{case}_src")},
-            {"kind": "import", "save_dir": ck, "tag": TAG, "store": store, "run": case},
-        ] + [{"kind": "resume_ucp", "zero": z, "ep": ep, "steps": 2, "store": store, "ref": f"{case}@2",
-              "out": str(root / f"{case}_ep{ep}.json"), "dump": str(root / f"{case}_ep{ep}")} for ep in eps]
+        jobs.append({"kind": "train", "zero": z, "ep": src_ep, "steps": 2, **extra, "save_dir": ck, "tag": TAG,
+                     "convert": True, "next_steps": 2, "out": str(root / f"{case}_train.json"),
+                     "dump": str(root / f"{case}_src")})
+        jobs.append({"kind": "import", "save_dir": ck, "tag": TAG, "store": store, "run": case})
+        if case in DIST_IMPORT:
+            jobs.append({"kind": "import", "save_dir": ck, "tag": TAG, "store": store, "run": f"{case}_dist",
+                         "distributed": True})
+        jobs += [{"kind": "resume_ucp", "zero": z, "ep": ep, "steps": 2, "store": store, "ref": f"{case}@2",
+                  "out": str(root / f"{case}_ep{ep}.json"), "dump": str(root / f"{case}_ep{ep}")} for ep in eps]
     return jobs
 
 
@@ -129,6 +132,16 @@ def test_import_stores_every_expert_as_the_optimizer_held_it(autoep, case):
     assert [lay["format"] for lay in obj["layers"]] == ["zero3_partitioned" if zero == 3 else "per_expert_files"] * 2
     topo = ck.provenance["source_topology"]
     assert topo["ep"] == src_ep and topo["zero_stage"] == zero and topo["dp"] == 2
+
+
+@pytest.mark.parametrize("case", DIST_IMPORT)
+def test_distributed_import_equals_the_single_process_one(autoep, case):
+    """Both ranks import their byte-balanced share of the parameters (the fused experts included): the same
+    tensor-states, byte for byte (content hashes), as the one-process import."""
+    one, two = autoep.store.checkpoint(f"{case}@2"), autoep.store.checkpoint(f"{case}_dist@2")
+    rows1 = {(i.name, i.state): (i.shape, i.pattern, i.content_hash) for i in one.tensors()}
+    rows2 = {(i.name, i.state): (i.shape, i.pattern, i.content_hash) for i in two.tensors()}
+    assert rows1 == rows2 and len(rows1) > 3 * len(EXPERT_PARAMS)
 
 
 @pytest.mark.parametrize("case, ep", RESUMES)

@@ -17,8 +17,9 @@ Job keys (besides ``zero``, ``steps``, ``out``):
 - ``kind``: ``"train"`` (train ``steps`` steps at ``ep``, save ``save_dir/tag``, dump the live optimizer
   state (``dump``), optionally run ``ds_to_universal`` (``convert``: exit status and last error line into
   the result), then ``next_steps`` more steps: the uninterrupted continuation), ``"import"`` (rank 0 imports
-  ``save_dir/tag`` into ``store`` as ``run``) or ``"resume_ucp"`` (build the engine at ``ep``,
-  ``ucp_store.adapters.deepspeed_autoep.load_engine`` from ``store``/``ref``, dump, train ``steps`` steps).
+  ``save_dir/tag`` into ``store`` as ``run``; with ``distributed`` every rank imports its share) or
+  ``"resume_ucp"`` (build the engine at ``ep``, ``ucp_store.adapters.deepspeed_autoep.load_engine`` from
+  ``store``/``ref``, dump, train ``steps`` steps).
 - ``dump``: each rank writes ``torch.save`` of ``{(name, state): (start, stop, fp32 values)}``: its ZeRO share
   of every parameter's fp32 master, ``exp_avg`` and ``exp_avg_sq`` read from the optimizer's own buffers,
   in the *logical* flat coordinates of the parameter (an expert block of ep rank ``r`` starts at
@@ -177,11 +178,17 @@ def run_job(job):
     rank = dist.get_rank()
     t0 = time.time()
     result = {"job": job, "world": dist.get_world_size()}
-    if job["kind"] == "import":  # rank 0 imports save_dir/tag into store as run (one process, no collectives)
-        if rank == 0:
-            from .. import open_store
-            from ..adapters.deepspeed import import_deepspeed
+    if job["kind"] == "import":  # rank 0 imports save_dir/tag into store as run; "distributed": every rank its share
+        from .. import open_store
+        from ..adapters.deepspeed import import_deepspeed
 
+        if job.get("distributed"):
+            if rank == 0:
+                open_store(job["store"], create=True)
+            dist.barrier()
+            result["checkpoint"] = import_deepspeed(open_store(job["store"]), os.path.join(job["save_dir"], job["tag"]),
+                                                    job["run"], progress=False, distributed=True)
+        elif rank == 0:
             store = open_store(job["store"], create=True)
             result["checkpoint"] = import_deepspeed(store, os.path.join(job["save_dir"], job["tag"]), job["run"],
                                                     progress=False, distributed=False)
