@@ -79,7 +79,14 @@ def _show_experts(ck: Any) -> None:
     if not groups:
         return
     topo = (ck.provenance or {}).get("source_topology") or {}
-    ep, dp = int(topo.get("ep", 1) or 1), int(topo.get("dp", 1) or 1)
+    ep, dp, tp = int(topo.get("ep", 1) or 1), int(topo.get("dp", 1) or 1), int(topo.get("tp", 1) or 1)
+    if tp > 1 and (ck.provenance or {}).get("source_kind") == "deepspeed":
+        # DeepSpeed's default expert groups with a tensor-parallel dense part and whole experts span the whole
+        # tp x dp world (tp fastest): global rank g is ep rank g % ep (adapters/deepspeed_moe.py)
+        print(f"experts: {len(groups)} group(s), saved at ep={ep} over tp={tp} x dp={dp} ranks (tp fastest); ep rank "
+              "r holds its experts on global ranks g with g % ep == r")
+        table(placement_rows(groups, ep, tp * dp), ["expert group", "stored", "ep rank", "experts", "ranks"])
+        return
     print(f"experts: {len(groups)} group(s), saved at ep={ep} (dp={dp}); ep rank r holds its experts on dp ranks "
           "d with d % ep == r")
     table(placement_rows(groups, ep, dp), ["expert group", "stored", "ep rank", "experts", "dp ranks"])
