@@ -14,6 +14,7 @@ fastest: ep rank = global rank % ep, so at TP=2 x DP=2 x ep=2 TP rank 0 holds ex
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -143,7 +144,7 @@ def test_import_stores_dense_tp_slices_and_every_expert_as_deepspeed_had_them(mo
         assert all(not torch.equal(w[a], w[b]) for a in range(EXPERTS) for b in range(a + 1, EXPERTS))
     moe = ck.objects()["deepspeed/moe"]
     assert (moe["ep"], moe["tp"], moe["expert_groups"]) == (2, 2, "rank % ep")
-    assert ck.provenance["source_topology"] == {"tp": 2, "pp": 1, "dp": 2, "zero_stage": 2, "ep": 2}
+    assert ck.provenance["source_topology"] == {"tp": 2, "pp": 1, "dp": 2, "zero_stage": 2, "ep": 2, "ep_over": "stage"}
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -231,3 +232,50 @@ def test_cli_show_places_experts_on_global_ranks(moetp, ucp):
     assert "experts: 2 group(s), saved at ep=2 over tp=2 x dp=2 ranks (tp fastest)" in out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith("moe.0.deepspeed_moe.experts.deepspeed_experts ")]
     assert [r[1:] for r in rows] == [["separate", "0", "0-1", "0,2"], ["separate", "1", "2-3", "1,3"]]
+
+
+def test_plan_ep_names_the_experts_deepspeed_held_per_rank(moetp, ucp):
+    """``ucp plan --tp 2 --dp 2 --ep 2 --zero 2`` (the version's recorded rule, ep_over=stage: DeepSpeed's expert
+    groups) plans on every rank exactly the experts, and the ZeRO range of each, that the live DeepSpeed
+    engine held at save time (its optimizer's flat partitions, dumped by ``engine_param_shares``), and puts
+    each expert's writer on the model-parallel rank of its DeepSpeed expert file. ep carved out of dp
+    (``--ep-over dp``, Megatron's rule) would give TP rank 1 experts 0-1 instead."""
+    import torch
+
+    from ucp_store.patterns import is_writer
+    from ucp_store.topology import Topology
+
+    store = moetp.root / "store"
+    held = {}
+    for rank in range(4):
+        rc, out, err = ucp("--store", store, "plan", "moetp@2", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "2",
+                           "--rank", rank, "--states", "fp32", "--json")
+        assert rc == 0, err
+        plan = json.loads(out)
+        assert plan["topology"]["ep_over"] == "stage"
+        planned = {t["name"]: (t["fragment"]["start"], t["fragment"]["stop"]) for t in plan["tensors"]
+                   if ".deepspeed_experts." in t["name"]}
+        engine = {n: (a, b) for (n, st), (a, b, _t) in torch.load(moetp.root / f"dump_src.{rank}.pt",
+                                                                   weights_only=True).items()
+                  if st == "fp32" and ".deepspeed_experts." in n}
+        assert planned and planned == engine, rank
+        held[rank] = sorted({int(n.split(".deepspeed_experts.")[1].split(".")[0]) for n in planned})
+    assert held == {0: [0, 1], 1: [2, 3], 2: [0, 1], 3: [2, 3]}
+    rc, out, err = ucp("--store", store, "plan", "moetp@2", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "2")
+    assert rc == 0, err
+    assert "expert placement: ep_over=stage: DeepSpeed's expert groups" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("moe.1.deepspeed_moe.experts.deepspeed_experts ")]
+    assert [r[2:] for r in rows] == [["0", "0-1", "0,2"], ["1", "2-3", "1,3"]]
+    rc, out, err = ucp("--store", store, "plan", "moetp@2", "--tp", "2", "--dp", "2", "--ep", "2", "--ep-over", "dp")
+    assert rc == 0, err
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("moe.1.deepspeed_moe.experts.deepspeed_experts ")]
+    assert [r[2:] for r in rows] == [["0", "0-1", "0-1"], ["1", "2-3", "2-3"]]
+    # the writer rule names the rank whose mp rank wrote each expert file
+    topo = Topology(tp=2, dp=2, ep=2, ep_over="stage")
+    ck = moetp.checkpoint()
+    for f in moetp.tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"):
+        layer, e, mp = (int(x) for x in re.fullmatch(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt",
+                                                      f.name).groups())
+        pattern = ck.info(f"moe.{layer}.deepspeed_moe.experts.deepspeed_experts.{e}.w1.weight", "fp32").pattern
+        writers = [r for r in range(4) if is_writer(pattern, topo, r)]
+        assert [topo.coords(r)["tp"] for r in writers] == [mp], f.name
