@@ -3,9 +3,10 @@
 The model is Megatron-style (``pipe3d`` in ``ucp_store/demo/ds_train.py``): a ``PipelineModule`` over
 DeepSpeed's ``PipeModelDataParallelTopology`` whose MLP blocks are hand-written column-/row-parallel linears
 (collectives on the grid's tensor group), with the ``universal_checkpoint_info`` DeepSpeed saves from the
-module. All ranks are forked by ``tools/fork_ranks.py`` from one interpreter with torch and DeepSpeed loaded,
-in one launcher run (train, ds_to_universal, import, export, resume): 20 s instead of 69 s for two torchrun
-launches, where every rank imported torch, DeepSpeed and the 1500 modules its engine pulls in itself. The checkpoint is imported with ``ucp import deepspeed``, checked against ``ds_to_universal``'s
+module. All ranks are forked by ``ucp_store/demo/fork_ranks.py`` from one interpreter with torch and
+DeepSpeed loaded, in one launcher run (train, ds_to_universal, import, export, resume), instead of two
+torchrun launches where every rank imported torch, DeepSpeed and the 1500 modules its engine pulls in.
+The checkpoint is imported with ``ucp import deepspeed``, checked against ``ds_to_universal``'s
 output bit for bit, exported with ``ucp export deepspeed-universal`` and resumed by DeepSpeed
 (``load_universal``) on 2 processes at TP=1 x PP=1 x DP=2, TP=2 x PP=1 x DP=1 and TP=1 x PP=2 x DP=1:
 the ZeRO partitions DeepSpeed's loader builds on every rank equal what ``load_shard`` plans for that rank,
@@ -15,9 +16,6 @@ and the next-step losses continue the uninterrupted run.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -60,27 +58,6 @@ class Session:
         return open_store(str(self.store_path)).checkpoint(f"{RUN}@{STEPS}")
 
 
-REPO = Path(__file__).resolve().parents[2]
-LAUNCHER = REPO / "tools" / "fork_ranks.py"
-
-
-def launch(phases: list, root: Path, timeout: int) -> dict:
-    """Run the phases with ``tools/fork_ranks.py`` (ranks forked from one interpreter with torch and DeepSpeed
-    loaded: one import for all 10 ranks instead of 10 interpreters and two torchrun launchers); returns its
-    per-phase wall times. A failing rank or ``ucp`` command fails the fixture with the launcher's output."""
-    path = root / "phases.json"
-    path.write_text(json.dumps(phases, indent=1))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "UCP_PROGRESS": "0",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "TORCH_CPP_LOG_LEVEL": "ERROR",
-           "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(LAUNCHER), "--phases", str(path), "--timeout", str(timeout)], env=env,
-                          capture_output=True, text=True, timeout=timeout + 60, cwd=root)
-    if proc.returncode != 0:
-        pytest.fail(f"fork_ranks failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("fork_ranks timings (s): "))
-    return json.loads(line.split(": ", 1)[1])
-
-
 @pytest.fixture(scope="module")
 def ds3d(tmp_path_factory) -> Session:
     """One launcher run: train and save on 8 ranks (and run ds_to_universal), import and export with the
@@ -107,7 +84,12 @@ def ds3d(tmp_path_factory) -> Session:
               {"ucp": ["export", "deepspeed-universal", f"{RUN}@{STEPS}", str(s.export_root), "--tag", UTAG, *store]},
               {"ranks": RESUME_PROCS, "jobs": resumes}]
     t0 = time.time()
-    s.timings = launch(phases, s.root, TIMEOUT)
+    from ucp_store.demo.fork_ranks import launch
+
+    try:
+        s.timings = launch(phases, s.root, TIMEOUT)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     s.timings["total"] = time.time() - t0
     print(f"\nTP x PP x DP fixture wall times (s): {json.dumps({k: round(v, 1) for k, v in s.timings.items()})}")
     return s
