@@ -14,6 +14,7 @@ fastest: ep rank = global rank % ep, so at TP=2 x DP=2 x ep=2 TP rank 0 holds ex
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -21,8 +22,6 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed")]
 
-REPO = Path(__file__).resolve().parents[2]
-DRIVER = REPO / "tools" / "ds_moe.py"
 TAG = "global_step2"
 LAYERS, EXPERTS = 2, 4
 COMMON = {"zero": 2, "dtype": "bf16", "steps": 2}
@@ -78,7 +77,7 @@ class Session:
 
 
 @pytest.fixture(scope="module")
-def moetp(tmp_path_factory, cmp) -> Session:
+def moetp(tmp_path_factory) -> Session:
     """Train, save, dump, ds_to_universal, import and resume at every target in one 4-process launch."""
     pytest.importorskip("deepspeed")
     s = Session(tmp_path_factory.mktemp("moetp"))
@@ -93,10 +92,13 @@ def moetp(tmp_path_factory, cmp) -> Session:
              "next_steps": 2, "out": str(root / "train.json"), "dump": str(root / "dump_src")},
             {"kind": "import", "save_dir": str(root / "ck"), "tag": TAG, "store": store, "run": "moetp"}]
     jobs += [resume(t) for t in TARGETS]
-    path = root / "jobs.json"
-    path.write_text(json.dumps(jobs, indent=1))
+    from ucp_store.demo.fork_ranks import launch
+
     t0 = time.time()
-    cmp.torchrun([str(DRIVER), "--jobs", str(path)], 4, timeout=TIMEOUT)
+    try:  # 4 ranks forked from one interpreter with torch and DeepSpeed loaded (tools/ds_moe.py's jobs)
+        s.timings.update(launch([{"ranks": 4, "jobs": jobs, "harness": "ucp_store.demo.ds_moe"}], root, TIMEOUT))
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     s.timings["launch_4"] = time.time() - t0
     print(f"\nMoE x TP fixture wall times (s): {json.dumps({k: round(v, 1) for k, v in s.timings.items()})}")
     return s
@@ -143,7 +145,7 @@ def test_import_stores_dense_tp_slices_and_every_expert_as_deepspeed_had_them(mo
         assert all(not torch.equal(w[a], w[b]) for a in range(EXPERTS) for b in range(a + 1, EXPERTS))
     moe = ck.objects()["deepspeed/moe"]
     assert (moe["ep"], moe["tp"], moe["expert_groups"]) == (2, 2, "rank % ep")
-    assert ck.provenance["source_topology"] == {"tp": 2, "pp": 1, "dp": 2, "zero_stage": 2, "ep": 2}
+    assert ck.provenance["source_topology"] == {"tp": 2, "pp": 1, "dp": 2, "zero_stage": 2, "ep": 2, "ep_over": "stage"}
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -231,3 +233,50 @@ def test_cli_show_places_experts_on_global_ranks(moetp, ucp):
     assert "experts: 2 group(s), saved at ep=2 over tp=2 x dp=2 ranks (tp fastest)" in out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith("moe.0.deepspeed_moe.experts.deepspeed_experts ")]
     assert [r[1:] for r in rows] == [["separate", "0", "0-1", "0,2"], ["separate", "1", "2-3", "1,3"]]
+
+
+def test_plan_ep_names_the_experts_deepspeed_held_per_rank(moetp, ucp):
+    """``ucp plan --tp 2 --dp 2 --ep 2 --zero 2`` (the version's recorded rule, ep_over=stage: DeepSpeed's expert
+    groups) plans on every rank exactly the experts, and the ZeRO range of each, that the live DeepSpeed
+    engine held at save time (its optimizer's flat partitions, dumped by ``engine_param_shares``), and puts
+    each expert's writer on the model-parallel rank of its DeepSpeed expert file. ep carved out of dp
+    (``--ep-over dp``, Megatron's rule) would give TP rank 1 experts 0-1 instead."""
+    import torch
+
+    from ucp_store.patterns import is_writer
+    from ucp_store.topology import Topology
+
+    store = moetp.root / "store"
+    held = {}
+    for rank in range(4):
+        rc, out, err = ucp("--store", store, "plan", "moetp@2", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "2",
+                           "--rank", rank, "--states", "fp32", "--json")
+        assert rc == 0, err
+        plan = json.loads(out)
+        assert plan["topology"]["ep_over"] == "stage"
+        planned = {t["name"]: (t["fragment"]["start"], t["fragment"]["stop"]) for t in plan["tensors"]
+                   if ".deepspeed_experts." in t["name"]}
+        engine = {n: (a, b) for (n, st), (a, b, _t) in torch.load(moetp.root / f"dump_src.{rank}.pt",
+                                                                   weights_only=True).items()
+                  if st == "fp32" and ".deepspeed_experts." in n}
+        assert planned and planned == engine, rank
+        held[rank] = sorted({int(n.split(".deepspeed_experts.")[1].split(".")[0]) for n in planned})
+    assert held == {0: [0, 1], 1: [2, 3], 2: [0, 1], 3: [2, 3]}
+    rc, out, err = ucp("--store", store, "plan", "moetp@2", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "2")
+    assert rc == 0, err
+    assert "expert placement: ep_over=stage: DeepSpeed's expert groups" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("moe.1.deepspeed_moe.experts.deepspeed_experts ")]
+    assert [r[2:] for r in rows] == [["0", "0-1", "0,2"], ["1", "2-3", "1,3"]]
+    rc, out, err = ucp("--store", store, "plan", "moetp@2", "--tp", "2", "--dp", "2", "--ep", "2", "--ep-over", "dp")
+    assert rc == 0, err
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("moe.1.deepspeed_moe.experts.deepspeed_experts ")]
+    assert [r[2:] for r in rows] == [["0", "0-1", "0-1"], ["1", "2-3", "2-3"]]
+    # the writer rule names the rank whose mp rank wrote each expert file
+    topo = Topology(tp=2, dp=2, ep=2, ep_over="stage")
+    ck = moetp.checkpoint()
+    for f in moetp.tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"):
+        layer, e, mp = (int(x) for x in re.fullmatch(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt",
+                                                      f.name).groups())
+        pattern = ck.info(f"moe.{layer}.deepspeed_moe.experts.deepspeed_experts.{e}.w1.weight", "fp32").pattern
+        writers = [r for r in range(4) if is_writer(pattern, topo, r)]
+        assert [topo.coords(r)["tp"] for r in writers] == [mp], f.name

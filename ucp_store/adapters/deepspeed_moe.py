@@ -35,6 +35,7 @@ import torch
 
 from ..errors import ConfigurationError, SourceFormatError, UcpError
 from ..patterns import Expert, ExpertMember
+from ..topology import Topology
 from .deepspeed_files import EXPERT_RE
 from .deepspeed_merge import ParamRecord, _numel
 from .deepspeed_reader import DeepSpeedReader, release_pages
@@ -129,14 +130,21 @@ class DeepSpeedMoEReader(DeepSpeedReader):
             raise SourceFormatError(f"{self.tag_dir}: MoE parameter groups with different ep sizes {sorted(eps)}")
         self.ep = eps.pop()
         # DeepSpeed's default (E+D) expert groups span the whole tp x dp world of a stage, tp fastest (Megatron's
-        # and PipeModelDataParallelTopology's order): global rank r = tp + TP * dp is ep rank r % ep, and the ranks
-        # of one ep rank (r, r + ep, ...) form its expert-data-parallel group, which ZeRO partitions the expert
-        # group over. Experts are not tensor-parallel there: each expert file is written once, by the rank of its
-        # ep rank whose expert-data-parallel rank is 0 (global rank ep_rank, so mp_rank ep_rank % tp).
+        # and PipeModelDataParallelTopology's order): Topology(ep_over="stage") (topology.py, the one home of the
+        # rule): global rank r = tp + TP * dp is ep rank r % ep, and the ranks of one ep rank (r, r + ep, ...)
+        # form its expert-data-parallel group, which ZeRO partitions the expert group over. Experts are not
+        # tensor-parallel there: each expert file is written once, by the rank of its ep rank whose
+        # expert-data-parallel rank is 0 (global rank ep_rank, so mp_rank ep_rank % tp).
         world = self.tp * self.dp
         if world % self.ep:
             raise SourceFormatError(f"{self.tag_dir}: ep={self.ep} does not divide the {world} ranks (tp={self.tp} x "
                                     f"dp={self.dp})")
+        groups_topo = Topology(tp=self.tp, dp=self.dp, ep=self.ep, ep_over="stage")
+        ep_writer_mp = [groups_topo.coords(groups_topo.rank({"ep": er, "edp": 0}))["tp"] for er in range(self.ep)]
+        # ep rank -> the (mp, dp) optimizer files of its expert-data-parallel ranks, in ZeRO order
+        ep_keys = [[(c["tp"], c["dp"]) for c in sorted((groups_topo.coords(r) for r in range(world)),
+                                                        key=lambda c: c["edp"]) if c["ep"] == er]
+                   for er in range(self.ep)]
         files = getattr(self, "expert_files", {})
         by_expert: dict[tuple[int, int], dict[int, str]] = {}
         for (layer, e, mp), f in files.items():
@@ -181,10 +189,10 @@ class DeepSpeedMoEReader(DeepSpeedReader):
             per = n // self.ep
             for e in range(n):
                 mp = next(iter(by_expert[(layer, e)]))
-                if mp != (e // per) % self.tp:
+                if mp != ep_writer_mp[e // per]:
                     raise SourceFormatError(
                         f"{self._path(expert_file[(layer, e)])}: expert {e} is on ep rank {e // per}, whose writer "
-                        f"(global rank {e // per}) is model-parallel rank {(e // per) % self.tp}, not {mp}: not "
+                        f"(global rank {e // per}) is model-parallel rank {ep_writer_mp[e // per]}, not {mp}: not "
                         f"DeepSpeed's default expert groups over tp={self.tp} x dp={self.dp} ranks (tp fastest, ep "
                         "rank = rank % ep); use_data_before_expert_parallelism layouts are not read")
         by_prefix = {p: layer for layer, p in self.layer_prefix.items()}
@@ -217,7 +225,7 @@ class DeepSpeedMoEReader(DeepSpeedReader):
                                             f"{sorted(wanted)}")
                 er = e // per
                 # the optimizer files of ep rank er's expert-data-parallel ranks, in their order: (mp, dp) keys
-                keys = [(r % self.tp, r // self.tp) for r in range(er, world, self.ep)]
+                keys = ep_keys[er]
                 for sfx in suffixes:
                     base = shape_of[sfx]
                     shapes = base["shapes"]
@@ -235,7 +243,9 @@ class DeepSpeedMoEReader(DeepSpeedReader):
     # --------------------------------------------------------------------------------- metadata
     @property
     def topology(self) -> dict:
-        return {**super().topology, "ep": self.ep}
+        # ep_over: DeepSpeed's expert groups of whole experts span a stage's ranks (global rank % ep), which
+        # differs from ep carved out of dp as soon as tp > 1; recorded so that plans default to it
+        return {**super().topology, "ep": self.ep, "ep_over": "stage"}
 
     @property
     def source_files(self) -> list[str]:
@@ -389,29 +399,25 @@ def _engine_tp(engine) -> tuple[int, int]:
     return int(bwc_tensor_model_parallel_world_size(mpu)), int(bwc_tensor_model_parallel_rank(mpu))
 
 
-def _is_expert(info) -> bool:
-    return isinstance(info.pattern, dict) and info.pattern.get("kind") == "expert_member"
-
-
 def load_engine(engine, ref: str, *, store=None) -> None:
     """Load MoE checkpoint ``ref`` into a freshly built DeepSpeed MoE engine (ZeRO-1/2) of any tp / ep / DP
     degree.
 
-    Each rank plans two views of its share through the planner and ``io.execute``: the dense part at
-    ``tp`` x ``dp`` (the engine's mpu; TP slices by their patterns, ZeRO over the data-parallel group), and
-    the experts as DeepSpeed's default expert groups place them: over all ``tp x dp`` ranks of the world
-    (experts are whole, not tensor-parallel), ep rank = rank % ep, ZeRO-partitioned over the ranks of that ep
-    rank (``Topology(dp=world, ep=ep)``). Both come as DeepSpeed's flat partitions: the expert group
-    (``ep_size_<ep>``) holds exactly this ep rank's experts (global ids). fp32 master, ``exp_avg``,
-    ``exp_avg_sq`` and the step go into the optimizer; the low-precision weights follow from the master
-    (``update_lp_params``); then ``global_steps`` / ``global_samples``. The store needs the separate expert
+    Each rank plans its share once, through the planner and ``io.execute``, at
+    ``Topology(tp, dp, ep, ep_over="stage")`` (``ucp plan --ep`` plans the same): the dense part at ``tp`` x
+    ``dp`` (the engine's mpu; TP slices by their patterns, ZeRO over the data-parallel group), and the experts
+    as DeepSpeed's default expert groups place them: over all ``tp x dp`` ranks of the world (experts are
+    whole, not tensor-parallel), ep rank = rank % ep, ZeRO-partitioned over the ranks of that ep rank. Both
+    come as DeepSpeed's flat partitions: the expert group (``ep_size_<ep>``) holds exactly this ep rank's
+    experts (global ids). fp32 master, ``exp_avg``, ``exp_avg_sq`` and the step go into the optimizer; the
+    low-precision weights follow from the master (``update_lp_params``); then ``global_steps`` /
+    ``global_samples``. The store needs the separate expert
     form (``expert_member``)."""
     import deepspeed.comm as dist
 
     from .. import open_store
     from ..io import execute
     from ..planner import plan as make_plan
-    from ..topology import Topology
 
     if store is None:
         raise ConfigurationError("load_engine: give store=")
@@ -437,31 +443,23 @@ def load_engine(engine, ref: str, *, store=None) -> None:
     if tp * dp != world or rank % tp != tp_rank:
         raise ConfigurationError(f"load_engine: rank {rank} of {world} is tp rank {tp_rank} of tp={tp} with dp={dp}; "
                                  "expected tp x dp = world with tp fastest (rank = tp_rank + tp * dp_rank)")
-    if world % ep or ep_rank != rank % ep:
-        raise ConfigurationError(f"load_engine: rank {rank} is ep rank {ep_rank} of ep={ep}; expected DeepSpeed's "
-                                 "default expert groups (ep rank = rank % ep over the whole world)")
+    if world % ep:
+        raise ConfigurationError(f"load_engine: ep={ep} does not divide the {world} ranks")
     stage = int(engine.zero_optimization_stage())
     # ZeRO-1/2 align each group's flat buffer to nccl_start_alignment_factor (2) x its partition count
-    views = [("dense", Topology(tp=tp, dp=dp, zero_stage=stage, zero_alignment=2)),
-             ("experts", Topology(dp=world, ep=ep, zero_stage=stage, zero_alignment=2))]
+    topo = Topology(tp=tp, dp=dp, ep=ep, ep_over="stage", zero_stage=stage, zero_alignment=2)
+    if topo.coords(rank)["ep"] != ep_rank:
+        raise ConfigurationError(f"load_engine: rank {rank} is ep rank {ep_rank} of ep={ep}; expected DeepSpeed's "
+                                 f"default expert groups (ep rank {topo.coords(rank)['ep']} = rank % ep over the "
+                                 "whole world)")
     names = _engine_names(engine)
     zero_groups = {names[p]: f"g{g}" for g, group in enumerate(opt.bit16_groups) for p in group}
     records = ck.tensors()
-    experts = {i.name for i in records if _is_expert(i)}  # by name: a step row carries no pattern
-    buffers: dict[tuple[str, str], torch.Tensor] = {}
-    steps: dict[str, torch.Tensor] = {}
-    for view, topo in views:
-        infos = [i for i in records if (i.name in experts) == (view == "experts")]
-        if not infos:
-            continue
-        p = make_plan(infos, topo, rank, states=["fp32", "exp_avg", "exp_avg_sq", "step"],
-                      zero_groups=lambda n: zero_groups.get(n, "g_other"))
-        shard = execute(ck, p, infos=infos)
-        for b in p.buffers:
-            if (b.group, b.state) in buffers:
-                raise UcpError(f"{ref}: parameter group {b.group} mixes expert and dense parameters")
-            buffers[(b.group, b.state)] = shard.buffers[b.key]
-        steps.update({n: t for (n, st), t in shard.tensors.items() if st == "step"})
+    p = make_plan(records, topo, rank, states=["fp32", "exp_avg", "exp_avg_sq", "step"],
+                  zero_groups=lambda n: zero_groups.get(n, "g_other"))
+    shard = execute(ck, p, infos=records)
+    buffers = {(b.group, b.state): shard.buffers[b.key] for b in p.buffers}
+    steps = {n: t for (n, st), t in shard.tensors.items() if st == "step"}
     inner = opt.optimizer
     for g, hp in enumerate(opt.single_partition_of_fp32_groups):
         for st in ("fp32", "exp_avg", "exp_avg_sq"):
