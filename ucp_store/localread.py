@@ -485,17 +485,7 @@ class LocalArray:
     def _read_single_mapped(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
         """One chunk through the held mapping of its shard file: crc32c over the page cache in place, then
         only the box's part copied into ``out`` (see ``_mapped``)."""
-        local = 0
-        sidx = []
-        for i, p, m in zip(idx, self.per_shard, self._local_mul):
-            s = i // p
-            sidx.append(s)
-            local += (i - s * p) * m
-        names = self._names.get(tuple(sidx))
-        if names is None:
-            key = "c/" + "/".join(map(str, sidx))
-            names = self._names[tuple(sidx)] = (key, os.path.join(self.folder, *key.split("/")))
-        key, path = names
+        key, path, local = self._shard_of(idx)
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -545,16 +535,30 @@ class LocalArray:
         src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, chunk))
         _copy(out, mem.view(self.dtype).reshape(chunk)[src])
 
-    def _read_single(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
-        per = self.per_shard
+    def _shard_of(self, idx: tuple) -> tuple[str, str, int]:
+        """A chunk's shard file (key ``c/i/j``, path) and its entry in that shard's index."""
         local = 0
-        parts = []
-        for i, p in zip(idx, per):
+        sidx = []
+        for i, p, m in zip(idx, self.per_shard, self._local_mul):
             s = i // p
-            parts.append(str(s))
-            local = local * p + (i - s * p)
-        key = "c/" + "/".join(parts)
-        fd = self._open(key, [(idx,)])
+            sidx.append(s)
+            local += (i - s * p) * m
+        t = tuple(sidx)
+        names = self._names.get(t)
+        if names is None:
+            key = "c/" + "/".join(map(str, sidx))
+            names = self._names[t] = (key, os.path.join(self.folder, *key.split("/")))
+        return names[0], names[1], local
+
+    def _read_single(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
+        key, path, local = self._shard_of(idx)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is missing "
+                                 "(NOT_FOUND)") from None
+        except OSError as exc:
+            raise ValueError(f"reading {path} failed: {exc}") from None
         try:
             index, _, data_end = self._index(fd, key)
             off, nb = index[local]
