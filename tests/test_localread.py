@@ -128,11 +128,19 @@ def test_large_read_uses_threads_and_matches(where, monkeypatch):
 
     monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 16)
     monkeypatch.setattr(lr, "RUN_BYTES", 1 << 15)
+    advised = []
+    real_fadvise = lr.os.posix_fadvise
+    monkeypatch.setattr(lr.os, "posix_fadvise", lambda fd, off, n, how: (advised.append((off, n, how)),
+                                                                         real_fadvise(fd, off, n, how))[1])
     x = random_bits((512, 256), torch.float32, torch.Generator().manual_seed(1))
     rel, layout = _write(where, x, (16, 128), (8, 1))
     local, ts_handle = _both(where, rel, layout)
     for box in [((0, 512), (0, 256)), ((3, 500), (7, 250)), ((100, 101), (0, 256))]:
         assert local.read(box).tobytes() == ts_handle[fmt.box_index(box)].read().result().tobytes()
+    # the split reads asked the kernel to read ahead each shard file's span at once (one call per file)
+    chunk = 16 * 128 * 4 + 4
+    assert advised and all(how == lr.os.POSIX_FADV_WILLNEED and n >= chunk and n % chunk == 0
+                           for _, n, how in advised)
 
 
 # --- routing ----------------------------------------------------------------------------------------

@@ -141,6 +141,32 @@ def _populate(entry: tuple, off: int, nbytes: int) -> None:
     done.add(off)
 
 
+# Large reads split over the pool read one file at several offsets at once, which the kernel's readahead
+# takes for random access: from a cold cache it then reads in small synchronous pieces. One
+# POSIX_FADV_WILLNEED per file over the span the runs cover starts the whole span's reads at once (on a
+# warm cache it finds the pages present). ``UCP_READ_WILLNEED=0`` leaves it out (tools/bench_cold.py).
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None) if os.environ.get("UCP_READ_WILLNEED", "1") != "0" else None
+
+
+def _prefetch(runs: list[tuple]) -> None:
+    """``posix_fadvise(WILLNEED)`` over the byte span of each file's runs ``(fd, key, items, expect)``."""
+    spans: dict[int, list[int]] = {}
+    for fd, _key, items, expect in runs:
+        lo, hi = items[0][0], items[-1][0] + expect
+        if items[-1][0] < lo:  # a run's items are in file order; be safe about any order
+            lo, hi = min(it[0] for it in items), max(it[0] for it in items) + expect
+        span = spans.get(fd)
+        if span is None:
+            spans[fd] = [lo, hi]
+        else:
+            span[0], span[1] = min(span[0], lo), max(span[1], hi)
+    for fd, (lo, hi) in spans.items():
+        try:
+            os.posix_fadvise(fd, lo, hi - lo, _WILLNEED)  # type: ignore[arg-type]
+        except OSError:
+            pass  # advice only
+
+
 class LocalReadError(ValueError):
     """A shard file or chunk fails a check (crc32c, size, index entry) or is missing.
 
@@ -404,6 +430,8 @@ class LocalArray:
     def _run_all(self, runs: list[tuple]) -> None:
         total = sum(len(r[2]) for r in runs) * self.chunk_bytes
         if total >= PARALLEL_BYTES and len(runs) > 1:
+            if _WILLNEED is not None:
+                _prefetch(runs)
             futures = [_get_pool().submit(self._read_run, *r) for r in runs]
             try:
                 for f in futures:
