@@ -184,7 +184,7 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
                 _copy(view[tuple(slice(0, b - a) for a, b in zip(lo, hi))], src)
             crc[0] = _crc(enc)
             if digests is not None:
-                digests[idx] = (xxhash.xxh3_128_digest(enc) if full else fmt.chunk_digest(src))
+                digests[idx] = xxhash.xxh3_128_digest(enc.data) if full else fmt.chunk_digest(src)
             _write_all(fd, [enc, crc.view(np.uint8)])
             index[k] = (pos, cbytes + 4)
             pos += cbytes + 4
