@@ -11,9 +11,11 @@ small scratch buffer (or taken in place when it is contiguous in memory), and fr
 - it is written with its crc by one ``writev``;
 
 then the shard index (``(offset, nbytes)`` uint64 pairs per inner chunk in C order, then its crc32c) ends the
-file, the file is fsynced and renamed into place, and its folder fsynced: the same bytes TensorStore writes
-for the store's uncompressed chain (``localread.is_local_chain``), chunks in C order, edge chunks padded
-with the fill value (0) to the full chunk shape, chunks wholly outside the array left out of the index.
+file, the file is fsynced (its writeback started every 8 MiB along the way by ``sync_file_range``, so
+the disk works while later chunks are encoded) and renamed into place, and its folder fsynced: the same
+bytes TensorStore writes for the store's uncompressed chain (``localread.is_local_chain``), chunks in C
+order, edge chunks padded with the fill value (0) to the full chunk shape, chunks wholly outside the
+array left out of the index.
 tests/test_localwrite.py reads the files back through TensorStore and ``localread`` and checks that.
 
 Shard files run on a small thread pool (``UCP_WRITE_THREADS``, default 2-8 by CPU count): the copies,
@@ -44,7 +46,7 @@ from . import format as fmt
 from .localread import _PAGE, _bad_distance, _copy, is_local_chain
 from .location import Location, _safe_rel
 
-__all__ = ["local_folder", "whole_shards", "shard_boxes", "write_shard_file", "submit"]
+__all__ = ["local_folder", "whole_shards", "shard_boxes", "write_shard_file", "sync_dirs", "submit"]
 
 _MISSING = (1 << 64) - 1
 _crc = google_crc32c.value
@@ -134,6 +136,28 @@ def _write_all(fd: int, parts: list) -> None:
         done = os.writev(fd, parts)
 
 
+def _writeback_starter():
+    """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` (Linux): start writing a range to disk without
+    waiting, so the disk works while later chunks are still being encoded and the final fsync finds
+    most of the file written. None where libc has no such call."""
+    if not sys.platform.startswith("linux") or os.environ.get("UCP_WRITEBACK", "1") == "0":
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return lambda fd, off, n: fn(fd, off, n, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start
+
+
+_start_writeback = _writeback_starter()
+WRITEBACK_BYTES = 8 << 20  # start the disk on every this many bytes written
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -143,13 +167,14 @@ def _fsync_dir(path: str) -> None:
 
 
 def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...], data: np.ndarray,
-                     offset: tuple[int, ...], digests: dict | None) -> int:
+                     offset: tuple[int, ...], digests: dict | None, dirs: set | None = None) -> int:
     """Write shard file ``shard`` of the array in ``folder`` from ``data`` (a C-order-indexable box at global
     ``offset`` that covers the shard's part of the array); returns the bytes written.
 
     ``digests``: when given, each inner chunk's ``format.chunk_digest`` goes into it by chunk index.
-    Durable on return (file and folder fsynced); the file appears whole (written under a temporary name,
-    then renamed)."""
+    The file appears whole (written under a temporary name, fsynced, then renamed). Durable on return,
+    its folder fsynced too, unless ``dirs`` is given: then the folders whose entries changed are added
+    to it and the caller fsyncs each once (:func:`sync_dirs`) after all its files, before it relies on them."""
     chunk, per = layout.chunk_shape, [sh // c for sh, c in zip(layout.shard_shape, layout.chunk_shape)]
     grid = layout.chunk_grid()
     itemsize = data.itemsize
@@ -164,7 +189,7 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.part"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        pos = 0
+        pos = flushed = 0
         crc = np.empty(1, "<u4")
         for k, local in enumerate(itertools.product(*(range(p) for p in per))):
             idx = tuple(f + i for f, i in zip(first, local))
@@ -188,10 +213,13 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
             _write_all(fd, [enc, crc.view(np.uint8)])
             index[k] = (pos, cbytes + 4)
             pos += cbytes + 4
+            if _start_writeback is not None and pos - flushed >= WRITEBACK_BYTES:
+                _start_writeback(fd, flushed, pos - flushed)
+                flushed = pos
         raw = index.reshape(-1).view(np.uint8)
         crc[0] = _crc(raw)
         _write_all(fd, [raw, crc.view(np.uint8)])
-        os.fsync(fd)
+        os.fdatasync(fd)
     except BaseException:
         os.close(fd)
         try:
@@ -201,10 +229,19 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
         raise
     os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(parent)
-    if made:  # the new folders' entries too, up to the array's folder
-        d = parent
-        while d != folder and len(d) > len(folder):
-            d = os.path.dirname(d)
-            _fsync_dir(d)
+    changed = [parent]
+    d = parent
+    while made and d != folder and len(d) > len(folder):  # the new folders' entries too, up to the array's
+        d = os.path.dirname(d)
+        changed.append(d)
+    if dirs is None:
+        sync_dirs(changed)
+    else:
+        dirs.update(changed)
     return pos + raw.nbytes + 4
+
+
+def sync_dirs(dirs) -> None:
+    """fsync each folder once (their new entries: renamed shard files, created sub-folders)."""
+    for d in sorted(set(dirs), key=len, reverse=True):
+        _fsync_dir(d)

@@ -112,6 +112,7 @@ class CheckpointWriter:
         self._chunk_digests: dict[tuple[str, str], dict] = {}  # set_chunk_digests: every rank's, merged
         self._opened: dict[tuple[str, str], tuple] = {}  # open_shards: (layout, path, array id) before any write
         self._local_folders: dict[tuple[str, str], str | None] = {}  # write_region: localwrite folder or None
+        self._local_dirs: set[str] = set()  # folders whose entries localwrite changed: fsynced once in _drain
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -189,6 +190,12 @@ class CheckpointWriter:
 
     def _drain(self) -> None:
         self._window.drain()
+        if self._local_dirs:  # the renamed shard files' folder entries: durable before anyone relies on them
+            dirs, self._local_dirs = self._local_dirs, set()
+            try:
+                localwrite.sync_dirs(dirs)
+            except OSError as exc:
+                raise WriteError(f"checkpoint {self.id}: syncing its array folders failed: {exc}") from None
 
     def write(self, name: str, state: str, tensor: torch.Tensor | np.ndarray, *, pattern: dict | None = None,
               expect_shape=None, expect_dtype=None, position: int | None = None) -> None:
@@ -356,7 +363,7 @@ class CheckpointWriter:
                 digests = self._region_digests.setdefault(key, {})
                 for shard in localwrite.shard_boxes(layout, offset, tuple(array.shape)):
                     future = localwrite.submit(localwrite.write_shard_file, folder, layout, shard, array, offset,
-                                               digests)
+                                               digests, self._local_dirs)
                     self._window.submit(future, min(array.nbytes, math.prod(layout.shard_shape) * array.itemsize),
                                         (array, what))
             else:
