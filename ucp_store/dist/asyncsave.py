@@ -367,8 +367,6 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     t0 = time.perf_counter()
     ctx = _Ctx(group)
     plan = _plan_save(state_dict, ctx)
-    # process mode: the writer process (started on the first call) boots while this rank stages
-    writer = _writer_for(ctx) if mode == "process" else None
     buffers = _STAGER.stage(plan, shared=mode == "process")
     handle = AsyncSaveHandle(run, step, mode)
     handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
@@ -387,6 +385,9 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
 
         thread = threading.Thread(target=work, daemon=True, name="ucp-async-save")
     else:
+        # started after staging (on the first call): its interpreter boots after this call returns, not
+        # beside the copy (on a busy host the import competed with the staging for the CPU)
+        writer = _writer_for(ctx)
         job = {"items": plan.items, "objects": plan.objects, "provenance": plan.provenance,
                "store": store if store is None else os.fspath(store) if not isinstance(store, str) else store,
                "run": run, "step": step, "message": message, "parent": parent}
@@ -396,6 +397,6 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     if thread is not None:
         thread.start()
     else:  # process mode: the writer was looked up or started above
-        cast(_WriterProcess, writer).submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
+        writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
     handle.blocked_s = time.perf_counter() - t0
     return handle
