@@ -125,6 +125,11 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             for who in peers[r % 3:] + peers[:r % 3]:
                 if who == "ucp":
                     _, t, _ = timed(lambda r=r: ucpd.save(sd, store=store, run="bench", step=r + 1, progress=False))
+                    if r and rank == 0:  # keep only the newest version (disk space), outside the timing
+                        st = open_store(store)
+                        st.rm(st.resolve(f"bench@{r}"))
+                        st.gc()
+                    sync()
                 elif who == "dcp":
                     if dcp_dir and rank == 0:
                         shutil.rmtree(dcp_dir, ignore_errors=True)
@@ -189,6 +194,11 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     kinds = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+
+    def drop(ref: str) -> None:
+        st = open_store(store)
+        st.rm(st.resolve(ref))
+        st.gc()
     for mode in ("thread", "process") if "async" in parts else ():
         for k in range(1, max(args.reps, 2) + 1):
             for who in (("ucp", "dcp") if k % 2 else ("dcp", "ucp")):
@@ -208,6 +218,8 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
                 best(f"{who}_async_{mode}_{step}_blocked_s", blocked)
                 best(f"{who}_async_{mode}_{step}_total_s", total)
                 sync()
+                if who == "ucp" and rank == 0:  # disk space: drop it (outside the timing)
+                    drop(f"async-{mode}@{k}")
                 if who == "dcp" and rank == 0:
                     shutil.rmtree(d, ignore_errors=True)
         # the first call of a new layout after ``prepare_async`` at setup (the same tensors under other keys)
@@ -222,12 +234,15 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         best(f"ucp_async_{mode}_p_blocked_s", time.perf_counter() - t0)
         h.result()
         sync()
+        if rank == 0:
+            drop(f"async-{mode}@100")
+        sync()
     ucpd.close()
     sync()
     if rank == 0:
         st = open_store(store)
         for run in ("async-thread", "async-process") if "async" in parts else ():
-            for v in st.list_checkpoints(run):
+            for v in st.list_checkpoints(run) if run in {r["run"] for r in st.runs()} else ():
                 st.rm(v["id"])
         st.gc()
     with open(os.path.join(args.dir, f"rank{rank}.json"), "w") as f:
