@@ -477,10 +477,11 @@ def test_verify_and_async_save_across_ranks(tmp_path):
     store = str(tmp_path / "store")
     jobs = [{"role": "verify", "run": "v", "target": "layers.1.feed_forward.w2.weight", "bad_rank": 3},
             {"role": "async", "run": "at", "mode": "thread"},
-            {"role": "async", "run": "ap", "mode": "process", "prepare": True}]
+            {"role": "async", "run": "ap", "mode": "process"},  # first call: private staging, shared later
+            {"role": "async", "run": "ap2", "mode": "process", "prepare": True}]  # shared buffers reused
     results = _ok(*_spawn(tmp_path, "misc", {"world": 4, "tp": 2, "dp": 2, "store": store, "jobs": jobs}))
     for r in results:
-        v, at, ap = r["jobs"]
+        v, at, ap, ap2 = r["jobs"]
         assert v["clean"]
         # one element of rank 3's shard: (dp=1, tp=1) holds rows 20..39, columns 44..87 of w2 [40, 88]
         assert len(v["mismatches"]) == 1, v["text"]
@@ -488,7 +489,7 @@ def test_verify_and_async_save_across_ranks(tmp_path):
         assert (m["name"], m["state"], m["rank"], m["box"], m["differing"]) == (
             "layers.1.feed_forward.w2.weight", "weight", 3, [[20, 40], [44, 88]], 1)
         assert "layers.1.feed_forward.w2.weight" in v["text"]
-        for a in (at, ap):
+        for a in (at, ap, ap2):
             assert a["same"] and a["n"] == 104 and a["later_differs"], a
 
 

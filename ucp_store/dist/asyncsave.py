@@ -11,7 +11,12 @@ Two background modes:
   most of the work);
 - ``"process"``: a persistent writer process per rank (its own gloo group among the writers), fed the
   staging buffers through shared memory once and then only small messages: the trainer's interpreter
-  does none of the writing. ``tools/bench_dist.py`` measures both.
+  does none of the writing. Shared pages fault in far slower than private ones, so the first call of a
+  layout stages into private memory and a background thread copies that into the shared buffers, which
+  later calls stage into directly. ``tools/bench_dist.py`` measures both modes.
+
+``prepare_async`` makes the buffers (and the writer process, or the background group) at setup, so even
+the first call only copies.
 
 A second ``async_save`` (or ``save`` / ``load``) first waits for the one in flight. ``handle.result()``
 returns the version id or raises the background error; every rank raises when any rank failed, and
@@ -172,11 +177,14 @@ class _Stager:
         """What the writer process maps: the arena's description, or the shared tensors themselves."""
         return self.arena.describe() if self.arena is not None else self.buffers
 
-    def stage(self, plan: _SavePlan, *, shared: bool, copy: bool = True) -> list[torch.Tensor]:
+    def stage(self, plan: _SavePlan, *, shared: bool, copy: bool = True,
+              views: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """This rank's boxes copied into the staging buffers (made, and their pages mapped, when the layout is
-        new). ``copy=False`` (``prepare_async``) only makes the buffers."""
+        new). ``copy=False`` (``prepare_async``) only makes the buffers. ``views``: copy these instead of the
+        plan's boxes (the same shapes: a private first staging moved into shared buffers)."""
         sig = (plan.signature(), shared)
-        views = [src[sl] if sl else src for src, sl in plan.sources]
+        if views is None:
+            views = [src[sl] if sl else src for src, sl in plan.sources]
         cuda = any(v.device.type == "cuda" for v in views)
         if sig == self.signature:
             if copy:
@@ -367,7 +375,10 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     t0 = time.perf_counter()
     ctx = _Ctx(group)
     plan = _plan_save(state_dict, ctx)
-    buffers = _STAGER.stage(plan, shared=mode == "process")
+    # process mode, new layout: shared pages fault in far slower than private ones, so the caller stages
+    # into private memory and a background thread fills the shared buffers from it for the writer
+    cold_process = mode == "process" and _STAGER.signature != (plan.signature(), True)
+    buffers = _Stager().stage(plan, shared=False) if cold_process else _STAGER.stage(plan, shared=mode == "process")
     handle = AsyncSaveHandle(run, step, mode)
     handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
     if mode == "thread":
@@ -392,11 +403,22 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
                "store": store if store is None else os.fspath(store) if not isinstance(store, str) else store,
                "run": run, "step": step, "message": message, "parent": parent}
         thread = None
+        if cold_process:
+            private = buffers
+
+            def share() -> None:
+                try:
+                    _STAGER.stage(plan, shared=True, views=private)  # the next calls stage straight into these
+                    writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
+                except BaseException as exc:  # noqa: BLE001 - handed to result()
+                    handle._finish(None, exc)
+
+            thread = threading.Thread(target=share, daemon=True, name="ucp-async-share")
     with _LOCK:
         _PENDING = handle
     if thread is not None:
         thread.start()
-    else:  # process mode: the writer was looked up or started above
+    else:  # process mode, buffers shared already: the writer was looked up or started above
         writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
     handle.blocked_s = time.perf_counter() - t0
     return handle
