@@ -26,7 +26,7 @@ import torch
 from sqlalchemy import exists, func, select
 from sqlalchemy.exc import IntegrityError
 
-from . import dtypes, names
+from . import dtypes, localwrite, names
 from . import format as fmt
 from ._killpoints import killpoint
 from ._window import FutureWindow
@@ -111,6 +111,8 @@ class CheckpointWriter:
         self._shard_digests: dict[tuple[str, str], dict] = {}
         self._chunk_digests: dict[tuple[str, str], dict] = {}  # set_chunk_digests: every rank's, merged
         self._opened: dict[tuple[str, str], tuple] = {}  # open_shards: (layout, path, array id) before any write
+        self._local_folders: dict[tuple[str, str], str | None] = {}  # write_region: localwrite folder or None
+        self._local_dirs: set[str] = set()  # folders whose entries localwrite changed: fsynced once in _drain
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -188,6 +190,12 @@ class CheckpointWriter:
 
     def _drain(self) -> None:
         self._window.drain()
+        if self._local_dirs:  # the renamed shard files' folder entries: durable before anyone relies on them
+            dirs, self._local_dirs = self._local_dirs, set()
+            try:
+                localwrite.sync_dirs(dirs)
+            except OSError as exc:
+                raise WriteError(f"checkpoint {self.id}: syncing its array folders failed: {exc}") from None
 
     def write(self, name: str, state: str, tensor: torch.Tensor | np.ndarray, *, pattern: dict | None = None,
               expect_shape=None, expect_dtype=None, position: int | None = None) -> None:
@@ -347,10 +355,22 @@ class CheckpointWriter:
             self.open_regions([(name, state, dtype, shape, pattern, boundaries)])
         handle, layout, rel, aid = self._known_array(key, dtype, shape, f"{what}: box", "boxes")
         if array.size:
-            box = tuple(slice(o, o + n) for o, n in zip(offset, array.shape))
-            future = handle[box].write(array) if box else handle.write(array)
-            self._window.submit(future, array.nbytes, (array, what))
-            self._digest_region(key, self._sharded[key][2], offset, array)
+            folder = self._local_folders.get(key, "")
+            if folder == "":
+                folder = self._local_folders[key] = localwrite.local_folder(self.store.location, rel, layout)
+            if folder is not None and localwrite.whole_shards(layout, offset, tuple(array.shape)):
+                # this rank owns whole shard files: written here, each chunk copied once (crc, digest, writev)
+                digests = self._region_digests.setdefault(key, {})
+                for shard in localwrite.shard_boxes(layout, offset, tuple(array.shape)):
+                    future = localwrite.submit(localwrite.write_shard_file, folder, layout, shard, array, offset,
+                                               digests, self._local_dirs)
+                    self._window.submit(future, min(array.nbytes, math.prod(layout.shard_shape) * array.itemsize),
+                                        (array, what))
+            else:
+                box = tuple(slice(o, o + n) for o, n in zip(offset, array.shape))
+                future = handle[box].write(array) if box else handle.write(array)
+                self._window.submit(future, array.nbytes, (array, what))
+                self._digest_region(key, layout, offset, array)
         if origin:
             self._origin.add(key)
         return int(array.size)
@@ -395,8 +415,14 @@ class CheckpointWriter:
                 return
         _digest_chunks_inside(digests, layout, tuple(offset), array)  # aligned: every chunk it touches is inside
 
+    def drain(self) -> None:
+        """Wait for every array write in flight; the first failure raises here (a ``WriteError``)."""
+        self._drain()
+
     def region_digests(self) -> dict:
-        """``{(name, state): {chunk index: digest} | None}`` of the boxes this writer wrote (None: unaligned)."""
+        """``{(name, state): {chunk index: digest} | None}`` of the boxes this writer wrote (None: unaligned);
+        waits for the writes in flight first (the local write path digests as it writes)."""
+        self._drain()
         return dict(self._region_digests)
 
     def set_region_hash(self, name: str, state: str, content_hash: str) -> None:
