@@ -163,6 +163,8 @@ def role_async(spec, rank):
     sd = _sd(model, opt)
     # what the state is at the moment of the call (a deep copy of every local shard)
     ucpd.save(sd, store=spec["store"], run=spec["run"] + "-ref", step=1, progress=False)
+    if spec.get("prepare"):  # buffers, group and writer made at setup; the call below only copies
+        ucpd.prepare_async(sd, mode=spec.get("mode", "thread"))
     handle = ucpd.async_save(sd, store=spec["store"], run=spec["run"], step=1, mode=spec.get("mode", "thread"))
     losses = _train(spec, model, opt, cfg, rank, 1, 3)  # mutates every parameter and moment in place
     with torch.no_grad():

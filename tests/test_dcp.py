@@ -388,3 +388,25 @@ def test_zstd_stream_transform(tmp_path):
     export_dcp(ck, str(tmp_path / "out"), progress=False)
     got = _load(tmp_path / "out", _template())
     assert got["train_state"] == sd["train_state"] and torch.equal(got["model"]["emb"], sd["model"]["emb"])
+
+
+@pytest.mark.parametrize("piece", [4, 13, 30 * 1024])
+@pytest.mark.parametrize("shape", [(7, 5), (3, 4, 6), (2, 9), (0, 3), (), (17,)])
+def test_chunk_assembly_copies_in_pieces_exactly(monkeypatch, piece, shape):
+    """A saved chunk goes into its box of the assembled tensor in pieces (whole rows, or row by row when a
+    row alone exceeds the piece), each small enough for torch to copy on the calling thread: every element
+    lands where one ``copy_`` would put it, also from a transposed (non-contiguous) chunk."""
+    from ucp_store.adapters import dcp as dcp_mod
+
+    monkeypatch.setattr(dcp_mod, "_PIECE", piece)
+    gen = torch.Generator().manual_seed(len(shape) * 31 + piece)
+    sources = [torch.randn(shape, generator=gen)]
+    if len(shape) == 2:
+        sources.append(torch.randn(shape[::-1], generator=gen).t())  # strides of a transposed chunk
+    for src in sources:
+        big = torch.full(tuple(n + 3 for n in shape), -1.0)
+        box = tuple(slice(1, 1 + n) for n in shape)
+        want = big.clone()
+        want[box] = src
+        dcp_mod._place(big[box], src)
+        assert torch.equal(big, want)

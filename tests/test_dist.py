@@ -319,6 +319,29 @@ def test_async_save_staging_buffers_are_reused_and_exact(tmp_path):
             assert torch.equal(ck.tensor(k, "weight").read(), v), (step, k)
 
 
+def test_prepare_async_makes_the_buffers_the_first_call_uses(tmp_path):
+    """prepare_async at setup makes the staging buffers (and the background group): the first async_save of
+    that layout only copies into them, and saves the state at the call, not the zeros of a fresh buffer."""
+    from ucp_store.dist import asyncsave
+
+    g = torch.Generator().manual_seed(6)
+    sd = {"w": torch.randn(600, 1024, generator=g), "b": torch.randn(7, generator=g)}
+    ucpd.prepare_async(sd)
+    bufs, gen = list(asyncsave._STAGER.buffers), asyncsave._STAGER.generation
+    assert [tuple(b.shape) for b in bufs] == [(600, 1024), (7,)]
+    want = {k: v.clone() for k, v in sd.items()}
+    h = ucpd.async_save(sd, store=tmp_path / "s", run="p", step=1)
+    assert asyncsave._STAGER.generation == gen and all(a is b for a, b in zip(asyncsave._STAGER.buffers, bufs))
+    for v in sd.values():
+        v.mul_(2)
+    h.result()
+    ck = ucp_store.open_store(str(tmp_path / "s")).checkpoint("p@1")
+    for k, v in want.items():
+        assert torch.equal(ck.tensor(k, "weight").read(), v), k
+    with pytest.raises(ConfigurationError, match="mode='fork'"):
+        ucpd.prepare_async(sd, mode="fork")
+
+
 def test_checkpointer_retention_and_resume(tmp_path):
     cfg, model, opt = _trained(steps=0)
     ck = ucpd.Checkpointer(tmp_path / "s", "run", every=2, keep_last=2, async_mode="thread")
@@ -454,10 +477,11 @@ def test_verify_and_async_save_across_ranks(tmp_path):
     store = str(tmp_path / "store")
     jobs = [{"role": "verify", "run": "v", "target": "layers.1.feed_forward.w2.weight", "bad_rank": 3},
             {"role": "async", "run": "at", "mode": "thread"},
-            {"role": "async", "run": "ap", "mode": "process"}]
+            {"role": "async", "run": "ap", "mode": "process"},  # first call: private staging, shared later
+            {"role": "async", "run": "ap2", "mode": "process", "prepare": True}]  # shared buffers reused
     results = _ok(*_spawn(tmp_path, "misc", {"world": 4, "tp": 2, "dp": 2, "store": store, "jobs": jobs}))
     for r in results:
-        v, at, ap = r["jobs"]
+        v, at, ap, ap2 = r["jobs"]
         assert v["clean"]
         # one element of rank 3's shard: (dp=1, tp=1) holds rows 20..39, columns 44..87 of w2 [40, 88]
         assert len(v["mismatches"]) == 1, v["text"]
@@ -465,7 +489,7 @@ def test_verify_and_async_save_across_ranks(tmp_path):
         assert (m["name"], m["state"], m["rank"], m["box"], m["differing"]) == (
             "layers.1.feed_forward.w2.weight", "weight", 3, [[20, 40], [44, 88]], 1)
         assert "layers.1.feed_forward.w2.weight" in v["text"]
-        for a in (at, ap):
+        for a in (at, ap, ap2):
             assert a["same"] and a["n"] == 104 and a["later_differs"], a
 
 

@@ -147,8 +147,8 @@ def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_pat
 
     local_files: list[str] = []
     real_submit = localwrite.submit
-    monkeypatch.setattr(localwrite, "submit", lambda root, rel, *a: (local_files.append(rel),
-                                                                      real_submit(root, rel, *a))[1])
+    monkeypatch.setattr(localwrite, "submit", lambda fn, folder, *a: (local_files.append(folder),
+                                                                       real_submit(fn, folder, *a))[1])
 
     def arm(w):
         assert w.defer_durability() and w._array_context() is store.unsynced_context
@@ -190,48 +190,3 @@ def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_pat
     # the arrays were written through a context without TensorStore's own fsync per file (the pass replaces it)
     assert store.unsynced_context.spec.to_json()["file_io_sync"] is False
     assert store.context.spec.to_json().get("file_io_sync", True) is True
-
-
-@pytest.mark.parametrize("shape,chunk,shard,dtype", [((64, 32), (8, 32), (32, 32), "float32"),
-                                                     ((4096,), (1024,), (4096,), "float32"),
-                                                     ((16, 4), (4, 4), (16, 4), "bfloat16")])
-def test_local_shard_files_are_byte_identical_to_tensorstores(tmp_path, shape, chunk, shard, dtype):
-    import numpy as np
-    import tensorstore as ts
-
-    from ucp_store import localread, localwrite
-    from ucp_store.location import Location
-
-    loc = Location.parse(str(tmp_path))
-    layout = fmt.ArrayLayout(dtype, shape, chunk, shard, "none")
-    data = dtypes_np(torch.randn(*shape, generator=torch.Generator().manual_seed(1)), dtype)
-    ts.open(fmt.array_spec(loc, "ts.zarr", layout), create=True).result().write(data).result()
-    for idx in np.ndindex(*[s // h for s, h in zip(shape, shard)]):
-        box = tuple((i * h, (i + 1) * h) for i, h in zip(idx, shard))
-        assert localwrite.whole_shard(layout, box) == idx
-        part = np.ascontiguousarray(data[tuple(slice(lo, hi) for lo, hi in box)])
-        localwrite.submit(str(tmp_path), "mine.zarr", layout, idx, part).result()
-        key = "/".join(str(i) for i in idx)
-        assert (tmp_path / "mine.zarr" / "c" / key).read_bytes() == (tmp_path / "ts.zarr" / "c" / key).read_bytes()
-    (tmp_path / "mine.zarr" / "zarr.json").write_bytes(fmt.zarr_json(layout))
-    # both readers take it
-    got = ts.open(fmt.array_spec(loc, "mine.zarr", layout), open=True).result().read().result()
-    assert got.tobytes() == data.tobytes()
-    reader = localread.open_reader(loc, "mine.zarr", layout, fmt.make_context())
-    assert isinstance(reader, localread.LocalArray)
-    full = reader[tuple(slice(0, s) for s in shape)].read().result()
-    assert np.asarray(full).tobytes() == data.tobytes()
-    # not a whole shard, a shard past the array's end, chunks that are not whole rows: TensorStore's job
-    assert localwrite.whole_shard(layout, tuple((0, h // 2) for h in shard)) is None
-    cut = fmt.ArrayLayout(dtype, (shape[0] - 1, *shape[1:]), chunk, shard, "none")
-    last = (shape[0] - 1) // shard[0] * shard[0]
-    assert localwrite.whole_shard(cut, ((last, last + shard[0]), *((0, h) for h in shard[1:]))) is None
-    if len(shape) == 2:
-        narrow = fmt.ArrayLayout(dtype, shape, (chunk[0], shape[1] // 2), shard, "none")
-        assert localwrite.whole_shard(narrow, tuple((0, h) for h in shard)) is None
-
-
-def dtypes_np(t, dtype):
-    from ucp_store import dtypes
-
-    return dtypes.to_numpy(t.to(torch.bfloat16 if dtype == "bfloat16" else torch.float32), what="test")

@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from ucp_store.adapters.hf import HfSource, export_hf, import_hf, parse_size, read_header  # noqa: E402
 from ucp_store.adapters.hf_map import NameMap, load_map  # noqa: E402
-from ucp_store.errors import ConfigurationError, DTypeError, SourceFormatError  # noqa: E402
+from ucp_store.errors import ConfigurationError, DTypeError, SourceFormatError, UcpError  # noqa: E402
 
 SHARD = "40KB"  # small enough that the tiny models below need several shards
 
@@ -146,6 +146,7 @@ def test_export_is_byte_identical_to_save_pretrained(tmp_path, store, small_chun
 
     small_chunks(lambda shape: ((2,) + shape[1:], (6,) + shape[1:]))  # a shard file ends mid-block
     monkeypatch.setattr(hf, "_TASK_BYTES", 300)  # blocks of a few chunk rows: offsets inside every tensor
+    monkeypatch.setattr(hf, "_CAST_PIECE", 7)  # the --dtype cast of a block goes in many pieces
     monkeypatch.setenv("UCP_EXPORT_THREADS", "3")
     model = tiny_llama(torch.float32, seed=4)
     src = tmp_path / "src"
@@ -185,8 +186,10 @@ def test_tied_embeddings_round_trip(tmp_path, store):
     assert torch.equal(logits(back), logits(model))
 
 
-def test_export_fp32_state_of_a_mixed_checkpoint(tmp_path, store):
-    """--state picks the master weights of a training checkpoint; the weight state is ignored."""
+def test_export_fp32_state_of_a_mixed_checkpoint(tmp_path, store, store_path):
+    """--state picks the master weights of a training checkpoint; the weight state is ignored. Exporting
+    the weight state reads nothing else: with every other state's arrays gone from the store, it still
+    writes the same files."""
     model = tiny_llama(torch.float32, seed=4)
     sd = model.state_dict()
     with store.begin("mixed", 1) as w:
@@ -204,6 +207,20 @@ def test_export_fp32_state_of_a_mixed_checkpoint(tmp_path, store):
     assert all(torch.equal(got[n], sd[n].to(torch.bfloat16).to(got[n].dtype)) for n in sd)
     with pytest.raises(SourceFormatError, match="no state 'fp16'.*exp_avg, fp32, weight"):
         export_hf(ck, tmp_path / "x", state="fp16", progress=False)
+    import shutil
+
+    keep = {i.array for i in ck.tensors(state="weight")}
+    gone = {i.array for i in ck.tensors() if i.state != "weight"} - keep
+    assert gone
+    for rel in gone:  # the fp32 master and the optimizer state: no export of the weight state may touch them
+        shutil.rmtree(store_path / rel)
+    export_hf(ck, tmp_path / "again", state="weight", progress=False)
+    for f in ("model.safetensors", "config.json"):
+        assert (tmp_path / "again" / f).read_bytes() == (tmp_path / "default" / f).read_bytes()
+    with pytest.raises(UcpError) as err:  # and the fp32 export does read its (now missing) arrays
+        export_hf(ck, tmp_path / "y", state="fp32", progress=False)
+    assert "state 'fp32'" in str(err.value) and "model." in str(err.value)
+    assert not (tmp_path / "y").exists()
 
 
 # ------------------------------------------------------------------------------------------- bad input

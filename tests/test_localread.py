@@ -43,6 +43,16 @@ def where(tmp_path_factory):
     return loc, fmt.make_context()
 
 
+@pytest.fixture(params=["pread", "mapped"])
+def single_path(request, monkeypatch):
+    """Single-chunk reads by ``pread`` into scratch, or through the held mapping of the shard file (the
+    path of chunks of at least ``MAP_MIN_CHUNK_BYTES``), whatever the chunk size."""
+    import ucp_store.localread as lr
+
+    monkeypatch.setattr(lr, "MAP_MIN_CHUNK_BYTES", 0 if request.param == "mapped" else 1 << 62)
+    return request.param
+
+
 def _write(where, tensor: torch.Tensor, chunk, per_shard) -> tuple[str, fmt.ArrayLayout]:
     loc, ctx = where
     shape = tuple(tensor.shape)
@@ -75,18 +85,21 @@ def arrays_and_boxes(draw):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=arrays_and_boxes(), scratch=st.booleans())
-def test_identical_bytes_to_tensorstore(where, case, scratch):
+@given(case=arrays_and_boxes(), scratch=st.booleans(), mapped=st.booleans())
+def test_identical_bytes_to_tensorstore(where, case, scratch, mapped):
     """``scratch``: every chunk read through scratch placed at its file offset's page position and copied
-    (the path for destinations at a slow copy distance), else in place wherever the destination allows."""
+    (the path for destinations at a slow copy distance), else in place wherever the destination allows.
+    ``mapped``: single-chunk reads go through the held mapping of the shard file (``_read_single_mapped``,
+    the path of large chunks) whatever the chunk size."""
     import ucp_store.localread as lr
 
-    saved = lr._BAD_DISTANCE
+    saved, saved_map = lr._BAD_DISTANCE, lr.MAP_MIN_CHUNK_BYTES
     lr._BAD_DISTANCE = lr._PAGE + 1 if scratch else saved
+    lr.MAP_MIN_CHUNK_BYTES = 0 if mapped else 1 << 62
     try:
         _identical(where, case)
     finally:
-        lr._BAD_DISTANCE = saved
+        lr._BAD_DISTANCE, lr.MAP_MIN_CHUNK_BYTES = saved, saved_map
 
 
 def _identical(where, case):
@@ -115,11 +128,19 @@ def test_large_read_uses_threads_and_matches(where, monkeypatch):
 
     monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 16)
     monkeypatch.setattr(lr, "RUN_BYTES", 1 << 15)
+    advised = []
+    real_fadvise = lr.os.posix_fadvise
+    monkeypatch.setattr(lr.os, "posix_fadvise", lambda fd, off, n, how: (advised.append((off, n, how)),
+                                                                         real_fadvise(fd, off, n, how))[1])
     x = random_bits((512, 256), torch.float32, torch.Generator().manual_seed(1))
     rel, layout = _write(where, x, (16, 128), (8, 1))
     local, ts_handle = _both(where, rel, layout)
     for box in [((0, 512), (0, 256)), ((3, 500), (7, 250)), ((100, 101), (0, 256))]:
         assert local.read(box).tobytes() == ts_handle[fmt.box_index(box)].read().result().tobytes()
+    # the split reads asked the kernel to read ahead each shard file's span at once (one call per file)
+    chunk = 16 * 128 * 4 + 4
+    assert advised and all(how == lr.os.POSIX_FADV_WILLNEED and n >= chunk and n % chunk == 0
+                           for _, n, how in advised)
 
 
 # --- routing ----------------------------------------------------------------------------------------
@@ -217,7 +238,7 @@ CASES = ["chunk byte", "chunk crc", "index byte", "index crc", "truncated", "tru
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_corruption_same_error_on_both_paths(where, case):
+def test_corruption_same_error_on_both_paths(where, single_path, case):
     loc, _ = where
     x = random_bits(SHAPE, torch.float32, torch.Generator().manual_seed(3))
     rel, layout = _write(where, x, CHUNK, PER_SHARD)
@@ -362,9 +383,56 @@ def test_small_chunk_target_store_reads_rows(tmp_path):
     assert torch.equal(h[300], w[300]) and torch.equal(h[:, 7], w[:, 7]) and torch.equal(h.read(), w)
 
 
+def test_held_handle_row_reads_go_through_the_mapping(tmp_path, monkeypatch):
+    """A row through a held handle, chunks of whole rows (as the policy cuts a large parameter, whose 1 MiB
+    chunks take this path; here the size threshold is lowered): one chunk through the held mapping of its
+    shard file (crc32c in place, only the row copied), the same bytes as written, and a flipped byte in
+    that chunk still a ChecksumError naming the array and the chunk."""
+    import ucp_store.localread as lr
+
+    monkeypatch.setattr(lr, "MAP_MIN_CHUNK_BYTES", 1)
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(8))
+    store.save("r", 1, {"w": w}, state="fp32")
+    h = store.checkpoint("r@1").tensor("w", "fp32")
+    assert h.info.chunk_shape[1:] == (1024,) and h.info.chunk_shape[0] > 1
+    calls = []
+    real = LocalArray._read_single_mapped
+    monkeypatch.setattr(LocalArray, "_read_single_mapped",
+                        lambda self, *a: (calls.append(a[0]), real(self, *a))[1])
+    for row in (0, 300, 1023, -1, -1024):
+        assert torch.equal(h[row], w[row])
+    assert torch.equal(h[5:9], w[5:9]) and torch.equal(h[7, 3:900], w[7, 3:900])
+    assert len(calls) == 7
+    path = str(Path(store.location.root) / h.info.array / "c" / "0" / "0")
+    assert path in lr._maps  # held: the next read of this shard maps nothing
+    with pytest.raises(ucp_store.errors.ValidationError, match="out of bounds"):
+        h[1024]
+    flip_byte(Path(path), 5)  # in chunk [0, 0], rows 0 .. chunk_shape[0] - 1
+    with pytest.raises(ChecksumError, match=r"chunk \[0, 0\]"):
+        h[1]
+    assert torch.equal(h[1023], w[1023])  # another chunk of the same shard still reads
+    v = torch.arange(100, dtype=torch.int64)
+    store.save("v", 1, {"v": v}, state="fp32")
+    hv = store.checkpoint("v@1").tensor("v", "fp32")
+    assert hv[3].shape == () and int(hv[3]) == 3 and int(hv[-1]) == 99 and torch.equal(hv[2:5], v[2:5])
+    assert int(hv[7]) == 7 and hv[7].dtype == torch.int64  # held: the one-row path gives a 0-d tensor
+
+
+def test_default_policy_cuts_a_large_parameter_into_mapped_row_chunks():
+    """The default policy gives a 256 MiB fp32 parameter 1 MiB chunks of whole rows: a row read touches one
+    chunk, large enough for the mapped single-chunk path."""
+    import ucp_store.localread as lr
+    from ucp_store.chunking import DEFAULT_TARGET, choose_chunking
+
+    c = choose_chunking((8192, 8192), 4)
+    assert c.chunk_shape == (32, 8192) and math.prod(c.chunk_shape) * 4 == DEFAULT_TARGET
+    assert math.prod(c.chunk_shape) * 4 >= lr.MAP_MIN_CHUNK_BYTES
+
+
 @pytest.mark.parametrize("case", ["index byte", "index crc", "entry past end of file", "missing chunk",
                                   "truncated", "missing shard"])
-def test_held_handle_sees_index_changes_after_caching(where, case):
+def test_held_handle_sees_index_changes_after_caching(where, single_path, case):
     """A held LocalArray caches each shard's checked index; a later change to the file is still caught."""
     import time
 
@@ -390,7 +458,7 @@ def test_held_handle_sees_index_changes_after_caching(where, case):
     assert local.read(((0, 40), (0, 30))).tobytes() == x.numpy().tobytes()
 
 
-def test_held_handle_sees_a_replaced_shard(where):
+def test_held_handle_sees_a_replaced_shard(where, single_path):
     """A shard file replaced by another with the same size (a re-save) is read as it is now."""
     loc, ctx = where
     x = random_bits(SHAPE, torch.float32, torch.Generator().manual_seed(6))

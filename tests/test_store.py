@@ -177,6 +177,34 @@ def test_rm_of_tagged_version_needs_force(store):
     assert steps(store, "r") == []
 
 
+def test_tag_race_lost_to_another_writer_answers_as_if_the_row_was_there(store, monkeypatch):
+    """Two writers tag one name at once (PostgreSQL: both see no row, the second insert violates the
+    unique key). The loser must answer as the winner's row dictates, never with a raw IntegrityError."""
+    from sqlalchemy.orm import Session
+
+    from ucp_store.errors import TagInUseError
+
+    a = store.save("r", 1, {"w": torch.ones(1)})
+    store.save("r", 2, {"w": torch.zeros(1)})
+    store.tag("r@1", "best")  # the winner's row
+    real = Session.scalar
+    blind = {"n": 1}
+
+    def scalar(self, stmt, *args, **kw):
+        if blind["n"] and "tags" in str(stmt):
+            blind["n"] -= 1
+            return None  # the loser's read ran before the winner committed
+        return real(self, stmt, *args, **kw)
+
+    monkeypatch.setattr(Session, "scalar", scalar)
+    with pytest.raises(TagInUseError, match="already names checkpoint"):
+        store.tag("r@2", "best")
+    assert blind["n"] == 0
+    blind["n"] = 1
+    assert store.tag("r@1", "best") == a.id  # same checkpoint: done, no error
+    assert store.checkpoint("r:best").id == a.id
+
+
 def test_gc_never_removes_data_a_committed_version_needs(store, store_path, frozen):
     cks = [store.save("r", s, {"frozen": frozen, "w": torch.full((4,), float(s))}) for s in range(5)]
     digests = {p: tree_digest(store_path / p) for p in array_folders(store_path)}

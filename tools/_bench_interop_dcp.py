@@ -16,7 +16,10 @@ deduplicate every array):
 - ``dcp_to_torch_save + fsync``: DCP's own converter of the same folder into one ``torch.save`` file;
 - ``DCP load + store.save`` (by hand): ``_load_state_dict`` with ``_EmptyStateDictLoadPlanner`` (the
   loading half of ``dcp_to_torch_save``) into memory, then ``store.save`` of the flattened tensors --
-  the fastest way to get the folder into a store with the same libraries.
+  the fastest way to get the folder into a store with the same libraries;
+- the ceilings: the folder's data files copied into one file and fsynced, through an 8 MiB buffer and by
+  ``copy_file_range`` (``bench_interop.raw_copy`` / ``kernel_copy``): what this machine allows for moving
+  these bytes durably, measured in the same run.
 
 Every writer's output is durable (TensorStore fsyncs; the torch file is fsynced). The source was just
 written, so all ways read it from the page cache. The table reports the best of the repeats and the
@@ -95,8 +98,10 @@ def make_source(folder: str, gib: float) -> int:
 
 
 def _timed(fn):
-    """(wall seconds, process CPU seconds of all threads, result)."""
+    """(wall seconds, process CPU seconds of all threads, result); dirty pages of earlier steps are flushed
+    first (``os.sync``), so no way pays for another's writeback."""
     gc.collect()
+    os.sync()
     c0, t0 = time.process_time(), time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, time.process_time() - c0, out
@@ -130,7 +135,7 @@ def bench_dcp(args) -> list[dict]:
     def rec(way, t, cpu):
         times.setdefault(way, []).append(t)
         cpus.setdefault(way, []).append(cpu)
-        print(f"  import dcp  {way:<44} {t:8.2f} s  (cpu {cpu:.2f} s)", flush=True)
+        print(f"  import dcp  {way:<44} {t:8.2f} s  (cpu {cpu:.2f} s)  load {os.getloadavg()[0]:.1f}", flush=True)
 
     def ucp_import():
         rc = cli.main(["import", "dcp", src, "--run", "ucp", "--step", "1", "--store", os.path.join(work, "s1"),
@@ -160,8 +165,23 @@ def bench_dcp(args) -> list[dict]:
         store = ucp_store.open_store(os.path.join(work, "s2"), create=True)
         store.save("hand", 1, flat)
 
+    from bench_interop import CEILINGS, kernel_copy, raw_copy
+
+    def data_files():
+        return [os.path.join(src, f) for f in sorted(os.listdir(src)) if f.endswith(".distcp")] + \
+            [os.path.join(src, ".metadata")]
+
     ways = [("ucp import dcp", ucp_import), ("dcp_to_torch_save + fsync", to_torch_save),
-            ("DCP load + store.save (by hand)", by_hand)]
+            ("DCP load + store.save (by hand)", by_hand),
+            (CEILINGS[0], lambda: raw_copy(data_files(), os.path.join(work, "raw.bin"))),
+            (CEILINGS[1], lambda: kernel_copy(data_files(), os.path.join(work, "raw.bin")))]
+    left = {"ucp import dcp": "s1", "dcp_to_torch_save + fsync": "out.pt", "DCP load + store.save (by hand)": "s2",
+            CEILINGS[0]: "raw.bin", CEILINGS[1]: "raw.bin"}
+
+    def remove(name):  # a way's output goes once its clock stopped: the disk holds one at a time
+        p = os.path.join(work, name)
+        shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
+
     # warm-up, untimed: every way once on a tiny folder, so lazy imports and first-use set-up (TensorStore
     # context, catalog migrations, DCP planners) are not charged to whichever way happens to run first
     real_src, src = src, os.path.join(work, "warm")
@@ -172,17 +192,20 @@ def bench_dcp(args) -> list[dict]:
         warnings.simplefilter("ignore")
         dcp.save({"model": {"w": torch.ones(8, 8)}, "optim": {"state": {"w": {"exp_avg": torch.ones(8, 8)}}}},
                  checkpoint_id=src, no_dist=True)
-        for _, fn in ways:
+        for way, fn in ways:
             fn()
+            remove(left[way])
     src = real_src
     for r in range(args.repeats):
-        for d in ("s1", "s2", "out.pt"):  # fresh stores: a second import into one store would dedup everything
-            p = os.path.join(work, d)
-            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
-        order = ways[r % len(ways):] + ways[:r % len(ways)]
+        for d in set(left.values()):  # fresh stores: a second import into one store would dedup everything
+            remove(d)
+        order = ways[r % len(ways):] + ways[:r % len(ways)]  # rotate: no way always runs first
         for way, fn in order:
             t, cpu, _ = _timed(fn)
             rec(way, t, cpu)
+            remove(left[way])
+    remove("src")
+    remove("warm")
     if not getattr(args, "workdir_dcp", None):
         shutil.rmtree(work, ignore_errors=True)
     return [{"job": "import dcp", "way": w, "seconds": min(ts), "all": ts, "bytes": nbytes,

@@ -26,9 +26,12 @@ __all__ = ["MIB", "MIN_TARGET", "MAX_TARGET", "DEFAULT_TARGET", "DEFAULT_SHARD_T
 MIB = 1 << 20
 MIN_TARGET = MIB // 8  # 128 KiB: with the local read path a row read costs about its chunk (tools/bench_store.py)
 MAX_TARGET = 8 * MIB
-# 1 MiB. 128 KiB halves a held row read (3.0-3.3x safetensors' held get_slice against 6x, /tmp focus runs
-# in the issue 10 report) but cost whole reads about 20% on a quiet machine, so the default stays; a store
-# can choose 128 KiB (``chunk_target_bytes``). Stores record their target at creation (store.py).
+# 1 MiB. A large parameter's chunks hold whole rows ([32, 8192] for a 256 MiB fp32 one), so a held row
+# read touches one chunk; localread checks its crc32c in place through a held mapping and copies only the
+# row (2.8x safetensors' held get_slice in tools/bench_store.py --lean on a loaded 2-core box; the crc of
+# 1 MiB alone is about 1.6x). 128 KiB chunks would cut the crc's share but cost whole reads about 20% on a
+# quiet machine, so the default stays; a store can choose 128 KiB (``chunk_target_bytes``). Stores record
+# their target at creation (store.py).
 DEFAULT_TARGET = 1 * MIB
 DEFAULT_SHARD_TARGET = 512 * MIB
 MAX_POW2_SPLIT = 64

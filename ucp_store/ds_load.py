@@ -50,10 +50,12 @@ def _names(engine) -> dict:
 
 
 def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         restore_rng: bool = False, progress: bool = False) -> dict:
+         restore_rng: bool = False, progress: bool = False, topology=None) -> dict:
     """Load ``ref`` (``run@step``, ``run@tag``, ``run`` = latest, or a version id) into ``engine``.
 
     ``store``: a ``Store`` or URL; default the store the engine's ucp checkpoint engine saves into.
+    ``topology``: the engine's :class:`~ucp_store.topology.Topology` when ``engine_topology`` cannot tell it
+    (an AutoEP engine's ``ep``: ``ucp_store.adapters.deepspeed_autoep.load_engine`` passes it).
     Returns the client state (what ``save_checkpoint(client_state=...)`` stored)."""
     from . import open_store
     from .ds_engine import UcpCheckpointEngine, engine_topology
@@ -83,8 +85,7 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
         raise ConfigurationError(f"{ref}: saved with TP={layout.get('tp')}; load_shard into TP>1 DeepSpeed engines is "
                                  "not supported by ucp_store.deepspeed_direct.load yet "
                                  "(`ucp export deepspeed-universal`)")
-    topo_kw = engine_topology(engine)
-    topo = Topology(**topo_kw)
+    topo = topology if topology is not None else Topology(**engine_topology(engine))
     kind, lp_groups, hp_flats, inner = _optimizer_groups(engine)
     names = _names(engine)
     zero3 = kind == "zero3"
@@ -168,7 +169,9 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
             if src is None:
                 continue
             for k, v in src.items():
-                if k != "params":
+                # hyper-parameters only: a group's identity (its name, e.g. MoE's ep_size_<ep>, and its moe
+                # flag) is the live engine's, which may have another ep than the saving one
+                if k not in ("params", "name", "moe"):
                     pg[k] = tuple(v) if isinstance(pg.get(k), tuple) and isinstance(v, list) else v
     opt = engine.optimizer
     scaler = objs.get("loss_scaler")

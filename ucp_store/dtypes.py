@@ -100,6 +100,10 @@ def to_numpy(tensor: torch.Tensor, *, what: str = "tensor") -> np.ndarray:
     return t.numpy()
 
 
+# numpy dtypes torch.from_numpy takes as they are (bf16 and partial uints go through a carrier view)
+_FROM_NUMPY = frozenset(n for name, (t, n) in _TABLE.items() if t not in _VIEW_AS and n.byteorder != ">")
+
+
 def _c_strides(array: np.ndarray) -> tuple[int, ...]:
     strides, step = [], array.itemsize
     for n in reversed(array.shape):
@@ -110,6 +114,8 @@ def _c_strides(array: np.ndarray) -> tuple[int, ...]:
 
 def to_torch(array: np.ndarray) -> torch.Tensor:
     """A torch tensor with the array's exact bits (shares memory where possible)."""
+    if array.ndim == 1 and array.strides[0] == array.itemsize and array.dtype in _FROM_NUMPY:
+        return torch.from_numpy(array)  # dense 1-d of a dtype torch shares as it is: the checks below pass
     name = zarr_name(array.dtype)
     target = torch_dtype(name)
     array = np.require(array, requirements="C")  # ascontiguousarray would turn 0-d into 1-d

@@ -2,8 +2,10 @@
 
 ``expert_groups(infos)`` collects the MoE expert groups of a version from its catalog rows: separate
 per-expert tensors (``expert_member``, grouped by their ``group``) and fused ``[E, ...]`` tensors
-(``expert``, one group per tensor). ``placement(groups, ep, dp)`` says which experts each ep rank holds
-and which data-parallel ranks (``dp % ep == ep_rank``) that is.
+(``expert``, one group per tensor). ``placement_rows(groups, topology)`` says which experts each ep rank
+holds and on which global ranks, by ``Topology.coords`` (the one home of the ep rule: ``ep_over="dp"``, the
+dp ranks with ``dp % ep == ep_rank``, or DeepSpeed's ``ep_over="stage"``, the ranks with ``rank % ep ==
+ep_rank``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .patterns import Expert, ExpertMember, parse_pattern
+from .topology import Topology
 
 __all__ = ["ExpertGroup", "expert_groups", "placement_rows", "ranges"]
 
@@ -65,10 +68,13 @@ def ranges(ids: Iterable[int]) -> str:
     return ",".join(parts)
 
 
-def placement_rows(groups: list[ExpertGroup], ep: int, dp: int | None = None) -> list[list[str]]:
-    """One row per (group, ep rank): ``[group, form, ep rank, experts, dp ranks]`` at expert-parallel
-    degree ``ep`` (``dp``: the data-parallel degree, default ``ep``)."""
-    dp = ep if dp is None else dp
+def placement_rows(groups: list[ExpertGroup], topology: Topology) -> list[list[str]]:
+    """One row per (group, ep rank): ``[group, form, ep rank, experts, global ranks]`` in ``topology`` (the
+    ranks of every pipeline stage)."""
+    ep = topology.ep
+    by_ep: dict[int, list[int]] = {}
+    for r in range(topology.world_size):
+        by_ep.setdefault(topology.coords(r)["ep"], []).append(r)
     rows = []
     for g in groups:
         if g.num_experts % ep:
@@ -76,6 +82,5 @@ def placement_rows(groups: list[ExpertGroup], ep: int, dp: int | None = None) ->
             continue
         per = g.num_experts // ep
         for r in range(ep):
-            rows.append([g.name, g.form, str(r), ranges(range(r * per, (r + 1) * per)),
-                         ranges(d for d in range(dp) if d % ep == r)])
+            rows.append([g.name, g.form, str(r), ranges(range(r * per, (r + 1) * per)), ranges(by_ep.get(r, []))])
     return rows

@@ -35,9 +35,11 @@ either.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,6 +80,91 @@ def _get_pool() -> ThreadPoolExecutor:
             if _pool is None:
                 _pool = ThreadPoolExecutor(_threads(), thread_name_prefix="ucp-read")
     return _pool
+
+
+# Single-chunk reads of large chunks (a row of a big parameter) go through a mapping of the
+# shard file: the crc32c is computed over the page cache in place and only the part the read needs is
+# copied (a ``pread`` would first copy the whole chunk). Mappings are held per process, bounded (each one
+# holds a file descriptor), keyed by path and checked against the file's identity (``stat`` by path) on
+# every read, so a replaced file is mapped afresh. The store never truncates a shard file in place
+# (TensorStore writes a new file and renames it), so a held mapping never reads past its file's end.
+MAP_MIN_CHUNK_BYTES = 256 << 10  # smaller chunks: pread costs no more than the mapping's page faults
+_MAP_MAX = 64
+_maps: OrderedDict[str, tuple] = OrderedDict()  # path -> (identity, mmap, uint8 view, populated chunks, address)
+_maps_lock = threading.Lock()
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; 22 on every architecture
+_populate_ok = hasattr(mmap.mmap, "madvise")
+
+
+def _ident(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _mapped(path: str, ident: tuple) -> tuple:
+    """The held mapping of ``path`` whose identity is ``ident`` (made when missing or stale): ``(identity,
+    mmap, uint8 view, set of chunk offsets already populated, the view's address)``; the identity is the
+    opened file's (``fstat``), which the caller compares with its ``stat``."""
+    with _maps_lock:
+        hit = _maps.get(path)
+        if hit is not None and hit[0] == ident:
+            _maps.move_to_end(path)
+            return hit
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        # private (copy-on-write, never written): its view is writable for torch's copy, pages stay shared
+        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)  # st_size > 0: the caller checked the index fits
+    finally:
+        os.close(fd)
+    view = np.frombuffer(mm, np.uint8)
+    entry: tuple = (_ident(st), mm, view, set(), view.ctypes.data)
+    with _maps_lock:
+        _maps[path] = entry
+        _maps.move_to_end(path)
+        while len(_maps) > _MAP_MAX:
+            _maps.popitem(last=False)  # unmapped once no read holds a view of it (never closed under one)
+    return entry
+
+
+def _populate(entry: tuple, off: int, nbytes: int) -> None:
+    """Fault a chunk's pages in with one call the first time it is read through this mapping (fewer page
+    faults; on a cold cache one read of the range); later reads find the page tables filled."""
+    global _populate_ok
+    done = entry[3]
+    if off in done or not _populate_ok:
+        return
+    start = off - off % mmap.ALLOCATIONGRANULARITY
+    try:
+        entry[1].madvise(_MADV_POPULATE_READ, start, off + nbytes - start)
+    except OSError:
+        _populate_ok = False  # an older kernel: plain page faults do the same
+    done.add(off)
+
+
+# Large reads split over the pool read one file at several offsets at once, which the kernel's readahead
+# takes for random access: from a cold cache it then reads in small synchronous pieces. One
+# POSIX_FADV_WILLNEED per file over the span the runs cover starts the whole span's reads at once (on a
+# warm cache it finds the pages present). ``UCP_READ_WILLNEED=0`` leaves it out (tools/bench_cold.py).
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None) if os.environ.get("UCP_READ_WILLNEED", "1") != "0" else None
+
+
+def _prefetch(runs: list[tuple]) -> None:
+    """``posix_fadvise(WILLNEED)`` over the byte span of each file's runs ``(fd, key, items, expect)``."""
+    spans: dict[int, list[int]] = {}
+    for fd, _key, items, expect in runs:
+        lo, hi = items[0][0], items[-1][0] + expect
+        if items[-1][0] < lo:  # a run's items are in file order; be safe about any order
+            lo, hi = min(it[0] for it in items), max(it[0] for it in items) + expect
+        span = spans.get(fd)
+        if span is None:
+            spans[fd] = [lo, hi]
+        else:
+            span[0], span[1] = min(span[0], lo), max(span[1], hi)
+    for fd, (lo, hi) in spans.items():
+        try:
+            os.posix_fadvise(fd, lo, hi - lo, _WILLNEED)  # type: ignore[arg-type]
+        except OSError:
+            pass  # advice only
 
 
 class LocalReadError(ValueError):
@@ -277,6 +364,11 @@ class LocalArray:
         self._slab = self.ndim >= 1 and self.chunk_shape[1:] == self.shape[1:]
         # shard key -> (file identity, index as [n_index, 2] uint64, end of the chunk data); see the class doc
         self._indexes: dict[str, tuple] = {}
+        self._names: dict[tuple, tuple[str, str]] = {}  # shard grid index -> (key, path)
+        self._rest = tuple((0, n) for n in self.shape[1:])
+        self._row_bytes = self.chunk_bytes // self.chunk_shape[0] if self.ndim else 0
+        self._mapped_ok = self.chunk_bytes >= MAP_MIN_CHUNK_BYTES and os.environ.get("UCP_READ_MMAP", "1") != "0"
+        self._local_mul = tuple(math.prod(self.per_shard[d + 1:]) for d in range(len(self.per_shard)))
 
     def __repr__(self) -> str:
         return f"LocalArray({self.folder!r}, shape={list(self.shape)}, chunks={list(self.layout.chunk_shape)})"
@@ -315,7 +407,10 @@ class LocalArray:
         chunk = self.chunk_shape
         idx = tuple(lo // c for (lo, _), c in zip(box, chunk))
         if all((hi - 1) // c == i for (_, hi), c, i in zip(box, chunk, idx)):
-            self._read_single(idx, box, out)  # a row or a small slice: one chunk, fewest steps
+            if self._mapped_ok:
+                self._read_single_mapped(idx, box, out)  # a row of a large chunk: crc in place, copy the row
+            else:
+                self._read_single(idx, box, out)  # a small slice: one chunk, fewest steps
             return
         if self._slab and out.flags.c_contiguous and all(b == (0, n) for b, n in zip(box[1:], self.shape[1:])):
             self._read_rows(box[0][0], box[0][1], out)  # whole rows: no per-chunk views, one check per shard
@@ -335,6 +430,8 @@ class LocalArray:
     def _run_all(self, runs: list[tuple]) -> None:
         total = sum(len(r[2]) for r in runs) * self.chunk_bytes
         if total >= PARALLEL_BYTES and len(runs) > 1:
+            if _WILLNEED is not None:
+                _prefetch(runs)
             futures = [_get_pool().submit(self._read_run, *r) for r in runs]
             try:
                 for f in futures:
@@ -413,16 +510,83 @@ class LocalArray:
             for fd in fds:
                 os.close(fd)
 
-    def _read_single(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
-        per = self.per_shard
+    def _read_single_mapped(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
+        """One chunk through the held mapping of its shard file: crc32c over the page cache in place, then
+        only the box's part copied into ``out`` (see ``_mapped``)."""
+        key, path, local = self._shard_of(idx)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is missing "
+                                 "(NOT_FOUND)") from None
+        except OSError as exc:
+            raise ValueError(f"reading {path} failed: {exc}") from None
+        ident = _ident(st)
+        hit = self._indexes.get(key)
+        if hit is None or hit[0] != ident:
+            fd = self._open(key, [(idx,)])
+            try:
+                index, _, data_end = self._index(fd, key)  # also checks the size covers the index
+                ident = self._indexes[key][0]
+            finally:
+                os.close(fd)
+        else:
+            index, data_end = hit[1], hit[3]
+        off, nb = index[local]
+        expect = self._expect
+        if nb != expect or off + nb > data_end:
+            self._check_entry(idx, key, off, nb, expect, data_end)
+        try:
+            entry = _mapped(path, ident)
+        except FileNotFoundError:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is missing "
+                                 "(NOT_FOUND)") from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"reading {path} failed: {exc}") from None
+        if entry[0] != ident:  # replaced between the stat and the mapping: the pread path reads it as it is
+            self._read_single(idx, box, out)
+            return
+        _populate(entry, off, expect)
+        enc = entry[2][off:off + expect]
+        mem = enc[:-4]
+        if _crc(mem) != int.from_bytes(enc[-4:], "little"):
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: crc32c checksum mismatch in shard file {key}")
+        chunk = self.chunk_shape
+        if self._slab and out.flags.c_contiguous and box[1:] == self._rest:
+            # whole rows: one contiguous byte range of the chunk, one copy at a distance known by arithmetic
+            a = (box[0][0] - idx[0] * chunk[0]) * self._row_bytes
+            b = (box[0][1] - idx[0] * chunk[0]) * self._row_bytes
+            dst = out.reshape(-1).view(np.uint8)
+            if b - a < 2048 or not _bad_distance(dst.ctypes.data, entry[4] + off + a):
+                dst[...] = mem[a:b]
+                return
+        src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, chunk))
+        _copy(out, mem.view(self.dtype).reshape(chunk)[src])
+
+    def _shard_of(self, idx: tuple) -> tuple[str, str, int]:
+        """A chunk's shard file (key ``c/i/j``, path) and its entry in that shard's index."""
         local = 0
-        parts = []
-        for i, p in zip(idx, per):
+        sidx = []
+        for i, p, m in zip(idx, self.per_shard, self._local_mul):
             s = i // p
-            parts.append(str(s))
-            local = local * p + (i - s * p)
-        key = "c/" + "/".join(parts)
-        fd = self._open(key, [(idx,)])
+            sidx.append(s)
+            local += (i - s * p) * m
+        t = tuple(sidx)
+        names = self._names.get(t)
+        if names is None:
+            key = "c/" + "/".join(map(str, sidx))
+            names = self._names[t] = (key, os.path.join(self.folder, *key.split("/")))
+        return names[0], names[1], local
+
+    def _read_single(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
+        key, path, local = self._shard_of(idx)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is missing "
+                                 "(NOT_FOUND)") from None
+        except OSError as exc:
+            raise ValueError(f"reading {path} failed: {exc}") from None
         try:
             index, _, data_end = self._index(fd, key)
             off, nb = index[local]

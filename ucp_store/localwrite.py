@@ -1,111 +1,252 @@
-"""The local write path: a whole shard file of a folder store written with ``pwritev`` from the caller's memory.
+"""The local write path: whole shard files of a folder store written without TensorStore.
 
-Why: TensorStore copies every inner chunk into its own buffer, computes its crc32c, assembles the shard and
-writes it (and, by default, fsyncs each file and folder). For the store's own uncompressed chain the shard
-file is only the source bytes with 4 bytes after each inner chunk: an inner chunk is the little-endian
-C-order data followed by its crc32c, chunks follow each other in C order, and the shard index
-(``(offset, nbytes)`` uint64 pairs per inner chunk, then its crc32c) sits at the end (``localread`` reads the
-same layout). When an inner chunk spans the shard's full trailing extent (the chunk policy's usual cut: whole
-rows), each chunk is one contiguous run of the source box, so the file is written straight from it with
-no copy: ``[chunk0, crc0, chunk1, crc1, ..., index, crc]`` in one ``pwritev``.
+Why: a rank of ``ucp_store.dist`` that owns whole shard files (a ``Shard(d)`` box, shard files cut at the
+source's split points) gains nothing from TensorStore's write machinery and pays for it: TensorStore
+encodes every inner chunk into its own buffer, assembles the shard, writes it, while ``write_region``
+copied every column-cut chunk once more to digest it. Here each inner chunk is gathered once into a
+small scratch buffer (or taken in place when it is contiguous in memory), and from that one copy
 
-Scope (:func:`whole_shard`): a write box that is exactly one shard region wholly inside the array, on a
-folder store, uncompressed, chunks of whole shard rows. A box that covers one shard entirely has exactly one
-writer (one writer per element), so no other rank ever touches that file. Everything else goes through
-TensorStore. Nothing is fsynced here: this path is used only by a writer that defers durability
-(``CheckpointWriter.defer_durability``), whose flush fsyncs every file before any row names it.
-The files are byte-identical to TensorStore's (tests/test_ds_direct_units.py checks it).
+- its crc32c is computed (the chain's ``crc32c`` codec),
+- its xxh3-128 digest is recorded (``format.chunk_tree_hash``: the array's content hash without a read-back),
+- it is written with its crc by one ``writev``;
+
+then the shard index (``(offset, nbytes)`` uint64 pairs per inner chunk in C order, then its crc32c) ends the
+file, the file is fsynced (its writeback started every 8 MiB along the way by ``sync_file_range``, so
+the disk works while later chunks are encoded) and renamed into place, and its folder fsynced: the same
+bytes TensorStore writes for the store's uncompressed chain (``localread.is_local_chain``), chunks in C
+order, edge chunks padded with the fill value (0) to the full chunk shape, chunks wholly outside the
+array left out of the index.
+tests/test_localwrite.py reads the files back through TensorStore and ``localread`` and checks that.
+
+Shard files run on a small thread pool (``UCP_WRITE_THREADS``, default 2-8 by CPU count): the copies,
+xxh3, ``writev`` and ``fsync`` release the GIL. The scratch buffer sits at the file offset's position
+in its page, so the kernel's copy into the page cache never runs at the distances at which this CPU's
+copies crawl (``localread._BAD_DISTANCE``); the gather into it uses ``localread._copy``, which avoids them too.
+
+:func:`local_folder` is the one place that decides: a folder store, the store's own uncompressed chain,
+a little-endian host, and ``UCP_LOCAL_WRITE`` not ``0``. :func:`whole_shards` says whether a box is a union
+of whole shard files (anything else goes through TensorStore, whose conditional writes merge writers).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import google_crc32c
 import numpy as np
+import xxhash
 
 from . import format as fmt
+from .localread import _PAGE, _bad_distance, _copy, is_local_chain
+from .location import Location, _safe_rel
 
-__all__ = ["submit", "whole_shard", "write_shard_file"]
+__all__ = ["local_folder", "whole_shards", "shard_boxes", "write_shard_file", "sync_dirs", "submit"]
 
+_MISSING = (1 << 64) - 1
 _crc = google_crc32c.value
-try:
-    _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
-except (AttributeError, ValueError, OSError):
-    _IOV_MAX = 16
 
 
-_POOL = None
-_POOL_LOCK = threading.Lock()
-WORKERS = 4  # crc32c and pwritev release the GIL: a few files in flight at once
-
-
-def submit(root: str, rel: str, layout: fmt.ArrayLayout, shard: tuple[int, ...], data: np.ndarray):
-    """``write_shard_file`` on the module's small thread pool; returns its future (``data`` must stay alive
-    and unchanged until it completes, as for a TensorStore write)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="ucp-localwrite")
-    return _POOL.submit(write_shard_file, root, rel, layout, shard, data)
-
-
-def whole_shard(layout: fmt.ArrayLayout, box) -> tuple[int, ...] | None:
-    """The shard grid index when ``box`` is exactly one shard region lying wholly inside the array, the
-    chain is the store's uncompressed one and every inner chunk spans the shard's full trailing extent
-    (so each chunk is a contiguous run of the box's C-order bytes); None otherwise."""
-    if layout.compression != "none" or not layout.sharded or sys.byteorder != "little":
+def local_folder(location: Location, rel: str, layout: fmt.ArrayLayout) -> str | None:
+    """The array's folder when its shard files may be written here directly, else None (TensorStore)."""
+    if (location.kind != "file" or not layout.sharded or sys.byteorder != "little"
+            or os.environ.get("UCP_LOCAL_WRITE", "1") == "0" or not is_local_chain(layout.codecs(), layout)):
         return None
-    if tuple(layout.chunk_shape[1:]) != tuple(layout.shard_shape[1:]):
+    return os.path.join(location.root, _safe_rel(rel))
+
+
+def whole_shards(layout: fmt.ArrayLayout, offset: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """True when the box ``shape`` at ``offset`` is a non-empty union of whole shard files of ``layout``
+    (each edge lands on a shard edge or on the array's end)."""
+    if not layout.sharded or len(offset) != len(layout.shape) or not all(shape):
+        return False
+    for o, n, sh, full in zip(offset, shape, layout.shard_shape, layout.shape):
+        if o % sh or ((o + n) % sh and o + n != full):
+            return False
+    return True
+
+
+def shard_boxes(layout: fmt.ArrayLayout, offset: tuple[int, ...], shape: tuple[int, ...]):
+    """The shard grid indices of a :func:`whole_shards` box, in C order."""
+    return itertools.product(*(range(o // sh, -(-(o + n) // sh))
+                               for o, n, sh in zip(offset, shape, layout.shard_shape)))
+
+
+def _threads() -> int:
+    env = os.environ.get("UCP_WRITE_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(2, min(8, os.cpu_count() or 1))
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def submit(fn, *args: Any) -> Future:
+    """Run ``fn(*args)`` on the write pool."""
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(_threads(), thread_name_prefix="ucp-write")
+    return _pool.submit(fn, *args)
+
+
+_scratch = threading.local()
+
+
+def _scratch_at(file_off: int, nbytes: int) -> np.ndarray:
+    """This thread's scratch: ``nbytes`` whose address equals ``file_off`` modulo a page."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.nbytes < nbytes + _PAGE:
+        buf = _scratch.buf = np.empty(max(nbytes + _PAGE, 1 << 20), np.uint8)
+    p = (file_off - buf.ctypes.data) % _PAGE
+    return buf[p:p + nbytes]
+
+
+def _write_all(fd: int, parts: list) -> None:
+    total = sum(len(p) for p in parts)
+    done = os.writev(fd, parts)
+    while done < total:  # a short write (rare): write the rest
+        rest, skip = [], done
+        for p in parts:
+            mv = memoryview(p).cast("B")
+            if skip >= len(mv):
+                skip -= len(mv)
+                continue
+            rest.append(mv[skip:])
+            skip = 0
+        parts = rest
+        total = sum(len(p) for p in parts)
+        done = os.writev(fd, parts)
+
+
+def _writeback_starter():
+    """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` (Linux): start writing a range to disk without
+    waiting, so the disk works while later chunks are still being encoded and the final fsync finds
+    most of the file written. None where libc has no such call."""
+    if not sys.platform.startswith("linux") or os.environ.get("UCP_WRITEBACK", "1") == "0":
         return None
-    index = []
-    for (lo, hi), sh, s in zip(box, layout.shard_shape, layout.shape):
-        if lo % sh or hi - lo != sh or hi > s:
-            return None
-        index.append(lo // sh)
-    return tuple(index)
-
-
-def write_shard_file(root: str, rel: str, layout: fmt.ArrayLayout, shard: tuple[int, ...], data: np.ndarray) -> int:
-    """Write the shard file ``shard`` of the array at ``rel`` (``whole_shard`` said yes) from ``data``, the
-    box's values (C-contiguous, the array's dtype); returns the bytes written. Not fsynced."""
-    if not data.flags.c_contiguous or tuple(data.shape) != tuple(layout.shard_shape):
-        raise ValueError(f"local shard write of {rel}: expected a C-contiguous box of shape {layout.shard_shape}, "
-                         f"got {tuple(data.shape)}")
-    raw = data.reshape(-1).view(np.uint8)
-    n_chunks = layout.shard_shape[0] // layout.chunk_shape[0]
-    csize = layout.chunk_shape[0] * math.prod(layout.shard_shape[1:]) * data.itemsize
-    iov: list = []
-    index = np.empty((n_chunks, 2), dtype="<u8")
-    off = 0
-    for i in range(n_chunks):
-        chunk = raw[i * csize:(i + 1) * csize]
-        iov.append(chunk)
-        iov.append(_crc(chunk).to_bytes(4, "little"))
-        index[i] = (off, csize + 4)
-        off += csize + 4
-    tail = index.tobytes()
-    iov.append(tail)
-    iov.append(_crc(tail).to_bytes(4, "little"))
-    path = os.path.join(root, rel, "c", *(str(i) for i in shard))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    total = off + len(tail) + 4
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        pos = 0
-        for k in range(0, len(iov), _IOV_MAX):
-            part = iov[k:k + _IOV_MAX]
-            want = sum(len(p) for p in part)
-            got = os.pwritev(fd, part, pos)
-            if got != want:  # a short write: finish this part byte-wise
-                flat = b"".join(bytes(p) for p in part)
-                while got < want:
-                    got += os.pwrite(fd, flat[got:], pos + got)
-            pos += want
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return lambda fd, off, n: fn(fd, off, n, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start
+
+
+_start_writeback = _writeback_starter()
+WRITEBACK_BYTES = 8 << 20  # start the disk on every this many bytes written
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
-    return total
+
+
+def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...], data: np.ndarray,
+                     offset: tuple[int, ...], digests: dict | None, dirs: set | None = None,
+                     durable: bool = True) -> int:
+    """Write shard file ``shard`` of the array in ``folder`` from ``data`` (a C-order-indexable box at global
+    ``offset`` that covers the shard's part of the array); returns the bytes written.
+
+    ``digests``: when given, each inner chunk's ``format.chunk_digest`` goes into it by chunk index.
+    The file appears whole (written under a temporary name, fsynced, then renamed). Durable on return,
+    its folder fsynced too, unless ``dirs`` is given: then the folders whose entries changed are added
+    to it and the caller fsyncs each once (:func:`sync_dirs`) after all its files, before it relies on them.
+    ``durable=False``: the file is not fsynced either (a writer that defers durability,
+    ``CheckpointWriter.defer_durability``, fsyncs every file and folder it wrote in one pass before any row
+    names them)."""
+    chunk, per = layout.chunk_shape, [sh // c for sh, c in zip(layout.shard_shape, layout.chunk_shape)]
+    grid = layout.chunk_grid()
+    itemsize = data.itemsize
+    cbytes = math.prod(chunk) * itemsize
+    index = np.full((math.prod(per), 2), _MISSING, "<u8")
+    first = tuple(s * p for s, p in zip(shard, per))
+    path = os.path.join(folder, *layout.shard_key(first).split("/"))
+    parent = os.path.dirname(path)
+    made = not os.path.isdir(parent)
+    if made:
+        os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.part"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        pos = flushed = 0
+        crc = np.empty(1, "<u4")
+        for k, local in enumerate(itertools.product(*(range(p) for p in per))):
+            idx = tuple(f + i for f, i in zip(first, local))
+            if any(i >= g for i, g in zip(idx, grid)):
+                continue  # past the array's end (an overhanging edge shard): not stored
+            lo = [i * c for i, c in zip(idx, chunk)]
+            hi = [min(a + c, s) for a, c, s in zip(lo, chunk, layout.shape)]
+            src = data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))]
+            full = all(b - a == c for a, b, c in zip(lo, hi, chunk))
+            if full and src.flags.c_contiguous and not _bad_distance(pos, src.ctypes.data):
+                enc = src.reshape(-1).view(np.uint8)  # in place: no copy
+            else:
+                enc = _scratch_at(pos, cbytes)
+                view = enc.view(data.dtype).reshape(chunk)
+                if not full:
+                    enc[:] = 0  # the fill value pads an edge chunk to the full chunk shape
+                _copy(view[tuple(slice(0, b - a) for a, b in zip(lo, hi))], src)
+            crc[0] = _crc(enc)
+            if digests is not None:
+                digests[idx] = xxhash.xxh3_128_digest(enc.data) if full else fmt.chunk_digest(src)
+            _write_all(fd, [enc, crc.view(np.uint8)])
+            index[k] = (pos, cbytes + 4)
+            pos += cbytes + 4
+            if _start_writeback is not None and pos - flushed >= WRITEBACK_BYTES:
+                _start_writeback(fd, flushed, pos - flushed)
+                flushed = pos
+        raw = index.reshape(-1).view(np.uint8)
+        crc[0] = _crc(raw)
+        _write_all(fd, [raw, crc.view(np.uint8)])
+        if durable:
+            os.fdatasync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    changed = [parent]
+    d = parent
+    while made and d != folder and len(d) > len(folder):  # the new folders' entries too, up to the array's
+        d = os.path.dirname(d)
+        changed.append(d)
+    if dirs is None:
+        sync_dirs(changed)
+    else:
+        dirs.update(changed)
+    return pos + raw.nbytes + 4
+
+
+def sync_dirs(dirs) -> None:
+    """fsync each folder once (their new entries: renamed shard files, created sub-folders)."""
+    for d in sorted(set(dirs), key=len, reverse=True):
+        _fsync_dir(d)

@@ -25,7 +25,8 @@ intersecting any read box, from ``chunk_shape``; ``None`` means one chunk), ``by
 bytes, clipped at the array edge); ``Plan.read_amplification = bytes_read / bytes_needed``.
 
 ZeRO groups. Parameters are grouped by ``zero_groups`` (a mapping or function name -> group; default
-``"default"``, and ``"expert"`` for expert patterns, whose ZeRO world is ``sp * dp / ep``); within a group
+``"default"``, and ``"expert"`` for expert patterns, whose ZeRO world is ``sp * dp / ep``, or the stage's
+``tp * sp * dp / ep`` ranks of the ep rank with ``ep_over="stage"``, where experts are whole); within a group
 the flat order is the records' order. A group's members are the parameters of this stage with at least one
 optimizer state among the records (the layout does not depend on the ``states`` filter); a member lacking
 some state has zeros in that buffer's slot.
@@ -474,6 +475,7 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
     parameter): an identity check then skips every lookup."""
     stage, tp, tp_rank, ep, ep_rank, vmult = (coords["pp"], topo.tp, coords["tp"], topo.ep, coords["ep"],
                                               topo.vocab_multiple)
+    whole_experts = topo.tp_for(True) != tp
     # stage of every layer, so that other stages' layers are skipped before their pattern is parsed
     starts = topo.stage_starts
     layer_stage = ([s for s in range(topo.pp) for _ in range(starts[s], starts[s + 1])] if topo.pp > 1
@@ -556,8 +558,12 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
             lkey = (id(bare), shape)  # the placement-less twin is shared by every layer's pattern
             layout = layouts.get(lkey)
             if layout is None:
-                layout = layouts[lkey] = tp_layout(bare, shape, tp, tp_rank, ep=ep, ep_rank=ep_rank,
-                                                   vocab_multiple=vmult, name=name)
+                if whole_experts and is_expert(bare):  # ep_over="stage": experts are not TP-split
+                    layout = tp_layout(bare, shape, 1, 0, ep=ep, ep_rank=ep_rank, vocab_multiple=vmult, name=name)
+                else:
+                    layout = tp_layout(bare, shape, tp, tp_rank, ep=ep, ep_rank=ep_rank, vocab_multiple=vmult,
+                                       name=name)
+                layouts[lkey] = layout
         if type(dtype) is not str:
             dtype = str(dtype)
         fk: Any = flat_kind.get(state, _UNSET)
@@ -765,9 +771,10 @@ def split_points(pattern: Any, shape: Sequence[int], topologies: Iterable[Topolo
     points: list[set[int]] = [set() for _ in shape]
     for t in topologies:
         topo = as_topology(t)
-        for tp_rank in range(topo.tp):
+        tp = topo.tp_for(is_expert(p))
+        for tp_rank in range(tp):
             for ep_rank in range(topo.ep if is_expert(p) else 1):
-                layout = tp_layout(p, shape, topo.tp, tp_rank, ep=topo.ep, ep_rank=ep_rank,
+                layout = tp_layout(p, shape, tp, tp_rank, ep=topo.ep, ep_rank=ep_rank,
                                    vocab_multiple=topo.vocab_multiple, name=name)
                 for c in layout.copies:
                     for d, (a, b) in enumerate(c.logical.ranges):

@@ -390,16 +390,25 @@ class Store:
     def tag(self, ref: str, tag: str, *, force: bool = False) -> str:
         names.tag_name(tag)
         cid = self.resolve(ref)
-        with self.catalog.write_session() as s:
-            ck = s.get(m.Checkpoint, cid)
-            row = s.scalar(select(m.Tag).where(m.Tag.run_id == ck.run_id, m.Tag.name == tag))
-            if row is not None:
-                if not force and row.checkpoint_id != cid:
-                    raise TagInUseError(f"tag {tag!r} already names checkpoint {row.checkpoint_id}; "
-                                        "use --force to move it")
-                row.checkpoint_id = cid
-            else:
-                s.add(m.Tag(run_id=ck.run_id, name=tag, checkpoint_id=cid))
+        # Two writers may tag the same name at once: on PostgreSQL both see no row and the second
+        # insert hits the unique (run, name) constraint. One more pass then sees the winner's row
+        # and answers as if it had been there (same checkpoint: done; another: TagInUseError).
+        for attempt in (0, 1):
+            try:
+                with self.catalog.write_session() as s:
+                    ck = s.get(m.Checkpoint, cid)
+                    row = s.scalar(select(m.Tag).where(m.Tag.run_id == ck.run_id, m.Tag.name == tag))
+                    if row is not None:
+                        if not force and row.checkpoint_id != cid:
+                            raise TagInUseError(f"tag {tag!r} already names checkpoint {row.checkpoint_id}; "
+                                                "use --force to move it")
+                        row.checkpoint_id = cid
+                    else:
+                        s.add(m.Tag(run_id=ck.run_id, name=tag, checkpoint_id=cid))
+                return cid
+            except IntegrityError:
+                if attempt:
+                    raise
         return cid
 
     def untag(self, run: str, tag: str) -> None:

@@ -17,7 +17,22 @@ the data-parallel dimension). Within a pipeline stage and TP rank, the data-para
     edp_rank = d // ep         (ranks with the same ep_rank form an expert-data-parallel group)
 
 so experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` live on ``ep_rank``, and expert parameters are
-replicated (and ZeRO-partitioned) over ``edp`` x ``sp``.
+replicated (and ZeRO-partitioned) over ``edp`` x ``sp``. That is ``ep_over="dp"`` (the default).
+
+``ep_over="stage"`` is DeepSpeed's rule for whole (not tensor-parallel) experts in a job with an mpu
+(``groups._create_expert_and_data_parallel``, default E+D order, which ``MoE`` uses unless
+``enable_expert_tensor_parallelism``): the expert groups span every rank of a pipeline stage, ``tp`` and
+``sp`` included. With ``s`` the rank's index within its stage (global-rank order; ``rank % (world / pp)``
+when ``pp`` is slowest)
+
+    ep_rank  = s % ep          (``tp x sp x dp`` must be a multiple of ep)
+    edp_rank = s // ep         (the expert-data-parallel group: the stage's ranks of one ep_rank)
+
+so at ``tp=2, dp=2, ep=2`` global rank ``g`` is ep rank ``g % 2``: TP rank 0 holds experts 0-1 and TP rank 1
+experts 2-3. Experts are whole there (their inner TP pattern is not applied: ``tp_for(expert=True) == 1``),
+and their ZeRO group is the ``tp x sp x dp / ep`` ranks of the ep rank (``zero_world(expert=True)``). Both
+rules live here (``coords``, ``rank``, ``zero_world``, ``zero_rank``, ``tp_for``) and nowhere else: the
+planner, the writer rule, ``ucp plan --ep`` / ``ucp show`` and ``deepspeed_moe.load_engine`` follow them.
 
 Rank order
 ----------
@@ -68,11 +83,13 @@ from typing import Any, cast
 
 from .errors import TopologyError
 
-__all__ = ["AXES", "DEFAULT_ORDER", "SCHEMA_FILE", "LayerNameRule", "Topology", "load_schema", "schema_errors",
-           "validate_topology_record", "as_topology"]
+__all__ = ["AXES", "DEFAULT_ORDER", "EP_OVER", "SCHEMA_FILE", "LayerNameRule", "Topology", "load_schema",
+           "schema_errors", "validate_topology_record", "as_topology"]
 
 AXES = ("tp", "sp", "dp", "pp")
 DEFAULT_ORDER = ("tp", "sp", "dp", "pp")
+# what expert parallelism is carved out of (see the module docstring)
+EP_OVER = ("dp", "stage")
 SCHEMA_FILE = "topology.schema.json"
 
 _INT_FIELDS = ("tp", "pp", "dp", "sp", "ep", "vocab_multiple", "zero_alignment", "zero_param_alignment")
@@ -122,6 +139,7 @@ class Topology:
     zero_alignment: int = 2
     zero_param_alignment: int = 1
     layer_names: LayerNameRule | None = None
+    ep_over: str = "dp"
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -133,10 +151,18 @@ class Topology:
             raise TopologyError(f"topology field 'zero_stage' must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if not isinstance(self.layers, int) or isinstance(self.layers, bool) or self.layers < 0:
             raise TopologyError(f"topology field 'layers' must be an integer >= 0, got {self.layers!r}")
-        if self.dp % self.ep:
+        if self.ep_over not in EP_OVER:
+            raise TopologyError(f"topology field 'ep_over' must be one of {list(EP_OVER)}, got {self.ep_over!r}")
+        if self.ep_over == "dp" and self.dp % self.ep:
             raise TopologyError(
                 f"ep={self.ep} must divide dp={self.dp}: expert-parallel ranks are carved out of the "
                 f"data-parallel dimension; use ep in {_divisors(self.dp)}"
+            )
+        stage_world = self.tp * self.sp * self.dp
+        if self.ep_over == "stage" and stage_world % self.ep:
+            raise TopologyError(
+                f"ep={self.ep} must divide the {stage_world} ranks of a pipeline stage (tp={self.tp} x sp={self.sp} x "
+                f"dp={self.dp}) with ep_over='stage'; use ep in {_divisors(stage_world)}"
             )
         object.__setattr__(self, "order", tuple(self.order))
         self._check_order()
@@ -229,6 +255,11 @@ class Topology:
             stride *= getattr(self, axis)
         return out
 
+    @cached_property
+    def _stage_axes(self) -> tuple[str, ...]:
+        """The axes inside a pipeline stage, fastest first (what ``ep_over="stage"`` counts ranks by)."""
+        return tuple(a for a in self._full_order if a != "pp")
+
     def coords(self, rank: int) -> dict[str, int]:
         """The coordinates of ``rank``: ``tp, sp, dp, pp`` plus the derived ``ep`` and ``edp``."""
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
@@ -239,27 +270,53 @@ class Topology:
             n = getattr(self, axis)
             out[axis] = rest % n
             rest //= n
-        out["ep"] = out["dp"] % self.ep
-        out["edp"] = out["dp"] // self.ep
+        if self.ep_over == "dp":
+            carved = out["dp"]
+        else:  # the rank's index within its stage, in global-rank order
+            carved, stride = 0, 1
+            for axis in self._stage_axes:
+                carved += out[axis] * stride
+                stride *= getattr(self, axis)
+        out["ep"] = carved % self.ep
+        out["edp"] = carved // self.ep
         return {k: out[k] for k in ("tp", "sp", "dp", "pp", "ep", "edp")}
+
+    @property
+    def edp(self) -> int:
+        """Ranks per expert-data-parallel group (``dp / ep``, or ``tp x sp x dp / ep`` with ``ep_over="stage"``)."""
+        return (self.dp if self.ep_over == "dp" else self.tp * self.sp * self.dp) // self.ep
+
+    def tp_for(self, expert: bool) -> int:
+        """The TP degree a tensor is laid out over: 1 for experts with ``ep_over="stage"`` (whole experts)."""
+        return 1 if expert and self.ep_over == "stage" else self.tp
 
     def rank(self, coords: Mapping[str, int]) -> int:
         """The global rank at ``coords`` (``tp, sp, dp, pp``; an axis of size 1 may be left out).
 
-        ``dp`` may instead be given as ``ep`` and ``edp`` (``dp = ep + ep_size * edp``)."""
+        ``dp`` (with ``ep_over="stage"``: ``tp``, ``sp`` and ``dp``) may instead be given as ``ep`` and ``edp``
+        (``dp = ep + ep_size * edp``, or the stage index ``ep + ep_size * edp``)."""
         c = dict(coords)
         unknown = set(c) - set(AXES) - {"ep", "edp"}
         if unknown:
             raise TopologyError(f"unknown coordinate(s) {sorted(unknown)}; use {list(AXES)} (+ 'ep', 'edp')")
         if "ep" in c or "edp" in c:
-            ep_rank, edp_rank = c.get("ep", 0), c.get("edp", 0)
-            if not 0 <= ep_rank < self.ep or not 0 <= edp_rank < self.dp // self.ep:
-                raise TopologyError(f"ep={ep_rank}, edp={edp_rank} outside ep<{self.ep}, edp<{self.dp // self.ep}")
-            dp_from_ep = ep_rank + self.ep * edp_rank
-            if "dp" in c and c["dp"] != dp_from_ep:
-                raise TopologyError(f"coordinates disagree: dp={c['dp']} but ep={ep_rank}, edp={edp_rank} "
-                                    f"give dp={dp_from_ep}")
-            c["dp"] = dp_from_ep
+            ep_rank, edp_rank = c.pop("ep", 0), c.pop("edp", 0)
+            if not 0 <= ep_rank < self.ep or not 0 <= edp_rank < self.edp:
+                raise TopologyError(f"ep={ep_rank}, edp={edp_rank} outside ep<{self.ep}, edp<{self.edp}")
+            carved = ep_rank + self.ep * edp_rank
+            derived: dict[str, int] = {}
+            if self.ep_over == "dp":
+                derived["dp"] = carved
+            else:
+                for axis in self._stage_axes:
+                    n = getattr(self, axis)
+                    derived[axis] = carved % n
+                    carved //= n
+            for axis, v in derived.items():
+                if axis in c and c[axis] != v:
+                    raise TopologyError(f"coordinates disagree: {axis}={c[axis]} but ep={ep_rank}, edp={edp_rank} "
+                                        f"give {axis}={v}" + (" (ep_over='stage')" if self.ep_over == "stage" else ""))
+                c[axis] = v
         rank = 0
         for axis in AXES:
             n = getattr(self, axis)
@@ -282,6 +339,8 @@ class Topology:
         """Number of ranks one tensor's ZeRO state is partitioned over (1 when zero_stage == 0)."""
         if self.zero_stage == 0:
             return 1
+        if expert and self.ep_over == "stage":
+            return self.edp
         return self.sp * (self.dp // self.ep if expert else self.dp)
 
     def zero_rank(self, rank: int, expert: bool = False) -> int:
@@ -289,6 +348,8 @@ class Topology:
         if self.zero_stage == 0:
             return 0
         c = self.coords(rank)
+        if expert and self.ep_over == "stage":
+            return c["edp"]  # the stage index ep + ep * edp grows with the global rank
         dp_name, dp_val, dp_n = ("edp", c["edp"], self.dp // self.ep) if expert else ("dp", c["dp"], self.dp)
         # the group is the product of the sp and (e)dp axes; whichever is faster in the global order
         # is the faster one inside the group
@@ -377,6 +438,8 @@ class Topology:
             out["zero_param_alignment"] = self.zero_param_alignment
         if self.layer_names is not None:
             out["layer_names"] = self.layer_names.to_json()
+        if self.ep_over != "dp":
+            out["ep_over"] = self.ep_over
         return out
 
     @classmethod
@@ -404,7 +467,8 @@ class Topology:
         if self.sp > 1:
             parts.append(f"sp={self.sp}")
         if self.ep > 1:
-            parts.append(f"ep={self.ep}")
+            parts.append(f"ep={self.ep}" + (f" (over the stage's {self.tp * self.sp * self.dp} ranks)"
+                                            if self.ep_over == "stage" else ""))
         return " ".join(parts)
 
 

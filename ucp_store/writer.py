@@ -116,6 +116,8 @@ class CheckpointWriter:
         # defer_durability: the context arrays are written with, and the array folders not yet made durable
         self._context: Any = None
         self._unsynced: set[str] | None = None
+        self._local_folders: dict[tuple[str, str], str | None] = {}  # localwrite folder of an array, or None
+        self._local_dirs: set[str] = set()  # folders whose entries localwrite changed: fsynced once in _drain
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
@@ -251,6 +253,12 @@ class CheckpointWriter:
 
     def _drain(self) -> None:
         self._window.drain()
+        if self._local_dirs:  # the renamed shard files' folder entries: durable before anyone relies on them
+            dirs, self._local_dirs = self._local_dirs, set()
+            try:
+                localwrite.sync_dirs(dirs)
+            except OSError as exc:
+                raise WriteError(f"checkpoint {self.id}: syncing its array folders failed: {exc}") from None
 
     def write(self, name: str, state: str, tensor: torch.Tensor | np.ndarray, *, pattern: dict | None = None,
               expect_shape=None, expect_dtype=None, position: int | None = None) -> None:
@@ -361,14 +369,14 @@ class CheckpointWriter:
                 raise ShapeMismatch(f"{what}: rank {rank} fragment has {flat.size} elements, expected {fragment.slot}")
             copies = [(fc.logical, flat[fc.flat.start:fc.flat.stop].reshape(fc.logical.shape)) for fc in
                       pat.fragment_writer_copies(pattern, shape, topology, rank, fragment, name=name)]
+        folder = None if self._unsynced is None else self._local_folder((name, state), rel, layout)
         for box, data in copies:
-            # a whole shard of a local store with deferred durability: its file straight from memory
-            shard = None if self._unsynced is None else localwrite.whole_shard(layout, box.ranges)
-            if shard is not None and data.flags.c_contiguous:
-                future = localwrite.submit(self.store.location.root, rel, layout, shard, data)
+            offset = tuple(lo for lo, _ in box.ranges)
+            if folder is not None and localwrite.whole_shards(layout, offset, tuple(data.shape)):
+                # whole shards of a local store with deferred durability: their files straight from memory
+                self._submit_local_shards(folder, layout, offset, data, None, what)
             else:
-                future = handle[box.slices()].write(data)
-            self._window.submit(future, data.nbytes, (data, what))
+                self._window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
             written += data.size
             if digest:
                 _digest_chunks_inside(self._shard_digests.setdefault((name, state), {}), layout,
@@ -416,13 +424,38 @@ class CheckpointWriter:
             self.open_regions([(name, state, dtype, shape, pattern, boundaries)])
         handle, layout, rel, aid = self._known_array(key, dtype, shape, f"{what}: box", "boxes")
         if array.size:
-            box = tuple(slice(o, o + n) for o, n in zip(offset, array.shape))
-            future = handle[box].write(array) if box else handle.write(array)
-            self._window.submit(future, array.nbytes, (array, what))
-            self._digest_region(key, self._sharded[key][2], offset, array)
+            folder = self._local_folder(key, rel, layout)
+            if folder is not None and localwrite.whole_shards(layout, offset, tuple(array.shape)):
+                # this rank owns whole shard files: written here, each chunk copied once (crc, digest, writev)
+                self._submit_local_shards(folder, layout, offset, array, self._region_digests.setdefault(key, {}),
+                                          what)
+            else:
+                box = tuple(slice(o, o + n) for o, n in zip(offset, array.shape))
+                future = handle[box].write(array) if box else handle.write(array)
+                self._window.submit(future, array.nbytes, (array, what))
+                self._digest_region(key, layout, offset, array)
         if origin:
             self._origin.add(key)
         return int(array.size)
+
+    def _local_folder(self, key: tuple[str, str], rel: str, layout: fmt.ArrayLayout) -> str | None:
+        folder = self._local_folders.get(key, "")
+        if folder == "":
+            folder = self._local_folders[key] = localwrite.local_folder(self.store.location, rel, layout)
+        return folder
+
+    def _submit_local_shards(self, folder: str, layout: fmt.ArrayLayout, offset: tuple[int, ...], array: np.ndarray,
+                             digests: dict | None, what: str) -> None:
+        """The shard files of a ``localwrite.whole_shards`` box, on the write pool. Durable per file (folders
+        once, in ``_drain``), or, when this writer defers durability, left to ``flush``'s single pass."""
+        deferred = self._unsynced is not None
+        dirs: set[str] = set() if deferred else self._local_dirs
+        shape = tuple(array.shape)
+        for shard in localwrite.shard_boxes(layout, offset, shape):
+            future = localwrite.submit(localwrite.write_shard_file, folder, layout, shard, array, offset, digests,
+                                       dirs, not deferred)
+            self._window.submit(future, min(array.nbytes, math.prod(layout.shard_shape) * array.itemsize),
+                                (array, what))
 
     def open_regions(self, specs: Iterable[tuple]) -> None:
         """Create (or open, when another rank did) the arrays that ``write_region`` boxes will go to, all at
@@ -465,8 +498,14 @@ class CheckpointWriter:
                 return
         _digest_chunks_inside(digests, layout, tuple(offset), array)  # aligned: every chunk it touches is inside
 
+    def drain(self) -> None:
+        """Wait for every array write in flight; the first failure raises here (a ``WriteError``)."""
+        self._drain()
+
     def region_digests(self) -> dict:
-        """``{(name, state): {chunk index: digest} | None}`` of the boxes this writer wrote (None: unaligned)."""
+        """``{(name, state): {chunk index: digest} | None}`` of the boxes this writer wrote (None: unaligned);
+        waits for the writes in flight first (the local write path digests as it writes)."""
+        self._drain()
         return dict(self._region_digests)
 
     def set_region_hash(self, name: str, state: str, content_hash: str) -> None:

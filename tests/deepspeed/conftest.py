@@ -185,6 +185,7 @@ def cmp():
         equal = staticmethod(tensors_equal)
         files = staticmethod(ds_universal_files)
         run_jobs = staticmethod(run_jobs)
+        torchrun = staticmethod(torchrun)
     return H
 
 

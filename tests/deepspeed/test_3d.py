@@ -3,7 +3,10 @@
 The model is Megatron-style (``pipe3d`` in ``ucp_store/demo/ds_train.py``): a ``PipelineModule`` over
 DeepSpeed's ``PipeModelDataParallelTopology`` whose MLP blocks are hand-written column-/row-parallel linears
 (collectives on the grid's tensor group), with the ``universal_checkpoint_info`` DeepSpeed saves from the
-module. The checkpoint is imported with ``ucp import deepspeed``, checked against ``ds_to_universal``'s
+module. All ranks are forked by ``ucp_store/demo/fork_ranks.py`` from one interpreter with torch and
+DeepSpeed loaded, in one launcher run (train, ds_to_universal, import, export, resume), instead of two
+torchrun launches where every rank imported torch, DeepSpeed and the 1500 modules its engine pulls in.
+The checkpoint is imported with ``ucp import deepspeed``, checked against ``ds_to_universal``'s
 output bit for bit, exported with ``ucp export deepspeed-universal`` and resumed by DeepSpeed
 (``load_universal``) on 2 processes at TP=1 x PP=1 x DP=2, TP=2 x PP=1 x DP=1 and TP=1 x PP=2 x DP=1:
 the ZeRO partitions DeepSpeed's loader builds on every rank equal what ``load_shard`` plans for that rank,
@@ -55,40 +58,39 @@ class Session:
         return open_store(str(self.store_path)).checkpoint(f"{RUN}@{STEPS}")
 
 
-def _ucp(*argv) -> None:
-    from ucp_store import cli
-
-    rc = cli.main([str(a) for a in argv])
-    assert rc == 0, f"ucp {' '.join(map(str, argv))} exited {rc}"
-
-
 @pytest.fixture(scope="module")
-def ds3d(tmp_path_factory, cmp) -> Session:
-    """Train and save once on 8 processes (and run ds_to_universal), import and export with the CLI, then
-    resume every target from our export and from ds_to_universal's folder in one 2-process launch."""
+def ds3d(tmp_path_factory) -> Session:
+    """One launcher run: train and save on 8 ranks (and run ds_to_universal), import and export with the
+    CLI, then resume every target from our export and from ds_to_universal's folder on 2 ranks."""
     pytest.importorskip("deepspeed")
     s = Session(tmp_path_factory.mktemp("ds3d"))
-    t0 = time.time()
-    cmp.run_jobs([{"kind": "train", **SOURCE, "steps": STEPS, "next_steps": 2, "save_dir": str(s.root / "ck"),
-               "tag": TAG, "convert": True, "out": str(s.root / "train.json")}], TRAIN_PROCS, s.root, "train_jobs",
-                 timeout=TIMEOUT)
-    s.timings["train_save_convert"] = time.time() - t0
-    t0 = time.time()
-    _ucp("import", "deepspeed", s.tag_dir, "--run", RUN, "--store", s.store_path, "--no-progress")
-    _ucp("export", "deepspeed-universal", f"{RUN}@{STEPS}", s.export_root, "--tag", UTAG, "--store", s.store_path,
-         "--no-progress")
-    s.timings["import_export"] = time.time() - t0
-    jobs = []
+    train = {"kind": "train", **SOURCE, "steps": STEPS, "next_steps": 2, "save_dir": str(s.root / "ck"), "tag": TAG,
+             "out": str(s.root / "train.json")}
+    resumes = []
     for name, (tp, pp) in TARGETS.items():
         for who, root in (("ucp", s.export_root), ("ds", s.root / "ck")):
             job = {"kind": "resume", **SOURCE, "tp": tp, "stages": pp, "load_dir": str(root), "tag": UTAG,
                    "steps": 2, "out": str(s.root / f"resume_{name}_{who}.json")}
             if who == "ucp":
                 job["dump"] = str(s.root / f"dump_{name}")
-            jobs.append(job)
+            resumes.append(job)
+    store = ["--store", str(s.store_path), "--no-progress"]
+    # ds_to_universal as ds_train's "convert" runs it, but forked from the launcher: no fresh interpreter
+    convert = ["--input_folder", str(s.tag_dir), "--output_folder", str(s.ds_universal), "--inject_missing_state",
+               "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    phases = [{"ranks": TRAIN_PROCS, "jobs": [train]},
+              {"module": "deepspeed.checkpoint.ds_to_universal", "argv": convert},
+              {"ucp": ["import", "deepspeed", str(s.tag_dir), "--run", RUN, *store]},
+              {"ucp": ["export", "deepspeed-universal", f"{RUN}@{STEPS}", str(s.export_root), "--tag", UTAG, *store]},
+              {"ranks": RESUME_PROCS, "jobs": resumes}]
     t0 = time.time()
-    cmp.run_jobs(jobs, RESUME_PROCS, s.root, "resume_jobs", timeout=TIMEOUT)
-    s.timings["resume"] = time.time() - t0
+    from ucp_store.demo.fork_ranks import launch
+
+    try:
+        s.timings = launch(phases, s.root, TIMEOUT)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    s.timings["total"] = time.time() - t0
     print(f"\nTP x PP x DP fixture wall times (s): {json.dumps({k: round(v, 1) for k, v in s.timings.items()})}")
     return s
 

@@ -463,6 +463,33 @@ def _same(a: Any, b: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- source
+# elements per torch copy call: below torch's grain size (32768), so one thread does each piece
+_PIECE = 30 * 1024
+
+
+def _place(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (same shape) in pieces small enough that torch copies each on the calling thread.
+
+    One ``copy_`` of a saved chunk into its box of the assembled tensor is large enough for torch to split
+    over an OpenMP team, and with the machine's cores busy (the store's own write threads, other jobs) the
+    team waits for its slowest thread at every copy: under load that made the assembly several times
+    slower than the copy itself. Pieces of whole rows (or, for rows longer than ``_PIECE``, row by row)
+    keep every copy on this thread."""
+    n = dst.numel()
+    if n <= _PIECE or dst.dim() == 0:
+        dst.copy_(src)
+        return
+    rows = dst.shape[0]
+    per = n // rows
+    if per > _PIECE:
+        for i in range(rows):
+            _place(dst[i], src[i])
+        return
+    step = max(1, _PIECE // per)
+    for i in range(0, rows, step):
+        dst[i:i + step].copy_(src[i:i + step])
+
+
 class DcpSource:
     """A DCP checkpoint folder as a :class:`~ucp_store.adapters.base.Source`.
 
@@ -470,6 +497,9 @@ class DcpSource:
     prefix ``""`` means model FQNs at the top level)."""
 
     kind = "dcp"
+    # records are produced (chunks read and assembled) in a background thread, a bounded window ahead of the
+    # writer's hashing and submitting: the assembly of the next tensor overlaps the store's work on this one
+    prefetch = True
 
     def __init__(self, folder: str, *, optim_prefixes: Iterable[str] | None = None, model_prefix: str | None = None):
         self.folder = os.path.abspath(folder)
@@ -555,7 +585,7 @@ class DcpSource:
                 return t
             if out is None:
                 out = torch.empty(size, dtype=dtype)
-            out[tuple(slice(o, o + s) for o, s in zip(offs, sizes))] = t
+            _place(out[tuple(slice(o, o + s) for o, s in zip(offs, sizes))], t)
             covered += math.prod(sizes)
         if out is None:
             out = torch.empty(size, dtype=dtype)

@@ -37,6 +37,7 @@ from .._window import prefetch
 from ..errors import SourceFormatError
 from .base import TensorRecord, import_source
 from .base import write_records as _write_groups
+from .deepspeed_autoep import DeepSpeedAutoEPReader, is_autoep_tag
 from .deepspeed_files import (
     DS_MODEL_KEYS,
     EXPERT_RE,
@@ -144,7 +145,9 @@ class DeepSpeedSource:
                  experts: str = "separate"):
         self.t0 = time.time()
         self.tag_dir = os.path.abspath(os.fspath(tag_dir))
-        self.reader = open_tag_reader(self.tag_dir, lp_weights=lp_weights, experts=experts)
+        # AutoEP (fused experts, ZeRO-1/2 and ZeRO-3) before classic MoE: both write expert files under ZeRO-1/2
+        self.reader = (DeepSpeedAutoEPReader(self.tag_dir, lp_weights=lp_weights) if is_autoep_tag(self.tag_dir)
+                       else open_tag_reader(self.tag_dir, lp_weights=lp_weights, experts=experts))
         self.hash_sources = hash_sources
         self.workers = workers
         self.rank, self.world, self.group = rank, world, group

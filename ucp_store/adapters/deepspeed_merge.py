@@ -87,7 +87,7 @@ class Rule:
 class UniversalInfo:
     """``universal_checkpoint_info`` of a source: regex categories -> per-parameter merge rules."""
 
-    def __init__(self, info: dict | None, tp: int):
+    def __init__(self, info: dict | None, tp: int, *, allow_experts: bool = False):
         self.raw = info or {}
         self.tp = tp
         self.has_patterns = any(self.raw.get(k) for k in PATTERN_LIST_KEYS) or bool(
@@ -104,7 +104,7 @@ class UniversalInfo:
             raise SourceFormatError(
                 "universal_checkpoint_info lists AutoTP parameters whose layout cannot be converted: "
                 + ", ".join(f"{p}: {r}" for p, r in sorted(unsupported.items())))
-        if self.raw.get(K_EXPERT):
+        if self.raw.get(K_EXPERT) and not allow_experts:
             raise SourceFormatError("universal_checkpoint_info lists expert (MoE) parameters "
                                     f"{self.raw.get(K_EXPERT)}; expert-parallel checkpoints are not supported yet")
         affine = self.raw.get(K_AFFINE) or {}

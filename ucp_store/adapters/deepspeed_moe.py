@@ -35,6 +35,7 @@ import torch
 
 from ..errors import ConfigurationError, SourceFormatError, UcpError
 from ..patterns import Expert, ExpertMember
+from ..topology import Topology
 from .deepspeed_files import EXPERT_RE
 from .deepspeed_merge import ParamRecord, _numel
 from .deepspeed_reader import DeepSpeedReader, release_pages
@@ -104,9 +105,9 @@ class DeepSpeedMoEReader(DeepSpeedReader):
         if self.zero_stage >= 3:
             raise SourceFormatError(f"{self.tag_dir}: an MoE checkpoint under ZeRO-3; only ZeRO-1/2 MoE checkpoints "
                                     "(deepspeed.moe.layer.MoE) are read")
-        if self.tp != 1 or self.pp != 1:
-            raise SourceFormatError(f"{self.tag_dir}: an MoE checkpoint with tp={self.tp}, pp={self.pp}; MoE import "
-                                    "reads tp=1, pp=1 checkpoints")
+        if self.pp != 1:
+            raise SourceFormatError(f"{self.tag_dir}: an MoE checkpoint with pp={self.pp}; MoE import reads "
+                                    "checkpoints without pipeline parallelism (tp x dp)")
         osd = self._optim((0, 0))["optimizer_state_dict"]
         bos = osd.get("base_optimizer_state") or {}
         groups = bos.get("param_groups") if isinstance(bos, dict) else None
@@ -128,16 +129,39 @@ class DeepSpeedMoEReader(DeepSpeedReader):
         if len(eps) != 1:
             raise SourceFormatError(f"{self.tag_dir}: MoE parameter groups with different ep sizes {sorted(eps)}")
         self.ep = eps.pop()
-        if self.dp % self.ep:
-            raise SourceFormatError(f"{self.tag_dir}: ep={self.ep} does not divide the {self.dp} DP ranks")
+        # DeepSpeed's default (E+D) expert groups span the whole tp x dp world of a stage, tp fastest (Megatron's
+        # and PipeModelDataParallelTopology's order): Topology(ep_over="stage") (topology.py, the one home of the
+        # rule): global rank r = tp + TP * dp is ep rank r % ep, and the ranks of one ep rank (r, r + ep, ...)
+        # form its expert-data-parallel group, which ZeRO partitions the expert group over. Experts are not
+        # tensor-parallel there: each expert file is written once, by the rank of its ep rank whose
+        # expert-data-parallel rank is 0 (global rank ep_rank, so mp_rank ep_rank % tp).
+        world = self.tp * self.dp
+        if world % self.ep:
+            raise SourceFormatError(f"{self.tag_dir}: ep={self.ep} does not divide the {world} ranks (tp={self.tp} x "
+                                    f"dp={self.dp})")
+        groups_topo = Topology(tp=self.tp, dp=self.dp, ep=self.ep, ep_over="stage")
+        ep_writer_mp = [groups_topo.coords(groups_topo.rank({"ep": er, "edp": 0}))["tp"] for er in range(self.ep)]
+        # ep rank -> the (mp, dp) optimizer files of its expert-data-parallel ranks, in ZeRO order
+        ep_keys = [[(c["tp"], c["dp"]) for c in sorted((groups_topo.coords(r) for r in range(world)),
+                                                        key=lambda c: c["edp"]) if c["ep"] == er]
+                   for er in range(self.ep)]
         files = getattr(self, "expert_files", {})
+        by_expert: dict[tuple[int, int], dict[int, str]] = {}
+        for (layer, e, mp), f in files.items():
+            by_expert.setdefault((layer, e), {})[mp] = f
         # (layer, expert) -> file; the name prefix of every layer from its files' keys
         self.layer_prefix: dict[int, str] = {}
         self.num_experts: dict[int, int] = {}
         expert_names: dict[tuple[int, int], list[str]] = {}
-        for (layer, e, mp), f in sorted(files.items()):
-            if mp != 0:
-                raise SourceFormatError(f"{self._path(f)}: expert files for model-parallel rank {mp}; only mp_rank_00")
+        expert_file: dict[tuple[int, int], str] = {}
+        for (layer, e), per_mp in sorted(by_expert.items()):
+            if len(per_mp) > 1:
+                raise SourceFormatError(
+                    f"{self.tag_dir}: expert {e} of MoE layer {layer} has files for model-parallel ranks "
+                    f"{sorted(per_mp)} ({', '.join(sorted(per_mp.values()))}): tensor-parallel experts "
+                    "(MoE(enable_expert_tensor_parallelism=True)) are not read; experts must be whole on one rank")
+            (mp, f), = per_mp.items()
+            expert_file[(layer, e)] = f
             sd = self._load(f, "MoE expert state")
             if not isinstance(sd, dict):
                 raise SourceFormatError(f"{self._path(f)}: expected a dict of expert tensors")
@@ -162,6 +186,15 @@ class DeepSpeedMoEReader(DeepSpeedReader):
                 raise SourceFormatError(f"{self.tag_dir}: MoE layer {layer} has expert files for experts "
                                         f"{sorted(e for (lay, e) in expert_names if lay == layer)}; expected 0..E-1 "
                                         f"with E divisible by ep={self.ep}")
+            per = n // self.ep
+            for e in range(n):
+                mp = next(iter(by_expert[(layer, e)]))
+                if mp != ep_writer_mp[e // per]:
+                    raise SourceFormatError(
+                        f"{self._path(expert_file[(layer, e)])}: expert {e} is on ep rank {e // per}, whose writer "
+                        f"(global rank {e // per}) is model-parallel rank {ep_writer_mp[e // per]}, not {mp}: not "
+                        f"DeepSpeed's default expert groups over tp={self.tp} x dp={self.dp} ranks (tp fastest, ep "
+                        "rank = rank % ep); use_data_before_expert_parallelism layouts are not read")
         by_prefix = {p: layer for layer, p in self.layer_prefix.items()}
         # the dense part stays as the base reader planned it; the expert group's local entries are replaced by
         # one entry per (layer, global expert, parameter), layer by layer, expert by expert
@@ -187,23 +220,32 @@ class DeepSpeedMoEReader(DeepSpeedReader):
             for e in range(n):
                 wanted = {prefix + str(e) + sfx for sfx in suffixes}
                 if wanted != set(expert_names[(layer, e)]):
-                    raise SourceFormatError(f"{self._path(files[(layer, e, 0)])}: holds "
+                    raise SourceFormatError(f"{self._path(expert_file[(layer, e)])}: holds "
                                             f"{sorted(expert_names[(layer, e)])}, the optimizer's expert group names "
                                             f"{sorted(wanted)}")
+                er = e // per
+                # the optimizer files of ep rank er's expert-data-parallel ranks, in their order: (mp, dp) keys
+                keys = ep_keys[er]
                 for sfx in suffixes:
                     base = shape_of[sfx]
+                    shapes = base["shapes"]
+                    if any(tuple(s) != tuple(shapes[0]) for s in shapes[1:]):
+                        raise SourceFormatError(f"{self.tag_dir}: expert parameter {base['name']!r} has shapes "
+                                                f"{[list(x) for x in shapes]} on the TP ranks; experts must be whole")
                     self.expert_specs.append({
-                        "name": prefix + str(e) + sfx, "stage": 0, "group": base["group"], "shapes": base["shapes"],
-                        "expert": {"layer": layer, "index": e, "num": n, "ep_rank": e // per,
+                        "name": prefix + str(e) + sfx, "stage": 0, "group": base["group"], "shapes": shapes,
+                        "expert": {"layer": layer, "index": e, "num": n, "ep_rank": er,
                                    "local": prefix + str(e % per) + sfx, "prefix": prefix, "suffix": sfx,
-                                   "file": files[(layer, e, 0)]}})
+                                   "file": expert_file[(layer, e)], "keys": keys}})
         self.params = dense + self.expert_specs
         self.gates = [p["name"] for p in dense if ".deepspeed_moe.gate." in p["name"]]
 
     # --------------------------------------------------------------------------------- metadata
     @property
     def topology(self) -> dict:
-        return {**super().topology, "ep": self.ep}
+        # ep_over: DeepSpeed's expert groups of whole experts span a stage's ranks (global rank % ep), which
+        # differs from ep carved out of dp as soon as tp > 1; recorded so that plans default to it
+        return {**super().topology, "ep": self.ep, "ep_over": "stage"}
 
     @property
     def source_files(self) -> list[str]:
@@ -214,7 +256,10 @@ class DeepSpeedMoEReader(DeepSpeedReader):
         out["deepspeed/layout"]["ep"] = self.ep
         out["deepspeed/layout"]["expert_files"] = sorted(getattr(self, "expert_files", {}).values())
         out["deepspeed/moe"] = {
-            "ep": self.ep, "form": self.experts_form,
+            "ep": self.ep, "form": self.experts_form, "tp": self.tp,
+            # DeepSpeed's default expert groups: ep rank = global rank % ep over the tp x dp ranks (tp fastest);
+            # experts whole (not tensor-parallel), ZeRO-partitioned over the tp x dp / ep ranks of their ep rank
+            "expert_groups": "rank % ep",
             "layers": [{"layer": layer, "group": self.layer_prefix[layer].rstrip("."),
                         "num_experts": self.num_experts[layer],
                         "gate": [g for g in self.gates if g.startswith(self.layer_prefix[layer].split(".experts.")[0])]}
@@ -266,8 +311,7 @@ class DeepSpeedMoEReader(DeepSpeedReader):
         steps: list = []
         used: list[tuple[torch.Tensor, int, int]] = []
         # the expert-data-parallel ranks of its ep rank
-        frags, got = self._gather_fragments([(0, dp) for dp in range(ex["ep_rank"], self.dp, self.ep)], g, local,
-                                            f"{local!r} (global {name!r})", steps, used)
+        frags, got = self._gather_fragments(ex["keys"], g, local, f"{local!r} (global {name!r})", steps, used)
         if got != want:
             raise SourceFormatError(f"{self.tag_dir}: the fragments of expert parameter {name!r} (local {local!r} on "
                                     f"ep rank {ex['ep_rank']}) cover {got} of its {want} elements")
@@ -299,9 +343,9 @@ def _ep_of(engine) -> tuple[int, int]:
     if len(eps) != 1:
         raise ConfigurationError(f"the engine's MoE layers have ep sizes {sorted(eps)}; expected exactly one")
     ep = eps.pop()
-    import deepspeed.comm as dist
+    from deepspeed.utils import groups
 
-    return ep, dist.get_rank() % ep
+    return ep, int(groups._get_expert_parallel_rank(f"ep_size_{ep}"))
 
 
 def _engine_names(engine) -> dict:
@@ -345,20 +389,35 @@ def engine_param_shares(engine) -> dict[str, dict[str, tuple[int, int, torch.Ten
     return out
 
 
-def load_engine(engine, ref: str, *, store=None) -> None:
-    """Load MoE checkpoint ``ref`` into a freshly built DeepSpeed MoE engine (ZeRO-1/2) of any ep / DP degree.
+def _engine_tp(engine) -> tuple[int, int]:
+    """(tp, tp_rank) of an engine's mpu (1, 0 without one)."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None:
+        return 1, 0
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank, bwc_tensor_model_parallel_world_size
 
-    Each rank plans its topology (dp = world, ep = the engine's, ZeRO stage and alignment as the engine's)
-    through ``load_shard``: the dense group and the expert group (``ep_size_<ep>``) come as DeepSpeed's flat
-    partitions, the expert one holding exactly this ep rank's experts (global ids), partitioned over the
-    expert-data-parallel ranks. fp32 master, ``exp_avg``, ``exp_avg_sq`` and the step go into the
-    optimizer; the low-precision weights follow from the master (``update_lp_params``); then
-    ``global_steps`` / ``global_samples``. The store needs the separate expert form (``expert_member``)."""
+    return int(bwc_tensor_model_parallel_world_size(mpu)), int(bwc_tensor_model_parallel_rank(mpu))
+
+
+def load_engine(engine, ref: str, *, store=None) -> None:
+    """Load MoE checkpoint ``ref`` into a freshly built DeepSpeed MoE engine (ZeRO-1/2) of any tp / ep / DP
+    degree.
+
+    Each rank plans its share once, through the planner and ``io.execute``, at
+    ``Topology(tp, dp, ep, ep_over="stage")`` (``ucp plan --ep`` plans the same): the dense part at ``tp`` x
+    ``dp`` (the engine's mpu; TP slices by their patterns, ZeRO over the data-parallel group), and the experts
+    as DeepSpeed's default expert groups place them: over all ``tp x dp`` ranks of the world (experts are
+    whole, not tensor-parallel), ep rank = rank % ep, ZeRO-partitioned over the ranks of that ep rank. Both
+    come as DeepSpeed's flat partitions: the expert group (``ep_size_<ep>``) holds exactly this ep rank's
+    experts (global ids). fp32 master, ``exp_avg``, ``exp_avg_sq`` and the step go into the optimizer; the
+    low-precision weights follow from the master (``update_lp_params``); then ``global_steps`` /
+    ``global_samples``. The store needs the separate expert
+    form (``expert_member``)."""
     import deepspeed.comm as dist
 
     from .. import open_store
-    from ..io import load_shard
-    from ..topology import Topology
+    from ..io import execute
+    from ..planner import plan as make_plan
 
     if store is None:
         raise ConfigurationError("load_engine: give store=")
@@ -375,25 +434,38 @@ def load_engine(engine, ref: str, *, store=None) -> None:
     opt = engine.optimizer
     if not hasattr(opt, "single_partition_of_fp32_groups"):
         raise ConfigurationError(f"load_engine: optimizer {type(opt).__name__} is not a ZeRO-1/2 optimizer")
-    ep, _ = _ep_of(engine)
-    if int(getattr(engine, "mp_world_size", 1) or 1) != 1 or hasattr(engine, "num_stages"):
-        raise ConfigurationError("load_engine: MoE engines with tensor or pipeline parallelism are not supported")
+    ep, ep_rank = _ep_of(engine)
+    if hasattr(engine, "num_stages"):
+        raise ConfigurationError("load_engine: MoE engines with pipeline parallelism are not supported")
+    tp, tp_rank = _engine_tp(engine)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp = int(engine.dp_world_size)
+    if tp * dp != world or rank % tp != tp_rank:
+        raise ConfigurationError(f"load_engine: rank {rank} of {world} is tp rank {tp_rank} of tp={tp} with dp={dp}; "
+                                 "expected tp x dp = world with tp fastest (rank = tp_rank + tp * dp_rank)")
+    if world % ep:
+        raise ConfigurationError(f"load_engine: ep={ep} does not divide the {world} ranks")
+    stage = int(engine.zero_optimization_stage())
     # ZeRO-1/2 align each group's flat buffer to nccl_start_alignment_factor (2) x its partition count
-    topo = Topology(dp=int(engine.dp_world_size), ep=ep, zero_stage=int(engine.zero_optimization_stage()),
-                    zero_alignment=2)
-    rank = dist.get_rank()
+    topo = Topology(tp=tp, dp=dp, ep=ep, ep_over="stage", zero_stage=stage, zero_alignment=2)
+    if topo.coords(rank)["ep"] != ep_rank:
+        raise ConfigurationError(f"load_engine: rank {rank} is ep rank {ep_rank} of ep={ep}; expected DeepSpeed's "
+                                 f"default expert groups (ep rank {topo.coords(rank)['ep']} = rank % ep over the "
+                                 "whole world)")
     names = _engine_names(engine)
     zero_groups = {names[p]: f"g{g}" for g, group in enumerate(opt.bit16_groups) for p in group}
-    shard = load_shard(ck, topo, rank, states=["fp32", "exp_avg", "exp_avg_sq", "step"],
-                       zero_groups=lambda n: zero_groups.get(n, "g_other"))
-    by_key = {(b.group, b.state): b for b in shard.plan.buffers}
+    records = ck.tensors()
+    p = make_plan(records, topo, rank, states=["fp32", "exp_avg", "exp_avg_sq", "step"],
+                  zero_groups=lambda n: zero_groups.get(n, "g_other"))
+    shard = execute(ck, p, infos=records)
+    buffers = {(b.group, b.state): shard.buffers[b.key] for b in p.buffers}
+    steps = {n: t for (n, st), t in shard.tensors.items() if st == "step"}
     inner = opt.optimizer
     for g, hp in enumerate(opt.single_partition_of_fp32_groups):
         for st in ("fp32", "exp_avg", "exp_avg_sq"):
-            b = by_key.get((f"g{g}", st))
-            if b is None:
+            buf = buffers.get((f"g{g}", st))
+            if buf is None:
                 raise UcpError(f"{ref}: no {st} partition planned for parameter group {g}")
-            buf = shard.buffers[b.key]
             if buf.numel() != hp.numel():
                 raise UcpError(f"{ref}: parameter group {g} state {st}: planned {buf.numel()} elements, DeepSpeed's "
                                f"flat partition has {hp.numel()}")
@@ -404,12 +476,11 @@ def load_engine(engine, ref: str, *, store=None) -> None:
                 if st in state:
                     state[st].copy_(buf.to(state[st].dtype).view_as(state[st]))
                 else:
-                    state[st] = buf.to(hp.dtype).view_as(hp).clone()
-        step = next((shard.tensors[(names[p], "step")] for p in opt.bit16_groups[g]
-                     if (names[p], "step") in shard.tensors), None)
+                    state[st] = buf.to(device=hp.device, dtype=hp.dtype).view_as(hp).clone()
+        step = next((steps[names[p]] for p in opt.bit16_groups[g] if names[p] in steps), None)
         if step is not None:
             old = inner.state[hp].get("step")
-            inner.state[hp]["step"] = (step.to(dtype=old.dtype).reshape(old.shape).clone()
+            inner.state[hp]["step"] = (step.to(device=old.device, dtype=old.dtype).reshape(old.shape).clone()
                                        if isinstance(old, torch.Tensor) else step.clone())
     opt.update_lp_params()
     for k in ("global_steps", "global_samples", "skipped_steps"):

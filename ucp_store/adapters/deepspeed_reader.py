@@ -98,6 +98,8 @@ class DeepSpeedTagFolder:
     parameter shapes, groups and fragment mappings (``_load_metadata``, ``_plan``), the topology, and the
     JSON-able non-tensor state (``objects``). Reading tensors is :class:`DeepSpeedReader`'s job."""
 
+    reads_experts = False  # whether universal_checkpoint_info may list expert parameters (the AutoEP reader)
+
     def __init__(self, tag_dir: str | os.PathLike, *, lp_weights: str = "auto"):
         self.tag_dir = os.path.abspath(os.fspath(tag_dir))
         if lp_weights not in ("auto", "all", "none"):
@@ -236,7 +238,7 @@ class DeepSpeedTagFolder:
             if isinstance(sd.get(UCI), dict):
                 uci = sd[UCI]
                 break
-        self.info = UniversalInfo(uci, self.tp)
+        self.info = UniversalInfo(uci, self.tp, allow_experts=self.reads_experts)
         self.uci = uci
         # versions: every model file here; optimizer files as they are opened (and checked up front below)
         self.ds_version: str | None = None

@@ -238,6 +238,10 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
         from .deepspeed_moe import UNIVERSAL_REFUSAL
 
         raise ConfigurationError(f"{checkpoint.run}@{checkpoint.step}: {UNIVERSAL_REFUSAL}")
+    if objs.get("deepspeed/autoep") is not None:
+        from .deepspeed_autoep import UNIVERSAL_REFUSAL as AUTOEP_REFUSAL
+
+        raise ConfigurationError(f"{checkpoint.run}@{checkpoint.step}: {AUTOEP_REFUSAL}")
     layout = objs.get("deepspeed/layout") or {}
     src_zero = int(layout.get("zero_stage", 2))
     src_tp = int(layout.get("tp", 1))

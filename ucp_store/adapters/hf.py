@@ -381,10 +381,37 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+_SYNC_FILE_RANGE_WRITE = 2
+_sfr: Any = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start the disk writes of ``[offset, offset + nbytes)`` of ``fd`` now (Linux ``sync_file_range`` with
+    ``SYNC_FILE_RANGE_WRITE``: it queues the dirty pages' writeback and returns; it makes nothing durable).
+    The writeback of every block then runs while later blocks are read and copied, and the one ``fsync`` per
+    file at the end finds little left to write. A no-op where the call does not exist; ``fsync`` alone
+    still makes the file durable."""
+    global _sfr
+    if _sfr is None:
+        import ctypes
+
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None) if os.name == "posix" else None
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        _sfr = fn or False
+    if _sfr and nbytes > 0:
+        _sfr(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # ctypes releases the GIL; a failure is fsync's to report
+
+
 # one export task reads and writes at most this much (whole stored chunks along dim 0): below localread's
 # PARALLEL_BYTES, so each task's read runs in its own thread and the tasks, not the chunks, go in parallel
 _TASK_BYTES = 8 << 20
 _stage = threading.local()
+# elements per cast call: below torch's grain size (32768), so torch casts each piece on the calling thread
+# instead of an OpenMP team per block, which with every core busy (the other export threads, other jobs)
+# waits for its slowest member
+_CAST_PIECE = 30 * 1024
 
 
 def _staging(slot: int, nbytes: int) -> "torch.Tensor":
@@ -484,11 +511,15 @@ def _write_shards(checkpoint, folder: str, layouts: list, pieces: list[Piece], o
         want = dtypes.torch_dtype(out_dtypes[i])
         if want != src.dtype:
             out = _staging(1, n * dtypes.itemsize(out_dtypes[i])).view(want).view(shape)
-            out.copy_(src)
+            flat_out, flat_src = out.view(-1), src.view(-1)
+            for k in range(0, n, _CAST_PIECE):  # below torch's grain size: each piece on this thread
+                flat_out[k:k + _CAST_PIECE].copy_(flat_src[k:k + _CAST_PIECE])
         row = (math.prod(shape[1:]) * dtypes.itemsize(out_dtypes[i])) if shape else 0
         data_bytes = out.view(-1).view(torch.uint8).numpy()
         # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; 3.11 arrays are buffers too
-        _pwrite_all(fds[file_of[i]], memoryview(data_bytes), offset_of[i] + (a - row0) * row)  # type: ignore[arg-type]
+        fd, at = fds[file_of[i]], offset_of[i] + (a - row0) * row
+        _pwrite_all(fd, memoryview(data_bytes), at)  # type: ignore[arg-type]
+        _start_writeback(fd, at, data_bytes.nbytes)
         killpoint("export.hf")
         return data_bytes.nbytes
 

@@ -11,11 +11,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import UcpError
-from ..topology import Topology
+from ..topology import EP_OVER, Topology
 from .common import EXIT_OK, Command, open_from_args
 from .output import fmt_bytes, print_json, table
 
-__all__ = ["COMMANDS", "cmd_plan", "run_plan", "topology_from_args", "infer_layers"]
+__all__ = ["COMMANDS", "cmd_plan", "run_plan", "topology_from_args", "infer_layers", "source_ep_over"]
 
 
 def infer_layers(infos: Iterable[Any]) -> int:
@@ -27,13 +27,22 @@ def infer_layers(infos: Iterable[Any]) -> int:
     return max(known) + 1 if known else 0
 
 
-def topology_from_args(args: Any, infos: Iterable[Any]) -> Topology:
-    """The target topology of ``--tp/--pp/--dp/--sp/--ep/--zero/--vocab-multiple/--layers``."""
+def source_ep_over(provenance: Any) -> str:
+    """The expert-group rule a version was saved under (``ep_over`` of its source topology; default ``dp``)."""
+    topo = (provenance or {}).get("source_topology") or {}
+    value = topo.get("ep_over", "dp") if isinstance(topo, dict) else "dp"
+    return value if value in EP_OVER else "dp"
+
+
+def topology_from_args(args: Any, infos: Iterable[Any], ep_over: str = "dp") -> Topology:
+    """The target topology of ``--tp/--pp/--dp/--sp/--ep/--ep-over/--zero/--vocab-multiple/--layers``
+    (``ep_over``: the rule when ``--ep-over`` is not given)."""
     layers = args.layers if args.layers is not None else infer_layers(infos)
     if args.pp > 1 and layers == 0:
         raise UcpError("--pp > 1 needs layers: the checkpoint's patterns name no layer placement; pass --layers N")
     return Topology(tp=args.tp, pp=args.pp, dp=args.dp, zero_stage=args.zero, sp=args.sp, ep=args.ep,
-                    vocab_multiple=args.vocab_multiple, layers=layers)
+                    vocab_multiple=args.vocab_multiple, layers=layers,
+                    ep_over=getattr(args, "ep_over", None) or ep_over)
 
 
 def run_plan(args: Any, store: Any) -> int:
@@ -44,7 +53,7 @@ def run_plan(args: Any, store: Any) -> int:
     infos = ck.tensors()
     if getattr(args, "mesh", None):
         return _run_mesh_plan(args, ck, infos)
-    topo = topology_from_args(args, infos)
+    topo = topology_from_args(args, infos, source_ep_over(ck.provenance))
     states = args.states.split(",") if args.states else None
     ranks = [args.rank] if args.rank is not None else list(range(topo.world_size))
     for r in ranks:
@@ -77,19 +86,17 @@ def run_plan(args: Any, store: Any) -> int:
 
 def _print_experts(infos: Any, topo: Topology) -> None:
     """Which experts each ep rank of the target holds, and on which ranks (when there are experts)."""
-    from ..experts_view import expert_groups, placement_rows, ranges
+    from ..experts_view import expert_groups, placement_rows
 
     groups = expert_groups(infos)
     if not groups:
         return
-    rows = placement_rows(groups, topo.ep, topo.dp)
-    by_ep: dict[int, list[int]] = {}
-    for r in range(topo.world_size):
-        by_ep.setdefault(topo.coords(r)["ep"], []).append(r)
-    for row in rows:
-        row[4] = ranges(by_ep.get(int(row[2]), [])) if row[2] != "-" else "-"
+    rule = ("ep_over=stage: DeepSpeed's expert groups, ep rank = rank % ep over each stage's ranks, experts whole"
+            if topo.ep_over == "stage" else "ep_over=dp: ep rank = dp rank % ep")
+    if topo.ep > 1:
+        print(f"expert placement: {rule}")
     print(f"experts at ep={topo.ep} (expert ZeRO over {topo.zero_world(True)} rank(s) per ep rank):")
-    table(rows, ["expert group", "stored", "ep rank", "experts", "ranks"])
+    table(placement_rows(groups, topo), ["expert group", "stored", "ep rank", "experts", "ranks"])
 
 
 def _print_rank_table(plans: Any) -> None:
@@ -109,6 +116,7 @@ def _run_mesh_plan(args: Any, ck: Any, infos: list) -> int:
     from ..planner import MESH_ASSUMPTION, parse_mesh, plan_mesh
 
     others = [f"--{f}" for f in ("tp", "pp", "dp", "sp", "ep") if getattr(args, f) != 1]
+    others += ["--ep-over"] * bool(getattr(args, "ep_over", None))
     others += ["--zero"] * bool(args.zero) + ["--plot"] * bool(args.plot)
     if others:
         raise UcpError(f"--mesh plans a DTensor mesh; it does not combine with {', '.join(others)}")
@@ -141,6 +149,10 @@ def _plan_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("ref")
     for flag in ("tp", "pp", "dp", "sp", "ep"):
         sp.add_argument(f"--{flag}", type=int, default=1)
+    sp.add_argument("--ep-over", choices=EP_OVER, default=None,
+                    help="what ep ranks are carved out of: dp (ep rank = dp rank %% ep) or stage (DeepSpeed's expert "
+                         "groups of whole experts: rank %% ep over each stage's ranks); default: the version's "
+                         "source (stage for DeepSpeed MoE imports), else dp")
     sp.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     sp.add_argument("--vocab-multiple", type=int, default=1)
     sp.add_argument("--layers", type=int, default=None, help="number of layers (default: inferred)")

@@ -72,17 +72,33 @@ def cmd_show(args: Any) -> int:
 
 
 def _show_experts(ck: Any) -> None:
-    """Expert placement as saved (the source's ep, from provenance), when the version has MoE experts."""
+    """Expert placement as saved (the source's ep and expert-group rule, from provenance), when the version has
+    MoE experts."""
+    from ..errors import TopologyError
     from ..experts_view import expert_groups, placement_rows
+    from ..topology import Topology
+    from .plan import source_ep_over
 
     groups = expert_groups(ck.tensors())
     if not groups:
         return
-    topo = (ck.provenance or {}).get("source_topology") or {}
-    ep, dp = int(topo.get("ep", 1) or 1), int(topo.get("dp", 1) or 1)
-    print(f"experts: {len(groups)} group(s), saved at ep={ep} (dp={dp}); ep rank r holds its experts on dp ranks "
-          "d with d % ep == r")
-    table(placement_rows(groups, ep, dp), ["expert group", "stored", "ep rank", "experts", "dp ranks"])
+    src = (ck.provenance or {}).get("source_topology") or {}
+    tp, sp, dp, ep = (int(src.get(k, 1) or 1) for k in ("tp", "sp", "dp", "ep"))
+    try:  # one pipeline stage: the placement repeats on every stage
+        topo = Topology(tp=tp, sp=sp, dp=dp, ep=ep, ep_over=source_ep_over(ck.provenance))
+    except TopologyError as exc:
+        print(f"experts: {len(groups)} group(s); saved topology {src}: {exc}")
+        return
+    if topo.ep_over == "stage" and topo.tp * topo.sp > 1:
+        # DeepSpeed's default expert groups with a tensor-parallel dense part and whole experts span the whole
+        # tp x dp world (tp fastest): global rank g is ep rank g % ep (Topology(ep_over="stage"))
+        print(f"experts: {len(groups)} group(s), saved at ep={topo.ep} over tp={topo.tp} x dp={topo.dp} ranks (tp "
+              "fastest); ep rank r holds its experts on global ranks g with g % ep == r")
+        table(placement_rows(groups, topo), ["expert group", "stored", "ep rank", "experts", "ranks"])
+        return
+    print(f"experts: {len(groups)} group(s), saved at ep={topo.ep} (dp={topo.dp}); ep rank r holds its experts on dp "
+          "ranks d with d % ep == r")
+    table(placement_rows(groups, topo), ["expert group", "stored", "ep rank", "experts", "dp ranks"])
 
 
 def cmd_log(args: Any) -> int:

@@ -13,6 +13,11 @@ Job keys (besides ``ds_train``'s ``zero``, ``dtype``, ``steps``, ``out``):
   from ``store``/``ref``, dump the optimizer state per expert, train ``steps`` steps) or
   ``"resume_universal"`` (``load_checkpoint(load_dir, tag)`` with ``load_universal``).
 - ``ep``: expert-parallel degree (default 2); ``experts`` (default 4); ``moe_layers`` (default 2).
+- ``tp``: tensor-parallel degree of the dense part (default 1: ``MoENet``). With ``tp`` given, the model is
+  ``MoETPNet`` (Megatron-style column/row-parallel MLP blocks from ``ds_train`` between the MoE layers) and
+  the engine gets an mpu (DeepSpeed's ``PipelineParallelGrid`` over ``num_mp=tp``, tp fastest); the
+  experts are not tensor-parallel, so DeepSpeed's MoE builds its groups the default (E+D) way over the
+  whole tp x dp world: ep rank = global rank % ep, the expert ZeRO group every ep-th rank.
 - ``dump``: where each rank writes ``torch.save`` of its per-expert fp32 / exp_avg / exp_avg_sq (global
   names), read straight from the optimizer's flat buffers, for the bit-equality checks.
 
@@ -41,7 +46,7 @@ from .ds_train import finish_job
 
 GLOBAL_BATCH = 16  # 4 tokens per rank at dp=4: DeepSpeed's gate needs at least min_capacity tokens
 
-__all__ = ["MoENet", "run_job", "expert_state_dump", "main"]
+__all__ = ["MoENet", "MoETPNet", "run_job", "expert_state_dump", "main"]
 
 HIDDEN = 16
 FFN = 24
@@ -87,15 +92,115 @@ class MoENet(nn.Module):
         return self.head(h), aux
 
 
-def _distinct_experts(model: MoENet, ep_rank: int, seed: int) -> None:
+# what ds_to_universal and the reader need to know about MoETPNet's TP layout (as Megatron-DeepSpeed passes it);
+# the other TP-split parameters (dense_h_to_4h) are column-parallel (cat dim 0)
+MOE_TP_UCI = {
+    "universal_checkpoint_version": 0.2,
+    "tp_replicated_parameter_patterns": [r"^inp\.(weight|bias)$", r"^head\.(weight|bias)$",
+                                         r"^norms\.\d+\.(weight|bias)$", r".*\.dense_4h_to_h\.bias$",
+                                         r".*\.gate\.wg\.weight$"],
+    "parameter_with_row_parallelism_patterns": [r".*\.dense_4h_to_h\.weight$"],
+}
+
+
+class MoETPNet(nn.Module):
+    """``inp`` -> ``moe_layers`` x (a residual tensor-parallel MLP block: LayerNorm, column-parallel
+    ``dense_h_to_4h``, row-parallel ``dense_4h_to_h``; then a residual MoE layer) -> ``head``. Every
+    TP-split weight is a slice of the same full tensor, so the model is the same function at every TP degree;
+    the replicated parameters are seeded alike on every rank."""
+
+    def __init__(self, tp: int, tp_rank: int, ep: int, experts: int = 4, moe_layers: int = 2, din: int = 8,
+                 dout: int = 6, seed: int = 1234):
+        from deepspeed.moe.layer import MoE
+
+        from .ds_train import ParallelMLP, _Linear
+
+        super().__init__()
+        self.inp = _Linear(din, HIDDEN, seed)
+        self.norms = nn.ModuleList()
+        self.blocks = nn.ModuleList()
+        for i in range(moe_layers):
+            torch.manual_seed(seed + 100 * (i + 1))
+            norm = nn.LayerNorm(HIDDEN)
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.1, 0.1)
+            self.norms.append(norm)
+            self.blocks.append(ParallelMLP(HIDDEN, 2 * HIDDEN, tp, tp_rank, seed + 100 * (i + 1) + 10))
+        torch.manual_seed(seed + 1)
+        self.moe = nn.ModuleList([
+            MoE(hidden_size=HIDDEN, expert=ExpertMLP(), num_experts=experts, ep_size=ep, k=1,
+                capacity_factor=float(experts), eval_capacity_factor=float(experts), min_capacity=1)
+            for _ in range(moe_layers)])
+        self.head = _Linear(HIDDEN, dout, seed + 7)
+        self.din, self.dout = din, dout
+        self.universal_checkpoint_info = MOE_TP_UCI
+
+    def set_tp_group(self, group) -> None:
+        from .ds_train import ColumnParallelLinear, RowParallelLinear
+
+        for m in self.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                m.group = group
+
+    def forward(self, x):
+        h = self.inp(x)
+        aux = h.new_zeros((), dtype=torch.float32)
+        for norm, block, layer in zip(self.norms, self.blocks, self.moe):
+            h = h + block(norm(h))
+            out, l_aux, _ = layer(h)
+            h = h + out
+            aux = aux + l_aux.float()
+        return self.head(h), aux
+
+
+def _distinct_experts(model: nn.Module, ep_rank: int, seed: int) -> None:
     """Give every expert its own values, seeded by (layer, global expert id)."""
     with torch.no_grad():
-        for li, layer in enumerate(model.moe):
-            local: Any = layer.deepspeed_moe.experts.deepspeed_experts  # type: ignore[union-attr]
+        layers: Any = model.moe
+        for li, layer in enumerate(layers):
+            local: Any = layer.deepspeed_moe.experts.deepspeed_experts
             for j, expert in enumerate(local):
                 g = torch.Generator().manual_seed(seed * 1000 + li * 100 + ep_rank * len(local) + j)
                 for p in expert.parameters():
                     p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _gloo_gather_tokens() -> None:
+    """DeepSpeed's ``moe.mappings._gather_tokens`` all-gathers an ``[e, c, m]`` tensor into a flat buffer of
+    ``tp`` times its elements; gloo's ``all_gather_into_tensor`` splits the output along dim 0 and refuses
+    that ("invalid tensor size at index 0 (expected (4, 4, 16), got (256))"). Gather the flattened input
+    instead (the same bytes in the same order), for the harness on CPU only."""
+    import deepspeed
+    from deepspeed.moe import mappings
+
+    if getattr(mappings, "_ucp_gloo_patch", False) or torch.distributed.get_backend() != "gloo":
+        return
+    orig = mappings._gather_tokens
+
+    def gather(input_, dim=0):
+        mpu = deepspeed.utils.groups.mpu
+        world = mappings.bwc_tensor_model_parallel_world_size(mpu)
+        if world == 1:
+            return input_.contiguous()
+        flat = input_.contiguous().reshape(-1)
+        buf = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+        deepspeed.comm.all_gather_into_tensor(buf, flat, group=mappings.bwc_tensor_model_parallel_group(mpu))
+        parts = [buf.narrow(0, flat.numel() * i, flat.numel()).view_as(input_) for i in range(world)]
+        return torch.cat(parts, dim=dim).contiguous()
+
+    gather.__wrapped__ = orig  # type: ignore[attr-defined]
+    mappings._gather_tokens = gather
+    mappings._ucp_gloo_patch = True
+
+
+def _fresh_groups() -> None:
+    """Forget the process groups (and mpu) an earlier job's engine registered in DeepSpeed's process-global
+    ``groups`` module: its MoE groups are keyed by ``ep_size_<ep>`` only, so a later engine of the same ep but
+    another mesh would reuse them. (References only: nothing is destroyed.)"""
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(None)
 
 
 def build(job):
@@ -103,14 +208,32 @@ def build(job):
     import deepspeed.comm as dist
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
+    _fresh_groups()
+    _gloo_gather_tokens()
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = job.get("ep", 2)
-    torch.manual_seed(job.get("seed", 1234))
-    model = MoENet(ep, job.get("experts", 4), job.get("moe_layers", 2))
-    _distinct_experts(model, rank % ep, job.get("seed", 1234))
+    seed = job.get("seed", 1234)
+    torch.manual_seed(seed)
+    mpu, dp_rank, dp = None, rank, world
+    if "tp" in job:
+        from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
+
+        tp = job["tp"]
+        if world % tp:
+            raise SystemExit(f"ds_moe: world size {world} is not a multiple of tp={tp}")
+        dp = world // tp
+        mpu = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=dp))
+        dp_rank = mpu.get_data_parallel_id()
+        model: nn.Module = MoETPNet(tp, mpu.get_slice_parallel_rank(), ep, job.get("experts", 4),
+                                    job.get("moe_layers", 2), seed=seed)
+        model.set_tp_group(mpu.get_slice_parallel_group())  # type: ignore[operator]
+    else:
+        model = MoENet(ep, job.get("experts", 4), job.get("moe_layers", 2))
+    # DeepSpeed's default (E+D) expert groups: consecutive global ranks form an expert-parallel group
+    _distinct_experts(model, rank % ep, seed)
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": [p for p in model.parameters() if p.requires_grad], "name": "main"})
-    micro = GLOBAL_BATCH // world
+    micro = GLOBAL_BATCH // dp
     cfg = {
         "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
@@ -124,8 +247,13 @@ def build(job):
         cfg["bf16"] = {"enabled": True}
     if job.get("universal"):
         cfg["checkpoint"] = {"load_universal": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
-    return engine, rank, world, micro
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg, mpu=mpu)
+    from ..adapters.deepspeed_moe import _ep_of
+
+    if _ep_of(engine)[1] != rank % ep:
+        raise SystemExit(f"ds_moe: rank {rank} is ep rank {_ep_of(engine)[1]} in DeepSpeed's groups, expected "
+                         f"{rank % ep}")
+    return engine, dp_rank, world, micro
 
 
 def train_steps(engine, job, start, count, dp_rank, micro):
@@ -160,6 +288,21 @@ def expert_state_dump(engine) -> dict:
     for name, pieces in engine_param_shares(engine).items():
         for state, (start, stop, tensor) in pieces.items():
             out[(name, state)] = (start, stop, tensor.clone())
+    return out
+
+
+def _universal_experts(folder: str) -> dict:
+    """``{expert parameter: [shape of its fp32]}`` of what ds_to_universal wrote under ``folder/zero``."""
+    from .. import safe_pickle
+
+    zero = os.path.join(folder, "zero")
+    out = {}
+    for name in sorted(os.listdir(zero)) if os.path.isdir(zero) else []:
+        path = os.path.join(zero, name, "fp32.pt")
+        if ".deepspeed_experts." in name and os.path.exists(path):
+            obj = safe_pickle.load(path, mmap=False)
+            t = obj["param"] if isinstance(obj, dict) else obj
+            out[name] = list(t.shape)
     return out
 
 
@@ -199,7 +342,8 @@ def run_job(job):
                    "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             errs = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "Error" in ln]
-            result["convert"] = {"returncode": proc.returncode, "error": errs[-1] if errs else None}
+            result["convert"] = {"returncode": proc.returncode, "error": errs[-1] if errs else None,
+                                 "experts": _universal_experts(os.path.join(save_dir, f"{tag}_universal"))}
         dist.barrier()
         nxt = job.get("next_steps", 0)
         result["losses"] = train_steps(engine, job, steps, nxt, dp_rank, micro) if nxt else []

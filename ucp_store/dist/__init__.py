@@ -25,8 +25,8 @@ from .api import (
            save,
            verify,
 )
-from .asyncsave import AsyncSaveHandle, async_save, close, wait
+from .asyncsave import AsyncSaveHandle, async_save, close, prepare_async, wait
 from .checkpointer import Checkpointer
 
 __all__ = ["STATE_DICT_OBJECT", "AsyncSaveHandle", "Checkpointer", "LoadResult", "Mismatch", "VerifyReport",
-           "async_save", "close", "load", "save", "verify", "wait"]
+           "async_save", "close", "load", "prepare_async", "save", "verify", "wait"]

@@ -313,6 +313,7 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
             killpoint("dist.mid_write")
         if ctx.rank == 0:
             writer.write_object(STATE_DICT_OBJECT, {"format": 1, "leaves": plan.objects})
+        writer.drain()  # a failed write is this rank's error before the vote below (never a hang in a gather)
     except BaseException as exc:  # noqa: BLE001
         error = exc
     if ctx.dist is None:

@@ -11,7 +11,12 @@ Two background modes:
   most of the work);
 - ``"process"``: a persistent writer process per rank (its own gloo group among the writers), fed the
   staging buffers through shared memory once and then only small messages: the trainer's interpreter
-  does none of the writing. ``tools/bench_dist.py`` measures both.
+  does none of the writing. Shared pages fault in far slower than private ones, so the first call of a
+  layout stages into private memory and a background thread copies that into the shared buffers, which
+  later calls stage into directly. ``tools/bench_dist.py`` measures both modes.
+
+``prepare_async`` makes the buffers (and the writer process, or the background group) at setup, so even
+the first call only copies.
 
 A second ``async_save`` (or ``save`` / ``load``) first waits for the one in flight. ``handle.result()``
 returns the version id or raises the background error; every rank raises when any rank failed, and
@@ -34,7 +39,7 @@ import torch
 from ..errors import ConfigurationError, UcpError
 from .api import _Ctx, _open_everywhere, _plan_save, _SavePlan, _write_plan
 
-__all__ = ["AsyncSaveHandle", "async_save", "close", "wait"]
+__all__ = ["AsyncSaveHandle", "async_save", "close", "prepare_async", "wait"]
 
 _MODES = ("thread", "process")
 _LOCK = threading.Lock()
@@ -172,13 +177,19 @@ class _Stager:
         """What the writer process maps: the arena's description, or the shared tensors themselves."""
         return self.arena.describe() if self.arena is not None else self.buffers
 
-    def stage(self, plan: _SavePlan, *, shared: bool) -> list[torch.Tensor]:
+    def stage(self, plan: _SavePlan, *, shared: bool, copy: bool = True,
+              views: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """This rank's boxes copied into the staging buffers (made, and their pages mapped, when the layout is
+        new). ``copy=False`` (``prepare_async``) only makes the buffers. ``views``: copy these instead of the
+        plan's boxes (the same shapes: a private first staging moved into shared buffers)."""
         sig = (plan.signature(), shared)
-        views = [src[sl] if sl else src for src, sl in plan.sources]
+        if views is None:
+            views = [src[sl] if sl else src for src, sl in plan.sources]
         cuda = any(v.device.type == "cuda" for v in views)
         if sig == self.signature:
-            for b, v in zip(self.buffers, views):
-                b.copy_(v, non_blocking=v.device.type == "cuda")
+            if copy:
+                for b, v in zip(self.buffers, views):
+                    b.copy_(v, non_blocking=v.device.type == "cuda")
         else:
             # a new layout (the first call): a helper thread maps the next buffer's pages while this one
             # copies into the previous (both release the GIL), so allocation and copy overlap
@@ -202,11 +213,12 @@ class _Stager:
                 futures = [pool.submit(make, i) for i in range(len(views))]
                 for f, v in zip(futures, views):
                     b = f.result()
-                    b.copy_(v, non_blocking=v.device.type == "cuda")
+                    if copy:
+                        b.copy_(v, non_blocking=v.device.type == "cuda")
                     self.buffers.append(b)
             self.signature = sig
             self.generation += 1
-        if cuda:
+        if cuda and copy:
             torch.cuda.synchronize()
         return self.buffers
 
@@ -238,10 +250,14 @@ class _WriterProcess:
         self.generation = -1
         self.key = (ctx.rank, ctx.world)
 
-    def submit(self, handle: AsyncSaveHandle, buffers, generation: int, job: dict) -> None:
+    def share(self, buffers, generation: int) -> None:
+        """Hand the writer the staging buffers of ``generation`` (it maps them once)."""
         if generation != self.generation:
             self.requests.put(("buffers", buffers))
             self.generation = generation
+
+    def submit(self, handle: AsyncSaveHandle, buffers, generation: int, job: dict) -> None:
+        self.share(buffers, generation)
         self.requests.put(("save", job))
 
         def waiter() -> None:
@@ -316,6 +332,33 @@ atexit.register(close)
 
 
 # ----------------------------------------------------------------------------------------- the call
+def _writer_for(ctx: _Ctx) -> _WriterProcess:
+    key = (ctx.rank, ctx.world)
+    writer = _WRITERS.get(key)
+    if writer is None or not writer.proc.is_alive():
+        writer = _WRITERS[key] = _WriterProcess(ctx)
+    return writer
+
+
+def prepare_async(state_dict: dict, *, mode: str = "thread", group=None) -> None:
+    """Do at setup what the first ``async_save`` of this state's layout would do on the caller's clock: make
+    the staging buffers (pinned for device tensors, else memory whose pages are mapped now), the background
+    group, and in ``"process"`` mode start the writer process and hand it the buffers. Call on every rank,
+    with the state dict (or one of the same layout) later passed to ``async_save``, like DCP's pinned-memory
+    staging set up ahead; the first ``async_save`` then only copies. Optional: without it the first call
+    does this work itself."""
+    if mode not in _MODES:
+        raise ConfigurationError(f"prepare_async: mode={mode!r}; expected one of {', '.join(_MODES)}")
+    wait()
+    ctx = _Ctx(group)
+    plan = _plan_save(state_dict, ctx)
+    _STAGER.stage(plan, shared=mode == "process", copy=False)
+    if mode == "thread":
+        _Ctx(group, tag="async")
+    else:
+        _writer_for(ctx).share(_STAGER.shared_spec(), _STAGER.generation)
+
+
 def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
                parent: str | None = "auto", group=None, mode: str = "thread", create: bool = True) -> AsyncSaveHandle:
     """Like ``save``, but return once the state is staged in host memory; write and commit in the background.
@@ -332,7 +375,10 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     t0 = time.perf_counter()
     ctx = _Ctx(group)
     plan = _plan_save(state_dict, ctx)
-    buffers = _STAGER.stage(plan, shared=mode == "process")
+    # process mode, new layout: shared pages fault in far slower than private ones, so the caller stages
+    # into private memory and a background thread fills the shared buffers from it for the writer
+    cold_process = mode == "process" and _STAGER.signature != (plan.signature(), True)
+    buffers = _Stager().stage(plan, shared=False) if cold_process else _STAGER.stage(plan, shared=mode == "process")
     handle = AsyncSaveHandle(run, step, mode)
     handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
     if mode == "thread":
@@ -350,19 +396,29 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
 
         thread = threading.Thread(target=work, daemon=True, name="ucp-async-save")
     else:
-        key = (ctx.rank, ctx.world)
-        writer = _WRITERS.get(key)
-        if writer is None or not writer.proc.is_alive():
-            writer = _WRITERS[key] = _WriterProcess(ctx)
+        # started after staging (on the first call): its interpreter boots after this call returns, not
+        # beside the copy (on a busy host the import competed with the staging for the CPU)
+        writer = _writer_for(ctx)
         job = {"items": plan.items, "objects": plan.objects, "provenance": plan.provenance,
                "store": store if store is None else os.fspath(store) if not isinstance(store, str) else store,
                "run": run, "step": step, "message": message, "parent": parent}
         thread = None
+        if cold_process:
+            private = buffers
+
+            def share() -> None:
+                try:
+                    _STAGER.stage(plan, shared=True, views=private)  # the next calls stage straight into these
+                    writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
+                except BaseException as exc:  # noqa: BLE001 - handed to result()
+                    handle._finish(None, exc)
+
+            thread = threading.Thread(target=share, daemon=True, name="ucp-async-share")
     with _LOCK:
         _PENDING = handle
     if thread is not None:
         thread.start()
-    else:  # process mode: the writer was looked up or started above
-        cast(_WriterProcess, writer).submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
+    else:  # process mode, buffers shared already: the writer was looked up or started above
+        writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
     handle.blocked_s = time.perf_counter() - t0
     return handle

@@ -87,9 +87,11 @@ def local_layout(pattern: Any, shape: Sequence[int], topology: Topology, rank: i
                  name: str | None = None) -> LocalLayout:
     """Forward map: the TP-local tensor of ``rank`` (before ZeRO) as shape, copies and zero padding.
 
-    Pipeline placement is not checked here (see ``holds``): the layout is the one the rank would hold."""
+    Pipeline placement is not checked here (see ``holds``): the layout is the one the rank would hold.
+    Experts are whole under ``ep_over="stage"`` (``Topology.tp_for``)."""
     c = topology.coords(rank)
-    return tp_layout(pattern, shape, topology.tp, c["tp"], ep=topology.ep, ep_rank=c["ep"],
+    tp = topology.tp_for(is_expert(parse_pattern(pattern, name=name)))
+    return tp_layout(pattern, shape, tp, c["tp"] if tp > 1 else 0, ep=topology.ep, ep_rank=c["ep"],
                      vocab_multiple=topology.vocab_multiple, name=name)
 
 
@@ -179,6 +181,12 @@ def is_writer(pattern: Any, topology: Topology, rank: int, *, flat: bool = False
     stages = stages_of_placement(p.placement, topology, name)
     if c["pp"] != stages[0]:
         return False
+    if is_expert(p) and topology.ep_over == "stage":
+        # whole experts, replicated over the stage's ranks of one ep rank (tp and sp included): the ZeRO group
+        # (flat fragments are disjoint over it) or its first rank writes
+        if isinstance(p, ExpertMember) and p.owner(topology.ep) != c["ep"]:
+            return False
+        return (flat and topology.zero_stage > 0) or c["edp"] == 0
     if p.tp_replicated and c["tp"] != 0:
         return False
     if flat and topology.zero_stage > 0:

@@ -1,0 +1,138 @@
+"""The local write path (ucp_store/localwrite.py): whole shard files written without TensorStore.
+
+The files must be the bytes TensorStore writes for the same array (the one format every reader knows),
+the per-chunk digests must be ``format.chunk_digest`` of each chunk, and a save through it must commit
+the same content hash as the TensorStore path, verify clean and read back exactly.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ucp_store
+from ucp_store import dtypes, localwrite
+from ucp_store import format as fmt
+from ucp_store.errors import WriteError
+from ucp_store.location import Location
+
+# (shape, chunk, shard, dtype): column-cut chunks, edge chunks and overhanging edge shards, 1-D, 3-D
+LAYOUTS = [
+    ((64, 96), (16, 32), (32, 96), "float32"),
+    ((50, 70), (16, 32), (32, 64), "float32"),
+    ((10,), (4,), (8,), "bfloat16"),
+    ((6, 5, 7), (2, 5, 4), (4, 5, 8), "int16"),
+    ((9, 8), (3, 8), (6, 8), "bool"),
+]
+
+
+def _data(shape, dtype):
+    a = np.random.default_rng(7).standard_normal(shape)
+    if dtype == "bool":
+        return a > 0
+    return a.astype(dtypes.numpy_dtype(dtype))
+
+
+@pytest.mark.parametrize(("shape", "chunk", "shard", "dtype"), LAYOUTS)
+def test_shard_files_are_tensorstores_bytes(tmp_path, shape, chunk, shard, dtype):
+    loc = Location.parse(str(tmp_path))
+    ctx = fmt.make_context()
+    layout = fmt.ArrayLayout(dtype, shape, chunk, shard)
+    a = _data(shape, dtype)
+    fmt.create_array(loc, "ts", layout, ctx).write(a).result()
+    fmt.create_array(loc, "lw", layout, ctx)
+    folder = localwrite.local_folder(loc, "lw", layout)
+    assert folder == os.path.join(str(tmp_path), "lw")
+    zero = (0,) * len(shape)
+    assert localwrite.whole_shards(layout, zero, shape)
+    digests: dict = {}
+    for s in localwrite.shard_boxes(layout, zero, shape):
+        localwrite.write_shard_file(folder, layout, s, a, zero, digests)
+    files = []
+    for root, _, names in os.walk(tmp_path / "ts"):
+        files += [os.path.relpath(os.path.join(root, n), tmp_path / "ts") for n in names]
+    assert len(files) > 1
+    for f in files:  # byte for byte what TensorStore wrote, index and crc included
+        assert filecmp.cmp(tmp_path / "ts" / f, tmp_path / "lw" / f, shallow=False), f
+    assert sorted(os.listdir(tmp_path / "lw" / "c")) == sorted(os.listdir(tmp_path / "ts" / "c"))  # no temp left
+    assert set(digests) == set(fmt.chunk_indices(layout))
+    for idx, d in digests.items():
+        box = layout.chunk_box(idx)
+        assert d == fmt.chunk_digest(a[tuple(slice(lo, hi) for lo, hi in box)]), idx
+    back = fmt.open_array(loc, "lw", layout, ctx).read().result()
+    assert np.array_equal(back, a)
+
+
+def test_whole_shards_decides():
+    layout = fmt.ArrayLayout("float32", (50, 70), (16, 32), (32, 64))
+    assert localwrite.whole_shards(layout, (32, 0), (18, 70))      # edge shard up to the array's end
+    assert localwrite.whole_shards(layout, (0, 64), (50, 6))
+    assert not localwrite.whole_shards(layout, (0, 0), (16, 70))   # half a shard row
+    assert not localwrite.whole_shards(layout, (16, 0), (34, 70))  # starts inside a shard
+    assert not localwrite.whole_shards(layout, (0, 0), (0, 70))    # empty
+    assert list(localwrite.shard_boxes(layout, (0, 0), (50, 70))) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    s3 = Location.parse("s3://bucket/prefix", catalog="sqlite:///x.db")
+    assert localwrite.local_folder(s3, "a", layout) is None
+    assert localwrite.local_folder(Location.parse("/tmp/x"), "a", fmt.ArrayLayout("float32", (4,), (4,), (4,),
+                                                                                 "zstd")) is None
+
+
+def test_a_failed_shard_write_is_a_write_error_naming_the_tensor(tmp_path, monkeypatch):
+    st = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    w = st.begin("r", 1)
+    real = localwrite.write_shard_file
+
+    def full_disk(*args):
+        real(*args)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(localwrite, "write_shard_file", full_disk)
+    w.write_region("w", "fp32", torch.ones(8, 4), shape=(8, 4), offset=(0, 0), pattern=None, origin=True)
+    with pytest.raises(WriteError, match=r"tensor 'w' state 'fp32'.*No space left"):
+        w.drain()
+    w.abort()
+    assert st.list_checkpoints() == []
+
+
+def test_save_through_either_path_commits_one_hash(tmp_path, monkeypatch):
+    """A save through the local path and one through TensorStore (``UCP_LOCAL_WRITE=0``) commit the same
+    chunk-tree hash, verify clean and read back exactly."""
+    import ucp_store.dist as ucpd
+
+    t = torch.randn(128, 96)
+    hashes = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("UCP_LOCAL_WRITE", mode)
+        store = str(tmp_path / f"s{mode}")
+        cid = ucpd.save({"w": t}, store=store, run="r", step=1, progress=False)
+        st = ucp_store.open_store(store)
+        ck = st.checkpoint(cid)
+        (info,) = [i for i in ck.tensors() if i.name == "w"]
+        hashes[mode] = info.content_hash
+        assert ck.verify() == []
+        assert np.array_equal(ck.tensor("w", info.state).read_numpy((slice(40, 100), slice(None))), t[40:100].numpy())
+        target = {"w": torch.zeros(128, 96)}
+        ucpd.load(target, store=store, ref=cid, progress=False)
+        assert torch.equal(target["w"], t)
+    assert hashes["1"] == hashes["0"] and hashes["1"].startswith(fmt.CHUNK_HASH_PREFIX)
+
+
+def test_boxes_that_share_a_shard_go_through_tensorstore(tmp_path, monkeypatch):
+    """Half-shard boxes (two writers of one shard file) are merged by TensorStore, never written here."""
+    calls = []
+    real = localwrite.write_shard_file
+    monkeypatch.setattr(localwrite, "write_shard_file", lambda *a: calls.append(a[2]) or real(*a))
+    st = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    w = st.begin("r", 1)
+    t = torch.randn(8, 4)
+    w.write_region("w", "fp32", t[:4], shape=(8, 4), offset=(0, 0), pattern=None, origin=True)
+    w.write_region("w", "fp32", t[4:], shape=(8, 4), offset=(4, 0), pattern=None)
+    w.write_region("v", "fp32", t, shape=(8, 4), offset=(0, 0), pattern=None, origin=True)
+    ck = w.commit()
+    assert calls == [(0, 0)]  # only v's one whole shard
+    assert ck.verify() == []
+    assert torch.equal(ck.tensor("w", "fp32").read(), t) and torch.equal(ck.tensor("v", "fp32").read(), t)

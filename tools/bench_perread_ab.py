@@ -1,0 +1,69 @@
+"""A/B per-read cost of load_shard, two source trees alternated process by process on ONE store (a ZeRO-3
+rank of dp=4 over 1000 arrays of 64 KiB, as bench_planner.per_read_seconds), best of N loads per process;
+also fetch (plan_records) and plan separately, so exec = total - fetch - plan.
+
+    git archive 2d4a9d7 | tar -x -C /tmp/before          # the tree to compare against
+    BEFORE=/tmp/before .venv/bin/python tools/bench_perread_ab.py 3   # rounds (processes per tree)
+"""
+import subprocess, sys, os, json, tempfile
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+trees = {"before": os.environ["BEFORE"], "after": HERE}
+py = sys.executable
+child = r'''
+import sys, os, time, json
+sys.path.insert(0, os.environ["T"])
+os.environ["UCP_PROGRESS"] = "0"
+import ucp_store
+from ucp_store.topology import Topology
+from ucp_store import io
+from ucp_store.planner import plan as make_plan
+store = ucp_store.open_store(os.environ["S"])
+topo = Topology(dp=4, zero_stage=3, layers=1000)
+best = {}
+for i in range(int(os.environ["N"])):
+    if os.environ["F"] == "1":
+        io._held.clear()
+    ck = store.checkpoint("r@1")
+    t0 = time.perf_counter(); recs = ck.plan_records(topo, 1)
+    t1 = time.perf_counter(); p = make_plan(recs, topo, 1)
+    t2 = time.perf_counter(); c2 = time.process_time(); io.execute(ck, p, infos=recs)
+    t3 = time.perf_counter(); c3 = time.process_time()
+    ck2 = store.checkpoint("r@1")
+    t4 = time.perf_counter(); sh = ck2.load_shard(topo, 1); t5 = time.perf_counter()
+    n = p.num_reads
+    for k, v in (("fetch", t1 - t0), ("plan", t2 - t1), ("exec", t3 - t2), ("exec_cpu", c3 - c2), ("load_shard", t5 - t4)):
+        best[k] = min(best.get(k, 1e9), v / n)
+print(json.dumps(best))
+'''
+tmp = tempfile.mkdtemp()
+mk = r'''
+import sys, os, torch
+sys.path.insert(0, os.environ["T"]); os.environ["UCP_PROGRESS"] = "0"
+import ucp_store
+store = ucp_store.open_store(sys.argv[1], create=True)
+with store.begin("r", 1) as w:
+    for i in range(1000):
+        w.write(f"layers.{i}.w", "fp32", torch.randn(128, 128), pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
+'''
+subprocess.run([py, "-c", mk, tmp + "/s"], check=True, env={**os.environ, "T": HERE})
+res = {}
+rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+for r in range(rounds):
+    for fresh in ("0", "1"):
+        for name, t in trees.items():
+            out = subprocess.run([py, "-c", child], env={"T": t, "F": fresh, "S": tmp + "/s", "N": os.environ.get("N", "8"),
+                                 "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+            if out.returncode:
+                print(out.stderr); sys.exit(1)
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            mode = "first load" if fresh == "1" else "held"
+            for k, v in got.items():
+                res[(name, mode, k)] = min(res.get((name, mode, k), 1e9), v)
+            print(r, name, mode, {k: round(v * 1e6, 1) for k, v in got.items()}, flush=True)
+print(f"\nus per read, best over {rounds} rounds x {os.environ.get('N', '8')} loads ({os.cpu_count()} cores)")
+keys = ["fetch", "plan", "exec", "exec_cpu", "load_shard"]
+print(f"{'':22}" + "".join(f"{k:>11}" for k in keys))
+for mode in ("held", "first load"):
+    for name in trees:
+        print(f"{name + ' ' + mode:22}" + "".join(f"{res[(name, mode, k)] * 1e6:11.1f}" for k in keys))
+    print(f"{'before/after ' + mode:22}" + "".join(f"{res[('before', mode, k)] / res[('after', mode, k)]:11.2f}" for k in keys))
