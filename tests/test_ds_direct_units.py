@@ -19,12 +19,14 @@ def _logical():
     return {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
 
 
-def _write_dp2(store, run, logical, *, tamper=False, open_first=True):
+def _write_dp2(store, run, logical, *, tamper=False, open_first=True, on_flush=None):
     """Both DP ranks' ZeRO-1 fragments through one writer, digested, merged as ds_write merges them."""
     topo = Topology(dp=2, zero_stage=1)
     names = list(SHAPES)
     group = pat.zero_group_layout([logical[n].numel() for n in names], 2, 1)
     w = store.begin(run, 1)
+    if on_flush is not None:
+        on_flush(w)
     # the engine opens every array of a save together before writing (one durable metadata write each)
     if open_first:
         w.open_shards([(n, "fp32", SHAPES[n], torch.float32, None) for n in names], topology=topo)
@@ -105,3 +107,86 @@ def test_tp_and_moe_engines_are_refused_with_the_reason():
     with pytest.raises(ConfigurationError, match=r"MoE engines .*ucp import deepspeed"):
         engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=True))
     assert engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=False))["dp"] == 2
+
+
+def test_step_scalars_keep_their_parameters_pipeline_placement():
+    # the optimizer step of a pipeline parameter is loaded by the stage that owns the parameter: its 0-d array
+    # carries the parameter's placement (no layout), both in `ucp import deepspeed` and in the direct engine
+    from ucp_store.adapters.deepspeed_merge import ParamRecord, with_placement
+
+    states = {"fp32": torch.zeros(4), "step": torch.tensor(3.0)}
+    piped = ParamRecord("2.weight", states, pattern=with_placement(None, {"layer": 2}))
+    assert piped.pattern_for("fp32") == {"kind": "replicated", "placement": {"layer": 2}}
+    assert piped.pattern_for("step") == {"kind": "replicated", "placement": {"layer": 2}}
+    tied = ParamRecord("embed.weight", states, pattern={"kind": "partitioned", "dim": 0, "tp": 2,
+                                                        "placement": {"stages": ["first", "last"]}})
+    assert tied.pattern_for("step") == {"kind": "replicated", "placement": {"stages": ["first", "last"]}}
+    assert ParamRecord("w", states).pattern_for("step") is None  # no pipeline: still no pattern
+    # the planner places it like its parameter: only the stage holding layer 2 loads the step
+    topo = Topology(pp=2, layers=4, zero_stage=1)
+    rec = {"name": "2.weight", "state": "step", "shape": [], "dtype": "float32", "chunk_shape": [],
+           "pattern": piped.pattern_for("step")}
+    loads = {r: [t.name for t in plan([rec], topo, r).tensors] for r in range(topo.world_size)}
+    assert loads == {r: ["2.weight"] if topo.coords(r)["pp"] == topo.stage_of_layer(2) else []
+                     for r in range(topo.world_size)}
+
+
+def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_path, monkeypatch):
+    # the engine's writer skips TensorStore's fsync per file and makes all it wrote durable in one parallel
+    # pass in flush(), before recording rows: every file and folder of the version's arrays is fsynced by then
+    import os
+
+    from ucp_store.catalog import models as m
+
+    store = ucp_store.open_store(str(tmp_path / "store"), create=True)
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    seen_at_rows: list[set] = []
+    from ucp_store import localwrite
+
+    local_files: list[str] = []
+    real_submit = localwrite.submit
+    monkeypatch.setattr(localwrite, "submit", lambda fn, folder, *a: (local_files.append(folder),
+                                                                       real_submit(fn, folder, *a))[1])
+
+    def arm(w):
+        assert w.defer_durability() and w._array_context() is store.unsynced_context
+        real_flush = type(w).flush
+
+        def flush(self=w):
+            self._drain()
+            self._make_durable()
+            if any(isinstance(r, (m.Array, m.Tensor)) for r in self._rows):
+                seen_at_rows.append(set(synced))
+            real_flush(self)
+        w.flush = flush
+
+    ck, _ = _write_dp2(store, "d", _logical(), on_flush=arm)
+    assert seen_at_rows
+    top = os.path.join(store.location.root, "arrays", ck.id)
+    written = {top, os.path.dirname(top)}
+    for folder, _, files in os.walk(top):
+        written.add(folder)
+        written.update(os.path.join(folder, f) for f in files)
+    assert len(written) > 3 * len(SHAPES)  # zarr.json and shard files of every array, and their folders
+    assert written <= seen_at_rows[0]  # durable before the first row that names them
+    assert ck.verify() == []
+    assert local_files  # whole shards went the local write path (and verify read them back above)
+    # open_shards wrote each zarr.json itself: the very bytes TensorStore writes when it creates the array
+    import tensorstore as ts
+
+    jsons = [os.path.join(f, "zarr.json") for f, _, files in os.walk(top) if "zarr.json" in files]
+    assert len(jsons) == len(SHAPES)
+    for path in jsons:
+        raw = open(path, "rb").read()
+        meta = fmt.read_metadata(store.location, os.path.relpath(os.path.dirname(path), store.location.root))
+        layout = fmt.ArrayLayout(meta["data_type"], tuple(meta["shape"]),
+                                 tuple(meta["codecs"][0]["configuration"]["chunk_shape"]),
+                                 tuple(meta["chunk_grid"]["configuration"]["chunk_shape"]), "none")
+        ref = tmp_path / "ref" / os.path.basename(os.path.dirname(path))
+        ts.open(fmt.array_spec(ucp_store.location.Location.parse(str(ref)), "", layout), create=True).result()
+        assert raw == (ref / "zarr.json").read_bytes()
+    # the arrays were written through a context without TensorStore's own fsync per file (the pass replaces it)
+    assert store.unsynced_context.spec.to_json()["file_io_sync"] is False
+    assert store.context.spec.to_json().get("file_io_sync", True) is True

@@ -32,6 +32,15 @@ paid once per job), then the job trains one more step so that no measured save d
 ``torch.save`` never fsyncs while the store commits durably, so the save row also shows DeepSpeed's save
 followed by an fsync of the files it wrote (every rank its own, then a barrier): the durable ceiling.
 
+The blocking save is also measured ``--repeat`` times (default 3) after the round-trip saves, each
+repetition after a new training step, the peers interleaved in a rotating order, best of N and the median
+of the paired ratios printed: DeepSpeed's torch.save engine, the same + fsync of its files, a raw write +
+fsync of the same bytes per rank (the durable ceiling: no serialisation), the ucp engine (durable and
+committed), and the ucp engine in background mode (call + the next optimizer step's wait), plus the ucp
+save's phases (cumulative seconds on rank 0). The loads run ``--load-repeat`` times each, interleaved; each
+reports the launch's peak RSS and the load's own peak (VmHWM reset just before the load, over the RSS then).
+``--save-only`` stops after the save job (the blocking table alone).
+
 Save and load times are measured inside the jobs (around ``save_checkpoint`` / the load call); the
 conversion as a process; peak RSS per process tree for each launch (training included, the same for both).
 
@@ -45,6 +54,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import socket
 import subprocess
 import sys
@@ -188,6 +198,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output-dir", default=None,
                     help="where every run writes (default: --workdir); /dev/shm takes the disk out of the figures")
     ap.add_argument("--repeat", type=int, default=1, help="run every row N times, keep the fastest (shared machines)")
+    ap.add_argument("--load-repeat", type=int, default=3, help="--roundtrip: each load N times, interleaved")
+    ap.add_argument("--save-only", action="store_true",
+                    help="--roundtrip: only the training job's saves (the blocking-save table), no convert or load")
     ap.add_argument("--roundtrip", action="store_true",
                     help="issue 14: save -> (convert) -> load on a new topology, DeepSpeed's files vs the ucp engine")
     args = ap.parse_args(argv)
@@ -285,6 +298,35 @@ def main(argv=None) -> int:
     return 0
 
 
+def _blocking_table(saved: dict) -> dict:
+    """The blocking synchronous save, best of N with the peers interleaved (tools/ds_direct.py _blocking_reps):
+    DeepSpeed's torch.save engine, + fsync of its files, the raw write + fsync ceiling, the ucp engine."""
+    best, reps = saved["blocking_best"], saved["blocking_reps"]
+    rows = [("torch.save engine (not durable)", "torch_save"),
+            ("torch.save engine + fsync of its files", "torch_save_fsync"),
+            ("raw write + fsync, same bytes (ceiling)", "raw_write_fsync"), ("ucp engine (durable, committed)", "ucp")]
+    print(f"blocking save, best of {len(reps['ucp'])} (interleaved, order rotating); seconds, and ucp / row")
+    paired = {k: statistics.median(u / x for u, x in zip(reps["ucp"], reps[k])) for _, k in rows}
+    print(f"  {'':44s} {'best':>7s}  {'ucp/this best':>13s} {'median of paired ucp/this':>26s}   all")
+    for label, k in rows:
+        print(f"  {label:44s} {best[k]:7.3f}  {best['ucp'] / best[k]:13.2f} {paired[k]:26.2f}   "
+              + " ".join(f"{x:.3f}" for x in reps[k]))
+    bg = reps["ucp_background"]
+    bg_paired = statistics.median(b / x for b, x in zip(bg, reps["torch_save"]))
+    print(f"  {'ucp engine, background (call + step wait)':44s} {best['ucp_background']:7.3f}  "
+          f"{'bg/torch.save':>13s} {best['ucp_background'] / best['torch_save']:5.3f} (best)  {bg_paired:5.3f} (paired "
+          "median)   " + " ".join(f"{x:.3f}" for x in bg))
+    phases = min(saved["blocking_ucp_stats"], key=lambda st: st.get("write_s", 1e9))
+    print("  ucp phases of its fastest save (cumulative s): " + ", ".join(
+        f"{k}={v:.3f}" for k, v in phases.items() if k.endswith("_s")))
+    return {"best_s": best, "all_s": reps, "ucp_phases": phases, "paired_median_ratio_ucp_over": paired,
+            "ratio_vs_torch_save": round(best["ucp"] / best["torch_save"], 3),
+            "ratio_vs_torch_save_fsync": round(best["ucp"] / best["torch_save_fsync"], 3),
+            "ratio_vs_raw_ceiling": round(best["ucp"] / best["raw_write_fsync"], 3),
+            "background_ratio_vs_torch_save": round(best["ucp_background"] / best["torch_save"], 3),
+            "background_paired_median_ratio": round(bg_paired, 3)}
+
+
 def roundtrip(args) -> int:
     """Issue 14: the whole round trip both ways, side by side (see the module docstring)."""
     work = Path(args.workdir).resolve()
@@ -304,17 +346,50 @@ def roundtrip(args) -> int:
     # 1 step, a warm-up save through each engine, 1 step, the measured saves of step 2 (files, then the ucp
     # engine), 1 step, the background save of step 3 and one more step right after it
     save_job = {"kind": "save", **model, "steps": 1, "warm": True, "save_dir": str(save_dir), "tag": tag,
-                "store": str(store), "run": "sync", "bg_run": "background", "out": str(work / "save.json")}
+                "store": str(store), "run": "sync", "bg_run": "background", "out": str(work / "save.json"),
+                "repeat": max(1, args.repeat if args.repeat > 1 else 3)}
     m_save = launch([save_job], 2, "train 1 step + three saves (DP=2)")
     saved = json.loads((work / "save.json").read_text())
+    blocking = _blocking_table(saved)
+    if args.save_only:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"model": model, "blocking": blocking, "save": saved}, indent=1))
+        return 0
     m_conv = _measure_once([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                             str(save_dir / tag), "--output_folder", str(save_dir / f"{tag}_universal"),
                             "--inject_missing_state"], "ds_to_universal", dict(_env(), OMP_NUM_THREADS="1"))
-    m_lds = launch([{"kind": "resume_ds", **model, "load_dir": str(save_dir), "tag": f"{tag}_universal", "steps": 1,
-                     "out": str(work / "load_ds.json")}], 1, "load_universal (DP=1)")
-    m_lucp = launch([{"kind": "resume_direct", **model, "store": str(store), "ref": "sync@2", "steps": 1,
-                      "out": str(work / "load_ucp.json")}], 1, "ucp load (DP=1)")
-    lds, lucp = json.loads((work / "load_ds.json").read_text()), json.loads((work / "load_ucp.json").read_text())
+    # the loads, best of N with the two paths interleaved (peak RSS is noisy on a shared machine): the launch's
+    # process-tree peak, and the load's own peak over the RSS it started from (VmHWM reset just before it)
+    loads: dict[str, list] = {"ds": [], "ucp": []}
+    for i in range(max(1, args.load_repeat)):
+        for which in (("ds", "ucp") if i % 2 == 0 else ("ucp", "ds")):
+            if which == "ds":
+                m = launch([{"kind": "resume_ds", **model, "load_dir": str(save_dir), "tag": f"{tag}_universal",
+                             "steps": 1, "out": str(work / "load_ds.json")}], 1, "load_universal (DP=1)")
+                loads["ds"].append((m, json.loads((work / "load_ds.json").read_text())))
+            else:
+                m = launch([{"kind": "resume_direct", **model, "store": str(store), "ref": "sync@2", "steps": 1,
+                             "out": str(work / "load_ucp.json")}], 1, "ucp load (DP=1)")
+                loads["ucp"].append((m, json.loads((work / "load_ucp.json").read_text())))
+
+    def best(which):
+        runs = loads[which]
+        m = dict(min((r[0] for r in runs), key=lambda m_: m_["peak_rss_tree_mb"]))
+        j = dict(min((r[1] for r in runs), key=lambda j_: j_["load_s"]))
+        j["load_peak_extra_mb"] = min(r[1].get("load_peak_extra_mb", float("inf")) for r in runs)
+        j["all_peak_rss_tree_mb"] = [r[0]["peak_rss_tree_mb"] for r in runs]
+        j["all_load_peak_extra_mb"] = [r[1].get("load_peak_extra_mb") for r in runs]
+        j["all_load_s"] = [r[1]["load_s"] for r in runs]
+        return m, j
+
+    (m_lds, lds), (m_lucp, lucp) = best("ds"), best("ucp")
+    print(f"loads, best of {len(loads['ds'])} interleaved: peak RSS of the launch (MB) ds {m_lds['peak_rss_tree_mb']} "
+          f"{lds['all_peak_rss_tree_mb']} | ucp {m_lucp['peak_rss_tree_mb']} {lucp['all_peak_rss_tree_mb']}")
+    print(f"  the load's own peak over its starting RSS (MB): ds {lds['load_peak_extra_mb']} "
+          f"{lds['all_load_peak_extra_mb']} | ucp {lucp['load_peak_extra_mb']} {lucp['all_load_peak_extra_mb']}")
+    print(f"  load seconds: ds {min(lds['all_load_s']):.3f} {lds['all_load_s']} | ucp {min(lucp['all_load_s']):.3f} "
+          f"{lucp['all_load_s']}")
     files_bytes = sum(p.stat().st_size for p in (save_dir / tag).iterdir() if p.is_file())
     today = saved["files_save_s"] + m_conv["wall_s"] + lds["load_s"]
     direct = saved["ucp_save_s"] + lucp["load_s"]
@@ -324,23 +399,34 @@ def roundtrip(args) -> int:
                   "ds_to_universal_s": m_conv["wall_s"],
                   "load_universal_s": lds["load_s"], "round_trip_s": today,
                   "peak_rss_mb": {"save": m_save["peak_rss_tree_mb"], "convert": m_conv["peak_rss_tree_mb"],
-                                  "load": m_lds["peak_rss_tree_mb"]}},
+                                  "load": m_lds["peak_rss_tree_mb"]},
+                  "load_peak_extra_mb": lds["load_peak_extra_mb"], "load_all": {k: lds[k] for k in (
+                      "all_peak_rss_tree_mb", "all_load_peak_extra_mb", "all_load_s")}},
         "direct": {"save_blocked_s": saved["ucp_blocked_s"], "save_s": saved["ucp_save_s"],
                    "background_blocked_s": saved["bg_blocked_s"], "background_save_s": saved["bg_save_s"],
                    "background_call_s": saved["bg_call_s"], "background_step_wait_s": saved["bg_step_wait_s"],
                    "background_next_step_s": saved["bg_next_step_s"], "background_stats": saved.get("bg_stats"),
                    "sync_stats": saved.get("ucp_stats"),
                    "load_s": lucp["load_s"], "round_trip_s": direct,
-                   "peak_rss_mb": {"save": m_save["peak_rss_tree_mb"], "load": m_lucp["peak_rss_tree_mb"]}},
+                   "peak_rss_mb": {"save": m_save["peak_rss_tree_mb"], "load": m_lucp["peak_rss_tree_mb"]},
+                   "load_peak_extra_mb": lucp["load_peak_extra_mb"], "load_all": {k: lucp[k] for k in (
+                       "all_peak_rss_tree_mb", "all_load_peak_extra_mb", "all_load_s")}},
         "next_loss_equal": lds["losses_hex"] == lucp["losses_hex"],
     }
+    res["blocking"] = blocking
     res["round_trip_speedup"] = round(today / direct, 2)
     res["blocked_ratio_sync"] = round(saved["ucp_blocked_s"] / saved["files_save_s"], 3)
     res["blocked_ratio_sync_vs_durable_torch_save"] = round(saved["ucp_blocked_s"] / saved["files_save_fsync_s"], 3)
     res["blocked_ratio_background"] = round(saved["bg_blocked_s"] / saved["files_save_s"], 3)
-    res["goals"] = {"round_trip>=3x": res["round_trip_speedup"] >= 3, "sync_blocked<=torch.save": res["blocked_ratio_sync"] <= 1,
-                    "background_blocked<10%": res["blocked_ratio_background"] < 0.1,
-                    "peak_load<=ds": m_lucp["peak_rss_tree_mb"] <= max(m_lds["peak_rss_tree_mb"], m_conv["peak_rss_tree_mb"])}
+    res["blocked_ratio_background_best_of_n"] = blocking["background_ratio_vs_torch_save"]
+    res["blocked_ratio_sync_best_of_n"] = blocking["ratio_vs_torch_save"]
+    res["blocked_ratio_sync_vs_raw_ceiling_best_of_n"] = blocking["ratio_vs_raw_ceiling"]
+    res["goals"] = {"round_trip>=3x": res["round_trip_speedup"] >= 3,
+                    "sync_blocked<=torch.save": res["blocked_ratio_sync_best_of_n"] <= 1,
+                    "background_blocked<10%": res["blocked_ratio_background_best_of_n"] < 0.1,
+                    "peak_load<=ds": m_lucp["peak_rss_tree_mb"] <= max(m_lds["peak_rss_tree_mb"],
+                                                                       m_conv["peak_rss_tree_mb"]),
+                    "load_own_peak<=ds": lucp["load_peak_extra_mb"] <= lds["load_peak_extra_mb"]}
     print(f"model: {res['parameters'] / 1e6:.1f}M parameters, bf16 ZeRO-2, saved at DP=2, loaded at DP=1; "
           f"files {files_bytes / 1e9:.2f} GB")
     hdr = f"{'step':44s} {'today s':>9s} {'direct s':>9s} {'peak MB today':>14s} {'peak MB direct':>15s}"
@@ -358,7 +444,8 @@ def roundtrip(args) -> int:
     print(f"{'round trip':44s} {today:9.2f} {direct:9.2f}")
     print(f"{'save launch (training + all three saves)':44s} {'':9s} {'':9s} {m_save['peak_rss_tree_mb']:14.1f}")
     for k in ("round_trip_speedup", "blocked_ratio_sync", "blocked_ratio_sync_vs_durable_torch_save",
-              "blocked_ratio_background", "next_loss_equal", "goals"):
+              "blocked_ratio_background", "blocked_ratio_sync_best_of_n", "blocked_ratio_sync_vs_raw_ceiling_best_of_n",
+              "blocked_ratio_background_best_of_n", "next_loss_equal", "goals"):
         print(f"{k}: {res[k]}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

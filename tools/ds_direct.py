@@ -26,6 +26,7 @@ the next optimizer step certainly has to wait for it).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -66,6 +67,125 @@ def param_states(engine) -> dict:
         for st in ("exp_avg", "exp_avg_sq"):
             out[f"{name}.{st}"] = safe_get_full_optimizer_state(p, st).detach().cpu().clone()
     return out
+
+
+def _status_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> float | None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux: clear_refs 5); returns the RSS in MB."""
+    import gc
+
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return None
+    return _status_mb("VmRSS")
+
+
+def _peak_rss_mb() -> float | None:
+    return _status_mb("VmHWM")
+
+
+def _sync_files(paths) -> None:
+    for f in paths:
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) -> int:
+    """The time training is blocked by one synchronous save, ``job['repeat']`` times, each after a new training
+    step (so nothing deduplicates): DeepSpeed's torch.save engine, the same + an fsync of the files it wrote
+    (every rank its own, then a barrier), a raw write + fsync of the same bytes per rank (the durable ceiling:
+    one buffer per file, written and fsynced, no serialisation), and the ucp engine. The order rotates every
+    repetition; the file folders are removed after each one."""
+    import deepspeed.comm as dist
+
+    import ucp_store.deepspeed_direct as ucpds
+
+    reps: dict[str, list[float]] = {"torch_save": [], "torch_save_fsync": [], "raw_write_fsync": [], "ucp": [],
+                                    "ucp_background": []}
+    stats = []
+    stager = None  # the background engine's host buffers: allocated by its first save, reused (attached once)
+    base = os.path.join(job["save_dir"], "reps")
+    for i in range(int(job["repeat"])):
+        ds_train.train_steps(engine, job, steps, 1, dp_rank, dp, micro, gas)
+        steps += 1
+
+        def files(i=i):
+            dist.barrier()
+            t1 = time.perf_counter()
+            engine.save_checkpoint(base, tag=f"rep{i}")
+            saved = time.perf_counter() - t1
+            folder = os.path.join(base, f"rep{i}")
+            mine = [os.path.join(folder, f) for f in sorted(os.listdir(folder))
+                    if f.endswith(".pt") and (f"_rank_{dp_rank}_" in f or (rank == 0 and f.startswith("mp_rank_")))]
+            _sync_files(mine)
+            dist.barrier()
+            reps["torch_save"].append(saved)
+            reps["torch_save_fsync"].append(time.perf_counter() - t1)
+            # the ceiling: the same bytes, already in memory, written once each and fsynced (new files)
+            blobs = []
+            for f in mine:
+                with open(f, "rb") as fh:
+                    blobs.append(fh.read())
+            dist.barrier()
+            t1 = time.perf_counter()
+            for j, b in enumerate(blobs):
+                with open(os.path.join(folder, f"raw_{rank}_{j}"), "wb", buffering=0) as fh:
+                    fh.write(b)
+                    os.fsync(fh.fileno())
+            dist.barrier()
+            reps["raw_write_fsync"].append(time.perf_counter() - t1)
+            del blobs
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(folder)
+
+        def ucp(i=i):
+            ce = ucpds.attach(engine, store=job["store"], run=f"{job['run']}-reps", progress=False,
+                              timeout_s=job.get("timeout_s", 120))
+            dist.barrier()
+            t1 = time.perf_counter()
+            engine.save_checkpoint(tag=f"rep{i}")
+            reps["ucp"].append(time.perf_counter() - t1)
+            stats.append(dict(ce.stats))
+            ucpds.detach(engine)
+
+        def background(i=i, step=steps):
+            # blocked = the save_checkpoint call + what the next optimizer step waited for the staging
+            ce = ucpds.attach(engine, store=job["store"], run=f"{job['run']}-reps-bg", background=True,
+                              progress=False, timeout_s=job.get("timeout_s", 120))
+            nonlocal stager
+            if stager is not None:
+                ce._stager = stager
+            stager = ce._stager
+            dist.barrier()
+            t1 = time.perf_counter()
+            engine.save_checkpoint(tag=f"rep{i}")
+            call = time.perf_counter() - t1
+            ds_train.train_steps(engine, job, step, 1, dp_rank, dp, micro, gas)
+            reps["ucp_background"].append(call + ce.stats.get("step_wait_s", 0.0))
+            ce.wait()
+            ucpds.detach(engine)
+
+        for f in ((files, ucp, background) if i % 2 == 0 else (background, ucp, files)):
+            f()
+    result["blocking_reps"] = reps
+    result["blocking_best"] = {k: min(v) for k, v in reps.items()}
+    result["blocking_ucp_stats"] = stats
+    return steps
 
 
 def run_job(job):
@@ -158,11 +278,14 @@ def run_job(job):
             result["bg_save_s"] = time.perf_counter() - t1
             result["bg_stats"] = dict(ce.stats)
             ucpds.detach(engine)
+        if job.get("repeat"):  # benchmark: the blocking save, best of N, the peers interleaved
+            steps = _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas)
         if "losses" not in result:
             result["losses"] = ds_train.train_steps(engine, job, steps, nxt, dp_rank, dp, micro, gas) if nxt else []
     elif job["kind"] in ("resume_direct", "resume_ds"):
         universal = job["kind"] == "resume_ds"
         engine, dp_rank, dp, micro, gas = ds_train.make_engine(job, universal=universal)
+        rss_before = _reset_peak_rss()
         t1 = time.perf_counter()
         if universal:
             path, client = engine.load_checkpoint(job["load_dir"], tag=job.get("tag"), load_optimizer_states=True,
@@ -172,6 +295,12 @@ def run_job(job):
         else:
             client = ucpds.load(engine, job["ref"], store=job["store"])
         result["load_s"] = time.perf_counter() - t1
+        # the load's own peak: the process's high-water mark, reset just before the load, over its RSS then
+        peak = _peak_rss_mb()
+        if rss_before is not None and peak is not None:
+            result["load_rss_before_mb"], result["load_peak_rss_mb"] = rss_before, peak
+            result["load_peak_extra_mb"] = round(peak - rss_before, 1)
+            result["rss_after_load_mb"] = _status_mb("VmRSS")
         result["client_state"] = {k: v for k, v in (client or {}).items() if isinstance(v, (int, float, str))}
         if job.get("state_prefix"):
             torch.save(optimizer_state(engine), f"{job['state_prefix']}_rank{rank}.pt")
@@ -183,6 +312,7 @@ def run_job(job):
         result["global_steps"] = start
         result["lr"] = [g["lr"] for g in engine.optimizer.param_groups]
         result["losses"] = ds_train.train_steps(engine, job, start, job.get("steps", 2), dp_rank, dp, micro, gas)
+        result["peak_rss_since_load_mb"] = _peak_rss_mb()  # the load and the training steps after it
     else:
         raise SystemExit(f"unknown job kind {job['kind']!r}")
     ds_train.finish_job(result, job, rank, t0)

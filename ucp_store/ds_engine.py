@@ -34,7 +34,18 @@ re-raises its error.
     engine.save_checkpoint()                                   # -> llama@<global_steps>, no files
 
 Scope: tensor parallelism (TP > 1) and MoE are refused with a clear error; ZeRO 1-3, bf16/fp16/fp32,
-the bf16 optimizer and pipeline engines are handled.
+the bf16 optimizer and pipeline engines are handled. TP > 1 stays refused because bit-equality with
+``ucp import deepspeed`` needs three things the engine does not have yet: (1) the importer's rule for a
+TP-replicated parameter (norms, biases of row-parallel layers) is "one copy if every TP rank's replica is
+bit-equal, else their element-wise mean with the ``averaged`` pattern and its max deviation"; no rank can
+apply it from its own share, so the TP ranks would have to exchange every replicated parameter's fp32
+master and moments (tensor collectives over the TP group, or a read-back after writing) before it is
+written; (2) the Megatron-style layouts arrive as ``universal_checkpoint_info`` patterns (``ds_write``
+refuses models carrying them), whose TP slices would go through ``write_shard`` with those patterns;
+(3) ``ds_load.load`` refuses versions saved at TP > 1. ``ucp import deepspeed`` handles TP today.
+
+Durability: the save's writer defers it (``CheckpointWriter.defer_durability``): no fsync per file;
+every rank fsyncs all it wrote in one parallel pass before the ranks agree, and rank 0 commits after.
 """
 
 from __future__ import annotations

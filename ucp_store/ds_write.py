@@ -142,6 +142,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     from .progress import track
 
     t0 = time.time()
+    tp0 = time.perf_counter()  # every phase in ce.stats is seconds since here (cumulative)
     group = ce.group
     multi = group is not None
     world = dist.get_world_size(group) if multi else 1
@@ -225,8 +226,13 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
             "extra": {"zero_stage": zero, "direct": True, "ranks": world, "tag": ce._tag}}
     msg = ce.message or f"DeepSpeed save_checkpoint (tag {ce._tag}) through the ucp engine"
     step = int(meta["step"])
+    stats = ce.stats
+    stats["gather_s"] = time.perf_counter() - tp0
     writer = (distributed_begin(ce.store, ce.run, step, group=group, parent="auto", message=msg, provenance=prov)
               if multi else ce.store.begin(ce.run, step, parent="auto", message=msg, provenance=prov))
+    # no fsync per file: every rank makes all it wrote durable in one parallel pass (flush, before agreeing)
+    writer.defer_durability()
+    stats["begin_s"] = time.perf_counter() - tp0
     metas: dict[str, Any] = {}
     steps: dict[str, str] = {}
     kinds: dict[str, str] = {}
@@ -236,6 +242,17 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     show = ce.progress and rank == 0
 
     pending: list[tuple] = []
+    lp_checks: list[tuple] = []  # (name, flat fp32, start, n, low-precision weight, k): compared after submitting
+
+    def check_lp() -> None:
+        """The importer's lp_weights="auto": a low-precision weight that is not the fp32 master cast down is
+        stored too. Runs while the array writes are in flight."""
+        for name, fp32, start, n, lp, k in lp_checks:
+            mine_fp32 = fp32.narrow(0, start, n).detach().cpu()
+            lp_flat = lp.detach().reshape(-1).narrow(0, k, n).cpu()
+            if not torch.equal(mine_fp32.to(lp_flat.dtype), lp_flat):
+                lp_differs.append(name)
+        lp_checks.clear()
 
     def shard(name, state, local_t, shape, pattern, frag, pos):
         pending.append((name, state, local_t, shape, pattern, frag, pos))
@@ -244,6 +261,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
         """Open every array of this rank's shards at once (``open_shards``), then write them."""
         writer.open_shards([(name, state, shape, t.dtype, pattern) for name, state, t, shape, pattern, _, _ in pending],
                            topology=topo)
+        stats["opened_s"] = time.perf_counter() - tp0
         for name, state, local_t, shape, pattern, frag, pos in pending:
             writer.write_shard(name, state, local_t.detach().cpu(), shape=shape, pattern=pattern, topology=topo,
                                rank=rank, fragment=frag, position=pos, digest=True)
@@ -278,13 +296,10 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 if typ is not None:
                     steps[name] = typ
                     if k == 0:
-                        writer.write(name, "step", step_t.cpu(), pattern=None, position=base + len(flat))
+                        writer.write(name, "step", step_t.cpu(), pattern=pattern, position=base + len(flat))
                 lp = meta["lp"].get(name)
                 if lp is not None:
-                    mine_fp32 = flat["fp32"].narrow(0, start, n).detach().cpu()
-                    lp_flat = lp.detach().reshape(-1).narrow(0, k, n).cpu()
-                    if not torch.equal(mine_fp32.to(lp_flat.dtype), lp_flat):
-                        lp_differs.append(name)
+                    lp_checks.append((name, flat["fp32"], start, n, lp, k))
         else:
             inner = osd["optimizer_state_dict"].get("state", {})
             sg_offsets: dict[tuple[int, str], int] = {}
@@ -318,7 +333,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 if typ is not None:
                     steps[name] = typ
                     if lo == 0:
-                        writer.write(name, "step", step_t.cpu(), pattern=None, position=base + len(flat))
+                        writer.write(name, "step", step_t.cpu(), pattern=pattern, position=base + len(flat))
             # frozen parameters: every rank its partition
             frs = (model_sd or {}).get("frozen_param_fragments") or {}
             for name, info in frozen.items():
@@ -336,6 +351,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                     shard(name, "weight", fr.reshape(-1).narrow(0, 0, hi - lo), info["shape"],
                           _with_placement(None, placement(name)), Fragment(lo, hi, 0, hi - lo), position[name] * 16)
         write_pending()
+        check_lp()
         # whole weights (frozen parameters of ZeRO-1/2, buffers) from DP rank 0 of each stage
         if dp_rank == 0:
             if model_sd is not None and model_sd.get("module") is not None:
@@ -353,13 +369,14 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 writer.write(name, "weight", t.detach().cpu(), pattern=_with_placement(None, placement(name)),
                              position=position.get(name, len(position)) * 16)
 
-    stats = ce.stats
-    t_phase = time.perf_counter()
+    t_phase = tp0
     try:
         phase1()
         stats["submit_s"] = time.perf_counter() - t_phase
-        writer.flush()  # every array write of this rank has returned (durable)
+        writer._drain()  # every array write of this rank has returned
         stats["writes_s"] = time.perf_counter() - t_phase
+        writer._make_durable()  # ... and is durable (one fsync pass); its rows go with finish_shards' (one txn)
+        stats["durable_s"] = time.perf_counter() - t_phase
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
     if multi and not _all_ok(error is None, group):

@@ -21,9 +21,11 @@ through :func:`create_array` / :func:`open_array` and validate settings through
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -170,9 +172,13 @@ def plan_layout(shape: Sequence[int], dtype: str, *, pattern: dict | None = None
 
 # --- TensorStore ------------------------------------------------------------------------------------
 
-def make_context(io_concurrency: int = 32) -> ts.Context:
-    """One context per store: bounded concurrency, no cache (checkpoint reads are read-once)."""
+def make_context(io_concurrency: int = 32, *, sync: bool = True) -> ts.Context:
+    """One context per store: bounded concurrency, no cache (checkpoint reads are read-once).
+
+    ``sync=False``: local files are written without TensorStore's fsync of each file and folder; the writer
+    that asks for it makes them durable itself, in one parallel pass (``CheckpointWriter.defer_durability``)."""
     return ts.Context({
+        "file_io_sync": bool(sync),
         "cache_pool": {"total_bytes_limit": 0},
         "data_copy_concurrency": {"limit": max(1, os.cpu_count() or 1)},
         "file_io_concurrency": {"limit": io_concurrency},
@@ -199,6 +205,38 @@ def create_array(location: Location, rel: str, layout: ArrayLayout, context: ts.
     except ValueError as exc:
         raise _create_failed(exc, location, rel, what) from None
     return created(future, location, rel, what) if wait else future
+
+
+@functools.lru_cache(maxsize=256)
+def zarr_json(layout: ArrayLayout) -> bytes:
+    """The exact zarr.json bytes TensorStore writes for ``layout`` (made once per layout, in memory)."""
+    spec = {"driver": "zarr3", "kvstore": {"driver": "memory", "path": "a/"}, "metadata": layout.metadata()}
+    kv = ts.open(spec, create=True, context=ts.Context()).result().kvstore
+    assert kv is not None  # a zarr3 array opened on a kvstore has one
+    return bytes(kv.read("zarr.json").result().value)
+
+
+def create_local_arrays(location: Location, items: Sequence[tuple[str, ArrayLayout]], context: ts.Context,
+                        ) -> list[ts.TensorStore]:
+    """Create many arrays of a local store at once: each folder and its zarr.json are written directly (the
+    bytes TensorStore writes for the layout, through a temporary file renamed into place, so several ranks
+    creating one array write the same bytes atomically), then opened with ``assume_metadata`` (no I/O).
+    Nothing is fsynced: only for a writer that makes its files durable itself (``defer_durability``)."""
+    if location.kind != "file":
+        raise ValueError("create_local_arrays: a local store only")
+    out = []
+    for rel, layout in items:
+        folder = os.path.join(location.root, rel)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f".zarr.json.{os.getpid()}.{threading.get_ident()}")
+            with open(tmp, "wb") as fh:
+                fh.write(zarr_json(layout))
+            os.replace(tmp, os.path.join(folder, "zarr.json"))
+        except OSError as exc:  # permissions, a full disk
+            raise WriteError(f"creating array {location.display(rel)} failed: {exc}") from None
+        out.append(ts.open(array_spec(location, rel, layout), open=True, assume_metadata=True, context=context))
+    return [f.result() for f in out]
 
 
 def created(future: Any, location: Location, rel: str, what: str = "array") -> ts.TensorStore:

@@ -167,14 +167,18 @@ def _fsync_dir(path: str) -> None:
 
 
 def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...], data: np.ndarray,
-                     offset: tuple[int, ...], digests: dict | None, dirs: set | None = None) -> int:
+                     offset: tuple[int, ...], digests: dict | None, dirs: set | None = None,
+                     durable: bool = True) -> int:
     """Write shard file ``shard`` of the array in ``folder`` from ``data`` (a C-order-indexable box at global
     ``offset`` that covers the shard's part of the array); returns the bytes written.
 
     ``digests``: when given, each inner chunk's ``format.chunk_digest`` goes into it by chunk index.
     The file appears whole (written under a temporary name, fsynced, then renamed). Durable on return,
     its folder fsynced too, unless ``dirs`` is given: then the folders whose entries changed are added
-    to it and the caller fsyncs each once (:func:`sync_dirs`) after all its files, before it relies on them."""
+    to it and the caller fsyncs each once (:func:`sync_dirs`) after all its files, before it relies on them.
+    ``durable=False``: the file is not fsynced either (a writer that defers durability,
+    ``CheckpointWriter.defer_durability``, fsyncs every file and folder it wrote in one pass before any row
+    names them)."""
     chunk, per = layout.chunk_shape, [sh // c for sh, c in zip(layout.shard_shape, layout.chunk_shape)]
     grid = layout.chunk_grid()
     itemsize = data.itemsize
@@ -219,7 +223,8 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
         raw = index.reshape(-1).view(np.uint8)
         crc[0] = _crc(raw)
         _write_all(fd, [raw, crc.view(np.uint8)])
-        os.fdatasync(fd)
+        if durable:
+            os.fdatasync(fd)
     except BaseException:
         os.close(fd)
         try:

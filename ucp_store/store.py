@@ -149,6 +149,16 @@ class Store:
             self._context = make_context()
         return self._context
 
+    @property
+    def unsynced_context(self) -> Any:
+        """The context of a writer that defers durability (``CheckpointWriter.defer_durability``): local files
+        are not fsynced one by one; that writer fsyncs them all at once before it records their rows."""
+        if getattr(self, "_unsynced_context", None) is None:
+            from .format import make_context
+
+            self._unsynced_context = make_context(sync=False)
+        return self._unsynced_context
+
     def _init_settings(self, compression: str | None, chunk_target_bytes: int | None) -> None:
         from .chunking import DEFAULT_TARGET, MAX_TARGET, MIN_TARGET
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ __all__ = ["CheckpointWriter", "layer_of"]
 
 _ROW_BATCH = 512
 _MAX_INFLIGHT_BYTES = 1 << 30
+_SYNC_WORKERS = 16  # concurrent fsyncs of a deferred-durability pass (the journal commits them together)
 #: the most elements one tensor-state may have (256 Ti: 1 PiB of fp32). A larger shape is a bad input
 #: (a corrupt header, a stride-0 view of 2^62 elements), refused before a byte is hashed or allocated.
 MAX_ELEMENTS = 1 << 48
@@ -111,7 +113,10 @@ class CheckpointWriter:
         self._shard_digests: dict[tuple[str, str], dict] = {}
         self._chunk_digests: dict[tuple[str, str], dict] = {}  # set_chunk_digests: every rank's, merged
         self._opened: dict[tuple[str, str], tuple] = {}  # open_shards: (layout, path, array id) before any write
-        self._local_folders: dict[tuple[str, str], str | None] = {}  # write_region: localwrite folder or None
+        # defer_durability: the context arrays are written with, and the array folders not yet made durable
+        self._context: Any = None
+        self._unsynced: set[str] | None = None
+        self._local_folders: dict[tuple[str, str], str | None] = {}  # localwrite folder of an array, or None
         self._local_dirs: set[str] = set()  # folders whose entries localwrite changed: fsynced once in _drain
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
@@ -125,6 +130,63 @@ class CheckpointWriter:
             self.commit()
         else:
             self.close()
+
+    def _array_context(self) -> Any:
+        return self._context if self._context is not None else self.store.context
+
+    def _touch(self, rel: str) -> None:
+        if self._unsynced is not None:
+            self._unsynced.add(rel)
+
+    def defer_durability(self) -> bool:
+        """Local stores: write arrays without an fsync per file and per folder (TensorStore's default); instead
+        :meth:`flush` makes every file and folder this writer wrote durable in one parallel fsync pass, before
+        it records any row (so a row never names data that a crash could lose; commit comes after). Many small
+        files per save (one zarr.json and a few shard files per array) then cost one round of concurrent
+        fsyncs, which the file system's journal commits together, instead of one journal commit each.
+        Returns False (nothing changes) for a bucket, where a completed PUT is durable already."""
+        self._check_open()
+        if self.store.location.kind != "file":
+            return False
+        if self._unsynced is None:
+            self._drain()
+            self._context = self.store.unsynced_context
+            self._unsynced = set()
+        return True
+
+    def _make_durable(self) -> None:
+        """fsync every file and folder under the array folders written since the last pass, and the folders
+        that hold them (the checkpoint's folder, the arrays folder), in parallel."""
+        if not self._unsynced:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        root = self.store.location.root
+        rels, self._unsynced = sorted(self._unsynced), set()
+        paths: list[str] = []
+        for rel in rels:
+            top = os.path.join(root, rel)
+            for folder, _, files in os.walk(top):
+                paths.extend(os.path.join(folder, f) for f in files)
+                paths.append(folder)
+        paths.extend(sorted({os.path.dirname(os.path.join(root, rel).rstrip("/")) for rel in rels}))
+        paths.append(os.path.join(root, os.path.dirname(os.path.dirname(rels[0].rstrip("/")))))
+
+        def sync(path: str) -> None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # another rank's temporary file, renamed meanwhile (that rank syncs it)
+                return
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        try:
+            with ThreadPoolExecutor(_SYNC_WORKERS, thread_name_prefix="ucp-fsync") as pool:
+                list(pool.map(sync, paths))
+        except OSError as exc:
+            raise WriteError(f"making the arrays of checkpoint {self.id} durable failed: {exc}") from None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -172,7 +234,8 @@ class CheckpointWriter:
         layout = self._layout(array.shape, dtype, pattern)
         aid = m.new_id(32)
         rel = array_path(self.id, aid)
-        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, what=what)
+        self._touch(rel)
+        handle = fmt.create_array(self.store.location, rel, layout, self._array_context(), what=what)
         killpoint("write.array_created")
         self._rows.append(m.Array(id=aid, path=rel, dtype=dtype, shape=list(layout.shape),
                                   chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
@@ -306,8 +369,14 @@ class CheckpointWriter:
                 raise ShapeMismatch(f"{what}: rank {rank} fragment has {flat.size} elements, expected {fragment.slot}")
             copies = [(fc.logical, flat[fc.flat.start:fc.flat.stop].reshape(fc.logical.shape)) for fc in
                       pat.fragment_writer_copies(pattern, shape, topology, rank, fragment, name=name)]
+        folder = None if self._unsynced is None else self._local_folder((name, state), rel, layout)
         for box, data in copies:
-            self._window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
+            offset = tuple(lo for lo, _ in box.ranges)
+            if folder is not None and localwrite.whole_shards(layout, offset, tuple(data.shape)):
+                # whole shards of a local store with deferred durability: their files straight from memory
+                self._submit_local_shards(folder, layout, offset, data, None, what)
+            else:
+                self._window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
             written += data.size
             if digest:
                 _digest_chunks_inside(self._shard_digests.setdefault((name, state), {}), layout,
@@ -355,17 +424,11 @@ class CheckpointWriter:
             self.open_regions([(name, state, dtype, shape, pattern, boundaries)])
         handle, layout, rel, aid = self._known_array(key, dtype, shape, f"{what}: box", "boxes")
         if array.size:
-            folder = self._local_folders.get(key, "")
-            if folder == "":
-                folder = self._local_folders[key] = localwrite.local_folder(self.store.location, rel, layout)
+            folder = self._local_folder(key, rel, layout)
             if folder is not None and localwrite.whole_shards(layout, offset, tuple(array.shape)):
                 # this rank owns whole shard files: written here, each chunk copied once (crc, digest, writev)
-                digests = self._region_digests.setdefault(key, {})
-                for shard in localwrite.shard_boxes(layout, offset, tuple(array.shape)):
-                    future = localwrite.submit(localwrite.write_shard_file, folder, layout, shard, array, offset,
-                                               digests, self._local_dirs)
-                    self._window.submit(future, min(array.nbytes, math.prod(layout.shard_shape) * array.itemsize),
-                                        (array, what))
+                self._submit_local_shards(folder, layout, offset, array, self._region_digests.setdefault(key, {}),
+                                          what)
             else:
                 box = tuple(slice(o, o + n) for o, n in zip(offset, array.shape))
                 future = handle[box].write(array) if box else handle.write(array)
@@ -374,6 +437,25 @@ class CheckpointWriter:
         if origin:
             self._origin.add(key)
         return int(array.size)
+
+    def _local_folder(self, key: tuple[str, str], rel: str, layout: fmt.ArrayLayout) -> str | None:
+        folder = self._local_folders.get(key, "")
+        if folder == "":
+            folder = self._local_folders[key] = localwrite.local_folder(self.store.location, rel, layout)
+        return folder
+
+    def _submit_local_shards(self, folder: str, layout: fmt.ArrayLayout, offset: tuple[int, ...], array: np.ndarray,
+                             digests: dict | None, what: str) -> None:
+        """The shard files of a ``localwrite.whole_shards`` box, on the write pool. Durable per file (folders
+        once, in ``_drain``), or, when this writer defers durability, left to ``flush``'s single pass."""
+        deferred = self._unsynced is not None
+        dirs: set[str] = set() if deferred else self._local_dirs
+        shape = tuple(array.shape)
+        for shard in localwrite.shard_boxes(layout, offset, shape):
+            future = localwrite.submit(localwrite.write_shard_file, folder, layout, shard, array, offset, digests,
+                                       dirs, not deferred)
+            self._window.submit(future, min(array.nbytes, math.prod(layout.shard_shape) * array.itemsize),
+                                (array, what))
 
     def open_regions(self, specs: Iterable[tuple]) -> None:
         """Create (or open, when another rank did) the arrays that ``write_region`` boxes will go to, all at
@@ -396,8 +478,9 @@ class CheckpointWriter:
                                      _writer_aligned_shards(layout, points), layout.compression)
             aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
             rel = array_path(self.id, aid)
+            self._touch(rel)
             pending.append((key, aid, rel, layout, pattern,
-                            fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
+                            fmt.create_array(self.store.location, rel, layout, self._array_context(), shared=True,
                                              wait=False)))
         for key, aid, rel, layout, pattern, future in pending:
             self._handles[key] = fmt.created(future, self.store.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
@@ -460,18 +543,29 @@ class CheckpointWriter:
         topology = as_topology(topology)
         targets = list(targets)
         pending = []
+        keys: set[tuple[str, str]] = set()
         for name, state, shape, dtype, pattern in specs:
             key = (name, state)
-            if key in self._sharded or key in self._handles:
+            if key in self._sharded or key in self._handles or key in keys:
                 continue
+            keys.add(key)
             shape = tuple(int(s) for s in shape)
             dt = dtypes.zarr_name(dtype, what=f"tensor {name!r} state {state!r}")
             layout, rel, aid = self._shard_layout(name, state, shape, dt, pattern, topology, targets)
-            pending.append((key, layout, rel, aid,
-                            fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
-                                             wait=False)))
-        for key, layout, rel, aid, future in pending:
-            self._handles[key] = fmt.created(future, self.store.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
+            self._touch(rel)
+            pending.append((key, layout, rel, aid))
+        if self._unsynced is not None:
+            # deferred durability on a local store: every zarr.json written directly (by each rank that writes to
+            # the array: the same bytes, renamed into place), made durable by flush
+            handles = fmt.create_local_arrays(self.store.location, [(rel, layout) for _, layout, rel, _ in pending],
+                                              self._array_context())
+        else:
+            futures = [fmt.create_array(self.store.location, rel, layout, self._array_context(), shared=True,
+                                        wait=False) for _, layout, rel, _ in pending]
+            handles = [fmt.created(f, self.store.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
+                       for f, (key, _, rel, _) in zip(futures, pending)]
+        for (key, layout, rel, aid), handle in zip(pending, handles):
+            self._handles[key] = handle
             self._opened[key] = (layout, rel, aid)
 
     def _sharded_array(self, name, state, shape, dtype, pattern, topology, targets):
@@ -485,7 +579,8 @@ class CheckpointWriter:
                                     f"open_shards {layout.dtype}{list(layout.shape)}")
             return self._handles[key], layout, rel, aid
         layout, rel, aid = self._shard_layout(name, state, shape, dtype, pattern, topology, targets)
-        handle = fmt.create_array(self.store.location, rel, layout, self.store.context, shared=True,
+        self._touch(rel)
+        handle = fmt.create_array(self.store.location, rel, layout, self._array_context(), shared=True,
                                   what=f"tensor {name!r} state {state!r}")
         self._handles[key] = handle
         return handle, layout, rel, aid
@@ -596,8 +691,10 @@ class CheckpointWriter:
                 row.array_id = remap[row.array_id]
 
     def flush(self) -> None:
-        """Wait for in-flight writes, then record their rows under the pending checkpoint."""
+        """Wait for in-flight writes (and, with ``defer_durability``, make them durable), then record their
+        rows under the pending checkpoint."""
         self._drain()
+        self._make_durable()
         if not self._rows:
             return
         killpoint("flush.before_rows")

@@ -157,6 +157,19 @@ def test_direct_save_is_bit_equal_to_import_of_the_files(direct, name):
         if x.content_hash.startswith("xxh3-128:"):
             assert x.content_hash == y.content_hash, key
     assert "xxh3-128-chunks" in schemes
+    # every array the engine wrote carries the zarr.json TensorStore itself would have written (the engine writes
+    # it directly) and opens from it alone
+    from ucp_store import format as fmt
+
+    sa = open_store(str(direct / "store"))
+    for x in ta.values():
+        layout = fmt.ArrayLayout.from_catalog(x.dtype, x.shape, x.chunk_shape, x.shard_shape, x.codecs)
+        assert (direct / "store" / x.array / "zarr.json").read_bytes() == fmt.zarr_json(layout), x.array
+        assert fmt.metadata_mismatch(sa.location, x.array, layout, sa.context) is None
+    if name == "pp2":  # every optimizer step scalar sits on its parameter's pipeline stage, as the parameter does
+        steps = [k for k in ta if k[1] == "step"]
+        assert steps and all(ta[k].pattern is not None and ta[k].pattern == ta[(k[0], "fp32")].pattern
+                             and "placement" in ta[k].pattern for k in steps), [ta[k].pattern for k in steps]
     # those hashes name the stored bytes: verify recomputes every one of them from the arrays
     assert a.verify() == []
     oa, ob = a.objects(), b.objects()

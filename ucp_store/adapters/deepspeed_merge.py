@@ -65,7 +65,8 @@ class ParamRecord:
     def pattern_for(self, state: str) -> dict | None:
         t = self.states.get(state)
         if t is not None and t.dim() == 0:
-            return None  # step: a scalar has no layout
+            # step: a scalar has no layout, but it lives on its parameter's pipeline stage(s)
+            return with_placement(None, (self.pattern or {}).get("placement"))
         return self.state_patterns.get(state, self.pattern)
 
 
