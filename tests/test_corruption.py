@@ -236,7 +236,7 @@ def test_catalog_hash_mismatch_on_the_arrays_row_is_reported(template, tmp_path)
     assert [p["tensor"] for p in problems] == ["y"] and "catalog array row" in problems[0]["error"]
 
 
-def test_read_errors_are_ucp_errors(template, tmp_path):
+def test_read_errors_are_ucp_errors(template, tmp_path, monkeypatch):
     """A zarr.json that is damaged does not matter to reads (the catalog's layout stands in), while a shard
     that is gone stops every read of its chunks with a UcpError, never zeros."""
     root, cid = template
@@ -247,3 +247,7 @@ def test_read_errors_are_ucp_errors(template, tmp_path):
     shard_file_and_range(copy, info, (0, 0))[0].unlink()
     with pytest.raises(UcpError):
         store.checkpoint(cid).read("x", index=(slice(0, 2),))
+    for local in ("1", "0"):  # both read paths say the shard is missing, not that a crc failed
+        monkeypatch.setenv("UCP_LOCAL_READ", local)
+        with pytest.raises(ChecksumError, match=r"chunk \[0, 0\] \(shard file c/0/0\) is missing"):
+            ucp_store.open_store(str(copy)).checkpoint(cid).read("x")

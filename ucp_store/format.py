@@ -303,6 +303,9 @@ _CORRUPT = re.compile(r"checksum|crc|DATA_LOSS|corrupt|Invalid shard index|Error
                       r"Requested byte range|Not enough data|OUT_OF_RANGE|truncated", re.I)
 
 
+_MISSING = re.compile(r"NOT_FOUND|is missing", re.I)
+
+
 def is_corruption(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and bool(_CORRUPT.search(str(exc)))
 
@@ -328,11 +331,12 @@ def read_box(handle: Any, layout: ArrayLayout, box: Box, *, what: str, array_url
         if not is_corruption(exc):
             raise read_failed(what, array_url, exc) from None
         bad = locate_bad_chunks(handle, layout, box) or [((), str(exc)[:200])]
-        first = bad[0][0]
+        first, cause = bad[0]
+        # a missing chunk or shard file is never read as zeros; say it is missing, not that a crc failed
+        failed = "is missing" if _MISSING.search(cause) else "failed its crc32c check"
         raise ChecksumError(
             f"{what}: array {array_url} chunk {list(first)} (shard file {layout.shard_key(first) if first else '?'}) "
-            f"failed its crc32c check; the data is corrupt and was not returned ({len(bad)} bad chunk(s) in the "
-            f"region read)"
+            f"{failed}; the data is corrupt and was not returned ({len(bad)} bad chunk(s) in the region read)"
         ) from None
 
 
