@@ -60,6 +60,8 @@ except (AttributeError, ValueError, OSError):
 RUN_BYTES = 4 << 20        # one preadv covers at most this much (the crc then reads it back from cache)
 PARALLEL_BYTES = 16 << 20  # reads at least this large are split over the pool
 _crc = google_crc32c.value
+_crc_extend = google_crc32c.extend
+_RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 def _threads() -> int:
@@ -348,6 +350,7 @@ class LocalArray:
         self.folder = folder
         self.layout = layout
         self.dtype = dtypes.numpy_dtype(layout.dtype)
+        self.torch_dtype = dtypes.torch_dtype(layout.dtype)
         self.itemsize = self.dtype.itemsize
         shape, chunk = layout.shape, layout.chunk_shape
         self.ndim = len(shape)
@@ -369,6 +372,12 @@ class LocalArray:
         self._row_bytes = self.chunk_bytes // self.chunk_shape[0] if self.ndim else 0
         self._mapped_ok = self.chunk_bytes >= MAP_MIN_CHUNK_BYTES and os.environ.get("UCP_READ_MMAP", "1") != "0"
         self._local_mul = tuple(math.prod(self.per_shard[d + 1:]) for d in range(len(self.per_shard)))
+        # the row fast path's constants (``read_rows``): rows per chunk, chunks per shard along dim 0,
+        # index entries between consecutive chunks of dim 0, and per shard row the (key, path)
+        self._c0 = self.chunk_shape[0] if self.ndim else 1
+        self._per0 = self.per_shard[0] if self.ndim else 1
+        self._step = math.prod(self.per_shard[1:]) if self.ndim else 1
+        self._shard_rows: dict[int, tuple[str, str]] = {}
 
     def __repr__(self) -> str:
         return f"LocalArray({self.folder!r}, shape={list(self.shape)}, chunks={list(self.layout.chunk_shape)})"
@@ -409,8 +418,12 @@ class LocalArray:
         if all((hi - 1) // c == i for (_, hi), c, i in zip(box, chunk, idx)):
             if self._mapped_ok:
                 self._read_single_mapped(idx, box, out)  # a row of a large chunk: crc in place, copy the row
-            else:
-                self._read_single(idx, box, out)  # a small slice: one chunk, fewest steps
+                return
+            if self._slab and out.flags.c_contiguous and box[1:] == self._rest:
+                flat = out.reshape(-1).view(np.uint8)  # whole rows: straight into place, no copy after
+                if self._rows_in_chunk(box[0][0], box[0][1], flat, flat.ctypes.data):
+                    return
+            self._read_single(idx, box, out)  # a small slice: one chunk, fewest steps
             return
         if self._slab and out.flags.c_contiguous and all(b == (0, n) for b, n in zip(box[1:], self.shape[1:])):
             self._read_rows(box[0][0], box[0][1], out)  # whole rows: no per-chunk views, one check per shard
@@ -445,6 +458,87 @@ class LocalArray:
         else:
             for r in runs:
                 self._read_run(*r)
+
+    def read_rows(self, lo: int, hi: int, out: np.ndarray, addr: int | None = None) -> None:
+        """Rows ``[lo, hi)`` (``lo < hi``) of an array whose chunks hold whole rows (``rows_ok``) into
+        C-contiguous ``out`` of this dtype holding their elements in C order, any shape (``addr``: its
+        address, when the caller knows it): the lean entry of small reads (``io``'s plans), with the same
+        checks and errors as ``read_into``."""
+        c0 = self._c0
+        if (hi - 1) // c0 == lo // c0 and not self._mapped_ok:
+            flat = out.view(np.uint8) if out.ndim == 1 else out.reshape(-1).view(np.uint8)
+            if self._rows_in_chunk(lo, hi, flat, flat.ctypes.data if addr is None else addr):
+                return
+        self.read_into(((lo, hi),) + self._rest, out.reshape((hi - lo,) + self.shape[1:]))
+
+    @property
+    def rows_ok(self) -> bool:
+        """Chunks hold whole rows: ``read_rows`` applies to boxes of whole rows."""
+        return self._slab
+
+    def _row_shard(self, s: int) -> tuple[str, str]:
+        names = self._shard_rows.get(s)
+        if names is None:
+            key = f"c/{s}" + "/0" * (self.ndim - 1)
+            names = self._shard_rows[s] = (key, os.path.join(self.folder, *key.split("/")))
+        return names
+
+    def _rows_in_chunk(self, lo: int, hi: int, flat: np.ndarray, addr: int) -> bool:
+        """Rows ``[lo, hi)`` of one chunk straight into ``flat`` (their C-order bytes, at ``addr``) with one
+        ``preadv``: the chunk's bytes before the rows into scratch, the rows into ``flat``, the rest and
+        the stored crc32c into scratch; the crc32c then runs over the three pieces in order. No copy
+        after the read. False (nothing read) when ``flat`` sits at a slow distance from the rows' file
+        offset (``_BAD_DISTANCE``): the caller then takes the scratch path."""
+        c0 = self._c0
+        i = lo // c0
+        s = i // self._per0
+        key, path = self._row_shard(s)
+        local = (i - s * self._per0) * self._step
+        try:
+            fd = os.open(path, _RDONLY)
+        except FileNotFoundError:
+            raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
+                                 "missing (NOT_FOUND)") from None
+        except OSError as exc:
+            raise ValueError(f"reading {path} failed: {exc}") from None
+        try:
+            st = os.fstat(fd)
+            hit = self._indexes.get(key)
+            if hit is None or hit[0] != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                index, _, data_end = self._index(fd, key)
+            else:
+                index, data_end = hit[1], hit[3]
+            off, nb = index[local]
+            expect = self._expect
+            if nb != expect or off + nb > data_end:
+                self._check_entry((i,) + (0,) * (self.ndim - 1), key, off, nb, expect, data_end)
+            a = (lo - i * c0) * self._row_bytes
+            b = a + flat.nbytes
+            if 0 < (addr - off - a) % _PAGE < _BAD_DISTANCE:
+                return False
+            # scratch standing for the whole chunk at distance 0 from its file offset: the bytes before the
+            # rows and those after them (with the crc) land at their own place in it
+            hit = getattr(_scratch, "buf", None)
+            if hit is None or hit[0].nbytes < expect + _PAGE:
+                hit = _scratch_buffer(expect)
+            p = (off - hit[1]) % _PAGE
+            region = hit[0][p:p + expect]
+            post = region[b:]
+            try:
+                iov: list[Any] = [region[:a], flat, post] if a else [flat, post]
+                got = os.preadv(fd, iov, off)
+            except OSError as exc:
+                raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
+        finally:
+            os.close(fd)
+        if got != expect:
+            raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
+                                 "truncated (short read)")
+        crc = _crc_extend(_crc(region[:a]), flat) if a else _crc(flat)
+        if _crc_extend(crc, post[:-4]) != int.from_bytes(post[-4:], "little"):
+            raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: crc32c checksum "
+                                 f"mismatch in shard file {key}")
+        return True
 
     def _read_rows(self, lo: int, hi: int, out: np.ndarray) -> None:
         """Rows ``[lo, hi)`` of an array whose chunks hold whole rows (``chunk_shape[1:] == shape[1:]``) into
