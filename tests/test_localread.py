@@ -705,3 +705,46 @@ def test_rows_in_one_chunk_catch_every_flipped_byte(where, monkeypatch, where_in
     out = np.zeros(96, np.float32)
     local.read_rows(16, 20, out)
     assert taken[-1] is True and out.tobytes() == x.numpy()[16:20].tobytes()  # the other shard still reads
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeypatch, cached):
+    """load_shard reads rows the page cache holds in place at once (``rows_cached``); rows it does not hold
+    go to the pool in small batches. Both give the same tensors (ZeRO-3 fragments and TP row boxes), and a
+    flipped byte is a ChecksumError naming the tensor and chunk either way."""
+    from ucp_store import io
+    from ucp_store import localread as lr
+    from ucp_store.topology import Topology
+
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    g = torch.Generator().manual_seed(31)
+    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(6)}
+    with store.begin("r", 1) as w:
+        for i, (name, t) in enumerate(ws.items()):
+            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
+    results, batches = [], []
+    real_cached, real_batch = lr.LocalArray.rows_cached, io._read_batch
+
+    def cached_spy(self, *a):
+        results.append(real_cached(self, *a) if cached else False)
+        return results[-1]
+
+    monkeypatch.setattr(lr.LocalArray, "rows_cached", cached_spy)
+    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    z3, tp2 = Topology(dp=2, zero_stage=3, layers=6), Topology(tp=2)
+    for topo in (z3, tp2):
+        got = store.checkpoint("r@1").load_shard(topo, 1)
+        for name, t in ws.items():
+            want = t.reshape(-1)[64:] if topo is z3 else t[8:]
+            assert torch.equal(got[(name, "fp32")], want), (topo, name)
+    assert len(results) == 12
+    if cached:
+        assert any(results)  # just written: in the page cache
+    else:
+        assert sum(batches) == 12 and max(batches) <= io._COLD_BATCH_READS
+    bad = store.checkpoint("r@1").info("layers.2.w", "fp32")
+    path = Path(store.location.root) / bad.array / "c" / "0" / "0"
+    flip_byte(path, 16 * 8 * 4 - 3)  # in rows 8..15, which both ranks of both topologies read
+    for topo in (z3, tp2):
+        with pytest.raises(ChecksumError, match=r"layers\.2\.w.*chunk \[0, 0\]"):
+            store.checkpoint("r@1").load_shard(topo, 1)

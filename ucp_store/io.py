@@ -42,6 +42,9 @@ _SMALL_INFLIGHT_BYTES = 64 << 20
 # small local reads go to the pool in batches (one task, one future per batch): a pool task costs tens of
 # microseconds of Python and thread hand-off, more than a small read itself
 _BATCH_READS = 64
+# rows the page cache did not hold (``LocalArray.rows_cached``) go in smaller batches: each waits on the
+# disk, so more of them in flight at once
+_COLD_BATCH_READS = 8
 _BATCH_BYTES = 4 << 20
 # held local readers, per process: (store root, array path, dtype, shape, chunk, shard) -> (codecs, handle,
 # layout); a LocalArray rechecks each shard file's identity on every read, so a held one is never stale
@@ -149,8 +152,24 @@ class _Reader:
 
     def submit_into(self, info: TensorInfo, handle: LocalArray, box, target: np.ndarray, addr: int | None) -> None:
         """A local read straight into ``target`` (a numpy view of the destination in the stored dtype, the
-        box's shape; ``addr``: its address when known): no sink, no torch on the read's path."""
+        box's shape; or with ``addr``, its address, the C-order bytes of a box of whole rows as a 1-d
+        array): no sink, no torch on the read's path. Rows the page cache holds are read here at once
+        (``LocalArray.rows_cached``); the rest go to the small-read pool in batches."""
         nbytes = target.nbytes
+        if addr is not None and nbytes < PARALLEL_BYTES:
+            r = box.ranges[0]
+            try:
+                if handle.rows_cached(r[0], r[1], target, addr):
+                    self.bytes_copied += nbytes
+                    return
+            except ValueError as exc:
+                raise self._failed(info, box, exc) from None
+            # not cached: to the pool, in small batches (parallel preads are what a cold cache needs)
+            self._batch.append((handle, box, target, addr, None, info))
+            self._batch_bytes += nbytes
+            if len(self._batch) >= _COLD_BATCH_READS or self._batch_bytes >= _BATCH_BYTES:
+                self._flush()
+            return
         if nbytes >= PARALLEL_BYTES:
             try:
                 _read_direct(handle, box, target, addr)
@@ -365,11 +384,15 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
     if info is None:
         raise UcpError(f"plan names tensor {tp.name!r} state {tp.state!r}, which checkpoint {reader.checkpoint.id} "
                        "does not hold")
-    target = _target_dtype(dtype, tp.state, tp.dtype)
-    key = (tp.local_name, tp.state)
     handle, _layout = reader.handle(info)
-    # a local array read in its stored dtype goes straight into a numpy view of the destination
-    direct = isinstance(handle, LocalArray) and target == handle.torch_dtype
+    local = isinstance(handle, LocalArray)
+    target = handle.torch_dtype if dtype is None and local else _target_dtype(dtype, tp.state, tp.dtype)
+    key = (tp.local_name, tp.state)
+    # a local array read in its stored dtype goes straight into a numpy view of the destination; boxes of
+    # whole rows as the flat C-order bytes they fill (``LocalArray.read_rows``)
+    direct = local and target == handle.torch_dtype
+    rows = direct and handle.rows_ok
+    rest = handle._rest if rows else None
     if tp.fragment is None:
         dest = torch.zeros(tp.local_shape, dtype=target)
         out.tensors[key] = dest
@@ -377,7 +400,10 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
             view = numpy_view(dest)
             for r in tp.reads:
                 shape = r.box.shape
-                t = view[cast(Box, r.dst).slices()] if view.ndim else view
+                t = view[r.dst.slices()] if view.ndim else view  # type: ignore[union-attr]
+                if rows and r.box.ranges[1:] == rest and shape[0] and t.flags.c_contiguous:
+                    reader.submit_into(info, handle, r.box, t.reshape(-1), t.ctypes.data)
+                    continue
                 if t.shape != shape:
                     if not t.flags.c_contiguous:
                         reader.submit(info, r.box, _box_sink(dest, r.dst))
@@ -401,15 +427,15 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
     if direct:
         flat, addr = reader.view(vkey, owner)
         size = flat.itemsize
-        rows, rest = handle.rows_ok, handle._rest
+        submit_into = reader.submit_into
         for r in tp.reads:
-            a, b = base + cast(int, r.dst.start), base + cast(int, r.dst.stop)
+            d = r.dst
+            a, b = base + d.start, base + d.stop  # type: ignore[operator]
             ranges = r.box.ranges
             if rows and ranges[1:] == rest and ranges[0][0] < ranges[0][1]:
-                # whole rows: the flat range is their C-order bytes (read_rows needs no shape)
-                reader.submit_into(info, handle, r.box, flat[a:b], addr + a * size)
+                submit_into(info, handle, r.box, flat[a:b], addr + a * size)  # the rows' flat bytes
             else:
-                reader.submit_into(info, handle, r.box, flat[a:b].reshape(r.box.shape), None)
+                submit_into(info, handle, r.box, flat[a:b].reshape(r.box.shape), None)
         return
     for r in tp.reads:
         reader.submit(info, r.box, _flat_sink(slot, cast(int, r.dst.start), cast(int, r.dst.stop)))

@@ -41,7 +41,7 @@ import struct
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, overload
 
 import google_crc32c
 import numpy as np
@@ -62,6 +62,11 @@ PARALLEL_BYTES = 16 << 20  # reads at least this large are split over the pool
 _crc = google_crc32c.value
 _crc_extend = google_crc32c.extend
 _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+# preadv2's RWF_NOWAIT (Linux >= 4.14; buffered reads since 5.x): a read that would wait for the disk fails
+# at once with EAGAIN. io reads a small read in place when the page cache holds it and hands only the
+# others to its pool (parallel preads are what a cold cache needs; on a warm one the pool's thread
+# hand-offs cost more than the read). ``UCP_READ_NOWAIT=0``: every small read goes to the pool.
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0) if os.environ.get("UCP_READ_NOWAIT", "1") != "0" else 0
 
 
 def _threads() -> int:
@@ -469,12 +474,21 @@ class LocalArray:
             flat = out.view(np.uint8) if out.ndim == 1 else out.reshape(-1).view(np.uint8)
             if self._rows_in_chunk(lo, hi, flat, flat.ctypes.data if addr is None else addr):
                 return
-        self.read_into(((lo, hi),) + self._rest, out.reshape((hi - lo,) + self.shape[1:]))
+        self.read_into(((lo, hi),) + self._rest, out.reshape(-1).view(self.dtype).reshape((hi - lo,) + self.shape[1:]))
+
+    def rows_cached(self, lo: int, hi: int, flat: np.ndarray, addr: int) -> bool:
+        """``read_rows`` for rows inside one chunk done only if it needs no disk: the index (when not held)
+        and the chunk read with ``RWF_NOWAIT``. False (``flat`` may hold partial data) when it does not
+        apply, the destination sits at a slow distance, or a read would wait: the caller then reads
+        ``flat`` (1-d, the rows' C-order bytes at ``addr``) again elsewhere. Corruption raises as usual."""
+        if _NOWAIT and (hi - 1) // self._c0 == lo // self._c0 and not self._mapped_ok:
+            return self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
+        return False
 
     @property
     def rows_ok(self) -> bool:
         """Chunks hold whole rows: ``read_rows`` applies to boxes of whole rows."""
-        return self._slab
+        return self._slab and self.chunk_bytes > 0
 
     def _row_shard(self, s: int) -> tuple[str, str]:
         names = self._shard_rows.get(s)
@@ -483,12 +497,13 @@ class LocalArray:
             names = self._shard_rows[s] = (key, os.path.join(self.folder, *key.split("/")))
         return names
 
-    def _rows_in_chunk(self, lo: int, hi: int, flat: np.ndarray, addr: int) -> bool:
+    def _rows_in_chunk(self, lo: int, hi: int, flat: np.ndarray, addr: int, flags: int = 0) -> bool:
         """Rows ``[lo, hi)`` of one chunk straight into ``flat`` (their C-order bytes, at ``addr``) with one
         ``preadv``: the chunk's bytes before the rows into scratch, the rows into ``flat``, the rest and
         the stored crc32c into scratch; the crc32c then runs over the three pieces in order. No copy
         after the read. False (nothing read) when ``flat`` sits at a slow distance from the rows' file
-        offset (``_BAD_DISTANCE``): the caller then takes the scratch path."""
+        offset (``_BAD_DISTANCE``): the caller then takes the scratch path. ``flags`` ``RWF_NOWAIT``: also
+        False (``flat`` may hold partial data) when the index or the chunk is not all in the page cache."""
         c0 = self._c0
         i = lo // c0
         s = i // self._per0
@@ -505,7 +520,10 @@ class LocalArray:
             st = os.fstat(fd)
             hit = self._indexes.get(key)
             if hit is None or hit[0] != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
-                index, _, data_end = self._index(fd, key)
+                got_index = self._index(fd, key, flags)
+                if got_index is None:
+                    return False
+                index, _, data_end = got_index
             else:
                 index, data_end = hit[1], hit[3]
             off, nb = index[local]
@@ -526,12 +544,18 @@ class LocalArray:
             post = region[b:]
             try:
                 iov: list[Any] = [region[:a], flat, post] if a else [flat, post]
-                got = os.preadv(fd, iov, off)
+                got = os.preadv(fd, iov, off, flags) if flags else os.preadv(fd, iov, off)
+            except BlockingIOError:
+                if flags:
+                    return False
+                raise ValueError(f"reading shard file {key} of {self.folder} failed: would block") from None
             except OSError as exc:
                 raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
         finally:
             os.close(fd)
         if got != expect:
+            if flags:
+                return False  # partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
                                  "truncated (short read)")
         crc = _crc_extend(_crc(region[:a]), flat) if a else _crc(flat)
@@ -804,30 +828,49 @@ class LocalArray:
             i = j
         return runs
 
-    def _index(self, fd: int, key: str) -> tuple[list, np.ndarray, int]:
+    @overload
+    def _index(self, fd: int, key: str) -> tuple[list, np.ndarray, int]: ...
+    @overload
+    def _index(self, fd: int, key: str, flags: int) -> tuple[list, np.ndarray, int] | None: ...
+
+    def _index(self, fd: int, key: str, flags: int = 0) -> tuple[list, np.ndarray, int] | None:
         """The shard index of ``key`` (open as ``fd``) as ``[(offset, nbytes)]`` per inner chunk in C order
         (and the same as an ``[n, 2]`` uint64 array), and where the chunk data ends; read and crc-checked
-        again whenever the file's identity changed."""
+        again whenever the file's identity changed. ``flags`` ``RWF_NOWAIT``: None when reading it would
+        wait for the disk."""
         st = os.fstat(fd)
         ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = self._indexes.get(key)
         if hit is not None and hit[0] == ident:
             return hit[1], hit[2], hit[3]
-        raw = self._index_raw(fd, st.st_size, key)
+        raw = self._index_raw(fd, st.st_size, key, flags)
+        if raw is None:
+            return None
         entries = np.frombuffer(raw, "<u8", 2 * self.n_index).reshape(-1, 2)
         index = list(map(tuple, entries.tolist()))
         data_end = st.st_size - len(raw)
         self._indexes[key] = (ident, index, entries, data_end)
         return index, entries, data_end
 
-    def _index_raw(self, fd: int, size: int, key: str) -> bytes:
-        """The shard index with its crc32c (checked): ``(offset, nbytes)`` uint64 LE per inner chunk, C order."""
+    def _index_raw(self, fd: int, size: int, key: str, flags: int = 0) -> bytes | None:
+        """The shard index with its crc32c (checked): ``(offset, nbytes)`` uint64 LE per inner chunk, C order
+        (None: ``flags`` has ``RWF_NOWAIT`` and it is not all in the page cache)."""
         n = self.n_index
         want = 16 * n + 4
         if size < want:
             raise LocalReadError(f"shard file {key} of {self.folder} is truncated: {size} bytes, smaller than its "
                                  f"{want}-byte index (Invalid shard index)")
-        raw = os.pread(fd, want, size - want)
+        if flags:
+            buf = bytearray(want)
+            try:
+                got = os.preadv(fd, [buf], size - want, flags)
+            except BlockingIOError:
+                return None
+            if got != want:
+                return None
+            raw = bytes(buf)
+        else:
+            raw = os.pread(fd, want, size - want)
         if len(raw) != want:
             raise LocalReadError(f"shard file {key} of {self.folder}: short read of its index (Invalid shard index)")
         if _crc(np.frombuffer(raw, np.uint8, want - 4)) != int.from_bytes(raw[-4:], "little"):
