@@ -507,7 +507,8 @@ class LocalArray:
         c0 = self._c0
         i = lo // c0
         s = i // self._per0
-        key, path = self._row_shard(s)
+        names = self._shard_rows.get(s)
+        key, path = names if names is not None else self._row_shard(s)
         local = (i - s * self._per0) * self._step
         try:
             fd = os.open(path, _RDONLY)
@@ -542,8 +543,9 @@ class LocalArray:
             p = (off - hit[1]) % _PAGE
             region = hit[0][p:p + expect]
             post = region[b:]
+            pre = region[:a]
             try:
-                iov: list[Any] = [region[:a], flat, post] if a else [flat, post]
+                iov: list[Any] = [pre, flat, post] if a else [flat, post]
                 got = os.preadv(fd, iov, off, flags) if flags else os.preadv(fd, iov, off)
             except BlockingIOError:
                 if flags:
@@ -558,7 +560,7 @@ class LocalArray:
                 return False  # partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
                                  "truncated (short read)")
-        crc = _crc_extend(_crc(region[:a]), flat) if a else _crc(flat)
+        crc = _crc_extend(_crc(pre), flat) if a else _crc(flat)
         if _crc_extend(crc, post[:-4]) != int.from_bytes(post[-4:], "little"):
             raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: crc32c checksum "
                                  f"mismatch in shard file {key}")
