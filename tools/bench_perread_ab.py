@@ -1,13 +1,28 @@
-"""A/B per-read cost of load_shard, two source trees alternated process by process on ONE store (a ZeRO-3
-rank of dp=4 over 1000 arrays of 64 KiB, as bench_planner.per_read_seconds), best of N loads per process;
-also fetch (plan_records) and plan separately, so exec = total - fetch - plan.
+"""A/B per-read cost of load_shard, source trees alternated process by process: a ZeRO-3 rank of dp=4 over
+1000 arrays of 128x128 fp32 (64 KiB each, 16 KiB read per array, as bench_planner.per_read_seconds), best of
+N loads per process; also fetch (plan_records) and plan separately, so exec = total - fetch - plan.
+
+Each tree reads the store its own writer made (the chunk policy is part of a tree), and beside them:
+``after@before-store`` (this tree reading the before tree's store: the read path alone) and, with ``TS=1``,
+``tensorstore`` (the before tree on its own store with ``UCP_LOCAL_READ=0``: every read through
+TensorStore, the path issue 10 measured at 270-470 us per read).
 
     git archive 2d4a9d7 | tar -x -C /tmp/before          # the tree to compare against
-    BEFORE=/tmp/before .venv/bin/python tools/bench_perread_ab.py 3   # rounds (processes per tree)
+    BEFORE=/tmp/before TS=1 .venv/bin/python tools/bench_perread_ab.py 3   # rounds (processes per tree)
 """
-import subprocess, sys, os, json, tempfile
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-trees = {"before": os.environ["BEFORE"], "after": HERE}
+BEFORE = os.environ["BEFORE"]
+# name -> (tree, store built by, UCP_LOCAL_READ)
+runs = {"before": (BEFORE, "before", "1"), "after": (HERE, "after", "1"),
+        "after@before-store": (HERE, "before", "1")}
+if os.environ.get("TS") == "1":
+    runs["tensorstore"] = (BEFORE, "before", "0")
 py = sys.executable
 child = r'''
 import sys, os, time, json
@@ -28,6 +43,8 @@ for i in range(int(os.environ["N"])):
     t1 = time.perf_counter(); p = make_plan(recs, topo, 1)
     t2 = time.perf_counter(); c2 = time.process_time(); io.execute(ck, p, infos=recs)
     t3 = time.perf_counter(); c3 = time.process_time()
+    if os.environ["F"] == "1":
+        io._held.clear()
     ck2 = store.checkpoint("r@1")
     t4 = time.perf_counter(); sh = ck2.load_shard(topo, 1); t5 = time.perf_counter()
     n = p.num_reads
@@ -44,26 +61,34 @@ store = ucp_store.open_store(sys.argv[1], create=True)
 with store.begin("r", 1) as w:
     for i in range(1000):
         w.write(f"layers.{i}.w", "fp32", torch.randn(128, 128), pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
+print(list(store.checkpoint("r@1").info("layers.0.w", "fp32").chunk_shape))
 '''
-subprocess.run([py, "-c", mk, tmp + "/s"], check=True, env={**os.environ, "T": HERE})
+for who, tree in (("before", BEFORE), ("after", HERE)):
+    out = subprocess.run([py, "-c", mk, f"{tmp}/{who}"], check=True, env={**os.environ, "T": tree},
+                         capture_output=True, text=True)
+    print(f"store of {who}: chunk shape {out.stdout.strip()}")
 res = {}
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+keys = ["fetch", "plan", "exec", "exec_cpu", "load_shard"]
 for r in range(rounds):
     for fresh in ("0", "1"):
-        for name, t in trees.items():
-            out = subprocess.run([py, "-c", child], env={"T": t, "F": fresh, "S": tmp + "/s", "N": os.environ.get("N", "8"),
-                                 "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+        for name, (tree, built, local) in runs.items():
+            out = subprocess.run([py, "-c", child], env={"T": tree, "F": fresh, "S": f"{tmp}/{built}",
+                                 "N": os.environ.get("N", "8"), "PATH": "/usr/bin:/bin", "UCP_LOCAL_READ": local},
+                                 capture_output=True, text=True)
             if out.returncode:
-                print(out.stderr); sys.exit(1)
+                print(out.stderr)
+                sys.exit(1)
             got = json.loads(out.stdout.strip().splitlines()[-1])
             mode = "first load" if fresh == "1" else "held"
-            for k, v in got.items():
-                res[(name, mode, k)] = min(res.get((name, mode, k), 1e9), v)
-            print(r, name, mode, {k: round(v * 1e6, 1) for k, v in got.items()}, flush=True)
+            for k in keys:
+                res[(name, mode, k)] = min(res.get((name, mode, k), 1e9), got[k])
+            print(r, name, mode, {k: round(got[k] * 1e6, 1) for k in keys}, flush=True)
 print(f"\nus per read, best over {rounds} rounds x {os.environ.get('N', '8')} loads ({os.cpu_count()} cores)")
-keys = ["fetch", "plan", "exec", "exec_cpu", "load_shard"]
-print(f"{'':22}" + "".join(f"{k:>11}" for k in keys))
+print(f"{'':32}" + "".join(f"{k:>11}" for k in keys))
 for mode in ("held", "first load"):
-    for name in trees:
-        print(f"{name + ' ' + mode:22}" + "".join(f"{res[(name, mode, k)] * 1e6:11.1f}" for k in keys))
-    print(f"{'before/after ' + mode:22}" + "".join(f"{res[('before', mode, k)] / res[('after', mode, k)]:11.2f}" for k in keys))
+    for name in runs:
+        print(f"{name + ' ' + mode:32}" + "".join(f"{res[(name, mode, k)] * 1e6:11.1f}" for k in keys))
+    for ref in [n for n in runs if n != "after"]:
+        print(f"{ref + '/after ' + mode:32}" + "".join(f"{res[(ref, mode, k)] / res[('after', mode, k)]:11.2f}"
+                                                    for k in keys))
