@@ -342,6 +342,40 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
         td[i:i + step].copy_(ts[i:i + step])
 
 
+def _derive(layout: fmt.ArrayLayout, mapped: bool) -> dict[str, Any]:
+    """A LocalArray's constants for one geometry (dtype, shape, chunk and shard shapes)."""
+    g: dict[str, Any] = {}
+    g["dtype"] = dtypes.numpy_dtype(layout.dtype)
+    g["torch_dtype"] = dtypes.torch_dtype(layout.dtype)
+    g["itemsize"] = itemsize = g["dtype"].itemsize
+    shape, chunk = tuple(layout.shape), tuple(layout.chunk_shape)
+    ndim = g["ndim"] = len(shape)
+    if ndim:
+        per_shard = tuple(sh // c for sh, c in zip(layout.shard_shape, chunk))
+        g["n_index"] = math.prod(per_shard)
+    else:
+        per_shard, g["n_index"] = (), 0
+    g["per_shard"] = per_shard
+    chunk_bytes = g["chunk_bytes"] = math.prod(chunk) * itemsize
+    g["shape"], g["chunk_shape"] = shape, chunk
+    g["_expect"] = chunk_bytes + 4
+    # chunks hold whole rows: a box of whole rows maps each whole chunk to one contiguous byte range
+    g["_slab"] = ndim >= 1 and chunk[1:] == shape[1:]
+    g["_rest"] = tuple((0, n) for n in shape[1:])
+    g["_row_bytes"] = chunk_bytes // chunk[0] if ndim else 0
+    g["_mapped_ok"] = chunk_bytes >= MAP_MIN_CHUNK_BYTES and mapped
+    g["_local_mul"] = tuple(math.prod(per_shard[d + 1:]) for d in range(len(per_shard)))
+    # the row fast path's constants (``read_rows``): rows per chunk, chunks per shard along dim 0, index
+    # entries between consecutive chunks of dim 0
+    g["_c0"] = chunk[0] if ndim else 1
+    g["_per0"] = per_shard[0] if ndim else 1
+    g["_step"] = math.prod(per_shard[1:]) if ndim else 1
+    return g
+
+
+_geometry: dict[tuple, dict[str, Any]] = {}
+
+
 class LocalArray:
     """One array of a folder store, read without TensorStore (see the module docstring).
 
@@ -351,38 +385,39 @@ class LocalArray:
     once; an index whose file identity changed is read and checked again. The chunk bytes and their
     crc32c are read and checked on every read."""
 
+    # per geometry (``_derive``), shared by every array of that geometry
+    dtype: np.dtype
+    torch_dtype: torch.dtype
+    itemsize: int
+    ndim: int
+    n_index: int
+    per_shard: tuple[int, ...]
+    chunk_bytes: int
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    _expect: int
+    _slab: bool
+    _rest: tuple[tuple[int, int], ...]
+    _row_bytes: int
+    _mapped_ok: bool
+    _local_mul: tuple[int, ...]
+    _c0: int
+    _per0: int
+    _step: int
+
     def __init__(self, folder: str, layout: fmt.ArrayLayout):
         self.folder = folder
         self.layout = layout
-        self.dtype = dtypes.numpy_dtype(layout.dtype)
-        self.torch_dtype = dtypes.torch_dtype(layout.dtype)
-        self.itemsize = self.dtype.itemsize
-        shape, chunk = layout.shape, layout.chunk_shape
-        self.ndim = len(shape)
-        if self.ndim:
-            self.per_shard = tuple(sh // c for sh, c in zip(layout.shard_shape, chunk))
-            self.n_index = math.prod(self.per_shard)
-        else:
-            self.per_shard, self.n_index = (), 0
-        self.chunk_bytes = math.prod(chunk) * self.itemsize
-        self.shape = tuple(shape)
-        self.chunk_shape = tuple(chunk)
-        self._expect = self.chunk_bytes + 4
-        # chunks hold whole rows: a box of whole rows maps each whole chunk to one contiguous byte range
-        self._slab = self.ndim >= 1 and self.chunk_shape[1:] == self.shape[1:]
+        mapped = os.environ.get("UCP_READ_MMAP", "1") != "0"
+        key = (layout.dtype, layout.shape, layout.chunk_shape, layout.shard_shape, MAP_MIN_CHUNK_BYTES, mapped)
+        geo = _geometry.get(key)
+        if geo is None:  # derived once per geometry: a model's layers share a few
+            geo = _geometry[key] = _derive(layout, mapped)
+        self.__dict__.update(geo)
         # shard key -> (file identity, index as [n_index, 2] uint64, end of the chunk data); see the class doc
         self._indexes: dict[str, tuple] = {}
         self._names: dict[tuple, tuple[str, str]] = {}  # shard grid index -> (key, path)
-        self._rest = tuple((0, n) for n in self.shape[1:])
-        self._row_bytes = self.chunk_bytes // self.chunk_shape[0] if self.ndim else 0
-        self._mapped_ok = self.chunk_bytes >= MAP_MIN_CHUNK_BYTES and os.environ.get("UCP_READ_MMAP", "1") != "0"
-        self._local_mul = tuple(math.prod(self.per_shard[d + 1:]) for d in range(len(self.per_shard)))
-        # the row fast path's constants (``read_rows``): rows per chunk, chunks per shard along dim 0,
-        # index entries between consecutive chunks of dim 0, and per shard row the (key, path)
-        self._c0 = self.chunk_shape[0] if self.ndim else 1
-        self._per0 = self.per_shard[0] if self.ndim else 1
-        self._step = math.prod(self.per_shard[1:]) if self.ndim else 1
-        self._shard_rows: dict[int, tuple[str, str]] = {}
+        self._shard_rows: dict[int, tuple[str, str]] = {}  # shard index along dim 0 -> (key, path)
 
     def __repr__(self) -> str:
         return f"LocalArray({self.folder!r}, shape={list(self.shape)}, chunks={list(self.layout.chunk_shape)})"
@@ -494,7 +529,7 @@ class LocalArray:
         names = self._shard_rows.get(s)
         if names is None:
             key = f"c/{s}" + "/0" * (self.ndim - 1)
-            names = self._shard_rows[s] = (key, os.path.join(self.folder, *key.split("/")))
+            names = self._shard_rows[s] = (key, f"{self.folder}/{key}")  # the key is ours: c/<i>/0...
         return names
 
     def _rows_in_chunk(self, lo: int, hi: int, flat: np.ndarray, addr: int, flags: int = 0) -> bool:
@@ -521,7 +556,7 @@ class LocalArray:
             st = os.fstat(fd)
             hit = self._indexes.get(key)
             if hit is None or hit[0] != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
-                got_index = self._index(fd, key, flags)
+                got_index = self._index(fd, key, flags, st)
                 if got_index is None:
                     return False
                 index, _, data_end = got_index
@@ -833,14 +868,17 @@ class LocalArray:
     @overload
     def _index(self, fd: int, key: str) -> tuple[list, np.ndarray, int]: ...
     @overload
-    def _index(self, fd: int, key: str, flags: int) -> tuple[list, np.ndarray, int] | None: ...
+    def _index(self, fd: int, key: str, flags: int, st: os.stat_result | None = None
+               ) -> tuple[list, np.ndarray, int] | None: ...
 
-    def _index(self, fd: int, key: str, flags: int = 0) -> tuple[list, np.ndarray, int] | None:
+    def _index(self, fd: int, key: str, flags: int = 0, st: os.stat_result | None = None
+               ) -> tuple[list, np.ndarray, int] | None:
         """The shard index of ``key`` (open as ``fd``) as ``[(offset, nbytes)]`` per inner chunk in C order
         (and the same as an ``[n, 2]`` uint64 array), and where the chunk data ends; read and crc-checked
         again whenever the file's identity changed. ``flags`` ``RWF_NOWAIT``: None when reading it would
-        wait for the disk."""
-        st = os.fstat(fd)
+        wait for the disk. ``st``: ``fd``'s ``fstat``, when the caller has it."""
+        if st is None:
+            st = os.fstat(fd)
         ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = self._indexes.get(key)
         if hit is not None and hit[0] == ident:
