@@ -514,7 +514,7 @@ class LocalArray:
     def rows_cached(self, lo: int, hi: int, flat: np.ndarray, addr: int) -> bool:
         """``read_rows`` for rows inside one chunk done only if it needs no disk: the index (when not held)
         and the chunk read with ``RWF_NOWAIT``. False (``flat`` may hold partial data) when it does not
-        apply, the destination sits at a slow distance, or a read would wait: the caller then reads
+        apply or a read would wait: the caller then reads
         ``flat`` (1-d, the rows' C-order bytes at ``addr``) again elsewhere. Corruption raises as usual."""
         if _NOWAIT and (hi - 1) // self._c0 == lo // self._c0 and not self._mapped_ok:
             return self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
@@ -536,9 +536,10 @@ class LocalArray:
         """Rows ``[lo, hi)`` of one chunk straight into ``flat`` (their C-order bytes, at ``addr``) with one
         ``preadv``: the chunk's bytes before the rows into scratch, the rows into ``flat``, the rest and
         the stored crc32c into scratch; the crc32c then runs over the three pieces in order. No copy
-        after the read. False (nothing read) when ``flat`` sits at a slow distance from the rows' file
-        offset (``_BAD_DISTANCE``): the caller then takes the scratch path. ``flags`` ``RWF_NOWAIT``: also
-        False (``flat`` may hold partial data) when the index or the chunk is not all in the page cache."""
+        after the read; when ``flat`` sits at a slow distance from the rows' file offset (``_BAD_DISTANCE``)
+        the chunk goes to scratch half a page off and the rows are copied. True when done; ``flags``
+        ``RWF_NOWAIT``: False (``flat`` may hold partial data) when the index or the chunk is not all in the
+        page cache."""
         c0 = self._c0
         i = lo // c0
         s = i // self._per0
@@ -568,19 +569,20 @@ class LocalArray:
                 self._check_entry((i,) + (0,) * (self.ndim - 1), key, off, nb, expect, data_end)
             a = (lo - i * c0) * self._row_bytes
             b = a + flat.nbytes
-            if 0 < (addr - off - a) % _PAGE < _BAD_DISTANCE:
-                return False
-            # scratch standing for the whole chunk at distance 0 from its file offset: the bytes before the
-            # rows and those after them (with the crc) land at their own place in it
+            # scratch standing for the whole chunk, at distance 0 from its file offset: the bytes before the
+            # rows and those after them (with the crc) land at their own place in it. When ``flat`` sits at a
+            # slow distance from the rows' offset, the whole chunk goes to scratch half a page off instead and
+            # the rows are copied out (both copies then run at about half a page).
+            slow = 0 < (addr - off - a) % _PAGE < _BAD_DISTANCE
             hit = getattr(_scratch, "buf", None)
             if hit is None or hit[0].nbytes < expect + _PAGE:
                 hit = _scratch_buffer(expect)
-            p = (off - hit[1]) % _PAGE
+            p = (off + (_HALF_PAGE if slow else 0) - hit[1]) % _PAGE
             region = hit[0][p:p + expect]
             post = region[b:]
             pre = region[:a]
             try:
-                iov: list[Any] = [pre, flat, post] if a else [flat, post]
+                iov: list[Any] = [region] if slow else [pre, flat, post] if a else [flat, post]
                 got = os.preadv(fd, iov, off, flags) if flags else os.preadv(fd, iov, off)
             except BlockingIOError:
                 if flags:
@@ -595,10 +597,16 @@ class LocalArray:
                 return False  # partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
                                  "truncated (short read)")
-        crc = _crc_extend(_crc(pre), flat) if a else _crc(flat)
-        if _crc_extend(crc, post[:-4]) != int.from_bytes(post[-4:], "little"):
+        if slow:
+            ok = _crc(region[:-4]) == int.from_bytes(region[-4:], "little")
+        else:
+            crc = _crc_extend(_crc(pre), flat) if a else _crc(flat)
+            ok = _crc_extend(crc, post[:-4]) == int.from_bytes(post[-4:], "little")
+        if not ok:
             raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: crc32c checksum "
                                  f"mismatch in shard file {key}")
+        if slow:
+            flat[...] = region[a:b]
         return True
 
     def _read_rows(self, lo: int, hi: int, out: np.ndarray) -> None:
