@@ -12,6 +12,7 @@ TensorStore, the path issue 10 measured at 270-470 us per read).
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -140,3 +141,4 @@ for mode in ("held", "first load"):
     for ref in [n for n in runs if n != "after"]:
         print(f"{ref + '/after ' + mode:32}" + "".join(f"{res[(ref, mode, k)] / res[('after', mode, k)]:11.2f}"
                                                     for k in keys))
+shutil.rmtree(tmp, ignore_errors=True)
