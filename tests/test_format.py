@@ -434,6 +434,17 @@ def test_chunking_invariants(shape, itemsize, target):
     assert unit % c.chunk_shape[0] == 0
 
 
+def test_small_split_arrays_chunk_down_to_the_floor():
+    """A small partitioned array is cut along its split dim down to ``MIN_CHUNK_BYTES`` (16 KiB): a ZeRO-3
+    rank of dp=4 over a 64 KiB [128, 128] fp32 parameter then reads exactly one 16 KiB chunk (was: the
+    whole 64 KiB one); an array at or below the floor stays one chunk."""
+    assert MIN_CHUNK_BYTES == 16 << 10
+    assert choose_chunking((128, 128), 4, pattern={"kind": "partitioned", "dim": 0}).chunk_shape == (32, 128)
+    assert choose_chunking((4096,), 4).chunk_shape == (4096,)  # a 16 KiB bias: one chunk
+    assert choose_chunking((8192,), 4).chunk_shape == (4096,)
+    assert choose_chunking((64, 64), 2).chunk_shape == (64, 64)  # 8 KiB
+
+
 def test_chunking_of_0d_and_empty():
     assert choose_chunking((), 4).chunk_shape == ()
     assert choose_chunking((0, 4), 4).chunk_shape == (1, 4)

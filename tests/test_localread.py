@@ -632,3 +632,119 @@ def test_new_store_records_the_default_chunk_target(tmp_path):
     assert math.prod(small.checkpoint("r@1").info("w", "fp32").chunk_shape) * 4 == MIN_TARGET
     with pytest.raises(ConfigurationError, match="128 KiB to 8 MiB"):
         ucp_store.open_store(str(tmp_path / "c"), create=True, chunk_target_bytes=64 << 10)
+
+
+# --- rows inside one chunk: one preadv straight into place (``read_rows`` / ``_rows_in_chunk``) ---------
+
+ONE_SHAPE, ONE_CHUNK, ONE_PER_SHARD = (24, 3, 8), (8, 3, 8), (2, 1, 1)  # 3 chunks of 8 whole rows, 2 shards
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lo=st.integers(0, 23), n=st.integers(1, 8), shift=st.sampled_from([0, 4, 8, 60, 64, 100, 2048, 4092]),
+       flat=st.booleans())
+def test_rows_in_one_chunk_read_into_place(where, lo, n, shift, flat):
+    """``read_rows`` for rows of one chunk: the rows land straight in the destination (1-d or shaped, at
+    every distance from the file offset, the slow ones through the scratch path) and agree with
+    TensorStore; nothing outside the destination is written."""
+    key = ("rows_one", where[0].root)
+    if key not in _ONE:
+        x = random_bits(ONE_SHAPE, torch.float32, torch.Generator().manual_seed(21))
+        _ONE[key] = (x, *_both(where, *_write(where, x, ONE_CHUNK, ONE_PER_SHARD)))
+    x, local, ts_handle = _ONE[key]
+    hi = min(lo + n, (lo // 8 + 1) * 8)  # inside lo's chunk
+    box = ((lo, hi), (0, 3), (0, 8))
+    want = ts_handle[fmt.box_index(box)].read().result()
+    count = (hi - lo) * 24
+    big = np.zeros(count * 4 + 8192, np.uint8)
+    dest = big[shift:shift + count * 4].view(np.float32)
+    out = dest if flat else dest.reshape(hi - lo, 3, 8)
+    local.read_rows(lo, hi, out)
+    assert dest.tobytes() == want.tobytes()
+    assert not big[:shift].any() and not big[shift + count * 4:].any()
+
+
+_ONE: dict = {}
+
+
+@pytest.mark.parametrize("where_in_chunk", ["before the rows", "in the rows", "after the rows", "crc"])
+def test_rows_in_one_chunk_catch_every_flipped_byte(where, monkeypatch, where_in_chunk):
+    """A flipped byte anywhere in the chunk (the bytes read into scratch before or after the rows, the rows
+    read into place, the stored crc32c) fails the read with TensorStore's ChecksumError naming the chunk;
+    the read went through the one-preadv path (not the scratch fallback)."""
+    import ucp_store.localread as lr
+
+    loc, _ = where
+    x = random_bits(ONE_SHAPE, torch.float32, torch.Generator().manual_seed(22))
+    rel, layout = _write(where, x, ONE_CHUNK, ONE_PER_SHARD)
+    local, ts_handle = _both(where, rel, layout)
+    taken = []
+    real = lr.LocalArray._rows_in_chunk
+
+    def spy(self, *a):
+        taken.append(None)
+        taken[-1] = real(self, *a)  # None left when it raised
+        return taken[-1]
+    monkeypatch.setattr(lr.LocalArray, "_rows_in_chunk", spy)
+    path = _shard_path(loc, rel, (0, 0, 0))
+    raw, start = _index(path, ONE_PER_SHARD[0])
+    off, nb = struct.unpack_from("<QQ", raw, start + 16)  # chunk [1, 0, 0]: rows 8..15
+    row = 3 * 8 * 4
+    flip_byte(path, off + {"before the rows": row, "in the rows": 3 * row + 5, "after the rows": 7 * row + 1,
+                           "crc": nb - 1}[where_in_chunk])
+    url = loc.display(rel)
+    box = ((10, 13), (0, 3), (0, 8))
+    msgs = []
+    for handle in (local, ts_handle):
+        with pytest.raises(ChecksumError) as exc:
+            fmt.read_box(handle, layout, box, what="tensor 'x' state 'fp32'", array_url=url)
+        msgs.append(str(exc.value))
+    assert msgs[0] == msgs[1] and "chunk [1, 0, 0]" in msgs[0]
+    with pytest.raises(lr.LocalReadError, match=r"chunk \[1, 0, 0\].*crc32c"):
+        local.read_rows(10, 13, np.zeros(72, np.float32))
+    assert len(taken) >= 2 and all(t is None for t in taken)  # every local read failed inside the one-preadv path
+    out = np.zeros(96, np.float32)
+    local.read_rows(16, 20, out)
+    assert taken[-1] is True and out.tobytes() == x.numpy()[16:20].tobytes()  # the other shard still reads
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeypatch, cached):
+    """load_shard reads rows the page cache holds in place at once (``rows_cached``); rows it does not hold
+    go to the pool in small batches. Both give the same tensors (ZeRO-3 fragments and TP row boxes), and a
+    flipped byte is a ChecksumError naming the tensor and chunk either way."""
+    from ucp_store import io
+    from ucp_store import localread as lr
+    from ucp_store.topology import Topology
+
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    g = torch.Generator().manual_seed(31)
+    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(6)}
+    with store.begin("r", 1) as w:
+        for i, (name, t) in enumerate(ws.items()):
+            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
+    results, batches = [], []
+    real_cached, real_batch = lr.LocalArray.rows_cached, io._read_batch
+
+    def cached_spy(self, *a):
+        results.append(real_cached(self, *a) if cached else False)
+        return results[-1]
+
+    monkeypatch.setattr(lr.LocalArray, "rows_cached", cached_spy)
+    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    z3, tp2 = Topology(dp=2, zero_stage=3, layers=6), Topology(tp=2)
+    for topo in (z3, tp2):
+        got = store.checkpoint("r@1").load_shard(topo, 1)
+        for name, t in ws.items():
+            want = t.reshape(-1)[64:] if topo is z3 else t[8:]
+            assert torch.equal(got[(name, "fp32")], want), (topo, name)
+    assert len(results) == 12
+    if cached:
+        assert any(results)  # just written: in the page cache
+    else:
+        assert sum(batches) == 12 and max(batches) <= io._COLD_BATCH_READS
+    bad = store.checkpoint("r@1").info("layers.2.w", "fp32")
+    path = Path(store.location.root) / bad.array / "c" / "0" / "0"
+    flip_byte(path, 16 * 8 * 4 - 3)  # in rows 8..15, which both ranks of both topologies read
+    for topo in (z3, tp2):
+        with pytest.raises(ChecksumError, match=r"layers\.2\.w.*chunk \[0, 0\]"):
+            store.checkpoint("r@1").load_shard(topo, 1)

@@ -1,13 +1,30 @@
-"""A/B per-read cost of load_shard, two source trees alternated process by process on ONE store (a ZeRO-3
-rank of dp=4 over 1000 arrays of 64 KiB, as bench_planner.per_read_seconds), best of N loads per process;
-also fetch (plan_records) and plan separately, so exec = total - fetch - plan.
+"""A/B per-read cost of load_shard, source trees alternated process by process: a ZeRO-3 rank of dp=4 over
+1000 arrays of 128x128 fp32 (64 KiB each, 16 KiB read per array, as bench_planner.per_read_seconds), best of
+N loads per process; also fetch (plan_records) and plan separately, so exec = total - fetch - plan.
+
+Each tree reads the store its own writer made (the chunk policy is part of a tree), and beside them:
+``after@before-store`` (this tree reading the before tree's store: the read path alone) and, with ``TS=1``,
+``tensorstore`` (the before tree on its own store with ``UCP_LOCAL_READ=0``: every read through
+TensorStore, the path issue 10 measured at 270-470 us per read).
 
     git archive 2d4a9d7 | tar -x -C /tmp/before          # the tree to compare against
-    BEFORE=/tmp/before .venv/bin/python tools/bench_perread_ab.py 3   # rounds (processes per tree)
+    BEFORE=/tmp/before TS=1 .venv/bin/python tools/bench_perread_ab.py 3   # rounds (processes per tree)
 """
-import subprocess, sys, os, json, tempfile
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-trees = {"before": os.environ["BEFORE"], "after": HERE}
+BEFORE = os.environ["BEFORE"]
+# name -> (tree, store built by, UCP_LOCAL_READ)
+runs = {"before": (BEFORE, "before", "1"), "after": (HERE, "after", "1"),
+        "after@before-store": (HERE, "before", "1"), "raw syscalls, before store": ("raw", "before", "1"),
+        "raw syscalls, after store": ("raw", "after", "1")}
+if os.environ.get("TS") == "1":
+    runs["tensorstore"] = (BEFORE, "before", "0")
 py = sys.executable
 child = r'''
 import sys, os, time, json
@@ -28,12 +45,61 @@ for i in range(int(os.environ["N"])):
     t1 = time.perf_counter(); p = make_plan(recs, topo, 1)
     t2 = time.perf_counter(); c2 = time.process_time(); io.execute(ck, p, infos=recs)
     t3 = time.perf_counter(); c3 = time.process_time()
+    if os.environ["F"] == "1":
+        io._held.clear()
     ck2 = store.checkpoint("r@1")
     t4 = time.perf_counter(); sh = ck2.load_shard(topo, 1); t5 = time.perf_counter()
     n = p.num_reads
     for k, v in (("fetch", t1 - t0), ("plan", t2 - t1), ("exec", t3 - t2), ("exec_cpu", c3 - c2), ("load_shard", t5 - t4)):
         best[k] = min(best.get(k, 1e9), v / n)
 print(json.dumps(best))
+'''
+# The machine's ceiling for the same job, in the same run: per array only the system calls a checked read
+# needs (open, fstat, one preadv of the rows' chunk with the rows into a fresh destination buffer, crc32c
+# over the chunk, close), chunk offsets taken from the shard index beforehand (a held reader's state); no
+# catalog, no plan, no Python beyond the loop.
+raw_child = r'''
+import os, sys, time, json, glob
+import numpy as np, google_crc32c
+S = os.environ["S"]
+files = sorted(glob.glob(S + "/arrays/*/*.zarr"), key=lambda p: p)
+plan = []
+for f in files:
+    meta = json.load(open(f + "/zarr.json"))
+    chunk = meta["codecs"][0]["configuration"]["chunk_shape"][0] if meta["codecs"][0]["name"] == "sharding_indexed" else meta["shape"][0]
+    per = 128 // chunk
+    k = 32 // chunk                      # the chunk holding rows 32..63 (its first one, when chunk < 32)
+    n = max(1, 32 // chunk)              # chunks the 32 rows span
+    raw = open(f + "/c/0/0", "rb").read()
+    idx = np.frombuffer(raw[len(raw) - 16 * per - 4:len(raw) - 4], "<u8").reshape(-1, 2)
+    plan.append((f + "/c/0/0", int(idx[k][0]), chunk, n))
+best = 1e9
+for _ in range(int(os.environ["N"])):
+    out = np.empty(4096 * len(plan), np.float32).view(np.uint8)   # fresh memory, as load_shard's buffer
+    scratch = np.empty(1 << 20, np.uint8)
+    t = time.perf_counter()
+    for j, (path, off, chunk, n) in enumerate(plan):
+        fd = os.open(path, os.O_RDONLY)
+        os.fstat(fd)
+        dst = out[j * 16384:(j + 1) * 16384]
+        cb = chunk * 512
+        if chunk >= 32:                   # rows 32..63 inside one chunk: before, rows, after + crc
+            a = (32 % chunk) * 512
+            pre, post = scratch[:a], scratch[a:a + cb - a - 16384 + 4]
+            os.preadv(fd, [pre, dst, post] if a else [dst, post], off)
+            c = google_crc32c.extend(google_crc32c.value(pre), dst) if a else google_crc32c.value(dst)
+            google_crc32c.extend(c, post[:-4])
+        else:                             # whole chunks: each one's bytes then its crc
+            crcs = scratch[:4 * n]
+            iov = []
+            for i in range(n):
+                iov += [dst[i * cb:(i + 1) * cb], crcs[4 * i:4 * i + 4]]
+            os.preadv(fd, iov, off)
+            for i in range(n):
+                google_crc32c.value(dst[i * cb:(i + 1) * cb])
+        os.close(fd)
+    best = min(best, (time.perf_counter() - t) / len(plan))
+print(json.dumps({"fetch": 0.0, "plan": 0.0, "exec": best, "exec_cpu": best, "load_shard": best}))
 '''
 tmp = tempfile.mkdtemp()
 mk = r'''
@@ -44,26 +110,35 @@ store = ucp_store.open_store(sys.argv[1], create=True)
 with store.begin("r", 1) as w:
     for i in range(1000):
         w.write(f"layers.{i}.w", "fp32", torch.randn(128, 128), pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
+print(list(store.checkpoint("r@1").info("layers.0.w", "fp32").chunk_shape))
 '''
-subprocess.run([py, "-c", mk, tmp + "/s"], check=True, env={**os.environ, "T": HERE})
+for who, tree in (("before", BEFORE), ("after", HERE)):
+    out = subprocess.run([py, "-c", mk, f"{tmp}/{who}"], check=True, env={**os.environ, "T": tree},
+                         capture_output=True, text=True)
+    print(f"store of {who}: chunk shape {out.stdout.strip()}")
 res = {}
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+keys = ["fetch", "plan", "exec", "exec_cpu", "load_shard"]
 for r in range(rounds):
     for fresh in ("0", "1"):
-        for name, t in trees.items():
-            out = subprocess.run([py, "-c", child], env={"T": t, "F": fresh, "S": tmp + "/s", "N": os.environ.get("N", "8"),
-                                 "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+        for name, (tree, built, local) in runs.items():
+            out = subprocess.run([py, "-c", raw_child if tree == "raw" else child], env={"T": tree, "F": fresh, "S": f"{tmp}/{built}",
+                                 "N": os.environ.get("N", "8"), "PATH": "/usr/bin:/bin", "UCP_LOCAL_READ": local},
+                                 capture_output=True, text=True)
             if out.returncode:
-                print(out.stderr); sys.exit(1)
+                print(out.stderr)
+                sys.exit(1)
             got = json.loads(out.stdout.strip().splitlines()[-1])
             mode = "first load" if fresh == "1" else "held"
-            for k, v in got.items():
-                res[(name, mode, k)] = min(res.get((name, mode, k), 1e9), v)
-            print(r, name, mode, {k: round(v * 1e6, 1) for k, v in got.items()}, flush=True)
+            for k in keys:
+                res[(name, mode, k)] = min(res.get((name, mode, k), 1e9), got[k])
+            print(r, name, mode, {k: round(got[k] * 1e6, 1) for k in keys}, flush=True)
 print(f"\nus per read, best over {rounds} rounds x {os.environ.get('N', '8')} loads ({os.cpu_count()} cores)")
-keys = ["fetch", "plan", "exec", "exec_cpu", "load_shard"]
-print(f"{'':22}" + "".join(f"{k:>11}" for k in keys))
+print(f"{'':32}" + "".join(f"{k:>11}" for k in keys))
 for mode in ("held", "first load"):
-    for name in trees:
-        print(f"{name + ' ' + mode:22}" + "".join(f"{res[(name, mode, k)] * 1e6:11.1f}" for k in keys))
-    print(f"{'before/after ' + mode:22}" + "".join(f"{res[('before', mode, k)] / res[('after', mode, k)]:11.2f}" for k in keys))
+    for name in runs:
+        print(f"{name + ' ' + mode:32}" + "".join(f"{res[(name, mode, k)] * 1e6:11.1f}" for k in keys))
+    for ref in [n for n in runs if n != "after"]:
+        print(f"{ref + '/after ' + mode:32}" + "".join(f"{res[(ref, mode, k)] / res[('after', mode, k)]:11.2f}"
+                                                    for k in keys))
+shutil.rmtree(tmp, ignore_errors=True)

@@ -35,7 +35,11 @@ MAX_TARGET = 8 * MIB
 DEFAULT_TARGET = 1 * MIB
 DEFAULT_SHARD_TARGET = 512 * MIB
 MAX_POW2_SPLIT = 64
-MIN_CHUNK_BYTES = 64 << 10  # alignment never cuts chunks below this
+# Alignment never cuts chunks below this. 16 KiB (was 64 KiB): with the local read path a small read
+# costs a few syscalls plus its chunk's bytes, so the floor is what a small fragment pays in amplification;
+# a ZeRO-3 rank of dp=4 over a 64 KiB parameter read a whole 64 KiB chunk for its 16 KiB and now reads one
+# 16 KiB chunk (tools/bench_perread_ab.py). Whole reads of such arrays stay one preadv (chunks adjacent).
+MIN_CHUNK_BYTES = 16 << 10
 VOCAB_ROW_UNIT = 64  # padded vocab splits land on multiples of the padding multiple (64/128 in practice)
 
 

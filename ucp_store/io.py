@@ -28,6 +28,7 @@ from . import dtypes
 from . import format as fmt
 from ._window import FutureWindow, read_failed
 from .errors import ChecksumError, UcpError
+from .geometry import Box
 from .localread import PARALLEL_BYTES, LocalArray, numpy_view, open_reader
 from .planner import Plan, TensorPlan
 from .planner import plan as make_plan
@@ -41,6 +42,9 @@ _SMALL_INFLIGHT_BYTES = 64 << 20
 # small local reads go to the pool in batches (one task, one future per batch): a pool task costs tens of
 # microseconds of Python and thread hand-off, more than a small read itself
 _BATCH_READS = 64
+# rows the page cache did not hold (``LocalArray.rows_cached``) go in smaller batches: each waits on the
+# disk, so more of them in flight at once
+_COLD_BATCH_READS = 8
 _BATCH_BYTES = 4 << 20
 # held local readers, per process: (store root, array path, dtype, shape, chunk, shard) -> (codecs, handle,
 # layout); a LocalArray rechecks each shard file's identity on every read, so a held one is never stale
@@ -96,6 +100,11 @@ class _Reader:
         self._batch: list[tuple] = []  # small local reads not yet handed to the pool
         self._batch_bytes = 0
         self.bytes_copied = 0
+        loc = self.store.location
+        self._local_ok = loc.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0"
+        self._root = loc.root
+        # destination key -> (numpy view, its address, the tensor it views)
+        self._views: dict[Any, tuple[np.ndarray, int, torch.Tensor]] = {}
 
     def handle(self, info: TensorInfo):
         h = self._handles.get(info.array_id)
@@ -107,8 +116,8 @@ class _Reader:
         """The array's reader and layout: a held LocalArray when this process opened it before (same
         geometry and codecs), else ``open_reader``'s choice (a LocalArray it returns is then held)."""
         loc = self.store.location
-        key = (loc.root, info.array, info.dtype, info.shape, info.chunk_shape, info.shard_shape)
-        local_ok = loc.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0"
+        key = (self._root, info.array, info.dtype, info.shape, info.chunk_shape, info.shard_shape)
+        local_ok = self._local_ok
         if local_ok:
             with _held_lock:
                 hit = _held.get(key)
@@ -134,12 +143,52 @@ class _Reader:
                 return
             # a small read: batched with others onto the small-read pool (overlapped with the rest);
             # copied or delivered (sink) in this thread when its batch completes
-            self._batch.append((handle, layout, box, sink, info))
+            self._batch.append((handle, box, None, None, sink, info))
             self._batch_bytes += nbytes
             if len(self._batch) >= _BATCH_READS or self._batch_bytes >= _BATCH_BYTES:
                 self._flush()
             return
         self._remote.submit(handle[box.slices()].read(), nbytes, (sink, info, box, nbytes))
+
+    def submit_into(self, info: TensorInfo, handle: LocalArray, box, target: np.ndarray, addr: int | None) -> None:
+        """A local read straight into ``target`` (a numpy view of the destination in the stored dtype, the
+        box's shape; or with ``addr``, its address, the C-order bytes of a box of whole rows as a 1-d
+        array): no sink, no torch on the read's path. Rows the page cache holds are read here at once
+        (``LocalArray.rows_cached``); the rest go to the small-read pool in batches."""
+        nbytes = target.nbytes
+        if addr is not None and nbytes < PARALLEL_BYTES:
+            r = box.ranges[0]
+            try:
+                if handle.rows_cached(r[0], r[1], target, addr):
+                    self.bytes_copied += nbytes
+                    return
+            except ValueError as exc:
+                raise self._failed(info, box, exc) from None
+            # not cached: to the pool, in small batches (parallel preads are what a cold cache needs)
+            self._batch.append((handle, box, target, addr, None, info))
+            self._batch_bytes += nbytes
+            if len(self._batch) >= _COLD_BATCH_READS or self._batch_bytes >= _BATCH_BYTES:
+                self._flush()
+            return
+        if nbytes >= PARALLEL_BYTES:
+            try:
+                _read_direct(handle, box, target, addr)
+            except ValueError as exc:
+                raise self._failed(info, box, exc) from None
+            self.bytes_copied += nbytes
+            return
+        self._batch.append((handle, box, target, addr, None, info))
+        self._batch_bytes += nbytes
+        if len(self._batch) >= _BATCH_READS or self._batch_bytes >= _BATCH_BYTES:
+            self._flush()
+
+    def view(self, key: Any, tensor: torch.Tensor) -> tuple[np.ndarray, int]:
+        """A numpy view of a destination tensor (host, contiguous) and its address, made once per key."""
+        hit = self._views.get(key)
+        if hit is None or hit[2] is not tensor:
+            arr = numpy_view(tensor)
+            hit = self._views[key] = (arr, arr.ctypes.data, tensor)
+        return hit[0], hit[1]
 
     def _flush(self) -> None:
         if self._batch:
@@ -150,11 +199,11 @@ class _Reader:
     def _complete_batch(self, future: Any, item: tuple[list, int]) -> None:
         batch, nbytes = item
         results, failed = future.result()
-        for (_h, _l, _b, sink, _i), data in zip(batch, results):
+        for read, data in zip(batch, results):
             if data is not None:  # None: the read already filled the destination
-                sink(data)
+                read[4](data)
         if failed is not None:
-            _h, _l, box, _s, info = batch[len(results)]
+            _h, box, _t, _a, _s, info = batch[len(results)]
             raise self._failed(info, box, failed) from None
         self.bytes_copied += nbytes
 
@@ -201,9 +250,13 @@ def _read_batch(batch: list[tuple]) -> tuple[list, ValueError | None]:
     """Small local reads one after another (a pool thread): per read None when it went straight into its
     destination, else its data for the sink; stops at the first failure and returns it."""
     results: list[np.ndarray | None] = []
-    for handle, layout, box, sink, _info in batch:
+    for handle, box, target, addr, sink, _info in batch:
         try:
-            target = _direct_target(sink, layout, box)
+            if target is not None:
+                _read_direct(handle, box, target, addr)
+                results.append(None)
+                continue
+            target = _direct_target(sink, handle.layout, box)
             if target is not None:
                 handle.read_into(box.ranges, target)
                 results.append(None)
@@ -212,6 +265,17 @@ def _read_batch(batch: list[tuple]) -> tuple[list, ValueError | None]:
         except ValueError as exc:
             return results, exc
     return results, None
+
+
+def _read_direct(handle: LocalArray, box, target: np.ndarray, addr: int | None) -> None:
+    """One local read into its numpy destination: ``addr`` given, ``target`` is the C-order bytes of a box
+    of whole rows (any shape) at that address, read through ``read_rows`` (one preadv into place for a box
+    inside one chunk); else ``target`` has the box's shape and goes through ``read_into``."""
+    r = box.ranges
+    if addr is not None:
+        handle.read_rows(r[0][0], r[0][1], target, addr)
+    else:
+        handle.read_into(r, target)
 
 
 def _direct_target(sink, layout, box) -> np.ndarray | None:
@@ -320,21 +384,59 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
     if info is None:
         raise UcpError(f"plan names tensor {tp.name!r} state {tp.state!r}, which checkpoint {reader.checkpoint.id} "
                        "does not hold")
-    target = _target_dtype(dtype, tp.state, tp.dtype)
+    handle, _layout = reader.handle(info)
+    local = isinstance(handle, LocalArray)
+    target = handle.torch_dtype if dtype is None and local else _target_dtype(dtype, tp.state, tp.dtype)
     key = (tp.local_name, tp.state)
+    # a local array read in its stored dtype goes straight into a numpy view of the destination; boxes of
+    # whole rows as the flat C-order bytes they fill (``LocalArray.read_rows``)
+    direct = local and target == handle.torch_dtype
+    rows = direct and handle.rows_ok
+    rest = handle._rest if rows else None
     if tp.fragment is None:
         dest = torch.zeros(tp.local_shape, dtype=target)
         out.tensors[key] = dest
+        if direct:
+            view = numpy_view(dest)
+            for r in tp.reads:
+                shape = r.box.shape
+                t = view[r.dst.slices()] if view.ndim else view  # type: ignore[union-attr]
+                if rows and r.box.ranges[1:] == rest and shape[0] and t.flags.c_contiguous:
+                    reader.submit_into(info, handle, r.box, t.reshape(-1), t.ctypes.data)
+                    continue
+                if t.shape != shape:
+                    if not t.flags.c_contiguous:
+                        reader.submit(info, r.box, _box_sink(dest, r.dst))
+                        continue
+                    t = t.reshape(shape)
+                reader.submit_into(info, handle, r.box, t, None)
+            return
         for r in tp.reads:
             reader.submit(info, r.box, _box_sink(dest, r.dst))
         return
     if tp.buffer is None:  # ZeRO-3 weight: the parameter's own partition
         slot = torch.zeros(tp.fragment.slot, dtype=target)
         out.tensors[key] = slot
+        base, vkey = 0, key
+        owner = slot
     else:
-        buf = out.buffers[tp.buffer]
-        slot = buf[tp.fragment.buffer_start:tp.fragment.buffer_start + tp.fragment.slot]
+        owner = out.buffers[tp.buffer]
+        base, vkey = tp.fragment.buffer_start, tp.buffer  # type: ignore[assignment]
+        slot = owner[base:base + tp.fragment.slot]
         out.views[key] = slot
+    if direct:
+        flat, addr = reader.view(vkey, owner)
+        size = flat.itemsize
+        submit_into = reader.submit_into
+        for r in tp.reads:
+            d = r.dst
+            a, b = base + d.start, base + d.stop  # type: ignore[operator]
+            ranges = r.box.ranges
+            if rows and ranges[1:] == rest and ranges[0][0] < ranges[0][1]:
+                submit_into(info, handle, r.box, flat[a:b], addr + a * size)  # the rows' flat bytes
+            else:
+                submit_into(info, handle, r.box, flat[a:b].reshape(r.box.shape), None)
+        return
     for r in tp.reads:
         reader.submit(info, r.box, _flat_sink(slot, cast(int, r.dst.start), cast(int, r.dst.stop)))
 
@@ -384,8 +486,6 @@ class LazyShardState(ShardState):
 
 def read_tensors(checkpoint, infos: Iterable[TensorInfo]) -> dict[tuple[str, str], torch.Tensor]:
     """Whole tensor-states, read concurrently (the results own the buffers TensorStore filled)."""
-    from .patterns import Box
-
     # every result is kept, so a window on the reads in flight would save no memory; without one
     # TensorStore keeps both cores busy (about 30% faster on 2 GiB here)
     reader = _Reader(checkpoint, window_bytes=None)

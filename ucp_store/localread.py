@@ -41,7 +41,7 @@ import struct
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, overload
 
 import google_crc32c
 import numpy as np
@@ -60,6 +60,13 @@ except (AttributeError, ValueError, OSError):
 RUN_BYTES = 4 << 20        # one preadv covers at most this much (the crc then reads it back from cache)
 PARALLEL_BYTES = 16 << 20  # reads at least this large are split over the pool
 _crc = google_crc32c.value
+_crc_extend = google_crc32c.extend
+_RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+# preadv2's RWF_NOWAIT (Linux >= 4.14; buffered reads since 5.x): a read that would wait for the disk fails
+# at once with EAGAIN. io reads a small read in place when the page cache holds it and hands only the
+# others to its pool (parallel preads are what a cold cache needs; on a warm one the pool's thread
+# hand-offs cost more than the read). ``UCP_READ_NOWAIT=0``: every small read goes to the pool.
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0) if os.environ.get("UCP_READ_NOWAIT", "1") != "0" else 0
 
 
 def _threads() -> int:
@@ -335,6 +342,40 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
         td[i:i + step].copy_(ts[i:i + step])
 
 
+def _derive(layout: fmt.ArrayLayout, mapped: bool) -> dict[str, Any]:
+    """A LocalArray's constants for one geometry (dtype, shape, chunk and shard shapes)."""
+    g: dict[str, Any] = {}
+    g["dtype"] = dtypes.numpy_dtype(layout.dtype)
+    g["torch_dtype"] = dtypes.torch_dtype(layout.dtype)
+    g["itemsize"] = itemsize = g["dtype"].itemsize
+    shape, chunk = tuple(layout.shape), tuple(layout.chunk_shape)
+    ndim = g["ndim"] = len(shape)
+    if ndim:
+        per_shard = tuple(sh // c for sh, c in zip(layout.shard_shape, chunk))
+        g["n_index"] = math.prod(per_shard)
+    else:
+        per_shard, g["n_index"] = (), 0
+    g["per_shard"] = per_shard
+    chunk_bytes = g["chunk_bytes"] = math.prod(chunk) * itemsize
+    g["shape"], g["chunk_shape"] = shape, chunk
+    g["_expect"] = chunk_bytes + 4
+    # chunks hold whole rows: a box of whole rows maps each whole chunk to one contiguous byte range
+    g["_slab"] = ndim >= 1 and chunk[1:] == shape[1:]
+    g["_rest"] = tuple((0, n) for n in shape[1:])
+    g["_row_bytes"] = chunk_bytes // chunk[0] if ndim else 0
+    g["_mapped_ok"] = chunk_bytes >= MAP_MIN_CHUNK_BYTES and mapped
+    g["_local_mul"] = tuple(math.prod(per_shard[d + 1:]) for d in range(len(per_shard)))
+    # the row fast path's constants (``read_rows``): rows per chunk, chunks per shard along dim 0, index
+    # entries between consecutive chunks of dim 0
+    g["_c0"] = chunk[0] if ndim else 1
+    g["_per0"] = per_shard[0] if ndim else 1
+    g["_step"] = math.prod(per_shard[1:]) if ndim else 1
+    return g
+
+
+_geometry: dict[tuple, dict[str, Any]] = {}
+
+
 class LocalArray:
     """One array of a folder store, read without TensorStore (see the module docstring).
 
@@ -344,31 +385,39 @@ class LocalArray:
     once; an index whose file identity changed is read and checked again. The chunk bytes and their
     crc32c are read and checked on every read."""
 
+    # per geometry (``_derive``), shared by every array of that geometry
+    dtype: np.dtype
+    torch_dtype: torch.dtype
+    itemsize: int
+    ndim: int
+    n_index: int
+    per_shard: tuple[int, ...]
+    chunk_bytes: int
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    _expect: int
+    _slab: bool
+    _rest: tuple[tuple[int, int], ...]
+    _row_bytes: int
+    _mapped_ok: bool
+    _local_mul: tuple[int, ...]
+    _c0: int
+    _per0: int
+    _step: int
+
     def __init__(self, folder: str, layout: fmt.ArrayLayout):
         self.folder = folder
         self.layout = layout
-        self.dtype = dtypes.numpy_dtype(layout.dtype)
-        self.itemsize = self.dtype.itemsize
-        shape, chunk = layout.shape, layout.chunk_shape
-        self.ndim = len(shape)
-        if self.ndim:
-            self.per_shard = tuple(sh // c for sh, c in zip(layout.shard_shape, chunk))
-            self.n_index = math.prod(self.per_shard)
-        else:
-            self.per_shard, self.n_index = (), 0
-        self.chunk_bytes = math.prod(chunk) * self.itemsize
-        self.shape = tuple(shape)
-        self.chunk_shape = tuple(chunk)
-        self._expect = self.chunk_bytes + 4
-        # chunks hold whole rows: a box of whole rows maps each whole chunk to one contiguous byte range
-        self._slab = self.ndim >= 1 and self.chunk_shape[1:] == self.shape[1:]
+        mapped = os.environ.get("UCP_READ_MMAP", "1") != "0"
+        key = (layout.dtype, layout.shape, layout.chunk_shape, layout.shard_shape, MAP_MIN_CHUNK_BYTES, mapped)
+        geo = _geometry.get(key)
+        if geo is None:  # derived once per geometry: a model's layers share a few
+            geo = _geometry[key] = _derive(layout, mapped)
+        self.__dict__.update(geo)
         # shard key -> (file identity, index as [n_index, 2] uint64, end of the chunk data); see the class doc
         self._indexes: dict[str, tuple] = {}
         self._names: dict[tuple, tuple[str, str]] = {}  # shard grid index -> (key, path)
-        self._rest = tuple((0, n) for n in self.shape[1:])
-        self._row_bytes = self.chunk_bytes // self.chunk_shape[0] if self.ndim else 0
-        self._mapped_ok = self.chunk_bytes >= MAP_MIN_CHUNK_BYTES and os.environ.get("UCP_READ_MMAP", "1") != "0"
-        self._local_mul = tuple(math.prod(self.per_shard[d + 1:]) for d in range(len(self.per_shard)))
+        self._shard_rows: dict[int, tuple[str, str]] = {}  # shard index along dim 0 -> (key, path)
 
     def __repr__(self) -> str:
         return f"LocalArray({self.folder!r}, shape={list(self.shape)}, chunks={list(self.layout.chunk_shape)})"
@@ -409,8 +458,12 @@ class LocalArray:
         if all((hi - 1) // c == i for (_, hi), c, i in zip(box, chunk, idx)):
             if self._mapped_ok:
                 self._read_single_mapped(idx, box, out)  # a row of a large chunk: crc in place, copy the row
-            else:
-                self._read_single(idx, box, out)  # a small slice: one chunk, fewest steps
+                return
+            if self._slab and out.flags.c_contiguous and box[1:] == self._rest:
+                flat = out.reshape(-1).view(np.uint8)  # whole rows: straight into place, no copy after
+                if self._rows_in_chunk(box[0][0], box[0][1], flat, flat.ctypes.data):
+                    return
+            self._read_single(idx, box, out)  # a small slice: one chunk, fewest steps
             return
         if self._slab and out.flags.c_contiguous and all(b == (0, n) for b, n in zip(box[1:], self.shape[1:])):
             self._read_rows(box[0][0], box[0][1], out)  # whole rows: no per-chunk views, one check per shard
@@ -445,6 +498,116 @@ class LocalArray:
         else:
             for r in runs:
                 self._read_run(*r)
+
+    def read_rows(self, lo: int, hi: int, out: np.ndarray, addr: int | None = None) -> None:
+        """Rows ``[lo, hi)`` (``lo < hi``) of an array whose chunks hold whole rows (``rows_ok``) into
+        C-contiguous ``out`` of this dtype holding their elements in C order, any shape (``addr``: its
+        address, when the caller knows it): the lean entry of small reads (``io``'s plans), with the same
+        checks and errors as ``read_into``."""
+        c0 = self._c0
+        if (hi - 1) // c0 == lo // c0 and not self._mapped_ok:
+            flat = out.view(np.uint8) if out.ndim == 1 else out.reshape(-1).view(np.uint8)
+            if self._rows_in_chunk(lo, hi, flat, flat.ctypes.data if addr is None else addr):
+                return
+        self.read_into(((lo, hi),) + self._rest, out.reshape(-1).view(self.dtype).reshape((hi - lo,) + self.shape[1:]))
+
+    def rows_cached(self, lo: int, hi: int, flat: np.ndarray, addr: int) -> bool:
+        """``read_rows`` for rows inside one chunk done only if it needs no disk: the index (when not held)
+        and the chunk read with ``RWF_NOWAIT``. False (``flat`` may hold partial data) when it does not
+        apply or a read would wait: the caller then reads
+        ``flat`` (1-d, the rows' C-order bytes at ``addr``) again elsewhere. Corruption raises as usual."""
+        if _NOWAIT and (hi - 1) // self._c0 == lo // self._c0 and not self._mapped_ok:
+            return self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
+        return False
+
+    @property
+    def rows_ok(self) -> bool:
+        """Chunks hold whole rows: ``read_rows`` applies to boxes of whole rows."""
+        return self._slab and self.chunk_bytes > 0
+
+    def _row_shard(self, s: int) -> tuple[str, str]:
+        names = self._shard_rows.get(s)
+        if names is None:
+            key = f"c/{s}" + "/0" * (self.ndim - 1)
+            names = self._shard_rows[s] = (key, f"{self.folder}/{key}")  # the key is ours: c/<i>/0...
+        return names
+
+    def _rows_in_chunk(self, lo: int, hi: int, flat: np.ndarray, addr: int, flags: int = 0) -> bool:
+        """Rows ``[lo, hi)`` of one chunk straight into ``flat`` (their C-order bytes, at ``addr``) with one
+        ``preadv``: the chunk's bytes before the rows into scratch, the rows into ``flat``, the rest and
+        the stored crc32c into scratch; the crc32c then runs over the three pieces in order. No copy
+        after the read; when ``flat`` sits at a slow distance from the rows' file offset (``_BAD_DISTANCE``)
+        the chunk goes to scratch half a page off and the rows are copied. True when done; ``flags``
+        ``RWF_NOWAIT``: False (``flat`` may hold partial data) when the index or the chunk is not all in the
+        page cache."""
+        c0 = self._c0
+        i = lo // c0
+        s = i // self._per0
+        names = self._shard_rows.get(s)
+        key, path = names if names is not None else self._row_shard(s)
+        local = (i - s * self._per0) * self._step
+        try:
+            fd = os.open(path, _RDONLY)
+        except FileNotFoundError:
+            raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
+                                 "missing (NOT_FOUND)") from None
+        except OSError as exc:
+            raise ValueError(f"reading {path} failed: {exc}") from None
+        try:
+            st = os.fstat(fd)
+            hit = self._indexes.get(key)
+            if hit is None or hit[0] != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                got_index = self._index(fd, key, flags, st)
+                if got_index is None:
+                    return False
+                index, _, data_end = got_index
+            else:
+                index, data_end = hit[1], hit[3]
+            off, nb = index[local]
+            expect = self._expect
+            if nb != expect or off + nb > data_end:
+                self._check_entry((i,) + (0,) * (self.ndim - 1), key, off, nb, expect, data_end)
+            a = (lo - i * c0) * self._row_bytes
+            b = a + flat.nbytes
+            # scratch standing for the whole chunk, at distance 0 from its file offset: the bytes before the
+            # rows and those after them (with the crc) land at their own place in it. When ``flat`` sits at a
+            # slow distance from the rows' offset, the whole chunk goes to scratch half a page off instead and
+            # the rows are copied out (both copies then run at about half a page).
+            slow = 0 < (addr - off - a) % _PAGE < _BAD_DISTANCE
+            hit = getattr(_scratch, "buf", None)
+            if hit is None or hit[0].nbytes < expect + _PAGE:
+                hit = _scratch_buffer(expect)
+            p = (off + (_HALF_PAGE if slow else 0) - hit[1]) % _PAGE
+            region = hit[0][p:p + expect]
+            post = region[b:]
+            pre = region[:a]
+            try:
+                iov: list[Any] = [region] if slow else [pre, flat, post] if a else [flat, post]
+                got = os.preadv(fd, iov, off, flags) if flags else os.preadv(fd, iov, off)
+            except BlockingIOError:
+                if flags:
+                    return False
+                raise ValueError(f"reading shard file {key} of {self.folder} failed: would block") from None
+            except OSError as exc:
+                raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
+        finally:
+            os.close(fd)
+        if got != expect:
+            if flags:
+                return False  # partly cached (or truncated: the blocking read says which)
+            raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
+                                 "truncated (short read)")
+        if slow:
+            ok = _crc(region[:-4]) == int.from_bytes(region[-4:], "little")
+        else:
+            crc = _crc_extend(_crc(pre), flat) if a else _crc(flat)
+            ok = _crc_extend(crc, post[:-4]) == int.from_bytes(post[-4:], "little")
+        if not ok:
+            raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: crc32c checksum "
+                                 f"mismatch in shard file {key}")
+        if slow:
+            flat[...] = region[a:b]
+        return True
 
     def _read_rows(self, lo: int, hi: int, out: np.ndarray) -> None:
         """Rows ``[lo, hi)`` of an array whose chunks hold whole rows (``chunk_shape[1:] == shape[1:]``) into
@@ -710,30 +873,52 @@ class LocalArray:
             i = j
         return runs
 
-    def _index(self, fd: int, key: str) -> tuple[list, np.ndarray, int]:
+    @overload
+    def _index(self, fd: int, key: str) -> tuple[list, np.ndarray, int]: ...
+    @overload
+    def _index(self, fd: int, key: str, flags: int, st: os.stat_result | None = None
+               ) -> tuple[list, np.ndarray, int] | None: ...
+
+    def _index(self, fd: int, key: str, flags: int = 0, st: os.stat_result | None = None
+               ) -> tuple[list, np.ndarray, int] | None:
         """The shard index of ``key`` (open as ``fd``) as ``[(offset, nbytes)]`` per inner chunk in C order
         (and the same as an ``[n, 2]`` uint64 array), and where the chunk data ends; read and crc-checked
-        again whenever the file's identity changed."""
-        st = os.fstat(fd)
+        again whenever the file's identity changed. ``flags`` ``RWF_NOWAIT``: None when reading it would
+        wait for the disk. ``st``: ``fd``'s ``fstat``, when the caller has it."""
+        if st is None:
+            st = os.fstat(fd)
         ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = self._indexes.get(key)
         if hit is not None and hit[0] == ident:
             return hit[1], hit[2], hit[3]
-        raw = self._index_raw(fd, st.st_size, key)
+        raw = self._index_raw(fd, st.st_size, key, flags)
+        if raw is None:
+            return None
         entries = np.frombuffer(raw, "<u8", 2 * self.n_index).reshape(-1, 2)
         index = list(map(tuple, entries.tolist()))
         data_end = st.st_size - len(raw)
         self._indexes[key] = (ident, index, entries, data_end)
         return index, entries, data_end
 
-    def _index_raw(self, fd: int, size: int, key: str) -> bytes:
-        """The shard index with its crc32c (checked): ``(offset, nbytes)`` uint64 LE per inner chunk, C order."""
+    def _index_raw(self, fd: int, size: int, key: str, flags: int = 0) -> bytes | None:
+        """The shard index with its crc32c (checked): ``(offset, nbytes)`` uint64 LE per inner chunk, C order
+        (None: ``flags`` has ``RWF_NOWAIT`` and it is not all in the page cache)."""
         n = self.n_index
         want = 16 * n + 4
         if size < want:
             raise LocalReadError(f"shard file {key} of {self.folder} is truncated: {size} bytes, smaller than its "
                                  f"{want}-byte index (Invalid shard index)")
-        raw = os.pread(fd, want, size - want)
+        if flags:
+            buf = bytearray(want)
+            try:
+                got = os.preadv(fd, [buf], size - want, flags)
+            except BlockingIOError:
+                return None
+            if got != want:
+                return None
+            raw = bytes(buf)
+        else:
+            raw = os.pread(fd, want, size - want)
         if len(raw) != want:
             raise LocalReadError(f"shard file {key} of {self.folder}: short read of its index (Invalid shard index)")
         if _crc(np.frombuffer(raw, np.uint8, want - 4)) != int.from_bytes(raw[-4:], "little"):
