@@ -138,7 +138,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     """Write this rank's share of one ``save_checkpoint`` and commit it with the other ranks; returns the id."""
     import torch.distributed as dist
 
-    from .distributed import _all_ok, distributed_begin, distributed_commit
+    from .distributed import distributed_begin, distributed_commit
     from .progress import track
 
     t0 = time.time()
@@ -379,21 +379,27 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
         stats["durable_s"] = time.perf_counter() - t_phase
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
-    if multi and not _all_ok(error is None, group):
-        writer.abort()
-        raise UcpError(f"save of {ce.run}@{step} failed on some rank; aborted (nothing listed)") from error
-    if error is not None:
+    if error is not None and not multi:
         writer.abort()
         raise error
     # ---------------------------------------------------------------- phase 2: agree, weights, objects
+    # one all_gather both agrees that every rank's writes returned and are durable (the barrier the origin
+    # ranks' hashing needs) and brings every rank's metadata and chunk digests
     per_file = {}
     if model_sd is not None and model_name is not None:  # _classify sets both or neither
         per_file[model_name] = _file_record(model_sd, model_name, [])
     info = {"metas": metas, "steps": steps, "kinds": kinds, "lp_differs": lp_differs, "files": per_file,
-            "rng": meta["rng"], "rank": rank, "digests": writer.shard_digests()}
+            "rng": meta["rng"], "rank": rank, "digests": writer.shard_digests(),
+            "error": None if error is None else f"{type(error).__name__}: {error}"}
     gathered: list[Any] = [None] * world
     if multi:
         dist.all_gather_object(gathered, info, group=group)
+        failed = [(g_["rank"], g_["error"]) for g_ in gathered if g_["error"] is not None]
+        if failed:
+            writer.abort()
+            raise UcpError(f"save of {ce.run}@{step} failed on some rank ("
+                           + "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+                           + "); aborted (nothing listed)") from error
     else:
         gathered = [info]
     differs = sorted({n for g_ in gathered for n in g_["lp_differs"]})
@@ -443,9 +449,6 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                 writer.write_object(k, v)
     except BaseException as exc:  # noqa: BLE001
         error = exc
-    if multi and not _all_ok(error is None, group):
-        writer.abort()
-        raise UcpError(f"save of {ce.run}@{step} failed while writing weights/objects; aborted") from error
     stats["objects_s"] = time.perf_counter() - t_phase
     if not multi:
         if error is not None:
@@ -453,6 +456,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
             raise error
         cid = writer.commit().id
     else:
-        cid = distributed_commit(writer, group=group)
+        # every rank's rows and outcome to rank 0 (one gather), one transaction, one broadcast of the outcome
+        cid = distributed_commit(writer, group=group, error=error, synced=True)
     stats["commit_s"] = time.perf_counter() - t_phase
     return cid

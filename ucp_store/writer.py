@@ -97,7 +97,7 @@ class CheckpointWriter:
         self._local_arrays: dict[str, str] = {}  # content hash -> array id written by this writer
         self._position = 0
         self._closed = False
-        self.checkpoint = None
+        self.checkpoint: Any = None
         self.nbytes = 0
         self._sharded: dict[tuple[str, str], tuple] = {}  # (name, state) -> (array id, path, layout, pattern)
         self._handles: dict[tuple[str, str], Any] = {}
@@ -605,8 +605,9 @@ class CheckpointWriter:
         aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
         return layout, array_path(self.id, aid), aid
 
-    def finish_shards(self) -> None:
-        """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of."""
+    def finish_shards(self, *, record: bool = True) -> None:
+        """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of.
+        ``record=False``: their rows stay with the writer (for :meth:`commit` or :meth:`export_rows`)."""
         self._drain()
         for key in sorted(self._origin):
             aid, rel, layout, pattern = self._sharded[key]
@@ -637,7 +638,8 @@ class CheckpointWriter:
                                        else self._next_position(),
                                        layer=layer_of(pattern)))
         self._origin.clear()
-        self.flush()
+        if record:
+            self.flush()
 
     def _tree_hash(self, key, handle, layout: fmt.ArrayLayout, rel: str) -> str:
         """The chunk-tree hash of a sharded array from the merged digests; chunks that no single write
@@ -693,36 +695,61 @@ class CheckpointWriter:
     def flush(self) -> None:
         """Wait for in-flight writes (and, with ``defer_durability``, make them durable), then record their
         rows under the pending checkpoint."""
-        self._drain()
-        self._make_durable()
+        self._settle()
         if not self._rows:
             return
-        killpoint("flush.before_rows")
-        self._restore_borrowed()
-        self._drain()
         rows, self._rows = self._rows, []
+        with self.store.catalog.write_session() as s:
+            self._insert_rows(s, rows, "the save is lost")
         self._borrowed.clear()  # from here the flushed rows reference them: no sweep takes them
+        killpoint("flush.after_rows")
+
+    def _settle(self) -> None:
+        """Every write of this writer has returned and is durable, and every committed array its rows
+        deduplicated against still exists (one swept meanwhile is written again from the data in hand)."""
+        self._drain()
+        self._make_durable()
+        if self._rows and self._borrowed:
+            self._restore_borrowed()
+            self._drain()
+            self._make_durable()  # the arrays written again are durable before a row names them
+
+    def _insert_rows(self, s, rows: list, lost: str) -> None:
+        """Insert ``rows`` in session ``s`` (one transaction), after checking the checkpoint is still pending and
+        that the committed arrays they deduplicated against still exist."""
+        killpoint("flush.before_rows")
+        ck = s.get(m.Checkpoint, self.id)
+        if ck is None or ck.status != "pending":
+            raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); {lost}")
         arrays = [r for r in rows if isinstance(r, m.Array)]
         others = [r for r in rows if not isinstance(r, m.Array)]
-        with self.store.catalog.write_session() as s:
-            ck = s.get(m.Checkpoint, self.id)
-            if ck is None or ck.status != "pending":
-                raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); the save is lost")
-            s.add_all(arrays)
-            s.flush()
-            killpoint("flush.mid_rows")
-            # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
-            new_ids = {a.id for a in arrays}
-            wanted = {r.array_id for r in others if getattr(r, "array_id", None)} - new_ids
-            if wanted:
-                found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(wanted))))
-                if wanted - found:
-                    gone = ", ".join(sorted(wanted - found))[:200]
-                    raise CommitRaceError(f"checkpoint {self.id}: array(s) {gone} this "
-                                   "save deduplicated against were removed by a concurrent rm/gc; the save is "
-                                   "aborted, retry it")
-            s.add_all(others)
-        killpoint("flush.after_rows")
+        s.add_all(arrays)
+        s.flush()
+        killpoint("flush.mid_rows")
+        # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
+        new_ids = {a.id for a in arrays}
+        wanted = {r.array_id for r in others if getattr(r, "array_id", None)} - new_ids
+        if wanted:
+            found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(wanted))))
+            if wanted - found:
+                gone = ", ".join(sorted(wanted - found))[:200]
+                raise CommitRaceError(f"checkpoint {self.id}: array(s) {gone} this "
+                                      "save deduplicated against were removed by a concurrent rm/gc; the save is "
+                                      "aborted, retry it")
+        s.add_all(others)
+
+    def export_rows(self) -> list[dict]:
+        """For a joined writer of a distributed save (after every rank's writes returned: a barrier first):
+        hash the arrays this rank is origin of, make everything it wrote durable, and hand its rows over as
+        plain dicts for the owner's :meth:`commit` (``extra_rows``), which records them in its one
+        transaction. The writer is closed after."""
+        self._check_open()
+        if self._origin:
+            self.finish_shards(record=False)
+        self._settle()
+        rows, self._rows = self._rows, []
+        self._closed = True
+        return [row_to_dict(r) for r in rows]
 
     def close(self) -> None:
         """For a joined writer: flush and detach (the owner commits)."""
@@ -732,8 +759,10 @@ class CheckpointWriter:
             self.flush()
             self._closed = True
 
-    def commit(self):
-        """Make the checkpoint visible: one transaction, after every array write has returned."""
+    def commit(self, *, extra_rows: Iterable[dict] = ()):
+        """Make the checkpoint visible: one transaction, after every array write has returned (and is durable),
+        that records the rows not yet flushed and commits. ``extra_rows``: the rows of the joined ranks of a
+        distributed save (:meth:`export_rows`), recorded in the same transaction."""
         from .checkpoint import Checkpoint
 
         self._check_open()
@@ -743,9 +772,15 @@ class CheckpointWriter:
         label = f"checkpoint {self.id}'s step"
         try:
             if self._origin:
-                self.finish_shards()
-            self.flush()
+                self.finish_shards(record=False)
+            self._settle()
+            rows, self._rows = self._rows, []
+            rows.extend(row_from_dict(d) for d in extra_rows)
+            # one transaction: the rows still pending (this writer's, and every joined rank's) and the commit
             with self.store.catalog.write_session() as s:
+                if rows:
+                    self._insert_rows(s, rows, "cannot commit")
+                    s.flush()
                 ck = s.get(m.Checkpoint, self.id)
                 if ck is None or ck.status != "pending":
                     raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); cannot commit")
@@ -773,6 +808,7 @@ class CheckpointWriter:
             raise
         killpoint("commit.after")
         self._closed = True
+        self._borrowed.clear()
         self.checkpoint = Checkpoint(self.store, self.id)
         return self.checkpoint
 
@@ -805,6 +841,33 @@ class CheckpointWriter:
             sweep_arrays(self.store, dry_run=False, also={self.id})
         except Exception:
             pass  # gc will reclaim what is left; the checkpoint is not listed either way
+
+
+_ROW_KINDS: dict[str, Any] = {"array": m.Array, "tensor": m.Tensor, "object": m.StoredObject}
+
+
+def row_to_dict(row) -> dict:
+    """A pending catalog row as plain data (the columns that are set), for another rank's commit."""
+    kind = next(k for k, cls in _ROW_KINDS.items() if isinstance(row, cls))
+    out: dict[str, Any] = {"kind": kind}
+    for col in row.__table__.columns:
+        value = getattr(row, col.key, None)
+        if value is not None:
+            out[col.key] = value
+    return out
+
+
+def row_from_dict(d: dict):
+    """The row :func:`row_to_dict` described (its kind and columns checked)."""
+    if not isinstance(d, dict) or d.get("kind") not in _ROW_KINDS:
+        raise ValidationError("a joined rank's catalog row must be a dict with kind array/tensor/object, "
+                              f"got {str(d)[:200]}")
+    cls = _ROW_KINDS[d["kind"]]
+    cols = {c.key for c in cls.__table__.columns}
+    extra = set(d) - cols - {"kind"}
+    if extra:
+        raise ValidationError(f"a joined rank's {d['kind']} row has unknown columns {sorted(extra)}")
+    return cls(**{k: v for k, v in d.items() if k != "kind"})
 
 
 def _digest_chunks_inside(digests: dict, layout: fmt.ArrayLayout, offset: tuple, data: np.ndarray) -> None:
