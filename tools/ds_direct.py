@@ -116,7 +116,7 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
 
     reps: dict[str, list[float]] = {"torch_save": [], "torch_save_fsync": [], "raw_write_fsync": [], "ucp": [],
                                     "ucp_background": []}
-    stats = []
+    stats, stats_others = [], []
     stager = None  # the background engine's host buffers: allocated by its first save, reused (attached once)
     base = os.path.join(job["save_dir"], "reps")
     for i in range(int(job["repeat"])):
@@ -160,7 +160,10 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
             t1 = time.perf_counter()
             engine.save_checkpoint(tag=f"rep{i}")
             reps["ucp"].append(time.perf_counter() - t1)
-            stats.append(dict(ce.stats))
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, dict(ce.stats))  # after the measured save: rank 0's and the others'
+            stats.append(every[0])
+            stats_others.append(every[1:])
             ucpds.detach(engine)
 
         def background(i=i, step=steps):
@@ -185,6 +188,7 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
     result["blocking_reps"] = reps
     result["blocking_best"] = {k: min(v) for k, v in reps.items()}
     result["blocking_ucp_stats"] = stats
+    result["blocking_ucp_stats_other_ranks"] = stats_others
     return steps
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -111,7 +112,8 @@ def distributed_begin(store, run: str, step: int, *, group=None, **kwargs):
     return writer
 
 
-def distributed_commit(writer, *, group=None, error: BaseException | None = None, synced: bool = False) -> str:
+def distributed_commit(writer, *, group=None, error: BaseException | None = None, synced: bool = False,
+                       stats: dict | None = None, t0: float | None = None) -> str:
     """Finish a distributed save on every rank; returns the committed checkpoint id (same on all ranks).
 
     Each rank makes everything it wrote durable; after a barrier (every rank's writes are in place), the
@@ -119,8 +121,14 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
     and outcome to rank 0, which records them all and commits in ONE catalog transaction (or aborts, when any
     rank failed); one broadcast tells every rank the outcome. ``error``: this rank already failed (the others
     learn it in the gather). ``synced=True``: the caller already agreed, after every rank's writes returned,
-    that all succeeded (a collective), so the barrier round is skipped (two rounds in all)."""
+    that all succeeded (a collective), so the barrier round is skipped (two rounds in all). ``stats``: the
+    seconds since ``t0`` at which each step ended are recorded there (``rows_s``, ``gathered_s``, ``committed_s``)."""
     rank = dist.get_rank(group)
+
+    def mark(key: str) -> None:
+        if stats is not None:
+            stats[key] = time.perf_counter() - (t0 or 0.0)
+
     if not synced:
         if error is None:
             try:
@@ -142,9 +150,11 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
                 rows = writer.export_rows()
         except BaseException as exc:  # noqa: BLE001
             error = exc
+    mark("rows_s")
     mine = (_message(error), rows)
     parts: list | None = [None] * dist.get_world_size(group) if rank == 0 else None
     dist.gather_object(mine, parts, dst=_src(group), group=group)
+    mark("gathered_s")
     outcome: list = [None, None]
     if rank == 0:
         assert parts is not None
@@ -159,6 +169,7 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
             except BaseException as exc:  # noqa: BLE001 - commit aborted; every rank must learn about it
                 error = exc
                 outcome[1] = f"rank 0: {_message(exc)}"
+    mark("committed_s")
     dist.broadcast_object_list(outcome, src=_src(group), group=group)
     if outcome[0] is None:
         if rank != 0:

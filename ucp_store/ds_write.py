@@ -394,6 +394,7 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     gathered: list[Any] = [None] * world
     if multi:
         dist.all_gather_object(gathered, info, group=group)
+        stats["agreed_s"] = time.perf_counter() - t_phase
         failed = [(g_["rank"], g_["error"]) for g_ in gathered if g_["error"] is not None]
         if failed:
             writer.abort()
@@ -457,6 +458,6 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
         cid = writer.commit().id
     else:
         # every rank's rows and outcome to rank 0 (one gather), one transaction, one broadcast of the outcome
-        cid = distributed_commit(writer, group=group, error=error, synced=True)
+        cid = distributed_commit(writer, group=group, error=error, synced=True, stats=stats, t0=t_phase)
     stats["commit_s"] = time.perf_counter() - t_phase
     return cid

@@ -178,7 +178,8 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     to it and the caller fsyncs each once (:func:`sync_dirs`) after all its files, before it relies on them.
     ``durable=False``: the file is not fsynced either (a writer that defers durability,
     ``CheckpointWriter.defer_durability``, fsyncs every file and folder it wrote in one pass before any row
-    names them)."""
+    names them); its writeback is started (``sync_file_range``, no wait) as soon as it is written, so the
+    disk works on it while later files are encoded and that pass mostly finds it on disk."""
     chunk, per = layout.chunk_shape, [sh // c for sh, c in zip(layout.shard_shape, layout.chunk_shape)]
     grid = layout.chunk_grid()
     itemsize = data.itemsize
@@ -225,6 +226,9 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
         _write_all(fd, [raw, crc.view(np.uint8)])
         if durable:
             os.fdatasync(fd)
+        elif _start_writeback is not None and pos + raw.nbytes + 4 > flushed:
+            # deferred durability: start the disk on the rest now, so the writer's one fsync pass finds it written
+            _start_writeback(fd, flushed, pos + raw.nbytes + 4 - flushed)
     except BaseException:
         os.close(fd)
         try:
