@@ -302,7 +302,9 @@ class Store:
         if not isinstance(step, numbers.Integral) or isinstance(step, bool) or not 0 <= step < 2**63:
             raise ValidationError(f"step must be an integer from 0 to 2^63-1, got {step!r}")
         prov = self._provenance_record(provenance)
-        with self.catalog.write_session() as s:
+        # the pending row need not reach the disk before the save writes: an OS crash that loses it kills the
+        # save too (gc sweeps its files, which no row names); the commit's durable transaction makes it durable
+        with self.catalog.write_session(durable=False) as s:
             run_row = s.scalar(select(m.Run).where(m.Run.name == run))
             if run_row is None:
                 # On PostgreSQL two first saves of a run can race (no database-wide write lock as on
