@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from sqlalchemy import exists, func, select
+from sqlalchemy import exists, func, insert, select
 from sqlalchemy.exc import IntegrityError
 
 from . import dtypes, localwrite, names
@@ -715,20 +715,23 @@ class CheckpointWriter:
             self._make_durable()  # the arrays written again are durable before a row names them
 
     def _insert_rows(self, s, rows: list, lost: str) -> None:
-        """Insert ``rows`` in session ``s`` (one transaction), after checking the checkpoint is still pending and
-        that the committed arrays they deduplicated against still exist."""
+        """Insert ``rows`` (ORM rows or :func:`row_to_dict` dicts) in session ``s`` (one transaction), after
+        checking the checkpoint is still pending and that the committed arrays they deduplicated against
+        still exist. One multi-row INSERT per table (no ORM unit of work: a save has hundreds of rows)."""
         killpoint("flush.before_rows")
         ck = s.get(m.Checkpoint, self.id)
         if ck is None or ck.status != "pending":
             raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); {lost}")
-        arrays = [r for r in rows if isinstance(r, m.Array)]
-        others = [r for r in rows if not isinstance(r, m.Array)]
-        s.add_all(arrays)
-        s.flush()
+        by_kind: dict[str, list[dict]] = {"array": [], "tensor": [], "object": []}
+        for r in rows:
+            d = r if isinstance(r, dict) else row_to_dict(r)
+            by_kind[d["_table"]].append(d)
+        if by_kind["array"]:
+            s.execute(insert(m.Array), _insert_params(m.Array, by_kind["array"]))
         killpoint("flush.mid_rows")
         # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
-        new_ids = {a.id for a in arrays}
-        wanted = {r.array_id for r in others if getattr(r, "array_id", None)} - new_ids
+        new_ids = {a["id"] for a in by_kind["array"]}
+        wanted = {d["array_id"] for k in ("tensor", "object") for d in by_kind[k] if d.get("array_id")} - new_ids
         if wanted:
             found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(wanted))))
             if wanted - found:
@@ -736,7 +739,9 @@ class CheckpointWriter:
                 raise CommitRaceError(f"checkpoint {self.id}: array(s) {gone} this "
                                       "save deduplicated against were removed by a concurrent rm/gc; the save is "
                                       "aborted, retry it")
-        s.add_all(others)
+        for kind, cls in (("tensor", m.Tensor), ("object", m.StoredObject)):
+            if by_kind[kind]:
+                s.execute(insert(cls), _insert_params(cls, by_kind[kind]))
 
     def export_rows(self) -> list[dict]:
         """For a joined writer of a distributed save (after every rank's writes returned: a barrier first):
@@ -775,7 +780,7 @@ class CheckpointWriter:
                 self.finish_shards(record=False)
             self._settle()
             rows, self._rows = self._rows, []
-            rows.extend(row_from_dict(d) for d in extra_rows)
+            rows.extend(check_row_dict(d) for d in extra_rows)
             # one transaction: the rows still pending (this writer's, and every joined rank's) and the commit
             with self.store.catalog.write_session() as s:
                 if rows:
@@ -849,7 +854,7 @@ _ROW_KINDS: dict[str, Any] = {"array": m.Array, "tensor": m.Tensor, "object": m.
 def row_to_dict(row) -> dict:
     """A pending catalog row as plain data (the columns that are set), for another rank's commit."""
     kind = next(k for k, cls in _ROW_KINDS.items() if isinstance(row, cls))
-    out: dict[str, Any] = {"kind": kind}
+    out: dict[str, Any] = {"_table": kind}
     for col in row.__table__.columns:
         value = getattr(row, col.key, None)
         if value is not None:
@@ -857,17 +862,37 @@ def row_to_dict(row) -> dict:
     return out
 
 
-def row_from_dict(d: dict):
-    """The row :func:`row_to_dict` described (its kind and columns checked)."""
-    if not isinstance(d, dict) or d.get("kind") not in _ROW_KINDS:
-        raise ValidationError("a joined rank's catalog row must be a dict with kind array/tensor/object, "
+def _insert_params(cls, dicts: list[dict]) -> list[dict]:
+    """Parameters of one executemany INSERT into ``cls``'s table: every row with the same keys (the columns
+    any row sets, None where another does not), the autoincrement id left out, ``created_at`` filled in."""
+    skip = {"_table"} if cls is m.Array else {"_table", "id"}
+    keys: list[str] = []
+    for d in dicts:
+        for k in d:
+            if k not in skip and k not in keys:
+                keys.append(k)
+    if cls is m.Array and "created_at" not in keys:
+        keys.append("created_at")
+    now = _utcnow()
+    out = []
+    for d in dicts:
+        p = {k: d.get(k) for k in keys}
+        if cls is m.Array and p["created_at"] is None:
+            p["created_at"] = now
+        out.append(p)
+    return out
+
+
+def check_row_dict(d: Any) -> dict:
+    """``d`` if it is a row as :func:`row_to_dict` describes one (a known kind, only that table's columns)."""
+    if not isinstance(d, dict) or d.get("_table") not in _ROW_KINDS:
+        raise ValidationError("a joined rank's catalog row must be a dict with _table array/tensor/object, "
                               f"got {str(d)[:200]}")
-    cls = _ROW_KINDS[d["kind"]]
-    cols = {c.key for c in cls.__table__.columns}
-    extra = set(d) - cols - {"kind"}
+    cols = {c.key for c in _ROW_KINDS[d["_table"]].__table__.columns}
+    extra = set(d) - cols - {"_table"}
     if extra:
-        raise ValidationError(f"a joined rank's {d['kind']} row has unknown columns {sorted(extra)}")
-    return cls(**{k: v for k, v in d.items() if k != "kind"})
+        raise ValidationError(f"a joined rank's {d['_table']} row has unknown columns {sorted(extra)}")
+    return d
 
 
 def _digest_chunks_inside(digests: dict, layout: fmt.ArrayLayout, offset: tuple, data: np.ndarray) -> None:
