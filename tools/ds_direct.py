@@ -157,9 +157,18 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
             ce = ucpds.attach(engine, store=job["store"], run=f"{job['run']}-reps", progress=False,
                               timeout_s=job.get("timeout_s", 120))
             dist.barrier()
+            prof = None
+            if os.environ.get("UCP_BENCH_PROFILE") and i == int(job["repeat"]) - 1:  # the main thread, last rep
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             t1 = time.perf_counter()
             engine.save_checkpoint(tag=f"rep{i}")
             reps["ucp"].append(time.perf_counter() - t1)
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(f"{os.environ['UCP_BENCH_PROFILE']}.rank{rank}")
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, dict(ce.stats))  # after the measured save: rank 0's and the others'
             stats.append(every[0])

@@ -373,14 +373,15 @@ class CheckpointWriter:
         for box, data in copies:
             offset = tuple(lo for lo, _ in box.ranges)
             if folder is not None and localwrite.whole_shards(layout, offset, tuple(data.shape)):
-                # whole shards of a local store with deferred durability: their files straight from memory
-                self._submit_local_shards(folder, layout, offset, data, None, what)
+                # whole shards of a local store with deferred durability: their files straight from memory; the
+                # write pool digests each chunk from the copy it writes (not this thread, one more pass over it)
+                self._submit_local_shards(folder, layout, offset, data,
+                                          self._shard_digests.setdefault((name, state), {}) if digest else None, what)
             else:
                 self._window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
+                if digest:
+                    _digest_chunks_inside(self._shard_digests.setdefault((name, state), {}), layout, offset, data)
             written += data.size
-            if digest:
-                _digest_chunks_inside(self._shard_digests.setdefault((name, state), {}), layout,
-                                      tuple(lo for lo, _ in box.ranges), data)
             killpoint("write.shard_box")
         self._sharded.setdefault((name, state), (aid, rel, layout, pattern))
         if position is not None:
@@ -515,7 +516,9 @@ class CheckpointWriter:
 
     def shard_digests(self) -> dict:
         """``{(name, state): {chunk index: digest}}`` of the chunks this writer's ``write_shard(digest=True)``
-        calls wrote whole (see ``set_chunk_digests``)."""
+        calls wrote whole (see ``set_chunk_digests``). Waits for the writes in flight first: the write pool
+        digests the chunks of whole shard files it writes."""
+        self._drain()
         return {k: dict(v) for k, v in self._shard_digests.items()}
 
     def set_chunk_digests(self, name: str, state: str, digests: dict) -> None:
