@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CheckpointWriter", "layer_of"]
 
 _ROW_BATCH = 512
+_TARGETED_LOOKUPS = 8  # a writer's catalog lookups of single content hashes before it reads them all at once
 _MAX_INFLIGHT_BYTES = 1 << 30
 _SYNC_WORKERS = 16  # concurrent fsyncs of a deferred-durability pass (the journal commits them together)
 #: the most elements one tensor-state may have (256 Ti: 1 PiB of fp32). A larger shape is a bad input
@@ -103,6 +105,8 @@ class CheckpointWriter:
         self._handles: dict[tuple[str, str], Any] = {}
         self._origin: set[tuple[str, str]] = set()
         self._committed_hashes: dict[str, list] | None = None
+        self._hash_lookups: dict[str, list] = {}  # _dedup's targeted lookups: content hash -> committed arrays
+        self._lookups = 0
         # committed arrays this writer deduplicated against, with the data in hand, until its rows are
         # flushed: array id -> (array, dtype, pattern, what, content hash)
         self._borrowed: dict[str, tuple] = {}
@@ -159,10 +163,38 @@ class CheckpointWriter:
         that hold them (the checkpoint's folder, the arrays folder), in parallel."""
         if not self._unsynced:
             return
+        rels, self._unsynced = sorted(self._unsynced), set()
+        self._sync_rels(rels)
+
+    def make_durable_async(self):
+        """Start, on a thread, the fsync pass over what was written until now (call after the writes returned:
+        ``drain``); returns its Future (``result()`` re-raises a failure). What is written later goes to the
+        next pass (``commit`` / ``export_rows`` run it), so the caller overlaps this pass with other work."""
+        from concurrent.futures import Future
+
+        rels = sorted(self._unsynced or ())
+        if self._unsynced is not None:
+            self._unsynced = set()
+        done: Future = Future()
+        if not rels:
+            done.set_result(None)
+            return done
+
+        def run() -> None:
+            try:
+                self._sync_rels(rels)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the pass
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=run, name="ucp-durable", daemon=True).start()
+        return done
+
+    def _sync_rels(self, rels: list[str]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         root = self.store.location.root
-        rels, self._unsynced = sorted(self._unsynced), set()
         paths: list[str] = []
         for rel in rels:
             top = os.path.join(root, rel)
@@ -201,23 +233,51 @@ class CheckpointWriter:
     def _dedup(self, h: str, dtype: str, shape) -> str | None:
         """An existing ready array of a committed version with this content, or None.
 
-        The committed arrays' hashes are read once per writer (one query instead of one per write); an
-        array swept meanwhile by a concurrent rm/gc is caught when the rows are flushed."""
+        The first lookups of a writer ask the catalog for their hash alone (an indexed query; a save that
+        writes few whole arrays, or whose sharded arrays are looked up together by ``finish_shards``, never
+        reads every committed array's hash); past ``_TARGETED_LOOKUPS`` of them, the committed arrays' hashes
+        are read once (one query instead of one per write). An array swept meanwhile by a concurrent rm/gc
+        is caught when the rows are recorded."""
         if h in self._local_arrays:
             return self._local_arrays[h]
-        if self._committed_hashes is None:
-            with self.store.catalog.session() as s:
-                q = (select(m.Array.content_hash, m.Array.id, m.Array.shape, m.Array.dtype)
-                     .where(m.Array.status == "ready", m.Array.content_hash.is_not(None))
-                     .where(exists().where(m.Tensor.array_id == m.Array.id, m.Tensor.checkpoint_id == m.Checkpoint.id,
-                                           m.Checkpoint.status == "committed")))
-                self._committed_hashes = {}
-                for ch, aid, ashape, adtype in s.execute(q):
-                    self._committed_hashes.setdefault(ch, []).append((aid, list(ashape), adtype))
-        for aid, ashape, adtype in self._committed_hashes.get(h, ()):
+        for aid, ashape, adtype in self._committed_candidates(h):
             if adtype == dtype and ashape == list(shape):
                 return aid
         return None
+
+    def _committed_candidates(self, h: str) -> list:
+        if self._committed_hashes is not None:
+            return self._committed_hashes.get(h, [])
+        if h not in self._hash_lookups:
+            if self._lookups >= _TARGETED_LOOKUPS:
+                with self.store.catalog.session() as s:
+                    self._committed_hashes = {}
+                    for ch, aid, ashape, adtype in s.execute(self._committed_query()):
+                        self._committed_hashes.setdefault(ch, []).append((aid, list(ashape), adtype))
+                return self._committed_hashes.get(h, [])
+            self._lookup_hashes([h])
+        return self._hash_lookups.get(h, [])
+
+    def _committed_query(self, hashes: list[str] | None = None):
+        q = (select(m.Array.content_hash, m.Array.id, m.Array.shape, m.Array.dtype)
+             .where(m.Array.status == "ready", m.Array.content_hash.is_not(None))
+             .where(exists().where(m.Tensor.array_id == m.Array.id, m.Tensor.checkpoint_id == m.Checkpoint.id,
+                                   m.Checkpoint.status == "committed")))
+        return q if hashes is None else q.where(m.Array.content_hash.in_(hashes))
+
+    def _lookup_hashes(self, hashes: list[str]) -> None:
+        """The committed arrays with these content hashes, in one query (kept for ``_dedup``)."""
+        todo = sorted({h for h in hashes if h not in self._hash_lookups})
+        if not todo or self._committed_hashes is not None:
+            return
+        self._lookups += 1
+        for i in range(0, len(todo), 500):
+            part = todo[i:i + 500]
+            for h in part:
+                self._hash_lookups[h] = []
+            with self.store.catalog.session() as s:
+                for ch, aid, ashape, adtype in s.execute(self._committed_query(part)):
+                    self._hash_lookups[ch].append((aid, list(ashape), adtype))
 
     def _put_array(self, array: np.ndarray, dtype: str, pattern, what: str) -> tuple[str, str, int]:
         """Write (or dedup) one array; returns (array id, content hash, stored bytes written)."""
@@ -612,6 +672,7 @@ class CheckpointWriter:
         """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of.
         ``record=False``: their rows stay with the writer (for :meth:`commit` or :meth:`export_rows`)."""
         self._drain()
+        hashes: dict[tuple[str, str], str] = {}
         for key in sorted(self._origin):
             aid, rel, layout, pattern = self._sharded[key]
             handle = self._handles[key]
@@ -624,6 +685,10 @@ class CheckpointWriter:
                     hasher.update(fmt.read_box(handle, layout, box, what=f"tensor {key[0]!r} state {key[1]!r}",
                                                array_url=self.store.array_url(rel)))
                 h = hasher.hexdigest()
+            hashes[key] = h
+        self._lookup_hashes([h for h in hashes.values() if h not in self._local_arrays])  # one query for all
+        for key, h in hashes.items():
+            aid, rel, layout, pattern = self._sharded[key]
             existing = self._dedup(h, layout.dtype, layout.shape)
             if existing is not None:
                 self.store.location.delete_tree(rel)  # identical content is already stored
@@ -690,6 +755,7 @@ class CheckpointWriter:
                                       "rm/gc and the tensor changed since it was written; the save is aborted, "
                                       "retry it")
             self._committed_hashes = None  # stale: it listed the swept array
+            self._hash_lookups.clear()
             remap[old] = self._new_array(array, dtype, pattern, what, h)[0]
         for row in self._rows:
             if getattr(row, "array_id", None) in remap:
