@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import difflib
+import functools
 import numbers
 import os
 import socket
@@ -80,6 +81,13 @@ def _tool_version() -> str:
 
 
 def _library_versions() -> dict[str, str]:
+    """The versions of the libraries a save records (a fresh dict: the caller may add to it)."""
+    return dict(_installed_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_versions() -> dict[str, str]:
+    # read once per process: parsing the packages' metadata cost half of every begin()
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
