@@ -164,7 +164,7 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
             outcome[1] = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
         else:
             try:
-                writer.commit(extra_rows=[row for p in parts[1:] for row in p[1]])
+                writer.commit(extra_rows=[row for p in parts[1:] for row in p[1]], reload=False)
                 outcome[0] = writer.id
             except BaseException as exc:  # noqa: BLE001 - commit aborted; every rank must learn about it
                 error = exc

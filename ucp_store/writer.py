@@ -833,10 +833,11 @@ class CheckpointWriter:
             self.flush()
             self._closed = True
 
-    def commit(self, *, extra_rows: Iterable[dict] = ()):
+    def commit(self, *, extra_rows: Iterable[dict] = (), reload: bool = True):
         """Make the checkpoint visible: one transaction, after every array write has returned (and is durable),
         that records the rows not yet flushed and commits. ``extra_rows``: the rows of the joined ranks of a
-        distributed save (:meth:`export_rows`), recorded in the same transaction."""
+        distributed save (:meth:`export_rows`), recorded in the same transaction. Returns the committed
+        :class:`~ucp_store.checkpoint.Checkpoint` (read back from the catalog), or None with ``reload=False``."""
         from .checkpoint import Checkpoint
 
         self._check_open()
@@ -883,7 +884,7 @@ class CheckpointWriter:
         killpoint("commit.after")
         self._closed = True
         self._borrowed.clear()
-        self.checkpoint = Checkpoint(self.store, self.id)
+        self.checkpoint = Checkpoint(self.store, self.id) if reload else None
         return self.checkpoint
 
     def abort(self) -> None:
