@@ -153,6 +153,30 @@ def test_sqlite_connection_settings(tmp_path, opened):
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
 
 
+def test_not_durable_write_session_is_one_transaction_and_leaves_durable_defaults(url, opened):
+    """write_session(durable=False) (a save's pending row): committed and visible like any transaction, rolled
+    back on an error, and only that transaction skips waiting for the disk: the connection goes back to the
+    pool with SQLite's synchronous=FULL, PostgreSQL's synchronous_commit stays on outside it."""
+    catalog = opened(url)
+    with catalog.write_session(durable=False) as s:
+        if catalog.dialect == "postgresql":
+            assert s.execute(text("SHOW synchronous_commit")).scalar() == "off"
+        s.add(Run(name="lazy"))
+    with pytest.raises(RuntimeError):
+        with catalog.write_session(durable=False) as s:
+            s.add(Run(name="rolled-back"))
+            s.flush()
+            raise RuntimeError("boom")
+    with catalog.session() as s:
+        assert sorted(s.scalars(select(Run.name))) == ["lazy"]
+    for _ in range(3):  # every pooled connection, whichever the pool hands out
+        with catalog.write_session() as s:
+            if catalog.dialect == "sqlite":
+                assert s.connection().exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+            else:
+                assert s.execute(text("SHOW synchronous_commit")).scalar() == "on"
+
+
 def test_open_existing(url, opened):
     first = opened(url, create=True)
     with first.write_session() as s:

@@ -37,6 +37,10 @@ params = {
 }
 logical = {n: torch.randn(*shape, generator=g) for n, (shape, _) in params.items()}
 store = ucp_store.open_store(store_url)
+from sqlalchemy import event
+writes = []  # the catalog write transactions this rank opens (SQLite: BEGIN IMMEDIATE)
+event.listen(store.catalog.engine, "before_cursor_execute",
+             lambda conn, cur, stmt, *a: writes.append(stmt) if stmt.startswith("BEGIN IMMEDIATE") else None)
 w = distributed_begin(store, "dist", 1 if case == "tp" else 2)
 if case == "tp":
     topo = Topology(tp=2)
@@ -65,6 +69,7 @@ else:
         w.write_shard(n, "fp32", part[f.buffer_start:f.buffer_start + f.slot], shape=logical[n].shape,
                       pattern=params[n][1], topology=topo, rank=rank, fragment=f)
 cid = distributed_commit(w)
+print(f"WRITE_TXNS rank={rank} n={len(writes)}", flush=True)
 if rank == 0:
     print("COMMITTED", cid)
 dist.destroy_process_group()
@@ -92,6 +97,9 @@ def test_tp_and_zero_ranks_write_one_checkpoint(tmp_path):
         res = _torchrun(tmp_path, store_url, case)
         assert res.returncode == 0, res.stderr[-3000:]
         assert "COMMITTED" in res.stdout
+        # one catalog write transaction to begin and ONE to record every rank's rows and commit, both on rank 0:
+        # the other rank hands its rows over in the gather and writes nothing to the catalog
+        assert "WRITE_TXNS rank=0 n=2" in res.stdout and "WRITE_TXNS rank=1 n=0" in res.stdout, res.stdout
         ck = store.checkpoint(f"dist@{step}")
         for name, x in _logical().items():
             assert torch.equal(ck.read(name, "fp32"), x), (case, name)

@@ -152,15 +152,14 @@ def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_pat
 
     def arm(w):
         assert w.defer_durability() and w._array_context() is store.unsynced_context
-        real_flush = type(w).flush
+        real_insert = type(w)._insert_rows
 
-        def flush(self=w):
-            self._drain()
-            self._make_durable()
-            if any(isinstance(r, (m.Array, m.Tensor)) for r in self._rows):
+        def insert_rows(s, rows, lost, self=w):  # the one place rows are recorded (flush's and commit's txn)
+            if any(isinstance(r, (m.Array, m.Tensor)) or (isinstance(r, dict) and r["_table"] != "object")
+                   for r in rows):
                 seen_at_rows.append(set(synced))
-            real_flush(self)
-        w.flush = flush
+            real_insert(self, s, rows, lost)
+        w._insert_rows = insert_rows
 
     ck, _ = _write_dp2(store, "d", _logical(), on_flush=arm)
     assert seen_at_rows
@@ -173,6 +172,11 @@ def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_pat
     assert written <= seen_at_rows[0]  # durable before the first row that names them
     assert ck.verify() == []
     assert local_files  # whole shards went the local write path (and verify read them back above)
+    # the write pool digested the chunks of the shard files it wrote: the same digests as the main thread's
+    # (a writer without deferred durability goes through TensorStore and digests in write_shard)
+    _, digests_main = _write_dp2(store, "main-thread-digests", _logical())
+    _, digests_pool = _write_dp2(store, "pool-digests", _logical(), on_flush=lambda w: w.defer_durability())
+    assert digests_pool == digests_main and all(digests_main.values())
     # open_shards wrote each zarr.json itself: the very bytes TensorStore writes when it creates the array
     import tensorstore as ts
 

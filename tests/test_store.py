@@ -399,3 +399,35 @@ def test_verify_catches_a_tampered_content_hash(store, table):
     problems = store.checkpoint(ck.id).verify()
     assert problems and all(p["tensor"] == "w" for p in problems)
     assert any(re.search(r"content hash .* != catalog", p["error"]) for p in problems)
+
+
+def test_dedup_looks_up_only_the_hashes_a_save_writes(tmp_path):
+    """A save that writes a few arrays asks the catalog for their content hashes alone (an indexed IN query),
+    never for every committed array's hash, and still reuses an identical committed array; a writer with
+    many lookups reads them all once instead of querying per write."""
+    from sqlalchemy import event
+
+    from ucp_store import writer as writer_mod
+
+    store = ucp_store.open_store(str(tmp_path / "store"), create=True)
+    store.save("a", 1, {f"t{i}": torch.full((4,), float(i)) for i in range(20)})
+    hash_queries: list[str] = []
+    event.listen(store.catalog.engine, "before_cursor_execute",
+                 lambda conn, cur, stmt, *a: hash_queries.append(stmt) if "content_hash" in stmt
+                 and stmt.lstrip().upper().startswith("SELECT") else None)
+    w = store.begin("b", 1)
+    w.write("same", "weight", torch.full((4,), 3.0))  # a@1's t3
+    w.write("new", "weight", torch.full((4,), 99.0))
+    w.commit()
+    with store.catalog.session() as s:
+        ids = {(run, n): a for run, n, a in s.execute(
+            select(m.Run.name, m.Tensor.name, m.Tensor.array_id).select_from(m.Tensor)
+            .join(m.Checkpoint, m.Tensor.checkpoint_id == m.Checkpoint.id).join(m.Run, m.Checkpoint.run_id == m.Run.id)
+            .where(m.Tensor.name.in_(["t3", "same", "new"])))}
+    assert ids[("b", "same")] == ids[("a", "t3")] and ids[("b", "new")] != ids[("a", "t3")]
+    assert len(hash_queries) == 2 and all(" IN (" in q for q in hash_queries), hash_queries
+    hash_queries.clear()
+    many = writer_mod._TARGETED_LOOKUPS + 5
+    store.save("c", 1, {f"u{i}": torch.full((4,), 100.0 + i) for i in range(many)})
+    assert len(hash_queries) == writer_mod._TARGETED_LOOKUPS + 1  # then one read of every committed hash
+    assert " IN (" not in hash_queries[-1]

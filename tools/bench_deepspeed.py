@@ -311,18 +311,35 @@ def _blocking_table(saved: dict) -> dict:
     for label, k in rows:
         print(f"  {label:44s} {best[k]:7.3f}  {best['ucp'] / best[k]:13.2f} {paired[k]:26.2f}   "
               + " ".join(f"{x:.3f}" for x in reps[k]))
+    print(f"  ratios (best of N): ucp/torch.save {best['ucp'] / best['torch_save']:.2f}, ucp/ceiling "
+          f"{best['ucp'] / best['raw_write_fsync']:.2f}, ceiling/torch.save {best['raw_write_fsync'] / best['torch_save']:.2f}"
+          f" (what durability alone costs), ucp/(torch.save + fsync) {best['ucp'] / best['torch_save_fsync']:.2f}")
+    if reps.get("ucp_durability_background"):
+        dur = reps["ucp_durability_background"]
+        dur_paired = statistics.median(d / x for d, x in zip(dur, reps["torch_save"]))
+        print(f"  {'ucp engine, durability=background (call)':44s} {best['ucp_durability_background']:7.3f}  "
+              f"{'dur/torch.save':>13s} {best['ucp_durability_background'] / best['torch_save']:5.3f} (best)  "
+              f"{dur_paired:5.3f} (paired median)   " + " ".join(f"{x:.3f}" for x in dur))
     bg = reps["ucp_background"]
     bg_paired = statistics.median(b / x for b, x in zip(bg, reps["torch_save"]))
     print(f"  {'ucp engine, background (call + step wait)':44s} {best['ucp_background']:7.3f}  "
           f"{'bg/torch.save':>13s} {best['ucp_background'] / best['torch_save']:5.3f} (best)  {bg_paired:5.3f} (paired "
           "median)   " + " ".join(f"{x:.3f}" for x in bg))
-    phases = min(saved["blocking_ucp_stats"], key=lambda st: st.get("write_s", 1e9))
-    print("  ucp phases of its fastest save (cumulative s): " + ", ".join(
+    all_phases = saved["blocking_ucp_stats"]
+    fastest = min(range(len(all_phases)), key=lambda i: all_phases[i].get("write_s", 1e9))
+    phases = all_phases[fastest]
+    print("  ucp phases of its fastest save, rank 0 (cumulative s): " + ", ".join(
         f"{k}={v:.3f}" for k, v in phases.items() if k.endswith("_s")))
+    others = saved.get("blocking_ucp_stats_other_ranks") or []
+    for r, st in enumerate(others[fastest] if fastest < len(others) else [], start=1):
+        print(f"  the same save, rank {r} (cumulative s): " + ", ".join(
+            f"{k}={v:.3f}" for k, v in st.items() if k.endswith("_s")))
     return {"best_s": best, "all_s": reps, "ucp_phases": phases, "paired_median_ratio_ucp_over": paired,
             "ratio_vs_torch_save": round(best["ucp"] / best["torch_save"], 3),
             "ratio_vs_torch_save_fsync": round(best["ucp"] / best["torch_save_fsync"], 3),
             "ratio_vs_raw_ceiling": round(best["ucp"] / best["raw_write_fsync"], 3),
+            "durability_background_ratio_vs_torch_save": (round(best["ucp_durability_background"] / best["torch_save"], 3)
+                                                          if "ucp_durability_background" in best else None),
             "background_ratio_vs_torch_save": round(best["ucp_background"] / best["torch_save"], 3),
             "background_paired_median_ratio": round(bg_paired, 3)}
 

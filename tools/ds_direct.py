@@ -115,8 +115,8 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
     import ucp_store.deepspeed_direct as ucpds
 
     reps: dict[str, list[float]] = {"torch_save": [], "torch_save_fsync": [], "raw_write_fsync": [], "ucp": [],
-                                    "ucp_background": []}
-    stats = []
+                                    "ucp_background": [], "ucp_durability_background": []}
+    stats, stats_others = [], []
     stager = None  # the background engine's host buffers: allocated by its first save, reused (attached once)
     base = os.path.join(job["save_dir"], "reps")
     for i in range(int(job["repeat"])):
@@ -157,10 +157,35 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
             ce = ucpds.attach(engine, store=job["store"], run=f"{job['run']}-reps", progress=False,
                               timeout_s=job.get("timeout_s", 120))
             dist.barrier()
+            prof = None
+            if os.environ.get("UCP_BENCH_PROFILE") and i == int(job["repeat"]) - 1:  # the main thread, last rep
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             t1 = time.perf_counter()
             engine.save_checkpoint(tag=f"rep{i}")
             reps["ucp"].append(time.perf_counter() - t1)
-            stats.append(dict(ce.stats))
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(f"{os.environ['UCP_BENCH_PROFILE']}.rank{rank}")
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, dict(ce.stats))  # after the measured save: rank 0's and the others'
+            stats.append(every[0])
+            stats_others.append(every[1:])
+            ucpds.detach(engine)
+
+        def durability_background(i=i, step=steps):
+            # blocked = the save_checkpoint call: it returns once the bytes are written and the ranks agreed; the
+            # fsync pass and the commit finish on a thread while the next step trains (joined, not timed)
+            ce = ucpds.attach(engine, store=job["store"], run=f"{job['run']}-reps-dur", progress=False,
+                              timeout_s=job.get("timeout_s", 120), durability="background")
+            dist.barrier()
+            t1 = time.perf_counter()
+            engine.save_checkpoint(tag=f"rep{i}")
+            reps["ucp_durability_background"].append(time.perf_counter() - t1)
+            ds_train.train_steps(engine, job, step, 1, dp_rank, dp, micro, gas)
+            ce.wait()
             ucpds.detach(engine)
 
         def background(i=i, step=steps):
@@ -180,11 +205,13 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
             ce.wait()
             ucpds.detach(engine)
 
-        for f in ((files, ucp, background) if i % 2 == 0 else (background, ucp, files)):
+        for f in ((files, ucp, durability_background, background) if i % 2 == 0
+                  else (background, durability_background, ucp, files)):
             f()
     result["blocking_reps"] = reps
     result["blocking_best"] = {k: min(v) for k, v in reps.items()}
     result["blocking_ucp_stats"] = stats
+    result["blocking_ucp_stats_other_ranks"] = stats_others
     return steps
 
 
@@ -239,7 +266,8 @@ def run_job(job):
                     raise SystemExit("ds_to_universal failed")
             dist.barrier()
         ce = ucpds.attach(engine, store=job["store"], run=job["run"], background=job.get("background", False),
-                          timeout_s=job.get("timeout_s", 120), progress=False)
+                          timeout_s=job.get("timeout_s", 120), progress=False,
+                          durability=job.get("durability", "blocking"))
         if job.get("stage_delay_s"):  # the training step right after the save must wait for the staging
             ce._before_stage = lambda: time.sleep(job["stage_delay_s"])
         if job.get("kill_rank") is not None and rank == job["kill_rank"]:
@@ -251,8 +279,9 @@ def run_job(job):
         engine.save_checkpoint(tag=tag, client_state=job.get("client_state", {}))
         result["ucp_blocked_s"] = time.perf_counter() - t1
         nxt = job.get("next_steps", 0)
-        if job.get("background") and nxt:
-            # mutate the state right away: the next steps run while the save is staged and written
+        if (job.get("background") or job.get("durability") == "background") and nxt:
+            # mutate the state right away: the next steps run while the save is staged and written (background), or
+            # made durable and committed (durability="background")
             result["losses"] = ds_train.train_steps(engine, job, steps, nxt, dp_rank, dp, micro, gas)
         result["version"] = ce.wait()
         result["ucp_save_s"] = time.perf_counter() - t1

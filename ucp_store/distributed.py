@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -80,9 +81,19 @@ def _all_ok(ok: bool, group=None) -> bool:
     return int(flag.item()) == 0
 
 
+def _src(group) -> int:
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def _message(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
 def distributed_begin(store, run: str, step: int, *, group=None, **kwargs):
-    """Rank 0 begins a pending checkpoint; every other rank joins it. If rank 0 cannot begin (or a rank
-    cannot join), every rank raises."""
+    """Rank 0 begins a pending checkpoint; every other rank joins it (one broadcast: joining reads nothing,
+    rank 0's commit checks the checkpoint is still pending). If rank 0 cannot begin, every rank raises."""
+    from .writer import CheckpointWriter
+
     rank = dist.get_rank(group)
     writer, error = None, None
     if rank == 0:
@@ -90,50 +101,78 @@ def distributed_begin(store, run: str, step: int, *, group=None, **kwargs):
             writer = store.begin(run, step, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - the other ranks must learn about it
             error = exc
-    box = [writer.id if writer is not None else None, None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    box = [writer.id if writer is not None else None, _message(error)]
+    dist.broadcast_object_list(box, src=_src(group), group=group)
     if error is not None:
         raise error
     if box[0] is None:
         raise UcpError(f"rank 0 could not begin the save of {run}@{step}: {box[1]}")
     if writer is None:
-        try:
-            writer = store.join(box[0])
-        except BaseException as exc:  # noqa: BLE001
-            error = exc
-    if not _all_ok(error is None, group):
-        if writer is not None and rank == 0:
-            writer.abort()
-        raise UcpError(f"a rank could not join the save of {run}@{step}; aborted") from error
+        writer = CheckpointWriter(store, str(box[0]), owner=False)
     return writer
 
 
-def distributed_commit(writer, *, group=None) -> str:
-    """Finish a distributed save on every rank; returns the committed checkpoint id (same on all ranks)."""
+def distributed_commit(writer, *, group=None, error: BaseException | None = None, synced: bool = False,
+                       stats: dict | None = None, t0: float | None = None) -> str:
+    """Finish a distributed save on every rank; returns the committed checkpoint id (same on all ranks).
+
+    Each rank makes everything it wrote durable; after a barrier (every rank's writes are in place), the
+    origin rank of each sharded array hashes it; one ``gather_object`` brings every rank's rows (plain dicts)
+    and outcome to rank 0, which records them all and commits in ONE catalog transaction (or aborts, when any
+    rank failed); one broadcast tells every rank the outcome. ``error``: this rank already failed (the others
+    learn it in the gather). ``synced=True``: the caller already agreed, after every rank's writes returned,
+    that all succeeded (a collective), so the barrier round is skipped (two rounds in all). ``stats``: the
+    seconds since ``t0`` at which each step ended are recorded there (``rows_s``, ``gathered_s``, ``committed_s``)."""
     rank = dist.get_rank(group)
-    error: BaseException | None = None
-    try:
-        writer.flush()
-    except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
-        error = exc
-    if not _all_ok(error is None, group):
-        writer.abort()
-        raise UcpError(f"distributed save {writer.id} failed on some rank; aborted") from error
-    try:
-        writer.finish_shards()
-    except BaseException as exc:  # noqa: BLE001
-        error = exc
-    if not _all_ok(error is None, group):
-        if rank == 0:
+
+    def mark(key: str) -> None:
+        if stats is not None:
+            stats[key] = time.perf_counter() - (t0 or 0.0)
+
+    if not synced:
+        if error is None:
+            try:
+                writer._drain()
+                writer._make_durable()
+            except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+                error = exc
+        if not _all_ok(error is None, group):
             writer.abort()
-        raise UcpError(f"distributed save {writer.id} failed while recording arrays; aborted") from error
-    if rank == 0:
+            raise UcpError(f"distributed save {writer.id} failed on some rank; aborted") from error
+    rows: list = []
+    if error is None:
         try:
-            writer.commit()
+            if rank == 0:  # hash its origin arrays and make all durable now, beside the other ranks
+                if writer._origin:
+                    writer.finish_shards(record=False)
+                writer._settle()
+            else:
+                rows = writer.export_rows()
         except BaseException as exc:  # noqa: BLE001
             error = exc
-    else:
-        writer._closed = True
-    if not _all_ok(error is None, group):
-        raise UcpError(f"distributed save {writer.id} failed to commit") from error
+    mark("rows_s")
+    mine = (_message(error), rows)
+    parts: list | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(mine, parts, dst=_src(group), group=group)
+    mark("gathered_s")
+    outcome: list = [None, None]
+    if rank == 0:
+        assert parts is not None
+        failed = [(r, p[0]) for r, p in enumerate(parts) if p[0] is not None]
+        if failed:
+            writer.abort()
+            outcome[1] = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+        else:
+            try:
+                writer.commit(extra_rows=[row for p in parts[1:] for row in p[1]], reload=False)
+                outcome[0] = writer.id
+            except BaseException as exc:  # noqa: BLE001 - commit aborted; every rank must learn about it
+                error = exc
+                outcome[1] = f"rank 0: {_message(exc)}"
+    mark("committed_s")
+    dist.broadcast_object_list(outcome, src=_src(group), group=group)
+    if outcome[0] is None:
+        if rank != 0:
+            writer.abort()
+        raise UcpError(f"distributed save {writer.id} failed ({outcome[1]}); aborted, nothing listed") from error
     return writer.id

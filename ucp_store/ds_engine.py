@@ -44,8 +44,19 @@ written; (2) the Megatron-style layouts arrive as ``universal_checkpoint_info`` 
 refuses models carrying them), whose TP slices would go through ``write_shard`` with those patterns;
 (3) ``ds_load.load`` refuses versions saved at TP > 1. ``ucp import deepspeed`` handles TP today.
 
-Durability: the save's writer defers it (``CheckpointWriter.defer_durability``): no fsync per file;
-every rank fsyncs all it wrote in one parallel pass before the ranks agree, and rank 0 commits after.
+Durability: the save's writer defers it (``CheckpointWriter.defer_durability``): no fsync per file; once
+its writes returned, every rank fsyncs all it wrote in one parallel pass on a thread, beside the one
+agreement round (an all_gather of every rank's outcome, metadata and chunk digests) and the objects; then
+one gather of every rank's rows to rank 0, ONE catalog transaction that records them and commits, and one
+broadcast of the outcome (:func:`ucp_store.distributed.distributed_commit`). No row is recorded before
+every rank's pass is done.
+
+``durability="background"`` (synchronous mode): ``save_checkpoint`` returns once every byte is written
+(page cache) and the ranks agreed, which is when DeepSpeed's torch.save engine returns; the fsync pass and
+the commit finish on a thread (collectives on the engine's private gloo group; the next save, ``load``,
+``detach`` and ``wait()`` join it first). Safe because nothing of the live engine is read after the writes
+returned (the low-precision weights that are stored are written before returning), and the version is
+listed only once durable: a crash before then lists nothing, as a crash mid-save would.
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ from .errors import ConfigurationError, UcpError
 __all__ = ["ENGINE_NAME", "UcpCheckpointEngine", "attach", "detach", "engine_topology"]
 
 ENGINE_NAME = "UcpCheckpointEngine"
+DURABILITY = ("blocking", "background")  # attach(durability=...): the synchronous save's fsync + commit
 DEFAULT_TIMEOUT_S = 600.0
 
 try:  # DeepSpeed is optional for the rest of ucp_store; this module needs it only at attach time
@@ -217,8 +229,11 @@ class UcpCheckpointEngine(_Base):
     writes the rank's share and commits ``run@engine.global_steps`` (or ``step`` given to ``attach``)."""
 
     def __init__(self, engine, store, run: str, *, background: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 message: str | None = None, progress: bool = True, group=None):
+                 message: str | None = None, progress: bool = True, group=None, durability: str = "blocking"):
+        if durability not in DURABILITY:
+            raise ConfigurationError(f"durability={durability!r}: expected one of {', '.join(DURABILITY)}")
         self.name = ENGINE_NAME
+        self.durability = durability
         self.engine = engine
         self.store = store
         self.run = run
@@ -269,6 +284,16 @@ class UcpCheckpointEngine(_Base):
             self._released.clear()
             self._thread = threading.Thread(target=self._run_bg, args=(staged, meta), name="ucp-ds-save", daemon=True)
             self._thread.start()
+        elif self.durability == "background":
+            # every byte is written (page cache) and the ranks agreed when _write returns; the live state is not
+            # read after that, so training goes on while a thread makes it durable and commits (a collective on
+            # the engine's private gloo group: the next save's create() joins it first)
+            self._error = None
+            self.last_id = None
+            finish = self._write(staged, meta, defer_commit=True)
+            self.stats["returned_s"] = time.perf_counter() - self._t0
+            self._thread = threading.Thread(target=self._run_finish, args=(finish,), name="ucp-ds-commit", daemon=True)
+            self._thread.start()
         else:
             self.last_id = self._write(staged, meta)
         return True
@@ -301,6 +326,13 @@ class UcpCheckpointEngine(_Base):
             finally:
                 self._released.set()
             self.last_id = self._write(staged, meta)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            self._error = exc
+
+    def _run_finish(self, finish) -> None:
+        try:
+            self.last_id = finish()
+            self.stats["durable_committed_s"] = time.perf_counter() - self._t0
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             self._error = exc
 
@@ -342,28 +374,35 @@ class UcpCheckpointEngine(_Base):
         return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "topo": topo, "lp": lp, "step": step, "rng": rng}
 
     # --- the write --------------------------------------------------------------------------------
-    def _write(self, staged: dict, meta: dict) -> str:
+    def _write(self, staged: dict, meta: dict, defer_commit: bool = False):
         from .ds_write import write_rank_share
 
         t0 = time.perf_counter()
-        cid = write_rank_share(self, staged, meta)
+        cid = write_rank_share(self, staged, meta, defer_commit=defer_commit)
         self.stats["write_s"] = time.perf_counter() - t0
         return cid
 
 
 def attach(engine, store, run: str, *, background: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
-           message: str | None = None, progress: bool = True, create: bool = True) -> UcpCheckpointEngine:
+           message: str | None = None, progress: bool = True, create: bool = True,
+           durability: str = "blocking") -> UcpCheckpointEngine:
     """Make ``engine.save_checkpoint(...)`` save into ``store`` (a ``Store`` or URL) as ``run@global_steps``.
 
     Call on every rank after ``deepspeed.initialize``. ``save_checkpoint``'s ``save_dir`` becomes optional
     and is ignored (nothing is written there: no ``latest`` file, no recovery script). ``background``:
-    ``save_checkpoint`` returns once the state is staged in host memory. Returns the engine object
-    (``last_id``: the version id of the last save; ``wait()``: join a background save)."""
+    ``save_checkpoint`` returns once the state is staged in host memory. ``durability="background"`` (the
+    synchronous mode): ``save_checkpoint`` returns once every byte is written into the store's files (the
+    page cache, as DeepSpeed's torch.save engine returns) and the ranks agreed; the fsync pass and the commit
+    finish on a thread, and the version is listed only once durable (``wait()`` joins it, the next save
+    waits for it first; a crash before then lists nothing). Returns the engine object (``last_id``: the
+    version id of the last save; ``wait()``: join a background save)."""
     import deepspeed.comm as dist
 
     from . import names, open_store
 
     names.run_name(run)
+    if durability not in DURABILITY:
+        raise ConfigurationError(f"durability={durability!r}: expected one of {', '.join(DURABILITY)}")
     if isinstance(store, (str, os.PathLike)):
         store = open_store(os.fspath(store), create=create)
     engine_topology(engine)  # refuse what is not supported before the first save
@@ -373,7 +412,7 @@ def attach(engine, store, run: str, *, background: bool = False, timeout_s: floa
 
         group = tdist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
     ce = UcpCheckpointEngine(engine, store, run, background=background, timeout_s=timeout_s, message=message,
-                             progress=progress, group=group)
+                             progress=progress, group=group, durability=durability)
     old = engine.checkpoint_engine
     engine.checkpoint_engine = ce
     engine._ucp_previous = (old, engine.save_checkpoint, engine.__dict__.get("_copy_recovery_script"))

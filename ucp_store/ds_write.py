@@ -134,11 +134,15 @@ def _classify(staged: dict) -> tuple[str | None, dict | None, str, dict, dict[in
     return model_name, model_sd, optim_name, optim_sd, layers, sorted(n for n in staged if LAYER_RE.match(n))
 
 
-def write_rank_share(ce, staged: dict, meta: dict) -> str:
-    """Write this rank's share of one ``save_checkpoint`` and commit it with the other ranks; returns the id."""
+def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False):
+    """Write this rank's share of one ``save_checkpoint`` and commit it with the other ranks; returns the id.
+
+    ``defer_commit=True``: return once every byte of the save is written (in the page cache) and the ranks
+    agreed on it, with a function that makes it durable and commits it (a collective: every rank calls it,
+    on any thread); the live engine state is no longer read by then."""
     import torch.distributed as dist
 
-    from .distributed import _all_ok, distributed_begin, distributed_commit
+    from .distributed import distributed_begin, distributed_commit
     from .progress import track
 
     t0 = time.time()
@@ -373,27 +377,34 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     try:
         phase1()
         stats["submit_s"] = time.perf_counter() - t_phase
-        writer._drain()  # every array write of this rank has returned
+        writer._drain()  # every array write of this rank has returned (its bytes are in the page cache)
         stats["writes_s"] = time.perf_counter() - t_phase
-        writer._make_durable()  # ... and is durable (one fsync pass); its rows go with finish_shards' (one txn)
-        stats["durable_s"] = time.perf_counter() - t_phase
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
-    if multi and not _all_ok(error is None, group):
-        writer.abort()
-        raise UcpError(f"save of {ce.run}@{step} failed on some rank; aborted (nothing listed)") from error
-    if error is not None:
+    if error is not None and not multi:
         writer.abort()
         raise error
+    # the fsync pass over all of it runs on a thread from here, beside the agreement, weights and objects
+    syncing = writer.make_durable_async() if error is None else None
     # ---------------------------------------------------------------- phase 2: agree, weights, objects
+    # one all_gather both agrees that every rank's writes returned (the barrier the origin ranks' hashing
+    # needs) and brings every rank's metadata and chunk digests
     per_file = {}
     if model_sd is not None and model_name is not None:  # _classify sets both or neither
         per_file[model_name] = _file_record(model_sd, model_name, [])
     info = {"metas": metas, "steps": steps, "kinds": kinds, "lp_differs": lp_differs, "files": per_file,
-            "rng": meta["rng"], "rank": rank, "digests": writer.shard_digests()}
+            "rng": meta["rng"], "rank": rank, "digests": writer.shard_digests(),
+            "error": None if error is None else f"{type(error).__name__}: {error}"}
     gathered: list[Any] = [None] * world
     if multi:
         dist.all_gather_object(gathered, info, group=group)
+        stats["agreed_s"] = time.perf_counter() - t_phase
+        failed = [(g_["rank"], g_["error"]) for g_ in gathered if g_["error"] is not None]
+        if failed:
+            writer.abort()
+            raise UcpError(f"save of {ce.run}@{step} failed on some rank ("
+                           + "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+                           + "); aborted (nothing listed)") from error
     else:
         gathered = [info]
     differs = sorted({n for g_ in gathered for n in g_["lp_differs"]})
@@ -441,18 +452,32 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
             objs["deepspeed/direct"] = {"tag": ce._tag, "world": world, "engine": "UcpCheckpointEngine"}
             for k, v in objs.items():
                 writer.write_object(k, v)
+        writer._drain()  # the low-precision weights are live module state: written before returning
     except BaseException as exc:  # noqa: BLE001
         error = exc
-    if multi and not _all_ok(error is None, group):
-        writer.abort()
-        raise UcpError(f"save of {ce.run}@{step} failed while writing weights/objects; aborted") from error
     stats["objects_s"] = time.perf_counter() - t_phase
-    if not multi:
-        if error is not None:
-            writer.abort()
-            raise error
-        cid = writer.commit().id
-    else:
-        cid = distributed_commit(writer, group=group)
-    stats["commit_s"] = time.perf_counter() - t_phase
-    return cid
+
+    def finish() -> str:
+        """Durable, then committed: nothing of the live engine is read from here (``defer_commit``)."""
+        nonlocal error
+        if error is None and syncing is not None:
+            try:
+                syncing.result()  # the fsync pass started after the writes
+                writer._make_durable()  # and what phase 2 wrote (rare low-precision weights)
+            except BaseException as exc:  # noqa: BLE001
+                error = exc
+        stats["durable_s"] = time.perf_counter() - t_phase
+        if not multi:
+            if error is not None:
+                writer.abort()
+                raise error
+            cid = writer.commit().id
+        else:
+            # every rank's rows and outcome to rank 0 (one gather), one transaction, one broadcast of the outcome
+            cid = distributed_commit(writer, group=group, error=error, synced=True, stats=stats, t0=t_phase)
+        stats["commit_s"] = time.perf_counter() - t_phase
+        return cid
+
+    if defer_commit:
+        return finish
+    return finish()

@@ -217,10 +217,11 @@ def zarr_json(layout: ArrayLayout) -> bytes:
 
 
 def create_local_arrays(location: Location, items: Sequence[tuple[str, ArrayLayout]], context: ts.Context,
-                        ) -> list[ts.TensorStore]:
+                        ) -> list[Any]:
     """Create many arrays of a local store at once: each folder and its zarr.json are written directly (the
     bytes TensorStore writes for the layout, through a temporary file renamed into place, so several ranks
-    creating one array write the same bytes atomically), then opened with ``assume_metadata`` (no I/O).
+    creating one array write the same bytes atomically); each is opened with ``assume_metadata`` (no I/O) on
+    first use (:class:`LazyArray`).
     Nothing is fsynced: only for a writer that makes its files durable itself (``defer_durability``)."""
     if location.kind != "file":
         raise ValueError("create_local_arrays: a local store only")
@@ -235,8 +236,32 @@ def create_local_arrays(location: Location, items: Sequence[tuple[str, ArrayLayo
             os.replace(tmp, os.path.join(folder, "zarr.json"))
         except OSError as exc:  # permissions, a full disk
             raise WriteError(f"creating array {location.display(rel)} failed: {exc}") from None
-        out.append(ts.open(array_spec(location, rel, layout), open=True, assume_metadata=True, context=context))
-    return [f.result() for f in out]
+        spec = array_spec(location, rel, layout)
+        out.append(LazyArray(lambda spec=spec: ts.open(spec, open=True, assume_metadata=True,
+                                                       context=context).result()))
+    return out
+
+
+class LazyArray:
+    """A TensorStore handle opened on first use (``create_local_arrays``: most arrays of a save are written by
+    the local write path and never need one; opening each cost a third of creating them)."""
+
+    __slots__ = ("_opener", "_handle")
+
+    def __init__(self, opener):
+        self._opener = opener
+        self._handle = None
+
+    def _get(self):
+        if self._handle is None:
+            self._handle = self._opener()
+        return self._handle
+
+    def __getitem__(self, index):
+        return self._get()[index]
+
+    def __getattr__(self, name: str):
+        return getattr(self._get(), name)
 
 
 def created(future: Any, location: Location, rel: str, what: str = "array") -> ts.TensorStore:

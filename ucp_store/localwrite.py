@@ -110,13 +110,52 @@ def submit(fn, *args: Any) -> Future:
 _scratch = threading.local()
 
 
-def _scratch_at(file_off: int, nbytes: int) -> np.ndarray:
-    """This thread's scratch: ``nbytes`` whose address equals ``file_off`` modulo a page."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.nbytes < nbytes + _PAGE:
-        buf = _scratch.buf = np.empty(max(nbytes + _PAGE, 1 << 20), np.uint8)
-    p = (file_off - buf.ctypes.data) % _PAGE
-    return buf[p:p + nbytes]
+_BATCH_BYTES = 8 << 20  # bytes gathered per writev (one syscall, one inode time update, for many chunks)
+_BATCH_PARTS = 1000  # iovecs per writev (Linux takes up to 1024)
+
+
+class _Batch:
+    """The chunks of one shard file gathered into few ``writev`` calls.
+
+    A ``writev`` per chunk cost each 64 KiB chunk a system call with its own inode time update and a
+    partial page at every chunk's end (its crc shifts the next one by 4 bytes): writing a shard that way ran
+    at a third of one ``write`` of the same bytes. Here chunks written in place (views of the caller's
+    memory) and chunks copied into this thread's scratch (each placed at its file offset's page position)
+    are queued with their crcs and written together once ``_BATCH_BYTES`` or ``_BATCH_PARTS`` are reached."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.parts: list = []
+        self.nbytes = 0
+        buf = getattr(_scratch, "arena", None)
+        if buf is None:
+            buf = _scratch.arena = np.empty(_BATCH_BYTES + 2 * _PAGE, np.uint8)
+        self.arena = buf
+        self.used = 0  # scratch bytes of the arena handed out since the last write
+
+    def scratch(self, file_off: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of scratch whose address equals ``file_off`` modulo a page, not overlapping any queued."""
+        if nbytes + _PAGE > self.arena.nbytes:  # a chunk larger than the arena: one of its own
+            buf = np.empty(nbytes + _PAGE, np.uint8)
+            p = (file_off - buf.ctypes.data) % _PAGE
+            return buf[p:p + nbytes]
+        p = self.used + (file_off - self.arena.ctypes.data - self.used) % _PAGE
+        if p + nbytes > self.arena.nbytes:
+            self.write()  # the queued chunks leave the arena free
+            p = (file_off - self.arena.ctypes.data) % _PAGE
+        self.used = p + nbytes
+        return self.arena[p:p + nbytes]
+
+    def add(self, *parts) -> None:
+        self.parts.extend(parts)
+        self.nbytes += sum(len(x) for x in parts)
+        if self.nbytes >= _BATCH_BYTES or len(self.parts) >= _BATCH_PARTS:
+            self.write()
+
+    def write(self) -> None:
+        if self.parts:
+            _write_all(self.fd, self.parts)
+        self.parts, self.nbytes, self.used = [], 0, 0
 
 
 def _write_all(fd: int, parts: list) -> None:
@@ -178,7 +217,8 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     to it and the caller fsyncs each once (:func:`sync_dirs`) after all its files, before it relies on them.
     ``durable=False``: the file is not fsynced either (a writer that defers durability,
     ``CheckpointWriter.defer_durability``, fsyncs every file and folder it wrote in one pass before any row
-    names them)."""
+    names them); its writeback is started (``sync_file_range``, no wait) as soon as it is written, so the
+    disk works on it while later files are encoded and that pass mostly finds it on disk."""
     chunk, per = layout.chunk_shape, [sh // c for sh, c in zip(layout.shard_shape, layout.chunk_shape)]
     grid = layout.chunk_grid()
     itemsize = data.itemsize
@@ -194,7 +234,7 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         pos = flushed = 0
-        crc = np.empty(1, "<u4")
+        batch = _Batch(fd)
         for k, local in enumerate(itertools.product(*(range(p) for p in per))):
             idx = tuple(f + i for f, i in zip(first, local))
             if any(i >= g for i, g in zip(idx, grid)):
@@ -206,25 +246,28 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
             if full and src.flags.c_contiguous and not _bad_distance(pos, src.ctypes.data):
                 enc = src.reshape(-1).view(np.uint8)  # in place: no copy
             else:
-                enc = _scratch_at(pos, cbytes)
+                enc = batch.scratch(pos, cbytes)
                 view = enc.view(data.dtype).reshape(chunk)
                 if not full:
                     enc[:] = 0  # the fill value pads an edge chunk to the full chunk shape
                 _copy(view[tuple(slice(0, b - a) for a, b in zip(lo, hi))], src)
-            crc[0] = _crc(enc)
             if digests is not None:
                 digests[idx] = xxhash.xxh3_128_digest(enc.data) if full else fmt.chunk_digest(src)
-            _write_all(fd, [enc, crc.view(np.uint8)])
+            batch.add(enc, _crc(enc).to_bytes(4, "little"))
             index[k] = (pos, cbytes + 4)
             pos += cbytes + 4
             if _start_writeback is not None and pos - flushed >= WRITEBACK_BYTES:
+                batch.write()
                 _start_writeback(fd, flushed, pos - flushed)
                 flushed = pos
         raw = index.reshape(-1).view(np.uint8)
-        crc[0] = _crc(raw)
-        _write_all(fd, [raw, crc.view(np.uint8)])
+        batch.add(raw, _crc(raw).to_bytes(4, "little"))
+        batch.write()
         if durable:
             os.fdatasync(fd)
+        elif _start_writeback is not None and pos + raw.nbytes + 4 > flushed:
+            # deferred durability: start the disk on the rest now, so the writer's one fsync pass finds it written
+            _start_writeback(fd, flushed, pos + raw.nbytes + 4 - flushed)
     except BaseException:
         os.close(fd)
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import difflib
+import functools
 import numbers
 import os
 import socket
@@ -80,6 +81,13 @@ def _tool_version() -> str:
 
 
 def _library_versions() -> dict[str, str]:
+    """The versions of the libraries a save records (a fresh dict: the caller may add to it)."""
+    return dict(_installed_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_versions() -> dict[str, str]:
+    # read once per process: parsing the packages' metadata cost half of every begin()
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
@@ -302,7 +310,9 @@ class Store:
         if not isinstance(step, numbers.Integral) or isinstance(step, bool) or not 0 <= step < 2**63:
             raise ValidationError(f"step must be an integer from 0 to 2^63-1, got {step!r}")
         prov = self._provenance_record(provenance)
-        with self.catalog.write_session() as s:
+        # the pending row need not reach the disk before the save writes: an OS crash that loses it kills the
+        # save too (gc sweeps its files, which no row names); the commit's durable transaction makes it durable
+        with self.catalog.write_session(durable=False) as s:
             run_row = s.scalar(select(m.Run).where(m.Run.name == run))
             if run_row is None:
                 # On PostgreSQL two first saves of a run can race (no database-wide write lock as on

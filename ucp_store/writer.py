@@ -19,12 +19,13 @@ import itertools
 import json
 import math
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from sqlalchemy import exists, func, select
+from sqlalchemy import exists, func, insert, select
 from sqlalchemy.exc import IntegrityError
 
 from . import dtypes, localwrite, names
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CheckpointWriter", "layer_of"]
 
 _ROW_BATCH = 512
+_TARGETED_LOOKUPS = 8  # a writer's catalog lookups of single content hashes before it reads them all at once
 _MAX_INFLIGHT_BYTES = 1 << 30
 _SYNC_WORKERS = 16  # concurrent fsyncs of a deferred-durability pass (the journal commits them together)
 #: the most elements one tensor-state may have (256 Ti: 1 PiB of fp32). A larger shape is a bad input
@@ -97,12 +99,14 @@ class CheckpointWriter:
         self._local_arrays: dict[str, str] = {}  # content hash -> array id written by this writer
         self._position = 0
         self._closed = False
-        self.checkpoint = None
+        self.checkpoint: Any = None
         self.nbytes = 0
         self._sharded: dict[tuple[str, str], tuple] = {}  # (name, state) -> (array id, path, layout, pattern)
         self._handles: dict[tuple[str, str], Any] = {}
         self._origin: set[tuple[str, str]] = set()
         self._committed_hashes: dict[str, list] | None = None
+        self._hash_lookups: dict[str, list] = {}  # _dedup's targeted lookups: content hash -> committed arrays
+        self._lookups = 0
         # committed arrays this writer deduplicated against, with the data in hand, until its rows are
         # flushed: array id -> (array, dtype, pattern, what, content hash)
         self._borrowed: dict[str, tuple] = {}
@@ -159,10 +163,38 @@ class CheckpointWriter:
         that hold them (the checkpoint's folder, the arrays folder), in parallel."""
         if not self._unsynced:
             return
+        rels, self._unsynced = sorted(self._unsynced), set()
+        self._sync_rels(rels)
+
+    def make_durable_async(self):
+        """Start, on a thread, the fsync pass over what was written until now (call after the writes returned:
+        ``drain``); returns its Future (``result()`` re-raises a failure). What is written later goes to the
+        next pass (``commit`` / ``export_rows`` run it), so the caller overlaps this pass with other work."""
+        from concurrent.futures import Future
+
+        rels = sorted(self._unsynced or ())
+        if self._unsynced is not None:
+            self._unsynced = set()
+        done: Future = Future()
+        if not rels:
+            done.set_result(None)
+            return done
+
+        def run() -> None:
+            try:
+                self._sync_rels(rels)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the pass
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=run, name="ucp-durable", daemon=True).start()
+        return done
+
+    def _sync_rels(self, rels: list[str]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         root = self.store.location.root
-        rels, self._unsynced = sorted(self._unsynced), set()
         paths: list[str] = []
         for rel in rels:
             top = os.path.join(root, rel)
@@ -201,23 +233,51 @@ class CheckpointWriter:
     def _dedup(self, h: str, dtype: str, shape) -> str | None:
         """An existing ready array of a committed version with this content, or None.
 
-        The committed arrays' hashes are read once per writer (one query instead of one per write); an
-        array swept meanwhile by a concurrent rm/gc is caught when the rows are flushed."""
+        The first lookups of a writer ask the catalog for their hash alone (an indexed query; a save that
+        writes few whole arrays, or whose sharded arrays are looked up together by ``finish_shards``, never
+        reads every committed array's hash); past ``_TARGETED_LOOKUPS`` of them, the committed arrays' hashes
+        are read once (one query instead of one per write). An array swept meanwhile by a concurrent rm/gc
+        is caught when the rows are recorded."""
         if h in self._local_arrays:
             return self._local_arrays[h]
-        if self._committed_hashes is None:
-            with self.store.catalog.session() as s:
-                q = (select(m.Array.content_hash, m.Array.id, m.Array.shape, m.Array.dtype)
-                     .where(m.Array.status == "ready", m.Array.content_hash.is_not(None))
-                     .where(exists().where(m.Tensor.array_id == m.Array.id, m.Tensor.checkpoint_id == m.Checkpoint.id,
-                                           m.Checkpoint.status == "committed")))
-                self._committed_hashes = {}
-                for ch, aid, ashape, adtype in s.execute(q):
-                    self._committed_hashes.setdefault(ch, []).append((aid, list(ashape), adtype))
-        for aid, ashape, adtype in self._committed_hashes.get(h, ()):
+        for aid, ashape, adtype in self._committed_candidates(h):
             if adtype == dtype and ashape == list(shape):
                 return aid
         return None
+
+    def _committed_candidates(self, h: str) -> list:
+        if self._committed_hashes is not None:
+            return self._committed_hashes.get(h, [])
+        if h not in self._hash_lookups:
+            if self._lookups >= _TARGETED_LOOKUPS:
+                with self.store.catalog.session() as s:
+                    self._committed_hashes = {}
+                    for ch, aid, ashape, adtype in s.execute(self._committed_query()):
+                        self._committed_hashes.setdefault(ch, []).append((aid, list(ashape), adtype))
+                return self._committed_hashes.get(h, [])
+            self._lookup_hashes([h])
+        return self._hash_lookups.get(h, [])
+
+    def _committed_query(self, hashes: list[str] | None = None):
+        q = (select(m.Array.content_hash, m.Array.id, m.Array.shape, m.Array.dtype)
+             .where(m.Array.status == "ready", m.Array.content_hash.is_not(None))
+             .where(exists().where(m.Tensor.array_id == m.Array.id, m.Tensor.checkpoint_id == m.Checkpoint.id,
+                                   m.Checkpoint.status == "committed")))
+        return q if hashes is None else q.where(m.Array.content_hash.in_(hashes))
+
+    def _lookup_hashes(self, hashes: list[str]) -> None:
+        """The committed arrays with these content hashes, in one query (kept for ``_dedup``)."""
+        todo = sorted({h for h in hashes if h not in self._hash_lookups})
+        if not todo or self._committed_hashes is not None:
+            return
+        self._lookups += 1
+        for i in range(0, len(todo), 500):
+            part = todo[i:i + 500]
+            for h in part:
+                self._hash_lookups[h] = []
+            with self.store.catalog.session() as s:
+                for ch, aid, ashape, adtype in s.execute(self._committed_query(part)):
+                    self._hash_lookups[ch].append((aid, list(ashape), adtype))
 
     def _put_array(self, array: np.ndarray, dtype: str, pattern, what: str) -> tuple[str, str, int]:
         """Write (or dedup) one array; returns (array id, content hash, stored bytes written)."""
@@ -373,14 +433,15 @@ class CheckpointWriter:
         for box, data in copies:
             offset = tuple(lo for lo, _ in box.ranges)
             if folder is not None and localwrite.whole_shards(layout, offset, tuple(data.shape)):
-                # whole shards of a local store with deferred durability: their files straight from memory
-                self._submit_local_shards(folder, layout, offset, data, None, what)
+                # whole shards of a local store with deferred durability: their files straight from memory; the
+                # write pool digests each chunk from the copy it writes (not this thread, one more pass over it)
+                self._submit_local_shards(folder, layout, offset, data,
+                                          self._shard_digests.setdefault((name, state), {}) if digest else None, what)
             else:
                 self._window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
+                if digest:
+                    _digest_chunks_inside(self._shard_digests.setdefault((name, state), {}), layout, offset, data)
             written += data.size
-            if digest:
-                _digest_chunks_inside(self._shard_digests.setdefault((name, state), {}), layout,
-                                      tuple(lo for lo, _ in box.ranges), data)
             killpoint("write.shard_box")
         self._sharded.setdefault((name, state), (aid, rel, layout, pattern))
         if position is not None:
@@ -515,7 +576,9 @@ class CheckpointWriter:
 
     def shard_digests(self) -> dict:
         """``{(name, state): {chunk index: digest}}`` of the chunks this writer's ``write_shard(digest=True)``
-        calls wrote whole (see ``set_chunk_digests``)."""
+        calls wrote whole (see ``set_chunk_digests``). Waits for the writes in flight first: the write pool
+        digests the chunks of whole shard files it writes."""
+        self._drain()
         return {k: dict(v) for k, v in self._shard_digests.items()}
 
     def set_chunk_digests(self, name: str, state: str, digests: dict) -> None:
@@ -605,9 +668,11 @@ class CheckpointWriter:
         aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
         return layout, array_path(self.id, aid), aid
 
-    def finish_shards(self) -> None:
-        """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of."""
+    def finish_shards(self, *, record: bool = True) -> None:
+        """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of.
+        ``record=False``: their rows stay with the writer (for :meth:`commit` or :meth:`export_rows`)."""
         self._drain()
+        hashes: dict[tuple[str, str], str] = {}
         for key in sorted(self._origin):
             aid, rel, layout, pattern = self._sharded[key]
             handle = self._handles[key]
@@ -620,6 +685,10 @@ class CheckpointWriter:
                     hasher.update(fmt.read_box(handle, layout, box, what=f"tensor {key[0]!r} state {key[1]!r}",
                                                array_url=self.store.array_url(rel)))
                 h = hasher.hexdigest()
+            hashes[key] = h
+        self._lookup_hashes([h for h in hashes.values() if h not in self._local_arrays])  # one query for all
+        for key, h in hashes.items():
+            aid, rel, layout, pattern = self._sharded[key]
             existing = self._dedup(h, layout.dtype, layout.shape)
             if existing is not None:
                 self.store.location.delete_tree(rel)  # identical content is already stored
@@ -637,7 +706,8 @@ class CheckpointWriter:
                                        else self._next_position(),
                                        layer=layer_of(pattern)))
         self._origin.clear()
-        self.flush()
+        if record:
+            self.flush()
 
     def _tree_hash(self, key, handle, layout: fmt.ArrayLayout, rel: str) -> str:
         """The chunk-tree hash of a sharded array from the merged digests; chunks that no single write
@@ -685,6 +755,7 @@ class CheckpointWriter:
                                       "rm/gc and the tensor changed since it was written; the save is aborted, "
                                       "retry it")
             self._committed_hashes = None  # stale: it listed the swept array
+            self._hash_lookups.clear()
             remap[old] = self._new_array(array, dtype, pattern, what, h)[0]
         for row in self._rows:
             if getattr(row, "array_id", None) in remap:
@@ -693,36 +764,66 @@ class CheckpointWriter:
     def flush(self) -> None:
         """Wait for in-flight writes (and, with ``defer_durability``, make them durable), then record their
         rows under the pending checkpoint."""
-        self._drain()
-        self._make_durable()
+        self._settle()
         if not self._rows:
             return
-        killpoint("flush.before_rows")
-        self._restore_borrowed()
-        self._drain()
         rows, self._rows = self._rows, []
-        self._borrowed.clear()  # from here the flushed rows reference them: no sweep takes them
-        arrays = [r for r in rows if isinstance(r, m.Array)]
-        others = [r for r in rows if not isinstance(r, m.Array)]
         with self.store.catalog.write_session() as s:
-            ck = s.get(m.Checkpoint, self.id)
-            if ck is None or ck.status != "pending":
-                raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); the save is lost")
-            s.add_all(arrays)
-            s.flush()
-            killpoint("flush.mid_rows")
-            # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
-            new_ids = {a.id for a in arrays}
-            wanted = {r.array_id for r in others if getattr(r, "array_id", None)} - new_ids
-            if wanted:
-                found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(wanted))))
-                if wanted - found:
-                    gone = ", ".join(sorted(wanted - found))[:200]
-                    raise CommitRaceError(f"checkpoint {self.id}: array(s) {gone} this "
-                                   "save deduplicated against were removed by a concurrent rm/gc; the save is "
-                                   "aborted, retry it")
-            s.add_all(others)
+            self._insert_rows(s, rows, "the save is lost")
+        self._borrowed.clear()  # from here the flushed rows reference them: no sweep takes them
         killpoint("flush.after_rows")
+
+    def _settle(self) -> None:
+        """Every write of this writer has returned and is durable, and every committed array its rows
+        deduplicated against still exists (one swept meanwhile is written again from the data in hand)."""
+        self._drain()
+        self._make_durable()
+        if self._rows and self._borrowed:
+            self._restore_borrowed()
+            self._drain()
+            self._make_durable()  # the arrays written again are durable before a row names them
+
+    def _insert_rows(self, s, rows: list, lost: str) -> None:
+        """Insert ``rows`` (ORM rows or :func:`row_to_dict` dicts) in session ``s`` (one transaction), after
+        checking the checkpoint is still pending and that the committed arrays they deduplicated against
+        still exist. One multi-row INSERT per table (no ORM unit of work: a save has hundreds of rows)."""
+        killpoint("flush.before_rows")
+        ck = s.get(m.Checkpoint, self.id)
+        if ck is None or ck.status != "pending":
+            raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); {lost}")
+        by_kind: dict[str, list[dict]] = {"array": [], "tensor": [], "object": []}
+        for r in rows:
+            d = r if isinstance(r, dict) else row_to_dict(r)
+            by_kind[d["_table"]].append(d)
+        if by_kind["array"]:
+            s.execute(insert(m.Array), _insert_params(m.Array, by_kind["array"]))
+        killpoint("flush.mid_rows")
+        # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
+        new_ids = {a["id"] for a in by_kind["array"]}
+        wanted = {d["array_id"] for k in ("tensor", "object") for d in by_kind[k] if d.get("array_id")} - new_ids
+        if wanted:
+            found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(wanted))))
+            if wanted - found:
+                gone = ", ".join(sorted(wanted - found))[:200]
+                raise CommitRaceError(f"checkpoint {self.id}: array(s) {gone} this "
+                                      "save deduplicated against were removed by a concurrent rm/gc; the save is "
+                                      "aborted, retry it")
+        for kind, cls in (("tensor", m.Tensor), ("object", m.StoredObject)):
+            if by_kind[kind]:
+                s.execute(insert(cls), _insert_params(cls, by_kind[kind]))
+
+    def export_rows(self) -> list[dict]:
+        """For a joined writer of a distributed save (after every rank's writes returned: a barrier first):
+        hash the arrays this rank is origin of, make everything it wrote durable, and hand its rows over as
+        plain dicts for the owner's :meth:`commit` (``extra_rows``), which records them in its one
+        transaction. The writer is closed after."""
+        self._check_open()
+        if self._origin:
+            self.finish_shards(record=False)
+        self._settle()
+        rows, self._rows = self._rows, []
+        self._closed = True
+        return [row_to_dict(r) for r in rows]
 
     def close(self) -> None:
         """For a joined writer: flush and detach (the owner commits)."""
@@ -732,8 +833,11 @@ class CheckpointWriter:
             self.flush()
             self._closed = True
 
-    def commit(self):
-        """Make the checkpoint visible: one transaction, after every array write has returned."""
+    def commit(self, *, extra_rows: Iterable[dict] = (), reload: bool = True):
+        """Make the checkpoint visible: one transaction, after every array write has returned (and is durable),
+        that records the rows not yet flushed and commits. ``extra_rows``: the rows of the joined ranks of a
+        distributed save (:meth:`export_rows`), recorded in the same transaction. Returns the committed
+        :class:`~ucp_store.checkpoint.Checkpoint` (read back from the catalog), or None with ``reload=False``."""
         from .checkpoint import Checkpoint
 
         self._check_open()
@@ -743,9 +847,15 @@ class CheckpointWriter:
         label = f"checkpoint {self.id}'s step"
         try:
             if self._origin:
-                self.finish_shards()
-            self.flush()
+                self.finish_shards(record=False)
+            self._settle()
+            rows, self._rows = self._rows, []
+            rows.extend(check_row_dict(d) for d in extra_rows)
+            # one transaction: the rows still pending (this writer's, and every joined rank's) and the commit
             with self.store.catalog.write_session() as s:
+                if rows:
+                    self._insert_rows(s, rows, "cannot commit")
+                    s.flush()
                 ck = s.get(m.Checkpoint, self.id)
                 if ck is None or ck.status != "pending":
                     raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); cannot commit")
@@ -773,7 +883,8 @@ class CheckpointWriter:
             raise
         killpoint("commit.after")
         self._closed = True
-        self.checkpoint = Checkpoint(self.store, self.id)
+        self._borrowed.clear()
+        self.checkpoint = Checkpoint(self.store, self.id) if reload else None
         return self.checkpoint
 
     def abort(self) -> None:
@@ -805,6 +916,53 @@ class CheckpointWriter:
             sweep_arrays(self.store, dry_run=False, also={self.id})
         except Exception:
             pass  # gc will reclaim what is left; the checkpoint is not listed either way
+
+
+_ROW_KINDS: dict[str, Any] = {"array": m.Array, "tensor": m.Tensor, "object": m.StoredObject}
+
+
+def row_to_dict(row) -> dict:
+    """A pending catalog row as plain data (the columns that are set), for another rank's commit."""
+    kind = next(k for k, cls in _ROW_KINDS.items() if isinstance(row, cls))
+    out: dict[str, Any] = {"_table": kind}
+    for col in row.__table__.columns:
+        value = getattr(row, col.key, None)
+        if value is not None:
+            out[col.key] = value
+    return out
+
+
+def _insert_params(cls, dicts: list[dict]) -> list[dict]:
+    """Parameters of one executemany INSERT into ``cls``'s table: every row with the same keys (the columns
+    any row sets, None where another does not), the autoincrement id left out, ``created_at`` filled in."""
+    skip = {"_table"} if cls is m.Array else {"_table", "id"}
+    keys: list[str] = []
+    for d in dicts:
+        for k in d:
+            if k not in skip and k not in keys:
+                keys.append(k)
+    if cls is m.Array and "created_at" not in keys:
+        keys.append("created_at")
+    now = _utcnow()
+    out = []
+    for d in dicts:
+        p = {k: d.get(k) for k in keys}
+        if cls is m.Array and p["created_at"] is None:
+            p["created_at"] = now
+        out.append(p)
+    return out
+
+
+def check_row_dict(d: Any) -> dict:
+    """``d`` if it is a row as :func:`row_to_dict` describes one (a known kind, only that table's columns)."""
+    if not isinstance(d, dict) or d.get("_table") not in _ROW_KINDS:
+        raise ValidationError("a joined rank's catalog row must be a dict with _table array/tensor/object, "
+                              f"got {str(d)[:200]}")
+    cols = {c.key for c in _ROW_KINDS[d["_table"]].__table__.columns}
+    extra = set(d) - cols - {"_table"}
+    if extra:
+        raise ValidationError(f"a joined rank's {d['_table']} row has unknown columns {sorted(extra)}")
+    return d
 
 
 def _digest_chunks_inside(digests: dict, layout: fmt.ArrayLayout, offset: tuple, data: np.ndarray) -> None:

@@ -106,8 +106,11 @@ def direct(tmp_path_factory):
             # call, and the staging is held back so that the next optimizer step has to wait for it
             jobs.append({"kind": "save", **SAVES["z2"], "steps": 3, "store": store, "run": "z2bg", "background": True,
                          "next_steps": 2, "stage_delay_s": 0.5, "out": str(root / "save_z2bg.json")})
+        # z1: durability="background": save_checkpoint returns once the bytes are written; the next two steps run
+        # while a thread makes them durable and commits (the bit-equality test below then covers that path)
         jobs.append({"kind": "save", **cfg, "steps": 3, "save_dir": str(root / name), "tag": TAG, "convert": True,
-                     "store": store, "run": name, "next_steps": 2, "out": str(root / f"save_{name}.json")})
+                     "store": store, "run": name, "next_steps": 2, "out": str(root / f"save_{name}.json"),
+                     **({"durability": "background"} if name == "z1" else {})})
     _launch(jobs, 2, root, "saves")
     for world in (1, 4):
         jobs = []
@@ -180,6 +183,20 @@ def test_direct_save_is_bit_equal_to_import_of_the_files(direct, name):
             assert {**oa[k], "import_seconds": 0} == {**ob[k], "import_seconds": 0}
         else:
             assert oa[k] == ob[k], k
+
+
+@pytest.mark.slow
+def test_durability_in_background_commits_the_saved_step(direct):
+    # z1 was saved with durability="background" and trained on at once: the version is step 3's state (bit-equal
+    # to the files, test above), listed once the thread made it durable and committed it, and the call returned
+    # before that
+    from ucp_store import open_store
+
+    res = _json(direct / "save_z1.json")
+    assert res["version"] == open_store(str(direct / "store")).resolve("z1@3")
+    st = res["ucp_stats"]
+    assert 0 < st["returned_s"] < st["durable_committed_s"] and st["commit_s"] > st["objects_s"]
+    assert len(res["losses"]) == 2  # the next steps ran before wait()
 
 
 @pytest.mark.slow

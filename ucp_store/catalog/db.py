@@ -79,6 +79,7 @@ PG_CONNECT_TIMEOUT_S = 10
 #: pg_advisory_xact_lock key serialising schema migrations ("ucpS")
 _PG_MIGRATION_LOCK = 0x75637053
 _WRITE_OPTION = "ucp_write"
+_LAZY_OPTION = "ucp_write_not_durable"  # write_session(durable=False): no fsync at this transaction's commit
 _VERSION_TABLE = "alembic_version"
 
 
@@ -308,10 +309,25 @@ def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str) -> 
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):
-        if conn.get_execution_options().get(_WRITE_OPTION):
+        options = conn.get_execution_options()
+        if options.get(_WRITE_OPTION):
+            if options.get(_LAZY_OPTION):
+                # SQLite refuses to change the safety level inside a transaction: before BEGIN, and back
+                # to FULL when the connection returns to the pool (_on_checkin)
+                conn.exec_driver_sql("PRAGMA synchronous = NORMAL")
+                conn.info["ucp_not_durable"] = True
             conn.exec_driver_sql("BEGIN IMMEDIATE")
         else:
             conn.exec_driver_sql("BEGIN")
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(dbapi_connection, connection_record):
+        if connection_record.info.pop("ucp_not_durable", False) and dbapi_connection is not None:
+            cur = dbapi_connection.cursor()
+            try:
+                cur.execute("PRAGMA synchronous = FULL")
+            finally:
+                cur.close()
 
 
 def _make_engine(u: URL, busy_timeout_ms: int) -> Engine:
@@ -355,6 +371,8 @@ class Catalog:
         self.session: sessionmaker[Session] = sessionmaker(bind=engine, expire_on_commit=False)
         self._write_engine = engine.execution_options(**{_WRITE_OPTION: True})
         self._write_session: sessionmaker[Session] = sessionmaker(bind=self._write_engine, expire_on_commit=False)
+        self._lazy_write_session: sessionmaker[Session] = sessionmaker(
+            bind=engine.execution_options(**{_WRITE_OPTION: True, _LAZY_OPTION: True}), expire_on_commit=False)
 
     @property
     def dialect(self) -> str:
@@ -372,18 +390,26 @@ class Catalog:
         )
 
     @contextlib.contextmanager
-    def write_session(self, *, attempts: int | None = None) -> Iterator[Session]:
+    def write_session(self, *, attempts: int | None = None, durable: bool = True) -> Iterator[Session]:
         """A session inside one write transaction; commits when the block ends, rolls back if it raises.
 
         On SQLite the transaction starts with ``BEGIN IMMEDIATE`` (each attempt waits up to
         ``busy_timeout`` for the lock; a lock still held after that is retried ``attempts`` times).
         The block itself runs once: to re-run it on transient conflicts, use ``run_write``.
+
+        ``durable=False``: the commit does not wait for the disk (SQLite: ``synchronous=NORMAL`` for this
+        transaction, PostgreSQL: ``SET LOCAL synchronous_commit = off``). The transaction is atomic and
+        visible to every other connection at once; only an operating-system crash can lose it, and the
+        next durable commit makes it durable too (both write one log in order). For rows whose loss in a
+        crash loses nothing (a save's pending row: that save dies with the machine, gc sweeps its files).
         """
         attempts = attempts or self.write_attempts
         for attempt in range(attempts):
-            session = self._write_session()
+            session = self._write_session() if durable or self.dialect != "sqlite" else self._lazy_write_session()
             try:
                 session.connection()  # BEGIN (IMMEDIATE) now, not at the first statement
+                if not durable and self.dialect == "postgresql":
+                    session.execute(text("SET LOCAL synchronous_commit TO OFF"))
             except exc.OperationalError as e:
                 session.close()
                 if not _is_transient(e):
