@@ -168,14 +168,9 @@ def engine_topology(engine) -> dict:
     if getattr(engine, "has_moe_layers", False):
         raise ConfigurationError("ucp_store.deepspeed_direct: MoE engines (expert parallelism) are not supported yet; "
                                  "save with DeepSpeed's own engine and `ucp import deepspeed`")
-    if tp != 1:
-        # `ucp import deepspeed` compares every TP rank's copy of a replicated parameter and stores their mean
-        # when they drifted (the `averaged` pattern): no rank can write that from its own share alone
-        raise ConfigurationError(f"ucp_store.deepspeed_direct: tensor parallelism (mp_world_size={tp}) is not "
-                                 "supported by the direct engine (TP-replicated parameters are stored as the mean "
-                                 "of every TP rank's replica, which no single rank holds); save with DeepSpeed's "
-                                 "own engine and `ucp import deepspeed`, which handles TP")
     zero = int(engine.zero_optimization_stage()) if engine.zero_optimization() else 0
+    if tp != 1:
+        _check_tp(engine, tp, zero)
     if zero == 0 and not _is_bf16_optimizer(engine):
         raise ConfigurationError(
             "ucp_store.deepspeed_direct: the engine has no ZeRO optimizer (zero_optimization.stage "
@@ -187,8 +182,40 @@ def engine_topology(engine) -> dict:
         layers = int(parts[-1])
         stages = tuple(next(s for s in range(pp) if parts[s] <= i < parts[s + 1]) for i in range(layers))
     dp = int(engine.dp_world_size)
-    return {"tp": 1, "pp": pp, "dp": dp, "zero_stage": zero if zero else 1, "layers": layers,
+    return {"tp": tp, "pp": pp, "dp": dp, "zero_stage": zero if zero else 1, "layers": layers,
             "layer_stages": stages, "zero_alignment": 2}
+
+
+# ------------------------------------------------------------------------- tensor parallelism (TP > 1)
+def _check_tp(engine, tp: int, zero: int) -> None:
+    """Refuse what the engine cannot save at TP > 1 (ZeRO-3 x TP), and a rank order other than Megatron's
+    (tp fastest, then dp, then pp), which ``Topology`` assumes when it maps a TP slice to its rank."""
+    if zero >= 3:
+        raise ConfigurationError(f"ucp_store.deepspeed_direct: ZeRO-3 with tensor parallelism (tp={tp}) is not "
+                                 "supported by the direct engine (ZeRO-1/2 and the bf16 optimizer are); save with "
+                                 "DeepSpeed's own engine and `ucp import deepspeed`, which handles it")
+    rank, stage, dp_rank = _coords(engine)
+    tp_rank = tp_coord(engine)
+    dp = int(engine.dp_world_size)
+    want = tp_rank + tp * (dp_rank + dp * stage)
+    if rank != want:
+        raise ConfigurationError(f"ucp_store.deepspeed_direct: global rank {rank} is (tp={tp_rank}, dp={dp_rank}, "
+                                 f"pp={stage}), which Megatron's rank order (tp fastest, then dp, then pp) puts at "
+                                 f"rank {want}; the direct engine supports TP only in that order")
+
+
+def tp_coord(engine) -> int:
+    """This process's tensor-parallel rank (0 without TP)."""
+    if _is_pipe(engine):
+        return int(engine.grid.get_slice_parallel_rank())
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None:
+        return 0
+    for attr in ("get_tensor_model_parallel_rank", "get_model_parallel_rank"):
+        if hasattr(mpu, attr):
+            return int(getattr(mpu, attr)())
+    raise ConfigurationError("ucp_store.deepspeed_direct: the engine's mpu tells no tensor-parallel rank "
+                             "(get_tensor_model_parallel_rank / get_model_parallel_rank)")
 
 
 def _is_pipe(engine) -> bool:
@@ -339,7 +366,8 @@ class UcpCheckpointEngine(_Base):
                 lp[n] = p
         step = int(eng.global_steps)
         rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
-        return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "topo": topo, "lp": lp, "step": step, "rng": rng}
+        return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_coord(eng), "topo": topo, "lp": lp,
+                "step": step, "rng": rng}
 
     # --- the write --------------------------------------------------------------------------------
     def _write(self, staged: dict, meta: dict) -> str:

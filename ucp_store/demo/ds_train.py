@@ -21,7 +21,8 @@ for many checkpoints keeps the test-suite fast on 2 cores). A single job can als
   tensor x pipeline x data parallelism: a ``PipelineModule`` over ``PipeModelDataParallelTopology`` with
   ``stages`` stages and ``tp`` tensor ranks; ``blocks`` MLP blocks of hand-written column/row-parallel
   linears (Megatron's names ``mlp.dense_h_to_4h`` / ``mlp.dense_4h_to_h``) whose collectives run on the
-  grid's tensor group, width ``hidden``; the model records its ``universal_checkpoint_info``).
+  grid's tensor group, width ``hidden``; the model records its ``universal_checkpoint_info``;
+  ``average_norms``: its layer norms listed as averaged over the TP ranks instead of replicated).
 - ``zero`` (0-3), ``dtype`` (``bf16``/``fp16``/``fp32``), ``sub_group_size`` (ZeRO-3), ``seed``,
   ``grad_accum_dtype`` (``"fp32"`` with bf16 + ZeRO-1 selects DeepSpeed's ``BF16_Optimizer``).
 - ``convert``: after saving, rank 0 runs ``python -m deepspeed.checkpoint.ds_to_universal``
@@ -252,6 +253,16 @@ PIPE3D_UCI = {
 }
 
 
+# the same, with the layer norms averaged over the TP ranks (Megatron-DeepSpeed's parameter_to_average_patterns,
+# e.g. for sequence-parallel norms) instead of required equal: ``average_norms`` in a pipe3d job
+PIPE3D_UCI_AVERAGED = {
+    "universal_checkpoint_version": 0.2,
+    "tp_replicated_parameter_patterns": [r".*\.dense_4h_to_h\.bias$", r"^\d+\.(weight|bias)$"],
+    "parameter_to_average_patterns": [r".*\.input_layernorm\.(weight|bias)$"],
+    "parameter_with_row_parallelism_patterns": [r".*\.dense_4h_to_h\.weight$"],
+}
+
+
 def _pipe3d_model(job):
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -273,7 +284,7 @@ def _pipe3d_model(job):
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.group = group
     # DeepSpeed saves a module's universal_checkpoint_info into every model-state file
-    model.universal_checkpoint_info = PIPE3D_UCI
+    model.universal_checkpoint_info = PIPE3D_UCI_AVERAGED if job.get("average_norms") else PIPE3D_UCI
     model.din, model.dout = din, dout
     return model
 
