@@ -94,7 +94,7 @@ def test_execute_reads_group_buffers_into_given_tensors(saved):
     assert execute(ck, p, infos=records, only=[]).buffers == {}
 
 
-def test_tp_and_moe_engines_are_refused_with_the_reason():
+def test_zero3_tp_and_moe_engines_are_refused_with_the_reason():
     from types import SimpleNamespace
 
     from ucp_store.ds_engine import engine_topology
@@ -102,8 +102,11 @@ def test_tp_and_moe_engines_are_refused_with_the_reason():
 
     base = {"module": SimpleNamespace(), "zero_optimization": lambda: True, "zero_optimization_stage": lambda: 2,
             "dp_world_size": 2}
-    with pytest.raises(ConfigurationError, match=r"tensor parallelism \(mp_world_size=2\).*mean.*ucp import deepspeed"):
-        engine_topology(SimpleNamespace(**base, mp_world_size=2, has_moe_layers=False))
+    # TP with ZeRO-1/2 is saved (tests/deepspeed/test_direct_tp.py); ZeRO-3 x TP is not
+    assert engine_topology(SimpleNamespace(**base, mp_world_size=2, has_moe_layers=False))["tp"] == 2
+    z3 = {**base, "zero_optimization_stage": lambda: 3}
+    with pytest.raises(ConfigurationError, match=r"ZeRO-3 with tensor parallelism \(tp=2\).*ucp import deepspeed"):
+        engine_topology(SimpleNamespace(**z3, mp_world_size=2, has_moe_layers=False))
     with pytest.raises(ConfigurationError, match=r"MoE engines .*ucp import deepspeed"):
         engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=True))
     assert engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=False))["dp"] == 2

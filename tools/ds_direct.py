@@ -82,12 +82,13 @@ def _perturb(engine, spec: dict, rank: int) -> None:
         safe_set_full_optimizer_state,
     )
 
-    if rank != spec["rank"]:
-        return
     for name, p in engine.module.named_parameters():
         if name in spec["params"]:
-            safe_set_full_fp32_param(p, safe_get_full_fp32_param(p) + spec.get("delta", 1e-3))
-            safe_set_full_optimizer_state(p, safe_get_full_optimizer_state(p, "exp_avg") * 1.5, "exp_avg")
+            # the getters are collective over the DP group: every rank reads, one rank writes
+            fp32, exp_avg = safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg")
+            if rank == spec["rank"]:
+                safe_set_full_fp32_param(p, fp32 + spec.get("delta", 1e-3))
+                safe_set_full_optimizer_state(p, exp_avg * 1.5, "exp_avg")
 
 
 def _status_mb(field: str) -> float | None:

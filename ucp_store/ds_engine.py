@@ -33,16 +33,25 @@ re-raises its error.
     ucpds.attach(engine, store="/ckpt/store", run="llama")   # once, after deepspeed.initialize
     engine.save_checkpoint()                                   # -> llama@<global_steps>, no files
 
-Scope: tensor parallelism (TP > 1) and MoE are refused with a clear error; ZeRO 1-3, bf16/fp16/fp32,
-the bf16 optimizer and pipeline engines are handled. TP > 1 stays refused because bit-equality with
-``ucp import deepspeed`` needs three things the engine does not have yet: (1) the importer's rule for a
-TP-replicated parameter (norms, biases of row-parallel layers) is "one copy if every TP rank's replica is
-bit-equal, else their element-wise mean with the ``averaged`` pattern and its max deviation"; no rank can
-apply it from its own share, so the TP ranks would have to exchange every replicated parameter's fp32
-master and moments (tensor collectives over the TP group, or a read-back after writing) before it is
-written; (2) the Megatron-style layouts arrive as ``universal_checkpoint_info`` patterns (``ds_write``
-refuses models carrying them), whose TP slices would go through ``write_shard`` with those patterns;
-(3) ``ds_load.load`` refuses versions saved at TP > 1. ``ucp import deepspeed`` handles TP today.
+Scope: ZeRO 1-3, bf16/fp16/fp32, the bf16 optimizer and pipeline engines; tensor parallelism (TP > 1) with
+ZeRO-1/2 in Megatron's rank order (tp fastest, then dp, then pp: ``PipeModelDataParallelTopology`` or an mpu).
+At TP > 1 (or with ``universal_checkpoint_info`` patterns) every parameter follows the file importer's rule
+(``UniversalInfo.rule``, or the rule inferred from the data for a TP model without patterns):
+
+- equal-width column/row-parallel parameters (rule ``cat``): each rank writes its ZeRO fragments of its TP slice
+  through ``write_shard`` with the ``partitioned`` pattern, as at TP=1;
+- every other one (TP-replicated norms and row-parallel biases, ``parameter_to_average_patterns``, fused
+  sub-parameters, vocabularies, affine maps): its fragments go point to point (bytes, the save's gloo group,
+  bounded timeout) to the first rank of its pipeline stage, which runs the importer's own merge
+  (``DeepSpeedReader._finish`` via ``ds_write._Merger``): one copy when the replicas are equal, a refusal when a
+  parameter listed as replicated drifted, the element-wise mean with the ``averaged`` pattern and its max
+  deviation for averaged ones; and writes the result whole. The stored bytes are the importer's
+  (``tests/deepspeed/test_direct_tp.py``).
+
+Still refused, with the reason in the error: ZeRO-3 x TP (the ZeRO-3 partitions of TP slices are not mapped
+yet), MoE engines (expert files and expert-parallel groups: ``ucp import deepspeed`` handles them), frozen
+parameters and buffers at TP > 1 (the importer merges their TP copies by rules this engine does not apply yet),
+and a rank order other than Megatron's. ``ds_load.load`` loads versions of any TP degree into engines of any TP.
 
 Durability: the save's writer defers it (``CheckpointWriter.defer_durability``): no fsync per file;
 every rank fsyncs all it wrote in one parallel pass before the ranks agree, and rank 0 commits after.
@@ -194,6 +203,10 @@ def _check_tp(engine, tp: int, zero: int) -> None:
         raise ConfigurationError(f"ucp_store.deepspeed_direct: ZeRO-3 with tensor parallelism (tp={tp}) is not "
                                  "supported by the direct engine (ZeRO-1/2 and the bf16 optimizer are); save with "
                                  "DeepSpeed's own engine and `ucp import deepspeed`, which handles it")
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return  # one process holds no TP ranks to place (a unit test's stand-in engine)
     rank, stage, dp_rank = _coords(engine)
     tp_rank = tp_coord(engine)
     dp = int(engine.dp_world_size)
