@@ -73,8 +73,9 @@ def param_states(engine) -> dict:
 
 
 def _perturb(engine, spec: dict, rank: int) -> None:
-    """On global rank ``spec["rank"]`` only, move the fp32 master and exp_avg of ``spec["params"]`` (a TP replica
-    drifts away from the other TP ranks' copies) through DeepSpeed's own accessors."""
+    """On global rank(s) ``spec["rank"]`` (an int or a list) only, move the fp32 master and exp_avg of
+    ``spec["params"]`` (a TP replica drifts away from the other TP ranks' copies) through DeepSpeed's own
+    accessors."""
     from deepspeed.utils import (
         safe_get_full_fp32_param,
         safe_get_full_optimizer_state,
@@ -86,7 +87,7 @@ def _perturb(engine, spec: dict, rank: int) -> None:
         if name in spec["params"]:
             # the getters are collective over the DP group: every rank reads, one rank writes
             fp32, exp_avg = safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg")
-            if rank == spec["rank"]:
+            if rank in (spec["rank"] if isinstance(spec["rank"], list) else [spec["rank"]]):
                 safe_set_full_fp32_param(p, fp32 + spec.get("delta", 1e-3))
                 safe_set_full_optimizer_state(p, exp_avg * 1.5, "exp_avg")
 

@@ -8,6 +8,7 @@ loaded) on real DeepSpeed over gloo:
    ``parameter_to_average_patterns``). After 3 steps, TP rank 1's copy of one norm is made to drift (fp32
    master and exp_avg), the same step is saved to files by DeepSpeed's own engine and through the ucp engine;
    then a TP-*replicated* bias drifts too and a second ucp save must fail (the importer refuses such files);
+   4 ranks, TP=2 x DP=2 (ZeRO fragments of TP slices straddling the DP partitions), the same save and import;
 2. ``ds_to_universal`` of the files; ``ucp import deepspeed`` of them;
 3. 2 ranks at TP=2 and 4. 1 rank at TP=1: ``ucp_store.deepspeed_direct.load`` of the direct version, and
    DeepSpeed's ``load_universal`` of the converted folder into the same engines.
@@ -37,6 +38,7 @@ MODEL = {"model": "pipe3d", "stages": 1, "zero": 1, "dtype": "bf16", "hidden": 1
 AVERAGED = "1.input_layernorm.weight"
 REPLICATED = "1.mlp.dense_4h_to_h.bias"
 RUN = "tp2"
+RUN_DP2 = "tp2dp2"
 TIMEOUT = 900  # a bound against a hang on a loaded 2-core machine, not a timing check
 
 
@@ -59,7 +61,14 @@ def tp2(tmp_path_factory) -> Path:
     convert = ["--input_folder", str(root / "ck" / TAG), "--output_folder", str(root / "ck" / UTAG),
                "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
     harness = "tools.ds_direct"
+    # TP=2 x DP=2: ZeRO fragments of TP slices (odd width: parameters straddle the DP partitions), saved and imported
+    dp2 = {"kind": "save", **MODEL, "hidden": 12, "blocks": 3, "tp": 2, "steps": 3, "save_dir": str(root / "ck_dp2"),
+           "tag": TAG, "store": store, "run": RUN_DP2, "out": str(root / "save_dp2.json"),
+           "perturb": {"rank": [1, 3], "params": [AVERAGED]}}  # TP rank 1 (both DP ranks hold a part of it)
     phases = [{"ranks": 2, "jobs": [save], "harness": harness},
+              {"ranks": 4, "jobs": [dp2], "harness": harness},
+              {"ucp": ["import", "deepspeed", str(root / "ck_dp2" / TAG), "--run", RUN_DP2, "--store",
+                       str(root / "imported"), "--no-progress"]},
               {"module": "deepspeed.checkpoint.ds_to_universal", "argv": convert},
               {"ucp": ["import", "deepspeed", str(root / "ck" / TAG), "--run", RUN, "--store", str(root / "imported"),
                        "--no-progress"]},
@@ -79,13 +88,14 @@ def tp2(tmp_path_factory) -> Path:
     return root
 
 
-def test_tp2_direct_save_is_bit_equal_to_import_of_the_files(tp2):
+@pytest.mark.parametrize("run", [RUN, RUN_DP2])
+def test_tp2_direct_save_is_bit_equal_to_import_of_the_files(tp2, run):
     import torch
 
     from ucp_store import open_store
 
-    a = open_store(str(tp2 / "store")).checkpoint(f"{RUN}@3")
-    b = open_store(str(tp2 / "imported")).checkpoint(f"{RUN}@3")
+    a = open_store(str(tp2 / "store")).checkpoint(f"{run}@3")
+    b = open_store(str(tp2 / "imported")).checkpoint(f"{run}@3")
     ta = {(t.name, t.state): t for t in a.tensors()}
     tb = {(t.name, t.state): t for t in b.tensors()}
     assert set(ta) == set(tb)
@@ -99,12 +109,20 @@ def test_tp2_direct_save_is_bit_equal_to_import_of_the_files(tp2):
     assert pat["1.mlp.dense_h_to_4h.bias"] == {"kind": "partitioned", "dim": 0, "placement": {"layer": 1}}
     assert pat["1.mlp.dense_4h_to_h.weight"] == {"kind": "partitioned", "dim": 1, "placement": {"layer": 1}}
     assert pat[REPLICATED] == {"kind": "replicated", "placement": {"layer": 1}}
-    assert tuple(ta[("1.mlp.dense_4h_to_h.weight", "fp32")].shape) == (16, 32)
+    hidden, dp = (16, 1) if run == RUN else (12, 2)
+    if run == RUN_DP2:  # a column-parallel weight (written by write_shard) straddles the DP partitions
+        from ucp_store import safe_pickle
+
+        for tp in range(2):
+            maps = [safe_pickle.load(tp2 / "ck_dp2" / TAG / f"bf16_zero_pp_rank_{d}_mp_rank_{tp:02d}_optim_states.pt",
+                                     what="test")["optimizer_state_dict"]["param_slice_mappings"][0] for d in range(2)]
+            assert "2.mlp.dense_h_to_4h.weight" in set(maps[0]) & set(maps[1])
+    assert tuple(ta[("1.mlp.dense_4h_to_h.weight", "fp32")].shape) == (hidden, 2 * hidden)
     # the drifted norm: the mean of the two TP copies, its deviation recorded
     assert pat[AVERAGED]["kind"] == "averaged" and pat[AVERAGED]["max_deviation"] > 0
     assert pat["2.input_layernorm.weight"]["kind"] == "averaged"
     assert pat["2.input_layernorm.weight"]["max_deviation"] == 0.0
-    assert a.provenance["source_topology"] == {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 1}
+    assert a.provenance["source_topology"] == {"tp": 2, "pp": 1, "dp": dp, "zero_stage": 1}
     assert a.verify() == []
     oa, ob = a.objects(), b.objects()
     assert set(ob) <= set(oa)
@@ -123,7 +141,7 @@ def test_tp2_save_of_a_drifted_replica_fails_and_lists_nothing(tp2):
     assert err is not None and REPLICATED in err and "TP slices differ" in err, err
     store = open_store(str(tp2 / "store"))
     assert [c for c in store.list_checkpoints() if c["run"] == "bad"] == []
-    assert [c["run"] for c in store.list_checkpoints()] == [RUN]
+    assert sorted(c["run"] for c in store.list_checkpoints()) == [RUN, RUN_DP2]
 
 
 @pytest.mark.parametrize("tp", [2, 1])
