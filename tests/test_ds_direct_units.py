@@ -193,3 +193,18 @@ def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_pat
     # the arrays were written through a context without TensorStore's own fsync per file (the pass replaces it)
     assert store.unsynced_context.spec.to_json()["file_io_sync"] is False
     assert store.context.spec.to_json().get("file_io_sync", True) is True
+
+
+def test_background_staging_keeps_shapes_as_torch_size():
+    # DeepSpeed's param_shapes hold torch.Size values; the background mode's staged copy must keep them, or the
+    # stored model-state objects encode them as plain tuples and differ from `ucp import deepspeed` of the files
+    from collections import OrderedDict
+
+    from ucp_store import safe_pickle as sp
+    from ucp_store.ds_engine import _Stager
+
+    sd = {"param_shapes": [OrderedDict([("w", torch.Size([2, 3]))])], "pair": (1, 2), "t": torch.arange(4.0)}
+    staged = _Stager(workers=1).stage(sd)
+    assert type(staged["param_shapes"][0]["w"]) is torch.Size and staged["pair"] == (1, 2)
+    assert sp.to_jsonable(staged["param_shapes"]) == sp.to_jsonable(sd["param_shapes"])
+    assert torch.equal(staged["t"], sd["t"]) and staged["t"].data_ptr() != sd["t"].data_ptr()

@@ -134,6 +134,8 @@ class _Stager:
             return type(obj)(out) if type(obj) in (dict, OrderedDict) else out
         if isinstance(obj, list):
             return [self._walk(v, path + (i,), jobs, seen, used) for i, v in enumerate(obj)]
+        if isinstance(obj, torch.Size):  # shapes stay torch.Size: the objects encode them as such (__size__)
+            return obj
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self._walk(v, path + (i,), jobs, seen, used) for i, v in enumerate(obj))
         return obj
