@@ -45,13 +45,16 @@ At TP > 1 (or with ``universal_checkpoint_info`` patterns) every parameter follo
   bounded timeout) to the first rank of its pipeline stage, which runs the importer's own merge
   (``DeepSpeedReader._finish`` via ``ds_write._Merger``): one copy when the replicas are equal, a refusal when a
   parameter listed as replicated drifted, the element-wise mean with the ``averaged`` pattern and its max
-  deviation for averaged ones; and writes the result whole. The stored bytes are the importer's
-  (``tests/deepspeed/test_direct_tp.py``).
+  deviation for averaged ones; and writes the result whole;
+- frozen parameters and buffers: every TP rank's copy (from DP rank 0) goes to the same rank, merged by the
+  importer's ``_weight_records``.
 
-Still refused, with the reason in the error: ZeRO-3 x TP (the ZeRO-3 partitions of TP slices are not mapped
-yet), MoE engines (expert files and expert-parallel groups: ``ucp import deepspeed`` handles them), frozen
-parameters and buffers at TP > 1 (the importer merges their TP copies by rules this engine does not apply yet),
-and a rank order other than Megatron's. ``ds_load.load`` loads versions of any TP degree into engines of any TP.
+The stored bytes are the importer's (``tests/deepspeed/test_direct_tp.py``; ``tools/ds_direct_tp_check.py`` for
+AutoTP, TP x PP, fp16/fp32, the bf16 optimizer and the background mode). Still refused, with the reason in the
+error: ZeRO-3 x TP (the ZeRO-3 partitions of TP slices are not mapped yet; DeepSpeed's pipeline engine allows
+ZeRO-1 only anyway), MoE engines (expert files and expert-parallel groups: ``ucp import deepspeed`` handles
+them), and a rank order other than Megatron's. ``ds_load.load`` loads versions of any TP degree into engines
+of any TP.
 
 Durability: the save's writer defers it (``CheckpointWriter.defer_durability``): no fsync per file;
 every rank fsyncs all it wrote in one parallel pass before the ranks agree, and rank 0 commits after.

@@ -169,6 +169,10 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
                                             for g in osd["param_slice_mappings"]],
         **_tp_local(meta, model_sd, osd, optim_name, zero),
     }
+    if dp_rank == 0 and zero < 3:  # the whole weights this rank would send at TP > 1 (frozen parameters, buffers)
+        owned = {n for g in (local["param_shapes"] or []) for n, _ in g}
+        local["weights"] = [(n, str(t.dtype).replace("torch.", ""), tuple(int(x) for x in t.shape))
+                            for n, t in _module_of(model_sd, layers).items() if n not in owned]
     parts: list[Any] = [None] * world
     if multi:
         dist.all_gather_object(parts, local, group=group)
@@ -360,15 +364,11 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
         write_pending()
         check_lp()
         # whole weights (frozen parameters of ZeRO-1/2, buffers) from DP rank 0 of each stage
-        if dp_rank == 0:
-            if model_sd is not None and model_sd.get("module") is not None:
-                entries = dict(model_sd["module"])
-            else:
-                entries = {}
-                for li in sorted(layers):
-                    for k, v in (layers[li] or {}).items():
-                        if isinstance(v, torch.Tensor):
-                            entries[f"{li}.{k}"] = v
+        if tpx is not None:  # at TP > 1 merged over the TP ranks by the importer's rules
+            tpx.gather_weights(ce, writer, _module_of(model_sd, layers) if dp_rank == 0 else {}, rank, stage,
+                               position, kinds)
+        elif dp_rank == 0:
+            entries = _module_of(model_sd, layers)
             for name, t in entries.items():
                 if name in seen or name in kinds or (zero >= 3 and name in frozen) or t.numel() == 0:
                     continue
@@ -474,6 +474,19 @@ def write_rank_share(ce, staged: dict, meta: dict) -> str:
     return cid
 
 
+def _module_of(model_sd: dict | None, layers: dict[int, dict]) -> dict[str, torch.Tensor]:
+    """The module weights DeepSpeed saved on this rank: the model states' ``module``, or the pipeline layer files'
+    tensors named ``<layer>.<key>``."""
+    if model_sd is not None and model_sd.get("module") is not None:
+        return dict(model_sd["module"])
+    entries = {}
+    for li in sorted(layers):
+        for k, v in (layers[li] or {}).items():
+            if isinstance(v, torch.Tensor):
+                entries[f"{li}.{k}"] = v
+    return entries
+
+
 # ------------------------------------------------------------------------- tensor parallelism (TP > 1)
 def _tp_local(meta: dict, model_sd: dict | None, osd: dict, optim_name: str, zero: int) -> dict:
     """What the other ranks need to know about this rank for a TP save (exchanged with the rest of the
@@ -524,7 +537,8 @@ class _TPPlan:
     parameter of a TP model without patterns, whose rule depends on the data) is *gathered*: its fragments
     travel (bytes over the save's gloo group, point to point, bounded by its timeout) to the stage's first rank
     (tp 0, dp 0), which runs the importer's own merge (:class:`_Merger`) and writes the result whole. Only the
-    gathered parameters move, and in Megatron models they are the small ones."""
+    gathered parameters move, and in Megatron models they are the small ones. Frozen parameters and buffers
+    travel the same way (``gather_weights``) and are merged by the importer's ``_weight_records``."""
 
     def __init__(self, parts: list[dict], topo: Topology):
         self.topo = topo
@@ -549,12 +563,8 @@ class _TPPlan:
         from .adapters.deepspeed_merge import pattern_for
 
         topo = self.topo
-        if frozen or buffers:
-            raise ConfigurationError(
-                f"the ucp engine does not save frozen parameters or buffers ({sorted([*frozen, *buffers])[:5]}) at "
-                "TP > 1 or with universal_checkpoint_info patterns yet; save with DeepSpeed's engine and "
-                "`ucp import deepspeed`")
         self._stages_of, self._layered = stages_of, layered
+        self._buffers = list(buffers)
         for spec in params:
             shapes = []
             for t in range(topo.tp):
@@ -586,6 +596,51 @@ class _TPPlan:
                     self.direct[spec["name"]] = (pat, {"cat_dim": d})
                     continue
             self.gather.append(spec)
+
+    def _merger(self) -> _Merger:
+        topo = self.topo
+        optim_files = {(p["stage"] * topo.tp + p.get("tp", 0), p["dp"]): p["optim_file"] for p in self.parts.values()}
+        return _Merger(self.info, topo.tp, topo.pp, topo.zero_stage, self._stages_of, self._layered, optim_files)
+
+    def gather_weights(self, ce, writer, entries: dict[str, torch.Tensor], rank: int, stage: int, position: dict,
+                       kinds: dict) -> None:
+        """Frozen parameters and buffers (whole module tensors, from DP rank 0 of every TP rank of a stage): sent to
+        the stage's first rank, which merges their TP copies as the importer's ``_weight_records`` does (the
+        same code) and writes them."""
+        import torch.distributed as dist
+
+        topo = self.topo
+        dst = self._rank(stage, 0, 0)
+        mine = self.parts[rank].get("weights") or []
+        if rank != dst:
+            if mine:
+                payload = torch.cat([entries[n].detach().cpu().contiguous().view(torch.uint8).reshape(-1)
+                                     for n, _, _ in mine])
+                if payload.numel():
+                    dist.send(payload, dst=dst, group=ce.group)
+            return
+        merger = self._merger()
+        merger.params, merger.buffers = [], self._buffers
+        for t in range(topo.tp):
+            r = self._rank(stage, 0, t)
+            ents = self.parts[r].get("weights") or []
+            if r == rank:
+                merger.lp[(stage, t)] = {n: entries[n].detach().cpu() for n, _, _ in ents}
+                continue
+            sizes = [_numel(shape) * torch.empty(0, dtype=getattr(torch, dt)).element_size() for _, dt, shape in ents]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            if buf.numel():
+                dist.recv(buf, src=r, group=ce.group)
+            got, off = {}, 0
+            for (n, dt, shape), nb in zip(ents, sizes):
+                got[n] = buf[off:off + nb].clone().view(getattr(torch, dt)).reshape(shape)
+                off += nb
+            merger.lp[(stage, t)] = got
+        for rec in merger._weight_records(None):
+            writer.write(rec.name, "weight", rec.states["weight"], pattern=rec.pattern_for("weight"),
+                         position=position.get(rec.name, len(position)) * 16)
+            kinds[rec.name] = rec.kind
+        self.notes.extend(merger.notes)
 
     def _entries(self, part: dict, specs: list[dict]) -> list[tuple[str, str, str, int]]:
         """What ``part``'s rank sends for the gathered parameters ``specs``, in order: (name, state, dtype,
@@ -656,8 +711,7 @@ class _TPPlan:
                 got[(name, st)] = buf[off:off + nb].clone().view(dtype)
                 off += nb
             data[r] = got
-        optim_files = {(p["stage"] * topo.tp + p.get("tp", 0), p["dp"]): p["optim_file"] for p in self.parts.values()}
-        merger = _Merger(self.info, topo.tp, topo.pp, topo.zero_stage, self._stages_of, self._layered, optim_files)
+        merger = self._merger()
         for t in range(topo.tp):
             r0 = self._rank(stage, 0, t)
             merger.lp[(stage, t)] = {n: v.reshape(spec["shapes"][t]) for spec in specs

@@ -8,7 +8,8 @@ loaded) on real DeepSpeed over gloo:
    ``parameter_to_average_patterns``). After 3 steps, TP rank 1's copy of one norm is made to drift (fp32
    master and exp_avg), the same step is saved to files by DeepSpeed's own engine and through the ucp engine;
    then a TP-*replicated* bias drifts too and a second ucp save must fail (the importer refuses such files);
-   4 ranks, TP=2 x DP=2 (ZeRO fragments of TP slices straddling the DP partitions), the same save and import;
+   4 ranks, TP=2 x DP=2 (ZeRO fragments of TP slices straddling the DP partitions; frozen norm biases and
+   buffers), the same save and import;
 2. ``ds_to_universal`` of the files; ``ucp import deepspeed`` of them;
 3. 2 ranks at TP=2 and 4. 1 rank at TP=1: ``ucp_store.deepspeed_direct.load`` of the direct version, and
    DeepSpeed's ``load_universal`` of the converted folder into the same engines.
@@ -61,8 +62,9 @@ def tp2(tmp_path_factory) -> Path:
     convert = ["--input_folder", str(root / "ck" / TAG), "--output_folder", str(root / "ck" / UTAG),
                "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
     harness = "tools.ds_direct"
-    # TP=2 x DP=2: ZeRO fragments of TP slices (odd width: parameters straddle the DP partitions), saved and imported
-    dp2 = {"kind": "save", **MODEL, "hidden": 12, "blocks": 3, "tp": 2, "steps": 3, "save_dir": str(root / "ck_dp2"),
+    # TP=2 x DP=2: ZeRO fragments of TP slices (odd width: parameters straddle the DP partitions), frozen norm biases
+    # and buffers (``extras``), saved and imported
+    dp2 = {"kind": "save", **MODEL, "hidden": 12, "blocks": 3, "extras": True, "tp": 2, "steps": 3, "save_dir": str(root / "ck_dp2"),
            "tag": TAG, "store": store, "run": RUN_DP2, "out": str(root / "save_dp2.json"),
            "perturb": {"rank": [1, 3], "params": [AVERAGED]}}  # TP rank 1 (both DP ranks hold a part of it)
     phases = [{"ranks": 2, "jobs": [save], "harness": harness},
@@ -103,7 +105,7 @@ def test_tp2_direct_save_is_bit_equal_to_import_of_the_files(tp2, run):
         x, y = ta[key], tb[key]
         assert (x.dtype, tuple(x.shape), x.pattern) == (y.dtype, tuple(y.shape), y.pattern), key
         assert a.read(*key).view(-1).view(torch.uint8).equal(b.read(*key).view(-1).view(torch.uint8)), key
-    pat = {n: ta[(n, "fp32")].pattern for n, _ in ta}
+    pat = {n: ta[(n, "fp32") if (n, "fp32") in ta else (n, "weight")].pattern for n, _ in ta}
     # the layouts the importer gives a Megatron model: column-parallel rows, row-parallel columns, replicas
     assert pat["1.mlp.dense_h_to_4h.weight"] == {"kind": "partitioned", "dim": 0, "placement": {"layer": 1}}
     assert pat["1.mlp.dense_h_to_4h.bias"] == {"kind": "partitioned", "dim": 0, "placement": {"layer": 1}}
@@ -123,6 +125,11 @@ def test_tp2_direct_save_is_bit_equal_to_import_of_the_files(tp2, run):
     assert pat["2.input_layernorm.weight"]["kind"] == "averaged"
     assert pat["2.input_layernorm.weight"]["max_deviation"] == 0.0
     assert a.provenance["source_topology"] == {"tp": 2, "pp": 1, "dp": dp, "zero_stage": 1}
+    kinds = a.objects()["deepspeed/kinds"]
+    if run == RUN_DP2:  # weights outside the optimizer, merged over the TP ranks: one copy each
+        assert kinds["2.input_layernorm.bias"] == "frozen" and kinds["2.scale"] == "buffer"
+        assert pat["2.scale"] == {"kind": "replicated", "placement": {"layer": 2}}
+        assert set(a.states("2.input_layernorm.bias")) == {"weight"}
     assert a.verify() == []
     oa, ob = a.objects(), b.objects()
     assert set(ob) <= set(oa)
