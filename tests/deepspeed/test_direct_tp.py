@@ -64,8 +64,9 @@ def tp2(tmp_path_factory) -> Path:
     harness = "tools.ds_direct"
     # TP=2 x DP=2: ZeRO fragments of TP slices (odd width: parameters straddle the DP partitions), frozen norm biases
     # and buffers (``extras``), saved and imported
-    dp2 = {"kind": "save", **MODEL, "hidden": 12, "blocks": 3, "extras": True, "tp": 2, "steps": 3, "save_dir": str(root / "ck_dp2"),
-           "tag": TAG, "store": store, "run": RUN_DP2, "out": str(root / "save_dp2.json"),
+    dp2 = {"kind": "save", **MODEL, "hidden": 12, "blocks": 3, "extras": True, "tp": 2, "steps": 3,
+           "save_dir": str(root / "ck_dp2"), "tag": TAG, "store": store, "run": RUN_DP2,
+           "out": str(root / "save_dp2.json"),
            "perturb": {"rank": [1, 3], "params": [AVERAGED]}}  # TP rank 1 (both DP ranks hold a part of it)
     phases = [{"ranks": 2, "jobs": [save], "harness": harness},
               {"ranks": 4, "jobs": [dp2], "harness": harness},
