@@ -94,7 +94,7 @@ def test_execute_reads_group_buffers_into_given_tensors(saved):
     assert execute(ck, p, infos=records, only=[]).buffers == {}
 
 
-def test_tp_and_moe_engines_are_refused_with_the_reason():
+def test_zero3_tp_and_moe_engines_are_refused_with_the_reason():
     from types import SimpleNamespace
 
     from ucp_store.ds_engine import engine_topology
@@ -102,8 +102,11 @@ def test_tp_and_moe_engines_are_refused_with_the_reason():
 
     base = {"module": SimpleNamespace(), "zero_optimization": lambda: True, "zero_optimization_stage": lambda: 2,
             "dp_world_size": 2}
-    with pytest.raises(ConfigurationError, match=r"tensor parallelism \(mp_world_size=2\).*mean.*ucp import deepspeed"):
-        engine_topology(SimpleNamespace(**base, mp_world_size=2, has_moe_layers=False))
+    # TP with ZeRO-1/2 is saved (tests/deepspeed/test_direct_tp.py); ZeRO-3 x TP is not
+    assert engine_topology(SimpleNamespace(**base, mp_world_size=2, has_moe_layers=False))["tp"] == 2
+    z3 = {**base, "zero_optimization_stage": lambda: 3}
+    with pytest.raises(ConfigurationError, match=r"ZeRO-3 with tensor parallelism \(tp=2\).*ucp import deepspeed"):
+        engine_topology(SimpleNamespace(**z3, mp_world_size=2, has_moe_layers=False))
     with pytest.raises(ConfigurationError, match=r"MoE engines .*ucp import deepspeed"):
         engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=True))
     assert engine_topology(SimpleNamespace(**base, mp_world_size=1, has_moe_layers=False))["dp"] == 2
@@ -194,3 +197,18 @@ def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_pat
     # the arrays were written through a context without TensorStore's own fsync per file (the pass replaces it)
     assert store.unsynced_context.spec.to_json()["file_io_sync"] is False
     assert store.context.spec.to_json().get("file_io_sync", True) is True
+
+
+def test_background_staging_keeps_shapes_as_torch_size():
+    # DeepSpeed's param_shapes hold torch.Size values; the background mode's staged copy must keep them, or the
+    # stored model-state objects encode them as plain tuples and differ from `ucp import deepspeed` of the files
+    from collections import OrderedDict
+
+    from ucp_store import safe_pickle as sp
+    from ucp_store.ds_engine import _Stager
+
+    sd = {"param_shapes": [OrderedDict([("w", torch.Size([2, 3]))])], "pair": (1, 2), "t": torch.arange(4.0)}
+    staged = _Stager(workers=1).stage(sd)
+    assert type(staged["param_shapes"][0]["w"]) is torch.Size and staged["pair"] == (1, 2)
+    assert sp.to_jsonable(staged["param_shapes"]) == sp.to_jsonable(sd["param_shapes"])
+    assert torch.equal(staged["t"], sd["t"]) and staged["t"].data_ptr() != sd["t"].data_ptr()

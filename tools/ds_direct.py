@@ -9,7 +9,10 @@ Builds on ``tools/ds_train.py`` (models, configs, data, ``train_steps``). Job ki
   (and ``convert``: rank 0 runs ``ds_to_universal``); then ``attach`` the ucp engine and ``save_checkpoint``
   the same step into ``store`` as ``run`` (``background``: also time the blocked part); then train
   ``next_steps`` more (the uninterrupted continuation). ``kill_rank``: that rank dies (``os._exit``) after its
-  first array write of the ucp save (the others must abort; nothing may be listed). ``bg_run``: then save the
+  first array write of the ucp save (the others must abort; nothing may be listed). ``perturb``
+  (``{"rank", "params", "delta"}``): before the saves, that rank's copies of those parameters drift (fp32 master
+  and exp_avg); ``bad_run`` (``{"run", "perturb"}``): after the ucp save, drift more and save into that run,
+  recording the error (``bad_error``) the save must raise. ``bg_run``: then save the
   same step once more in background mode into that run (``bg_blocked_s``: what training waited for).
 - ``resume_direct``: build the engine (``model``, ``zero``, ``dtype``: the target), ``ucp_store.deepspeed_direct.load``
   ``ref`` from ``store``, train ``steps`` steps.
@@ -67,6 +70,26 @@ def param_states(engine) -> dict:
         for st in ("exp_avg", "exp_avg_sq"):
             out[f"{name}.{st}"] = safe_get_full_optimizer_state(p, st).detach().cpu().clone()
     return out
+
+
+def _perturb(engine, spec: dict, rank: int) -> None:
+    """On global rank(s) ``spec["rank"]`` (an int or a list) only, move the fp32 master and exp_avg of
+    ``spec["params"]`` (a TP replica drifts away from the other TP ranks' copies) through DeepSpeed's own
+    accessors."""
+    from deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_optimizer_state,
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+    )
+
+    for name, p in engine.module.named_parameters():
+        if name in spec["params"]:
+            # the getters are collective over the DP group: every rank reads, one rank writes
+            fp32, exp_avg = safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg")
+            if rank in (spec["rank"] if isinstance(spec["rank"], list) else [spec["rank"]]):
+                safe_set_full_fp32_param(p, fp32 + spec.get("delta", 1e-3))
+                safe_set_full_optimizer_state(p, exp_avg * 1.5, "exp_avg")
 
 
 def _status_mb(field: str) -> float | None:
@@ -238,6 +261,8 @@ def run_job(job):
             result["losses_before"] += ds_train.train_steps(engine, job, steps, 1, dp_rank, dp, micro, gas)
             steps += 1
         tag = job.get("tag", f"global_step{steps}")
+        if job.get("perturb"):
+            _perturb(engine, job["perturb"], rank)
         if job.get("save_dir"):
             dist.barrier()
             t1 = time.perf_counter()
@@ -287,6 +312,17 @@ def run_job(job):
         result["ucp_save_s"] = time.perf_counter() - t1
         result["ucp_stats"] = dict(ce.stats)
         ucpds.detach(engine)
+        if job.get("bad_run"):  # a replica the importer refuses (job["bad_run"]["perturb"]): the save must fail
+            _perturb(engine, job["bad_run"]["perturb"], rank)
+            ce = ucpds.attach(engine, store=job["store"], run=job["bad_run"]["run"],
+                              timeout_s=job.get("timeout_s", 120), progress=False)
+            try:
+                engine.save_checkpoint(tag=f"bad{steps}")
+                result["bad_error"] = None
+            except Exception as exc:  # noqa: BLE001 - recorded for the test
+                cause = exc.__cause__ or exc
+                result["bad_error"] = f"{type(exc).__name__}: {exc} <- {type(cause).__name__}: {cause}"
+            ucpds.detach(engine)
         if job.get("bg_run"):  # in background mode (benchmark: the blocked time)
             if job.get("warm"):  # a new step: the background save must not deduplicate against the sync one
                 ds_train.train_steps(engine, job, steps, 1, dp_rank, dp, micro, gas)

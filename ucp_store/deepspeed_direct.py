@@ -9,9 +9,11 @@ The public face of :mod:`ucp_store.ds_engine` (the checkpoint engine and ``attac
     ucpds.attach(engine, store="/ckpt/store", run="llama")          # every rank, once
     engine.save_checkpoint()                                          # llama@<global_steps>, no files
     ...
-    client_state = ucpds.load(new_engine, "llama@1000", store="/ckpt/store")   # any DP / ZeRO / PP
+    client_state = ucpds.load(new_engine, "llama@1000", store="/ckpt/store")   # any DP / ZeRO / PP / TP
 
 ``attach(..., background=True)`` returns from ``save_checkpoint`` once the state is staged in host memory.
+Tensor-parallel engines (ZeRO-1/2, Megatron rank order: pipe3d-style ``PipelineModule`` grids, an mpu, AutoTP)
+are saved too; see :mod:`ucp_store.ds_engine` for what stays refused (ZeRO-3 x TP, MoE).
 """
 
 # What a save or a load runs is imported here, next to DeepSpeed, and not inside the first save_checkpoint

@@ -33,16 +33,28 @@ re-raises its error.
     ucpds.attach(engine, store="/ckpt/store", run="llama")   # once, after deepspeed.initialize
     engine.save_checkpoint()                                   # -> llama@<global_steps>, no files
 
-Scope: tensor parallelism (TP > 1) and MoE are refused with a clear error; ZeRO 1-3, bf16/fp16/fp32,
-the bf16 optimizer and pipeline engines are handled. TP > 1 stays refused because bit-equality with
-``ucp import deepspeed`` needs three things the engine does not have yet: (1) the importer's rule for a
-TP-replicated parameter (norms, biases of row-parallel layers) is "one copy if every TP rank's replica is
-bit-equal, else their element-wise mean with the ``averaged`` pattern and its max deviation"; no rank can
-apply it from its own share, so the TP ranks would have to exchange every replicated parameter's fp32
-master and moments (tensor collectives over the TP group, or a read-back after writing) before it is
-written; (2) the Megatron-style layouts arrive as ``universal_checkpoint_info`` patterns (``ds_write``
-refuses models carrying them), whose TP slices would go through ``write_shard`` with those patterns;
-(3) ``ds_load.load`` refuses versions saved at TP > 1. ``ucp import deepspeed`` handles TP today.
+Scope: ZeRO 1-3, bf16/fp16/fp32, the bf16 optimizer and pipeline engines; tensor parallelism (TP > 1) with
+ZeRO-1/2 in Megatron's rank order (tp fastest, then dp, then pp: ``PipeModelDataParallelTopology`` or an mpu).
+At TP > 1 (or with ``universal_checkpoint_info`` patterns) every parameter follows the file importer's rule
+(``UniversalInfo.rule``, or the rule inferred from the data for a TP model without patterns):
+
+- equal-width column/row-parallel parameters (rule ``cat``): each rank writes its ZeRO fragments of its TP slice
+  through ``write_shard`` with the ``partitioned`` pattern, as at TP=1;
+- every other one (TP-replicated norms and row-parallel biases, ``parameter_to_average_patterns``, fused
+  sub-parameters, vocabularies, affine maps): its fragments go point to point (bytes, the save's gloo group,
+  bounded timeout) to the first rank of its pipeline stage, which runs the importer's own merge
+  (``DeepSpeedReader._finish`` via ``ds_write._Merger``): one copy when the replicas are equal, a refusal when a
+  parameter listed as replicated drifted, the element-wise mean with the ``averaged`` pattern and its max
+  deviation for averaged ones; and writes the result whole;
+- frozen parameters and buffers: every TP rank's copy (from DP rank 0) goes to the same rank, merged by the
+  importer's ``_weight_records``.
+
+The stored bytes are the importer's (``tests/deepspeed/test_direct_tp.py``; ``tools/ds_direct_tp_check.py`` for
+AutoTP, TP x PP, fp16/fp32, the bf16 optimizer and the background mode). Still refused, with the reason in the
+error: ZeRO-3 x TP (the ZeRO-3 partitions of TP slices are not mapped yet; DeepSpeed's pipeline engine allows
+ZeRO-1 only anyway), MoE engines (expert files and expert-parallel groups: ``ucp import deepspeed`` handles
+them), and a rank order other than Megatron's. ``ds_load.load`` loads versions of any TP degree into engines
+of any TP.
 
 Durability: the save's writer defers it (``CheckpointWriter.defer_durability``): no fsync per file; once
 its writes returned, every rank fsyncs all it wrote in one parallel pass on a thread, beside the one
@@ -137,6 +149,8 @@ class _Stager:
             return type(obj)(out) if type(obj) in (dict, OrderedDict) else out
         if isinstance(obj, list):
             return [self._walk(v, path + (i,), jobs, seen, used) for i, v in enumerate(obj)]
+        if isinstance(obj, torch.Size):  # shapes stay torch.Size: the objects encode them as such (__size__)
+            return obj
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self._walk(v, path + (i,), jobs, seen, used) for i, v in enumerate(obj))
         return obj
@@ -180,14 +194,9 @@ def engine_topology(engine) -> dict:
     if getattr(engine, "has_moe_layers", False):
         raise ConfigurationError("ucp_store.deepspeed_direct: MoE engines (expert parallelism) are not supported yet; "
                                  "save with DeepSpeed's own engine and `ucp import deepspeed`")
-    if tp != 1:
-        # `ucp import deepspeed` compares every TP rank's copy of a replicated parameter and stores their mean
-        # when they drifted (the `averaged` pattern): no rank can write that from its own share alone
-        raise ConfigurationError(f"ucp_store.deepspeed_direct: tensor parallelism (mp_world_size={tp}) is not "
-                                 "supported by the direct engine (TP-replicated parameters are stored as the mean "
-                                 "of every TP rank's replica, which no single rank holds); save with DeepSpeed's "
-                                 "own engine and `ucp import deepspeed`, which handles TP")
     zero = int(engine.zero_optimization_stage()) if engine.zero_optimization() else 0
+    if tp != 1:
+        _check_tp(engine, tp, zero)
     if zero == 0 and not _is_bf16_optimizer(engine):
         raise ConfigurationError(
             "ucp_store.deepspeed_direct: the engine has no ZeRO optimizer (zero_optimization.stage "
@@ -199,8 +208,44 @@ def engine_topology(engine) -> dict:
         layers = int(parts[-1])
         stages = tuple(next(s for s in range(pp) if parts[s] <= i < parts[s + 1]) for i in range(layers))
     dp = int(engine.dp_world_size)
-    return {"tp": 1, "pp": pp, "dp": dp, "zero_stage": zero if zero else 1, "layers": layers,
+    return {"tp": tp, "pp": pp, "dp": dp, "zero_stage": zero if zero else 1, "layers": layers,
             "layer_stages": stages, "zero_alignment": 2}
+
+
+# ------------------------------------------------------------------------- tensor parallelism (TP > 1)
+def _check_tp(engine, tp: int, zero: int) -> None:
+    """Refuse what the engine cannot save at TP > 1 (ZeRO-3 x TP), and a rank order other than Megatron's
+    (tp fastest, then dp, then pp), which ``Topology`` assumes when it maps a TP slice to its rank."""
+    if zero >= 3:
+        raise ConfigurationError(f"ucp_store.deepspeed_direct: ZeRO-3 with tensor parallelism (tp={tp}) is not "
+                                 "supported by the direct engine (ZeRO-1/2 and the bf16 optimizer are); save with "
+                                 "DeepSpeed's own engine and `ucp import deepspeed`, which handles it")
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return  # one process holds no TP ranks to place (a unit test's stand-in engine)
+    rank, stage, dp_rank = _coords(engine)
+    tp_rank = tp_coord(engine)
+    dp = int(engine.dp_world_size)
+    want = tp_rank + tp * (dp_rank + dp * stage)
+    if rank != want:
+        raise ConfigurationError(f"ucp_store.deepspeed_direct: global rank {rank} is (tp={tp_rank}, dp={dp_rank}, "
+                                 f"pp={stage}), which Megatron's rank order (tp fastest, then dp, then pp) puts at "
+                                 f"rank {want}; the direct engine supports TP only in that order")
+
+
+def tp_coord(engine) -> int:
+    """This process's tensor-parallel rank (0 without TP)."""
+    if _is_pipe(engine):
+        return int(engine.grid.get_slice_parallel_rank())
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None:
+        return 0
+    for attr in ("get_tensor_model_parallel_rank", "get_model_parallel_rank"):
+        if hasattr(mpu, attr):
+            return int(getattr(mpu, attr)())
+    raise ConfigurationError("ucp_store.deepspeed_direct: the engine's mpu tells no tensor-parallel rank "
+                             "(get_tensor_model_parallel_rank / get_model_parallel_rank)")
 
 
 def _is_pipe(engine) -> bool:
@@ -371,7 +416,8 @@ class UcpCheckpointEngine(_Base):
                 lp[n] = p
         step = int(eng.global_steps)
         rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
-        return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "topo": topo, "lp": lp, "step": step, "rng": rng}
+        return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_coord(eng), "topo": topo, "lp": lp,
+                "step": step, "rng": rng}
 
     # --- the write --------------------------------------------------------------------------------
     def _write(self, staged: dict, meta: dict, defer_commit: bool = False):

@@ -81,10 +81,8 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
     if not isinstance(layout, dict):
         raise UcpError(f"{ref}: version {ck.id} holds no DeepSpeed checkpoint (no deepspeed/layout object); save it "
                        "through the ucp engine or `ucp import deepspeed`")
-    if int(layout.get("tp", 1)) != 1:
-        raise ConfigurationError(f"{ref}: saved with TP={layout.get('tp')}; load_shard into TP>1 DeepSpeed engines is "
-                                 "not supported by ucp_store.deepspeed_direct.load yet "
-                                 "(`ucp export deepspeed-universal`)")
+    # a version saved at any TP degree loads at any other: the planner cuts every rank's TP slices out of the
+    # logical arrays by their patterns (column/row-parallel, replicated, averaged) before the ZeRO partitioning
     topo = topology if topology is not None else Topology(**engine_topology(engine))
     kind, lp_groups, hp_flats, inner = _optimizer_groups(engine)
     names = _names(engine)

@@ -39,20 +39,21 @@ class _MemReader(DeepSpeedReader):
     """The file importer's ``objects()`` over in-memory state dicts (no folder, no files)."""
 
     def __init__(self, model_states: dict[str, dict], optim: dict, *, zero_stage: int, pp: int, dp: int, prefix: str,
-                 optim_files: list[str], layer_files: list[str], params: list[dict], frozen: dict, buffers: list):
+                 optim_files: list[str], layer_files: list[str], params: list[dict], frozen: dict, buffers: list,
+                 tp: int = 1, notes: list[str] | None = None):
         self.tag_dir = "<ucp engine>"
         self.lp_weights = "auto"
-        self.notes = []
+        self.notes = list(notes or [])
         self.model_states = model_states
         self._optim0 = optim
-        self.zero_stage, self.tp, self.pp, self.dp, self.prefix = zero_stage, 1, pp, dp, prefix
+        self.zero_stage, self.tp, self.pp, self.dp, self.prefix = zero_stage, tp, pp, dp, prefix
         first = model_states[next(iter(model_states))]
         self.ds_config = first.get("ds_config") if isinstance(first.get("ds_config"), dict) else {}
         self.lp_dtype = _lp_dtype(self.ds_config)
         self.ds_version = None if first.get("ds_version") is None else str(first.get("ds_version"))
         self.global_steps = first.get("global_steps")
         self.uci = first.get(UCI) if isinstance(first.get(UCI), dict) else None
-        self.info = UniversalInfo(self.uci, 1)
+        self.info = UniversalInfo(self.uci, tp)
         self.optim_files = {(0, i): f for i, f in enumerate(optim_files)}
         self.layer_files = {(i, 0): f for i, f in enumerate(layer_files)}
         self.params, self.frozen, self.buffers = params, frozen, buffers
@@ -170,19 +171,22 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
                                                            else None, 1).has_patterns),
         "mappings": None if zero >= 3 else [{n: (int(a.start), int(a.numel)) for n, a in g.items()}
                                             for g in osd["param_slice_mappings"]],
+        **_tp_local(meta, model_sd, osd, optim_name, zero),
     }
+    if dp_rank == 0 and zero < 3:  # the whole weights this rank would send at TP > 1 (frozen parameters, buffers)
+        owned = {n for g in (local["param_shapes"] or []) for n, _ in g}
+        local["weights"] = [(n, str(t.dtype).replace("torch.", ""), tuple(int(x) for x in t.shape))
+                            for n, t in _module_of(model_sd, layers).items() if n not in owned]
     parts: list[Any] = [None] * world
     if multi:
         dist.all_gather_object(parts, local, group=group)
     else:
         parts = [local]
-    if any(p["uci"] for p in parts):
-        raise ConfigurationError("the model carries universal_checkpoint_info patterns (Megatron-style TP layouts): "
-                                 "the ucp engine does not handle them yet; save with DeepSpeed's engine and "
-                                 "`ucp import deepspeed`")
+    tp_rank = int(meta.get("tp_rank", 0))
+    tpx = _TPPlan(parts, topo) if topo.tp > 1 or any(p["uci"] for p in parts) else None
     # ---------------------------------------------------------------- the global plan (the importer's _plan)
     by_stage: dict[int, dict[str, Any]] = {}
-    for p in sorted(parts, key=lambda p: (p["stage"], p["dp"])):
+    for p in sorted(parts, key=lambda p: (p["stage"], p.get("tp", 0), p["dp"])):
         if p["param_shapes"] is not None:
             by_stage.setdefault(p["stage"], p)
     if sorted(by_stage) != list(range(topo.pp)):
@@ -208,6 +212,8 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
             if b not in buffers:
                 buffers.append(b)
     piped = bool(topo.layers) or any(p["layer_files"] for p in parts)
+    if tpx is not None:
+        tpx.plan(params, frozen, buffers, stages_of, piped)
     everything = list(dict.fromkeys([p["name"] for p in params] + list(frozen) + buffers))
     position = {n: i for i, n in enumerate(everything)}
 
@@ -225,7 +231,7 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
     # ---------------------------------------------------------------- begin
     ds_version = None if model_sd is None else model_sd.get("ds_version")
     prov = {"source_kind": "deepspeed", "source_path": f"ucp-engine:{ce._tag or ''}",
-            "source_topology": {"tp": 1, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero},
+            "source_topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero},
             "library_versions": {"deepspeed": str(ds_version or "")},
             "extra": {"zero_stage": zero, "direct": True, "ranks": world, "tag": ce._tag}}
     msg = ce.message or f"DeepSpeed save_checkpoint (tag {ce._tag}) through the ucp engine"
@@ -275,21 +281,25 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
 
     def phase1() -> None:
         mine = [p for p in params if p["stage"] == stage]
+        if tpx is not None:  # TP > 1 or universal_checkpoint_info patterns: merged by the importer's rules
+            tpx.gather_merge_write(ce, writer, osd, optim_name, meta, rank, stage, dp_rank, tp_rank, position,
+                                   metas, steps, kinds)
+            mine = [p for p in mine if p["name"] in tpx.direct]
         if zero < 3:
-            before = [p for p in parts if p["stage"] == stage and p["dp"] < dp_rank]
+            before = [p for p in parts if p["stage"] == stage and p["dp"] < dp_rank and p.get("tp", 0) == tp_rank]
             for spec in track(mine, f"save {ce.run}@{step}", enabled=show):
                 name, g, shape = spec["name"], spec["group"], spec["shape"]
                 maps = osd["param_slice_mappings"]
                 addr = maps[g].get(name) if g < len(maps) else None
                 kinds[name] = "param"
-                metas[name] = {"cat_dim": 0}
+                metas[name] = {"cat_dim": 0} if tpx is None else tpx.direct[name][1]
                 if addr is None:
                     continue
                 start, n = int(addr.start), int(addr.numel)
                 k = sum(q["mappings"][g].get(name, (0, 0))[1] for q in before if g < len(q["mappings"]))
                 flat, st = _flat_states(osd, g, optim_name)
                 frag = Fragment(k, k + n, start, n)
-                pattern = _with_placement(None, placement(name))
+                pattern = _with_placement(None if tpx is None else tpx.direct[name][0], placement(name))
                 base = position[name] * 16
                 for j, (state, t) in enumerate(flat.items()):
                     if start + n > t.numel():
@@ -299,8 +309,9 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
                 step_t, typ = _step_value(st)
                 if typ is not None:
                     steps[name] = typ
-                    if k == 0:
-                        writer.write(name, "step", step_t.cpu(), pattern=pattern, position=base + len(flat))
+                    if k == 0 and tp_rank == 0:
+                        writer.write(name, "step", step_t.cpu(), pattern=_with_placement(None, placement(name)),
+                                     position=base + len(flat))
                 lp = meta["lp"].get(name)
                 if lp is not None:
                     lp_checks.append((name, flat["fp32"], start, n, lp, k))
@@ -357,15 +368,11 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
         write_pending()
         check_lp()
         # whole weights (frozen parameters of ZeRO-1/2, buffers) from DP rank 0 of each stage
-        if dp_rank == 0:
-            if model_sd is not None and model_sd.get("module") is not None:
-                entries = dict(model_sd["module"])
-            else:
-                entries = {}
-                for li in sorted(layers):
-                    for k, v in (layers[li] or {}).items():
-                        if isinstance(v, torch.Tensor):
-                            entries[f"{li}.{k}"] = v
+        if tpx is not None:  # at TP > 1 merged over the TP ranks by the importer's rules
+            tpx.gather_weights(ce, writer, _module_of(model_sd, layers) if dp_rank == 0 else {}, rank, stage,
+                               position, kinds)
+        elif dp_rank == 0:
+            entries = _module_of(model_sd, layers)
             for name, t in entries.items():
                 if name in seen or name in kinds or (zero >= 3 and name in frozen) or t.numel() == 0:
                     continue
@@ -393,6 +400,7 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
     if model_sd is not None and model_name is not None:  # _classify sets both or neither
         per_file[model_name] = _file_record(model_sd, model_name, [])
     info = {"metas": metas, "steps": steps, "kinds": kinds, "lp_differs": lp_differs, "files": per_file,
+            "notes": [] if tpx is None else tpx.notes,
             "rng": meta["rng"], "rank": rank, "digests": writer.shard_digests(),
             "error": None if error is None else f"{type(error).__name__}: {error}"}
     gathered: list[Any] = [None] * world
@@ -420,7 +428,14 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
             lp_all = meta["lp"]
             for name in differs:
                 spec = params[seen[name]]
-                if spec["stage"] == stage:
+                if spec["stage"] != stage:
+                    continue
+                if tpx is not None:  # this TP rank's slice, by the parameter's pattern
+                    writer.write_shard(name, "weight", lp_all[name].detach().reshape(spec["shapes"][tp_rank]).cpu(),
+                                       shape=spec["shape"],
+                                       pattern=_with_placement(tpx.direct[name][0], placement(name)), topology=topo,
+                                       rank=rank, position=position[name] * 16 + 15)
+                else:
                     writer.write(name, "weight", lp_all[name].detach().reshape(spec["shape"]).cpu(),
                                  pattern=_with_placement(None, placement(name)), position=position[name] * 16 + 15)
         if rank == 0:
@@ -438,7 +453,8 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
                                 optim_files=sorted(p["optim_file"] for p in parts),
                                 layer_files=sorted({f for p in parts for f in p["layer_files"]}),
                                 params=[{"name": p["name"], "stage": p["stage"], "group": p["group"]} for p in params],
-                                frozen=frozen, buffers=buffers)
+                                frozen=frozen, buffers=buffers, tp=topo.tp,
+                                notes=[n for g_ in sorted(gathered, key=lambda g_: g_["rank"]) for n in g_["notes"]])
             objs = reader.objects()
             for f in sorted(files):
                 objs[f"deepspeed/model_states/{f}"] = files[f]
@@ -481,3 +497,284 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
     if defer_commit:
         return finish
     return finish()
+
+
+def _module_of(model_sd: dict | None, layers: dict[int, dict]) -> dict[str, torch.Tensor]:
+    """The module weights DeepSpeed saved on this rank: the model states' ``module``, or the pipeline layer files'
+    tensors named ``<layer>.<key>``."""
+    if model_sd is not None and model_sd.get("module") is not None:
+        return dict(model_sd["module"])
+    entries = {}
+    for li in sorted(layers):
+        for k, v in (layers[li] or {}).items():
+            if isinstance(v, torch.Tensor):
+                entries[f"{li}.{k}"] = v
+    return entries
+
+
+# ------------------------------------------------------------------------- tensor parallelism (TP > 1)
+def _tp_local(meta: dict, model_sd: dict | None, osd: dict, optim_name: str, zero: int) -> dict:
+    """What the other ranks need to know about this rank for a TP save (exchanged with the rest of the
+    metadata): its TP rank, the model's ``universal_checkpoint_info``, each group's flat states (name,
+    dtype) and optimizer step, and the dtype of its low-precision module weights."""
+    uci = None if model_sd is None or not isinstance(model_sd.get(UCI), dict) else _standins(model_sd[UCI])
+    flat: list | None = None
+    gsteps: list | None = None
+    if zero < 3:
+        flat, gsteps = [], []
+        for g in range(len(osd["param_slice_mappings"])):
+            f, st = _flat_states(osd, g, optim_name)
+            flat.append([(k, str(v.dtype).replace("torch.", "")) for k, v in f.items()])
+            gsteps.append(st)
+    lp = next(iter(meta["lp"].values()), None)
+    return {"tp": int(meta.get("tp_rank", 0)), "uci_raw": uci, "flat": flat, "gsteps": gsteps,
+            "lp_dtype": None if lp is None else str(lp.dtype).replace("torch.", "")}
+
+
+class _Merger(DeepSpeedReader):
+    """The file importer's per-parameter merge (``DeepSpeedReader._finish``: the TP rule from
+    ``universal_checkpoint_info`` or inferred, ``merge_tp_slices``, the pattern, ``averaged`` deviations, the
+    step check, the low-precision weight check) over TP slices gathered from the ranks, not read from files:
+    the same code, so the same arithmetic and the same bytes."""
+
+    def __init__(self, info: UniversalInfo, tp: int, pp: int, zero_stage: int, stages_of: dict, layered: bool,
+                 optim_files: dict):
+        self.tag_dir = "<ucp engine>"
+        self.lp_weights = "auto"
+        self.notes = []
+        self.info, self.tp, self.pp, self.zero_stage = info, tp, pp, zero_stage
+        self.stages_of = stages_of
+        self.layer_files = {(0, 0): "layers"} if layered else {}
+        self.optim_files = optim_files
+        self.lp: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def _module_entries(self, pp: int, tp: int) -> dict[str, torch.Tensor]:
+        return self.lp.get((pp, tp), {})
+
+
+class _TPPlan:
+    """A save at TP > 1 (or of a model with ``universal_checkpoint_info`` patterns), ZeRO-1/2.
+
+    Every parameter gets the file importer's rule (``UniversalInfo.rule``). A parameter the rule concatenates
+    along one dimension in equal widths (column- and row-parallel weights) is *direct*: each rank writes its
+    ZeRO fragments of its TP slice through ``write_shard`` with the ``partitioned`` pattern. Every other one
+    (TP-replicated norms and biases, averaged, fused sub-parameters, vocabularies, affine maps, and every
+    parameter of a TP model without patterns, whose rule depends on the data) is *gathered*: its fragments
+    travel (bytes over the save's gloo group, point to point, bounded by its timeout) to the stage's first rank
+    (tp 0, dp 0), which runs the importer's own merge (:class:`_Merger`) and writes the result whole. Only the
+    gathered parameters move, and in Megatron models they are the small ones. Frozen parameters and buffers
+    travel the same way (``gather_weights``) and are merged by the importer's ``_weight_records``."""
+
+    def __init__(self, parts: list[dict], topo: Topology):
+        self.topo = topo
+        self.parts = {int(p["rank"]): p for p in parts}
+        if topo.zero_stage >= 3:
+            raise ConfigurationError("the ucp engine saves ZeRO-3 only at TP=1 and without universal_checkpoint_info "
+                                     "patterns; save with DeepSpeed's engine and `ucp import deepspeed`")
+        uci = next((self.parts[r]["uci_raw"] for r in sorted(self.parts) if self.parts[r].get("uci_raw")), None)
+        self.info = UniversalInfo(uci, topo.tp)
+        self.notes: list[str] = []
+        self.direct: dict[str, tuple[dict | None, dict]] = {}
+        self.gather: list[dict] = []
+        self._stages_of: dict = {}
+        self._layered = False
+
+    def _rank(self, stage: int, dp: int, tp: int) -> int:
+        return tp + self.topo.tp * (dp + self.topo.dp * stage)
+
+    def plan(self, params: list[dict], frozen: dict, buffers: list, stages_of: dict, layered: bool) -> None:
+        """Split ``params`` into direct and gathered ones; give each spec its per-TP ``shapes`` and, if direct,
+        its logical ``shape``."""
+        from .adapters.deepspeed_merge import pattern_for
+
+        topo = self.topo
+        self._stages_of, self._layered = stages_of, layered
+        self._buffers = list(buffers)
+        for spec in params:
+            shapes = []
+            for t in range(topo.tp):
+                holder = next((p for r, p in sorted(self.parts.items()) if p["stage"] == spec["stage"]
+                               and p.get("tp", 0) == t and p["param_shapes"] is not None), None)
+                if holder is None:
+                    raise UcpError(f"no model states for pipeline stage {spec['stage']} TP rank {t}")
+                grp = holder["param_shapes"][spec["group"]] if spec["group"] < len(holder["param_shapes"]) else []
+                found = dict(grp).get(spec["name"])
+                if found is None:
+                    raise SourceFormatError(f"{holder['model_file']}: param_shapes lacks {spec['name']!r} which TP "
+                                            "rank 0 has")
+                shapes.append(tuple(found))
+            spec["shapes"] = shapes
+            rule = self.info.rule(spec["name"])
+            if self.info.has_patterns and rule.kind == "cat" and not rule.vocab:
+                d = rule.cat_dim
+                pat = pattern_for(spec["name"], rule, self.info, [torch.empty(s, device="meta") for s in shapes],
+                                  topo.tp)
+                same = all(len(s) == len(shapes[0]) and all(a == b for i, (a, b) in enumerate(zip(s, shapes[0]))
+                                                            if i != d) for s in shapes)
+                if same and ((pat is None and topo.tp == 1) or
+                             (pat is not None and pat.get("kind") == "partitioned" and "widths" not in pat
+                              and pat.get("dim") == d)):
+                    logical = list(shapes[0])
+                    if topo.tp > 1:
+                        logical[d] = sum(s[d] for s in shapes)
+                    spec["shape"] = tuple(logical)
+                    self.direct[spec["name"]] = (pat, {"cat_dim": d})
+                    continue
+            self.gather.append(spec)
+
+    def _merger(self) -> _Merger:
+        topo = self.topo
+        optim_files = {(p["stage"] * topo.tp + p.get("tp", 0), p["dp"]): p["optim_file"] for p in self.parts.values()}
+        return _Merger(self.info, topo.tp, topo.pp, topo.zero_stage, self._stages_of, self._layered, optim_files)
+
+    def gather_weights(self, ce, writer, entries: dict[str, torch.Tensor], rank: int, stage: int, position: dict,
+                       kinds: dict) -> None:
+        """Frozen parameters and buffers (whole module tensors, from DP rank 0 of every TP rank of a stage): sent to
+        the stage's first rank, which merges their TP copies as the importer's ``_weight_records`` does (the
+        same code) and writes them."""
+        import torch.distributed as dist
+
+        topo = self.topo
+        dst = self._rank(stage, 0, 0)
+        mine = self.parts[rank].get("weights") or []
+        if rank != dst:
+            if mine:
+                payload = torch.cat([entries[n].detach().cpu().contiguous().view(torch.uint8).reshape(-1)
+                                     for n, _, _ in mine])
+                if payload.numel():
+                    dist.send(payload, dst=dst, group=ce.group)
+            return
+        merger = self._merger()
+        merger.params, merger.buffers = [], self._buffers
+        for t in range(topo.tp):
+            r = self._rank(stage, 0, t)
+            ents = self.parts[r].get("weights") or []
+            if r == rank:
+                merger.lp[(stage, t)] = {n: entries[n].detach().cpu() for n, _, _ in ents}
+                continue
+            sizes = [_numel(shape) * torch.empty(0, dtype=getattr(torch, dt)).element_size() for _, dt, shape in ents]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            if buf.numel():
+                dist.recv(buf, src=r, group=ce.group)
+            got, off = {}, 0
+            for (n, dt, shape), nb in zip(ents, sizes):
+                got[n] = buf[off:off + nb].clone().view(getattr(torch, dt)).reshape(shape)
+                off += nb
+            merger.lp[(stage, t)] = got
+        for rec in merger._weight_records(None):
+            writer.write(rec.name, "weight", rec.states["weight"], pattern=rec.pattern_for("weight"),
+                         position=position.get(rec.name, len(position)) * 16)
+            kinds[rec.name] = rec.kind
+        self.notes.extend(merger.notes)
+
+    def _entries(self, part: dict, specs: list[dict]) -> list[tuple[str, str, str, int]]:
+        """What ``part``'s rank sends for the gathered parameters ``specs``, in order: (name, state, dtype,
+        elements); state ``__lp__`` is its low-precision module weight (from DP rank 0 only)."""
+        out = []
+        for spec in specs:
+            g = spec["group"]
+            maps = part["mappings"]
+            m = maps[g].get(spec["name"]) if g < len(maps) else None
+            if m is not None:
+                for st, dt in part["flat"][g]:
+                    out.append((spec["name"], st, dt, int(m[1])))
+        if part["dp"] == 0 and part["lp_dtype"] is not None:
+            for spec in specs:
+                out.append((spec["name"], "__lp__", part["lp_dtype"], _numel(spec["shapes"][part.get("tp", 0)])))
+        return out
+
+    def gather_merge_write(self, ce, writer, osd, optim_name, meta, rank, stage, dp_rank, tp_rank, position,
+                           metas, steps, kinds) -> None:
+        """Send this rank's fragments of the gathered parameters of its stage to the stage's first rank; there,
+        merge each with the importer's rules and write it."""
+        import torch.distributed as dist
+
+        topo = self.topo
+        specs = [s for s in self.gather if s["stage"] == stage]
+        if not specs:
+            return
+        dst = self._rank(stage, 0, 0)
+        mine = self.parts[rank]
+        pieces = []
+        for name, st, _dt, n in self._entries(mine, specs):
+            spec = next(s for s in specs if s["name"] == name)
+            if st == "__lp__":
+                lp = meta["lp"].get(name)
+                if lp is None:
+                    raise UcpError(f"rank {rank}: no module weight {name!r} to compare with its fp32 master")
+                t = lp.detach().reshape(-1)
+            else:
+                g = spec["group"]
+                start = int(osd["param_slice_mappings"][g][name].start)
+                t = _flat_states(osd, g, optim_name)[0][st].narrow(0, start, n)
+            pieces.append(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1))
+        payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+        if rank != dst:
+            if payload.numel():
+                dist.send(payload, dst=dst, group=ce.group)
+            return
+        data: dict[int, dict[tuple[str, str], torch.Tensor]] = {}
+        for r in sorted(self.parts):
+            part = self.parts[r]
+            if part["stage"] != stage:
+                continue
+            ents = self._entries(part, specs)
+            size = sum(n * torch.empty(0, dtype=getattr(torch, dt)).element_size() for _, _, dt, n in ents)
+            if r == rank:
+                buf = payload
+            else:
+                buf = torch.empty(size, dtype=torch.uint8)
+                if size:
+                    dist.recv(buf, src=r, group=ce.group)
+            if buf.numel() != size:
+                raise UcpError(f"rank {r} sent {buf.numel()} bytes of TP fragments, expected {size}")
+            off = 0
+            got: dict[tuple[str, str], torch.Tensor] = {}
+            for name, st, dt, n in ents:
+                dtype = getattr(torch, dt)
+                nb = n * torch.empty(0, dtype=dtype).element_size()
+                got[(name, st)] = buf[off:off + nb].clone().view(dtype)
+                off += nb
+            data[r] = got
+        merger = self._merger()
+        for t in range(topo.tp):
+            r0 = self._rank(stage, 0, t)
+            merger.lp[(stage, t)] = {n: v.reshape(spec["shapes"][t]) for spec in specs
+                                     for (n, st), v in data.get(r0, {}).items() if st == "__lp__" and n == spec["name"]}
+        for spec in specs:
+            name, g = spec["name"], spec["group"]
+            per_state: dict[str, list[torch.Tensor]] = {}
+            step_list: list = []
+            for t in range(topo.tp):
+                frags: dict[str, list[torch.Tensor]] = {}
+                count = 0
+                for d in range(topo.dp):
+                    r = self._rank(stage, d, t)
+                    part = self.parts[r]
+                    maps = part["mappings"]
+                    m = maps[g].get(name) if g < len(maps) else None
+                    if m is None:
+                        continue
+                    for st, _dt in part["flat"][g]:
+                        frags.setdefault(st, []).append(data[r][(name, st)])
+                    count += int(m[1])
+                    step_list.append((part["gsteps"][g], (stage * topo.tp + t, d)))
+                if count == 0:
+                    per_state = {}
+                    break
+                if count != _numel(spec["shapes"][t]):
+                    raise SourceFormatError(f"the fragments of {name!r} on TP rank {t} cover {count} of its "
+                                            f"{_numel(spec['shapes'][t])} elements")
+                for k, fs in frags.items():
+                    per_state.setdefault(k, []).append(torch.cat(fs).reshape(spec["shapes"][t]))
+            rec = merger._finish(name, {"name": name, "stage": stage, "group": g, "shapes": spec["shapes"]},
+                                 per_state, step_list, [])
+            base = position[name] * 16
+            for j, (state, value) in enumerate(rec.states.items()):
+                writer.write(name, state, value, pattern=rec.pattern_for(state), position=base + j)
+            if "fp32" in rec.states:
+                metas[name] = rec.meta
+            if rec.step_type:
+                steps[name] = rec.step_type
+            kinds[name] = rec.kind
+        self.notes.extend(merger.notes)

@@ -21,7 +21,9 @@ for many checkpoints keeps the test-suite fast on 2 cores). A single job can als
   tensor x pipeline x data parallelism: a ``PipelineModule`` over ``PipeModelDataParallelTopology`` with
   ``stages`` stages and ``tp`` tensor ranks; ``blocks`` MLP blocks of hand-written column/row-parallel
   linears (Megatron's names ``mlp.dense_h_to_4h`` / ``mlp.dense_4h_to_h``) whose collectives run on the
-  grid's tensor group, width ``hidden``; the model records its ``universal_checkpoint_info``).
+  grid's tensor group, width ``hidden``; the model records its ``universal_checkpoint_info``;
+  ``average_norms``: its layer norms listed as averaged over the TP ranks instead of replicated; ``extras``: the
+  norm biases frozen and a buffer in every block).
 - ``zero`` (0-3), ``dtype`` (``bf16``/``fp16``/``fp32``), ``sub_group_size`` (ZeRO-3), ``seed``,
   ``grad_accum_dtype`` (``"fp32"`` with bf16 + ZeRO-1 selects DeepSpeed's ``BF16_Optimizer``).
 - ``convert``: after saving, rank 0 runs ``python -m deepspeed.checkpoint.ds_to_universal``
@@ -218,7 +220,7 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, d, f, tp, tp_rank, seed):
+    def __init__(self, d, f, tp, tp_rank, seed, extras=False):
         super().__init__()
         torch.manual_seed(seed)
         self.input_layernorm = nn.LayerNorm(d)
@@ -226,6 +228,9 @@ class ParallelBlock(nn.Module):
             self.input_layernorm.weight.uniform_(0.5, 1.5)
             self.input_layernorm.bias.uniform_(-0.1, 0.1)
         self.mlp = ParallelMLP(d, f, tp, tp_rank, seed + 10)
+        if extras:  # a frozen norm bias and a (TP-replicated) buffer: weights outside the optimizer
+            self.input_layernorm.bias.requires_grad_(False)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
 
     def forward(self, x):
         return x + self.mlp(self.input_layernorm(x))
@@ -252,6 +257,16 @@ PIPE3D_UCI = {
 }
 
 
+# the same, with the layer norms averaged over the TP ranks (Megatron-DeepSpeed's parameter_to_average_patterns,
+# e.g. for sequence-parallel norms) instead of required equal: ``average_norms`` in a pipe3d job
+PIPE3D_UCI_AVERAGED = {
+    "universal_checkpoint_version": 0.2,
+    "tp_replicated_parameter_patterns": [r".*\.dense_4h_to_h\.bias$", r"^\d+\.(weight|bias)$"],
+    "parameter_to_average_patterns": [r".*\.input_layernorm\.(weight|bias)$"],
+    "parameter_with_row_parallelism_patterns": [r".*\.dense_4h_to_h\.weight$"],
+}
+
+
 def _pipe3d_model(job):
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -265,7 +280,8 @@ def _pipe3d_model(job):
     d, f, seed = job.get("hidden", 32), 2 * job.get("hidden", 32), job.get("seed", 1234)
     din, dout = 7, 6
     layers = [LayerSpec(_Linear, din, d, seed)]
-    layers += [LayerSpec(ParallelBlock, d, f, tp, tp_rank, seed + 100 * (i + 1)) for i in range(job.get("blocks", 4))]
+    layers += [LayerSpec(ParallelBlock, d, f, tp, tp_rank, seed + 100 * (i + 1), bool(job.get("extras")))
+               for i in range(job.get("blocks", 4))]
     layers += [LayerSpec(_Linear, d, dout, seed + 7), LayerSpec(_ToFloat)]
     model = PipelineModule(layers=layers, topology=topo, loss_fn=nn.MSELoss(), partition_method="uniform")
     group = model._grid.get_slice_parallel_group()
@@ -273,7 +289,7 @@ def _pipe3d_model(job):
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.group = group
     # DeepSpeed saves a module's universal_checkpoint_info into every model-state file
-    model.universal_checkpoint_info = PIPE3D_UCI
+    model.universal_checkpoint_info = PIPE3D_UCI_AVERAGED if job.get("average_norms") else PIPE3D_UCI
     model.din, model.dout = din, dout
     return model
 
