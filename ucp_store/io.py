@@ -187,7 +187,7 @@ class _Reader:
         hit = self._views.get(key)
         if hit is None or hit[2] is not tensor:
             arr = numpy_view(tensor)
-            hit = self._views[key] = (arr, arr.ctypes.data, tensor)
+            hit = self._views[key] = (arr, tensor.data_ptr(), tensor)  # ndarray.ctypes builds an object
         return hit[0], hit[1]
 
     def _flush(self) -> None:
@@ -368,6 +368,12 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
                                f"[{dest.numel()}] on {dest.device}, the plan needs {target} [{b.numel}] in host "
                                "memory, contiguous")
             out.buffers[b.key] = dest.view(-1).zero_()
+        elif used is None:
+            # every tensor-state of the buffer is read: only the gaps no slot covers are zeroed here, each
+            # slot's own padding by _submit_tensor (the plan tiles the buffer: reads + padding)
+            out.buffers[b.key] = buf = torch.empty(b.numel, dtype=target)
+            for g in b.padding:
+                buf[g.start:g.stop].zero_()
         else:
             out.buffers[b.key] = torch.zeros(b.numel, dtype=target)
     for tp in plan.tensors:
@@ -394,7 +400,9 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
     rows = direct and handle.rows_ok
     rest = handle._rest if rows else None
     if tp.fragment is None:
-        dest = torch.zeros(tp.local_shape, dtype=target)
+        dest = torch.empty(tp.local_shape, dtype=target)  # the reads fill it, the padding is zeroed here
+        for g in tp.padding:
+            dest[g.slices()].zero_()  # type: ignore[union-attr]
         out.tensors[key] = dest
         if direct:
             view = numpy_view(dest)
@@ -415,7 +423,9 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
             reader.submit(info, r.box, _box_sink(dest, r.dst))
         return
     if tp.buffer is None:  # ZeRO-3 weight: the parameter's own partition
-        slot = torch.zeros(tp.fragment.slot, dtype=target)
+        # not zeros: a fresh torch.zeros of a small partition costs more than its read (the fill faults the
+        # pages in, then the read writes them again); the reads and the zeroed padding tile the slot
+        slot = torch.empty(tp.fragment.slot, dtype=target)
         out.tensors[key] = slot
         base, vkey = 0, key
         owner = slot
@@ -424,6 +434,8 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
         base, vkey = tp.fragment.buffer_start, tp.buffer  # type: ignore[assignment]
         slot = owner[base:base + tp.fragment.slot]
         out.views[key] = slot
+    for g in tp.padding:
+        slot[g.start:g.stop].zero_()  # type: ignore[union-attr]
     if direct:
         flat, addr = reader.view(vkey, owner)
         size = flat.itemsize
