@@ -385,6 +385,18 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
     return out
 
 
+# torch dtypes torch.from_numpy cannot take from numpy's (ml_dtypes) type: made through an integer carrier
+_NP_CARRIERS = {torch.bfloat16: np.int16}
+
+
+def _empty(shape: tuple[int, ...], handle: LocalArray, target: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
+    """An uninitialised destination in the array's stored dtype as the numpy array the local reads fill and
+    the tensor viewing it (cheaper than ``torch.empty`` and a numpy view of it, per small tensor)."""
+    arr = np.empty(shape, handle.dtype)
+    carrier = _NP_CARRIERS.get(target)
+    return arr, torch.from_numpy(arr) if carrier is None else torch.from_numpy(arr.view(carrier)).view(target)
+
+
 def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> None:
     info = reader.infos.get((tp.name, tp.state))
     if info is None:
@@ -400,12 +412,13 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
     rows = direct and handle.rows_ok
     rest = handle._rest if rows else None
     if tp.fragment is None:
-        dest = torch.empty(tp.local_shape, dtype=target)  # the reads fill it, the padding is zeroed here
+        # the reads fill it, the padding is zeroed here; read directly, made as the numpy array they fill
+        view, dest = _empty(tp.local_shape, handle, target) if direct else (None, torch.empty(tp.local_shape,
+                                                                                              dtype=target))
         for g in tp.padding:
             dest[g.slices()].zero_()  # type: ignore[union-attr]
         out.tensors[key] = dest
-        if direct:
-            view = numpy_view(dest)
+        if view is not None:
             for r in tp.reads:
                 shape = r.box.shape
                 t = view[r.dst.slices()] if view.ndim else view  # type: ignore[union-attr]
@@ -422,10 +435,15 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
         for r in tp.reads:
             reader.submit(info, r.box, _box_sink(dest, r.dst))
         return
+    flat: np.ndarray | None = None
     if tp.buffer is None:  # ZeRO-3 weight: the parameter's own partition
         # not zeros: a fresh torch.zeros of a small partition costs more than its read (the fill faults the
-        # pages in, then the read writes them again); the reads and the zeroed padding tile the slot
-        slot = torch.empty(tp.fragment.slot, dtype=target)
+        # pages in, then the read writes them again); the reads and the zeroed padding tile the slot. Read
+        # directly, it is made as the numpy array the reads fill, the tensor a view of it.
+        if direct:
+            flat, slot = _empty((tp.fragment.slot,), handle, target)
+        else:
+            slot = torch.empty(tp.fragment.slot, dtype=target)
         out.tensors[key] = slot
         base, vkey = 0, key
         owner = slot
@@ -437,7 +455,10 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
     for g in tp.padding:
         slot[g.start:g.stop].zero_()  # type: ignore[union-attr]
     if direct:
-        flat, addr = reader.view(vkey, owner)
+        if flat is None:
+            flat, addr = reader.view(vkey, owner)
+        else:
+            addr = slot.data_ptr()
         size = flat.itemsize
         submit_into = reader.submit_into
         for r in tp.reads:

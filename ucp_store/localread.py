@@ -572,20 +572,27 @@ class LocalArray:
                 self._check_entry((i,) + (0,) * (self.ndim - 1), key, off, nb, expect, data_end)
             a = (lo - i * c0) * self._row_bytes
             b = a + flat.nbytes
-            # scratch standing for the whole chunk, at distance 0 from its file offset: the bytes before the
-            # rows and those after them (with the crc) land at their own place in it. When ``flat`` sits at a
-            # slow distance from the rows' offset, the whole chunk goes to scratch half a page off instead and
-            # the rows are copied out (both copies then run at about half a page).
-            slow = 0 < (addr - off - a) % _PAGE < _BAD_DISTANCE
-            hit = getattr(_scratch, "buf", None)
-            if hit is None or hit[0].nbytes < expect + _PAGE:
-                hit = _scratch_buffer(expect)
-            p = (off + (_HALF_PAGE if slow else 0) - hit[1]) % _PAGE
-            region = hit[0][p:p + expect]
-            post = region[b:]
-            pre = region[:a]
+            whole = a == 0 and b == expect - 4 and not 0 < (addr - off) % _PAGE < _BAD_DISTANCE
+            slow = False
+            if whole:
+                # the whole chunk (a ZeRO fragment of a chunk's size): its bytes straight into ``flat``, its
+                # crc32c into four bytes of its own, no scratch
+                iov: list[Any] = [flat, bytearray(4)]
+            else:
+                # scratch standing for the whole chunk, at distance 0 from its file offset: the bytes before the
+                # rows and those after them (with the crc) land at their own place in it. When ``flat`` sits at
+                # a slow distance from the rows' offset, the whole chunk goes to scratch half a page off instead
+                # and the rows are copied out (both copies then run at about half a page).
+                slow = 0 < (addr - off - a) % _PAGE < _BAD_DISTANCE
+                hit = getattr(_scratch, "buf", None)
+                if hit is None or hit[0].nbytes < expect + _PAGE:
+                    hit = _scratch_buffer(expect)
+                p = (off + (_HALF_PAGE if slow else 0) - hit[1]) % _PAGE
+                region = hit[0][p:p + expect]
+                post = region[b:]
+                pre = region[:a]
+                iov = [region] if slow else [pre, flat, post] if a else [flat, post]
             try:
-                iov: list[Any] = [region] if slow else [pre, flat, post] if a else [flat, post]
                 got = os.preadv(fd, iov, off, flags) if flags else os.preadv(fd, iov, off)
             except BlockingIOError:
                 if flags:
@@ -600,7 +607,9 @@ class LocalArray:
                 return False  # partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
                                  "truncated (short read)")
-        if slow:
+        if whole:
+            ok = _crc(flat) == int.from_bytes(iov[1], "little")
+        elif slow:
             ok = _crc(region[:-4]) == int.from_bytes(region[-4:], "little")
         else:
             crc = _crc_extend(_crc(pre), flat) if a else _crc(flat)
