@@ -82,6 +82,9 @@ def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:
     return dtype
 
 
+_layouts: dict[tuple, tuple[Any, fmt.ArrayLayout]] = {}  # catalog geometry + id(codecs) -> (codecs, layout)
+
+
 class _Reader:
     """Opens each array once and keeps bounded windows of reads in flight (``_window.FutureWindow``): one
     for TensorStore futures (``window_bytes``), one for small local reads on the small-read pool."""
@@ -124,8 +127,14 @@ class _Reader:
                 if hit is not None and (hit[0] is info.codecs or hit[0] == info.codecs):
                     _held.move_to_end(key)
                     return hit[1], hit[2]
-        layout = fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape, info.shard_shape,
-                                              info.codecs)
+        lkey = (info.dtype, info.shape, info.chunk_shape, info.shard_shape, id(info.codecs))
+        hit = _layouts.get(lkey)
+        if hit is None or hit[0] is not info.codecs:  # the entry holds the codecs object: its id stays valid
+            if len(_layouts) >= 4096:
+                _layouts.clear()
+            hit = _layouts[lkey] = (info.codecs, fmt.ArrayLayout.from_catalog(
+                info.dtype, info.shape, info.chunk_shape, info.shard_shape, info.codecs))
+        layout = hit[1]  # one frozen layout per geometry: a model's layers share a few
         handle = open_reader(loc, info.array, layout, self.store.context, codecs=info.codecs)
         if local_ok and isinstance(handle, LocalArray):
             with _held_lock:

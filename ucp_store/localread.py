@@ -377,6 +377,7 @@ def _derive(layout: fmt.ArrayLayout, mapped: bool) -> dict[str, Any]:
 
 
 _geometry: dict[tuple, dict[str, Any]] = {}
+_MMAP_ON = os.environ.get("UCP_READ_MMAP", "1") != "0"  # read once: LocalArray is made per array
 
 
 class LocalArray:
@@ -411,7 +412,7 @@ class LocalArray:
     def __init__(self, folder: str, layout: fmt.ArrayLayout):
         self.folder = folder
         self.layout = layout
-        mapped = os.environ.get("UCP_READ_MMAP", "1") != "0"
+        mapped = _MMAP_ON
         key = (layout.dtype, layout.shape, layout.chunk_shape, layout.shard_shape, MAP_MIN_CHUNK_BYTES, mapped)
         geo = _geometry.get(key)
         if geo is None:  # derived once per geometry: a model's layers share a few
