@@ -13,8 +13,8 @@ state, shape, dtype, pattern, chunk_shape``) and returns a ``Plan``: for every t
   per-parameter partitions (``buffer is None``, the slot is the whole buffer, DeepSpeed's ``ds_tensor``).
 
 Everything not covered by a read is zero: ``TensorPlan.padding`` (vocab rows, ZeRO-3 clip tails) and
-``BufferPlan.padding`` (ZeRO-1/2 alignment gaps and the tail). ``io.py`` allocates zeros, then executes the
-reads. Which tensor-states a rank gets: those whose placement includes its stage (layers of its stage,
+``BufferPlan.padding`` (ZeRO-1/2 alignment gaps and the tail). ``io.py`` zeroes exactly those, and the
+reads fill the rest. Which tensor-states a rank gets: those whose placement includes its stage (layers of its stage,
 tied tensors on first and last); expert tensors give each ``ep`` rank its experts (a fused ``expert``
 tensor its slice, a separate ``expert_member`` tensor only to its owner, so each ep rank's expert ZeRO
 group holds its own experts in record order: DeepSpeed's order when the records list layer by layer,
