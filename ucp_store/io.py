@@ -82,6 +82,9 @@ def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:
     return dtype
 
 
+_layouts: dict[tuple, tuple[Any, fmt.ArrayLayout]] = {}  # catalog geometry + id(codecs) -> (codecs, layout)
+
+
 class _Reader:
     """Opens each array once and keeps bounded windows of reads in flight (``_window.FutureWindow``): one
     for TensorStore futures (``window_bytes``), one for small local reads on the small-read pool."""
@@ -124,8 +127,14 @@ class _Reader:
                 if hit is not None and (hit[0] is info.codecs or hit[0] == info.codecs):
                     _held.move_to_end(key)
                     return hit[1], hit[2]
-        layout = fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape, info.shard_shape,
-                                              info.codecs)
+        lkey = (info.dtype, info.shape, info.chunk_shape, info.shard_shape, id(info.codecs))
+        hit = _layouts.get(lkey)
+        if hit is None or hit[0] is not info.codecs:  # the entry holds the codecs object: its id stays valid
+            if len(_layouts) >= 4096:
+                _layouts.clear()
+            hit = _layouts[lkey] = (info.codecs, fmt.ArrayLayout.from_catalog(
+                info.dtype, info.shape, info.chunk_shape, info.shard_shape, info.codecs))
+        layout = hit[1]  # one frozen layout per geometry: a model's layers share a few
         handle = open_reader(loc, info.array, layout, self.store.context, codecs=info.codecs)
         if local_ok and isinstance(handle, LocalArray):
             with _held_lock:
@@ -187,7 +196,7 @@ class _Reader:
         hit = self._views.get(key)
         if hit is None or hit[2] is not tensor:
             arr = numpy_view(tensor)
-            hit = self._views[key] = (arr, arr.ctypes.data, tensor)
+            hit = self._views[key] = (arr, tensor.data_ptr(), tensor)  # ndarray.ctypes builds an object
         return hit[0], hit[1]
 
     def _flush(self) -> None:
@@ -368,6 +377,12 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
                                f"[{dest.numel()}] on {dest.device}, the plan needs {target} [{b.numel}] in host "
                                "memory, contiguous")
             out.buffers[b.key] = dest.view(-1).zero_()
+        elif used is None:
+            # every tensor-state of the buffer is read: only the gaps no slot covers are zeroed here, each
+            # slot's own padding by _submit_tensor (the plan tiles the buffer: reads + padding)
+            out.buffers[b.key] = buf = torch.empty(b.numel, dtype=target)
+            for g in b.padding:
+                buf[g.start:g.stop].zero_()
         else:
             out.buffers[b.key] = torch.zeros(b.numel, dtype=target)
     for tp in plan.tensors:
@@ -377,6 +392,18 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
     reader.drain()
     out.bytes_read = reader.bytes_copied
     return out
+
+
+# torch dtypes torch.from_numpy cannot take from numpy's (ml_dtypes) type: made through an integer carrier
+_NP_CARRIERS = {torch.bfloat16: np.int16}
+
+
+def _empty(shape: tuple[int, ...], handle: LocalArray, target: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
+    """An uninitialised destination in the array's stored dtype as the numpy array the local reads fill and
+    the tensor viewing it (cheaper than ``torch.empty`` and a numpy view of it, per small tensor)."""
+    arr = np.empty(shape, handle.dtype)
+    carrier = _NP_CARRIERS.get(target)
+    return arr, torch.from_numpy(arr) if carrier is None else torch.from_numpy(arr.view(carrier)).view(target)
 
 
 def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> None:
@@ -394,10 +421,13 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
     rows = direct and handle.rows_ok
     rest = handle._rest if rows else None
     if tp.fragment is None:
-        dest = torch.zeros(tp.local_shape, dtype=target)
+        # the reads fill it, the padding is zeroed here; read directly, made as the numpy array they fill
+        view, dest = _empty(tp.local_shape, handle, target) if direct else (None, torch.empty(tp.local_shape,
+                                                                                              dtype=target))
+        for g in tp.padding:
+            dest[g.slices()].zero_()  # type: ignore[union-attr]
         out.tensors[key] = dest
-        if direct:
-            view = numpy_view(dest)
+        if view is not None:
             for r in tp.reads:
                 shape = r.box.shape
                 t = view[r.dst.slices()] if view.ndim else view  # type: ignore[union-attr]
@@ -414,8 +444,15 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
         for r in tp.reads:
             reader.submit(info, r.box, _box_sink(dest, r.dst))
         return
+    flat: np.ndarray | None = None
     if tp.buffer is None:  # ZeRO-3 weight: the parameter's own partition
-        slot = torch.zeros(tp.fragment.slot, dtype=target)
+        # not zeros: a fresh torch.zeros of a small partition costs more than its read (the fill faults the
+        # pages in, then the read writes them again); the reads and the zeroed padding tile the slot. Read
+        # directly, it is made as the numpy array the reads fill, the tensor a view of it.
+        if direct:
+            flat, slot = _empty((tp.fragment.slot,), handle, target)
+        else:
+            slot = torch.empty(tp.fragment.slot, dtype=target)
         out.tensors[key] = slot
         base, vkey = 0, key
         owner = slot
@@ -424,8 +461,13 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
         base, vkey = tp.fragment.buffer_start, tp.buffer  # type: ignore[assignment]
         slot = owner[base:base + tp.fragment.slot]
         out.views[key] = slot
+    for g in tp.padding:
+        slot[g.start:g.stop].zero_()  # type: ignore[union-attr]
     if direct:
-        flat, addr = reader.view(vkey, owner)
+        if flat is None:
+            flat, addr = reader.view(vkey, owner)
+        else:
+            addr = slot.data_ptr()
         size = flat.itemsize
         submit_into = reader.submit_into
         for r in tp.reads:

@@ -242,12 +242,15 @@ _chain_checks: dict[tuple, tuple] = {}  # (id(codecs), chunk shape, sharded, com
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view (no copy, any strides) of a CPU tensor with its exact bits; bf16 as ``ml_dtypes``."""
-    name = dtypes.zarr_name(tensor.dtype)
-    carrier = {torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32,
-               torch.uint64: torch.int64}.get(tensor.dtype)
+    carrier = _CARRIERS.get(tensor.dtype)
     if carrier is None:
         return tensor.numpy()
-    return tensor.view(carrier).numpy().view(dtypes.numpy_dtype(name))
+    return tensor.view(carrier).numpy().view(dtypes.numpy_dtype(dtypes.zarr_name(tensor.dtype)))
+
+
+# torch dtypes numpy has no type for (or torch cannot hand to numpy): viewed through a carrier of their width
+_CARRIERS = {torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32,
+             torch.uint64: torch.int64}
 
 
 class _Pending:
@@ -374,6 +377,7 @@ def _derive(layout: fmt.ArrayLayout, mapped: bool) -> dict[str, Any]:
 
 
 _geometry: dict[tuple, dict[str, Any]] = {}
+_MMAP_ON = os.environ.get("UCP_READ_MMAP", "1") != "0"  # read once: LocalArray is made per array
 
 
 class LocalArray:
@@ -408,7 +412,7 @@ class LocalArray:
     def __init__(self, folder: str, layout: fmt.ArrayLayout):
         self.folder = folder
         self.layout = layout
-        mapped = os.environ.get("UCP_READ_MMAP", "1") != "0"
+        mapped = _MMAP_ON
         key = (layout.dtype, layout.shape, layout.chunk_shape, layout.shard_shape, MAP_MIN_CHUNK_BYTES, mapped)
         geo = _geometry.get(key)
         if geo is None:  # derived once per geometry: a model's layers share a few
@@ -569,20 +573,27 @@ class LocalArray:
                 self._check_entry((i,) + (0,) * (self.ndim - 1), key, off, nb, expect, data_end)
             a = (lo - i * c0) * self._row_bytes
             b = a + flat.nbytes
-            # scratch standing for the whole chunk, at distance 0 from its file offset: the bytes before the
-            # rows and those after them (with the crc) land at their own place in it. When ``flat`` sits at a
-            # slow distance from the rows' offset, the whole chunk goes to scratch half a page off instead and
-            # the rows are copied out (both copies then run at about half a page).
-            slow = 0 < (addr - off - a) % _PAGE < _BAD_DISTANCE
-            hit = getattr(_scratch, "buf", None)
-            if hit is None or hit[0].nbytes < expect + _PAGE:
-                hit = _scratch_buffer(expect)
-            p = (off + (_HALF_PAGE if slow else 0) - hit[1]) % _PAGE
-            region = hit[0][p:p + expect]
-            post = region[b:]
-            pre = region[:a]
+            whole = a == 0 and b == expect - 4 and not 0 < (addr - off) % _PAGE < _BAD_DISTANCE
+            slow = False
+            if whole:
+                # the whole chunk (a ZeRO fragment of a chunk's size): its bytes straight into ``flat``, its
+                # crc32c into four bytes of its own, no scratch
+                iov: list[Any] = [flat, bytearray(4)]
+            else:
+                # scratch standing for the whole chunk, at distance 0 from its file offset: the bytes before the
+                # rows and those after them (with the crc) land at their own place in it. When ``flat`` sits at
+                # a slow distance from the rows' offset, the whole chunk goes to scratch half a page off instead
+                # and the rows are copied out (both copies then run at about half a page).
+                slow = 0 < (addr - off - a) % _PAGE < _BAD_DISTANCE
+                hit = getattr(_scratch, "buf", None)
+                if hit is None or hit[0].nbytes < expect + _PAGE:
+                    hit = _scratch_buffer(expect)
+                p = (off + (_HALF_PAGE if slow else 0) - hit[1]) % _PAGE
+                region = hit[0][p:p + expect]
+                post = region[b:]
+                pre = region[:a]
+                iov = [region] if slow else [pre, flat, post] if a else [flat, post]
             try:
-                iov: list[Any] = [region] if slow else [pre, flat, post] if a else [flat, post]
                 got = os.preadv(fd, iov, off, flags) if flags else os.preadv(fd, iov, off)
             except BlockingIOError:
                 if flags:
@@ -597,7 +608,9 @@ class LocalArray:
                 return False  # partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
                                  "truncated (short read)")
-        if slow:
+        if whole:
+            ok = _crc(flat) == int.from_bytes(iov[1], "little")
+        elif slow:
             ok = _crc(region[:-4]) == int.from_bytes(region[-4:], "little")
         else:
             crc = _crc_extend(_crc(pre), flat) if a else _crc(flat)

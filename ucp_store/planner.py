@@ -13,8 +13,8 @@ state, shape, dtype, pattern, chunk_shape``) and returns a ``Plan``: for every t
   per-parameter partitions (``buffer is None``, the slot is the whole buffer, DeepSpeed's ``ds_tensor``).
 
 Everything not covered by a read is zero: ``TensorPlan.padding`` (vocab rows, ZeRO-3 clip tails) and
-``BufferPlan.padding`` (ZeRO-1/2 alignment gaps and the tail). ``io.py`` allocates zeros, then executes the
-reads. Which tensor-states a rank gets: those whose placement includes its stage (layers of its stage,
+``BufferPlan.padding`` (ZeRO-1/2 alignment gaps and the tail). ``io.py`` zeroes exactly those, and the
+reads fill the rest. Which tensor-states a rank gets: those whose placement includes its stage (layers of its stage,
 tied tensors on first and last); expert tensors give each ``ep`` rank its experts (a fused ``expert``
 tensor its slice, a separate ``expert_member`` tensor only to its owner, so each ep rank's expert ZeRO
 group holds its own experts in record order: DeepSpeed's order when the records list layer by layer,
@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
 from . import dtype_table
+from .chunking import MIN_CHUNK_BYTES
 from .errors import DTypeError, PlanError
 from .geometry import Box, FlatRange, uncovered
 from .patterns import (
@@ -784,7 +785,8 @@ def split_points(pattern: Any, shape: Sequence[int], topologies: Iterable[Topolo
 
 
 def chunk_alignment(pattern: Any, shape: Sequence[int], topologies: Iterable[Topology | Mapping[str, Any]], *,
-                    itemsize: int = 4, min_chunk_bytes: int = 64 << 10, name: str | None = None) -> tuple[int, ...]:
+                    itemsize: int = 4, min_chunk_bytes: int = MIN_CHUNK_BYTES, name: str | None = None
+                    ) -> tuple[int, ...]:
     """Suggested chunk extent per dim so that chunk edges fall on ``split_points``.
 
     Along a split dim: the gcd of all its split points, so that every boundary is a chunk edge (any
@@ -792,8 +794,9 @@ def chunk_alignment(pattern: Any, shape: Sequence[int], topologies: Iterable[Top
     thinner than ``min_chunk_bytes`` (counting the other dims at full extent), as for 1024 rows over 3
     ranks, the fallback is the smallest extent at or above that floor (below twice it) putting the most
     boundaries on chunk edges: each remaining boundary costs at most one partly used chunk per reader.
-    A dim too small for the floor is one chunk. Dims nobody splits get their full extent (no constraint:
-    the writer cuts them to its byte target)."""
+    The floor defaults to the chunk policy's ``chunking.MIN_CHUNK_BYTES`` (its one home: sharded writes
+    and whole-tensor writes then share it). A dim too small for the floor is one chunk. Dims nobody
+    splits get their full extent (no constraint: the writer cuts them to its byte target)."""
     shape = tuple(int(s) for s in shape)
     points = split_points(pattern, shape, topologies, name=name)
     out = []
