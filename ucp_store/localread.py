@@ -174,6 +174,51 @@ def _prefetch(runs: list[tuple]) -> None:
             pass  # advice only
 
 
+# How a large read is split over the pool (``LocalArray._run_all``): "segments" (default) gives each
+# thread contiguous segments of whole files in file order, each read through its own open file, so that
+# from a cold cache each stream gets the kernel's sequential readahead (large requests, read ahead of the
+# copy); "runs" submits every run (at most RUN_BYTES) as its own task, so one file is read at several
+# offsets at once through one open file (the old behaviour; tools/bench_cold.py compares the two).
+_SPLIT = os.environ.get("UCP_READ_SPLIT", "segments")
+SEGMENT_MIN_BYTES = 8 << 20  # a file is split into segments no smaller than this
+SEGMENTS_PER_THREAD = 2  # segments per pool thread (balance: a thread that finishes early takes another)
+_SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
+
+
+def _segments(runs: list[tuple], total: int) -> list[tuple[bool, list[tuple]]]:
+    """``(own, runs)`` pool tasks for ``runs`` (each file's runs together, in file order), ``total`` bytes:
+    each file's runs cut into contiguous segments of about ``total / threads`` bytes (at least
+    ``SEGMENT_MIN_BYTES``); ``own``: the file has more than one segment (each reads through its own file)."""
+    files: list[list[tuple]] = []
+    for r in runs:
+        if files and files[-1][0][0] == r[0]:
+            files[-1].append(r)
+        else:
+            files.append([r])
+    target = max(SEGMENT_MIN_BYTES, -(-total // (SEGMENTS_PER_THREAD * _threads())))
+    tasks: list[tuple[bool, list[tuple]]] = []
+    for file_runs in files:
+        nbytes = sum(len(r[2]) * r[3] for r in file_runs)
+        n = max(1, min(len(file_runs), round(nbytes / target)))
+        if n == 1:
+            tasks.append((False, file_runs))
+            continue
+        per = nbytes / n  # cut where the bytes so far pass a multiple of ``per``
+        seg: list[tuple] = []
+        cut: list[list[tuple]] = []
+        acc, k = 0, 1
+        for r in file_runs:
+            seg.append(r)
+            acc += len(r[2]) * r[3]
+            if acc >= k * per and k < n:
+                cut.append(seg)
+                seg, k = [], k + 1
+        if seg:
+            cut.append(seg)
+        tasks += [(len(cut) > 1, c) for c in cut]
+    return tasks
+
+
 class LocalReadError(ValueError):
     """A shard file or chunk fails a check (crc32c, size, index entry) or is missing.
 
@@ -481,11 +526,17 @@ class LocalArray:
                 os.close(fd)
 
     def _run_all(self, runs: list[tuple]) -> None:
+        """Read ``runs`` (``(fd, key, items, expect)``, each file's runs together in file order); a large
+        read is split over the pool: by default (``_SPLIT`` "segments") as contiguous segments of each file,
+        read in file order, each through its own open file (``_segments``); "runs": every run a pool task."""
         total = sum(len(r[2]) for r in runs) * self.chunk_bytes
         if total >= PARALLEL_BYTES and len(runs) > 1:
             if _WILLNEED is not None:
                 _prefetch(runs)
-            futures = [_get_pool().submit(self._read_run, *r) for r in runs]
+            if _SPLIT == "runs":
+                futures = [_get_pool().submit(self._read_run, *r) for r in runs]
+            else:
+                futures = [_get_pool().submit(self._read_segment, *seg) for seg in _segments(runs, total)]
             try:
                 for f in futures:
                     f.result()
@@ -498,6 +549,41 @@ class LocalArray:
         else:
             for r in runs:
                 self._read_run(*r)
+
+    def _read_segment(self, own: bool, runs: list[tuple]) -> None:
+        """Runs of one file in file order (``_segments``). ``own``: other threads read other segments of
+        the same file, so this one reads through a file of its own (the kernel keeps readahead state per
+        open file: on a shared one, reads at several offsets look random and get no readahead); the file
+        opened again must be the one whose index was checked (same identity), else the shared one is used.
+        Either way the kernel is told the reads are sequential (a larger readahead window)."""
+        fd, key = runs[0][0], runs[0][1]
+        mine = -1
+        if own:
+            try:
+                mine = os.open(os.path.join(self.folder, *key.split("/")), _RDONLY)
+                st = os.fstat(mine)
+                held = self._indexes.get(key)
+                if held is None or held[0] != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                    os.close(mine)
+                    mine = -1
+            except OSError:
+                if mine >= 0:
+                    os.close(mine)
+                mine = -1
+        use = mine if mine >= 0 else fd
+        try:
+            if _SEQUENTIAL is not None:
+                lo = min(it[0] for r in runs for it in (r[2][0], r[2][-1]))
+                hi = max(it[0] for r in runs for it in (r[2][0], r[2][-1])) + runs[0][3]
+                try:
+                    os.posix_fadvise(use, lo, hi - lo, _SEQUENTIAL)
+                except OSError:
+                    pass  # advice only
+            for _fd, _key, items, expect in runs:
+                self._read_run(use, key, items, expect)
+        finally:
+            if mine >= 0:
+                os.close(mine)
 
     def read_rows(self, lo: int, hi: int, out: np.ndarray, addr: int | None = None) -> None:
         """Rows ``[lo, hi)`` (``lo < hi``) of an array whose chunks hold whole rows (``rows_ok``) into
