@@ -421,6 +421,39 @@ def test_corrupt_store_array_named_through_load_shard(tmp_path):
     assert [p["chunk"] for p in problems] == [[0, 0]] and "crc32c mismatch" in problems[0]["error"]
 
 
+@pytest.mark.parametrize("streams", [True, False])
+def test_state_dict_streams_whole_reads(tmp_path, monkeypatch, streams):
+    """state_dict's large reads run several at once, each shard file one stream (a file over STREAM_BYTES
+    in several, each through its own open file), or one after another: the same bytes either way, and a
+    corrupt chunk is named with its tensor."""
+    import ucp_store.io as uio
+    import ucp_store.localread as lr
+
+    monkeypatch.setattr(uio, "PARALLEL_BYTES", 1 << 15)
+    monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 15)
+    monkeypatch.setattr(lr, "STREAM_BYTES", 1 << 18)
+    monkeypatch.setattr(lr, "RUN_BYTES", 1 << 17)
+    monkeypatch.setattr(uio, "_STREAMS", streams)
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True, chunk_target_bytes=128 << 10)
+    g = torch.Generator().manual_seed(5)
+    state = {f"l{i}.w": random_bits((1024, 256), torch.float32, g) for i in range(3)}
+    state["small"] = random_bits((4, 4), torch.bfloat16, g)
+    store.save("r", 1, state, state="weight")
+    streamed = []
+    real = lr.LocalArray.read_streamed
+    monkeypatch.setattr(lr.LocalArray, "read_streamed", lambda self, box: (streamed.append(box), real(self, box))[1])
+    sd = store.checkpoint("r@1").state_dict("weight")
+    assert sd.keys() == state.keys()
+    for n, t in state.items():
+        assert sd[n].dtype == t.dtype and dtypes.to_numpy(sd[n]).tobytes() == dtypes.to_numpy(t).tobytes()
+    assert len(streamed) == (3 if streams else 0)  # the three 1 MiB arrays, never the small one
+    info = store.checkpoint("r@1").info("l1.w", "weight")
+    path = next(p for p in (Path(store.location.root) / info.array / "c").rglob("*") if p.is_file())
+    flip_byte(path, 100)
+    with pytest.raises(ChecksumError, match=r"tensor 'l1.w' state 'weight' of checkpoint .* chunk \[0, 0\]"):
+        store.checkpoint("r@1").state_dict("weight")
+
+
 def test_small_chunk_target_store_reads_rows(tmp_path):
     """A store may choose inner chunks down to 128 KiB (rows then cost a quarter of the default's bytes)."""
     store = ucp_store.open_store(str(tmp_path / "s"), create=True, chunk_target_bytes=256 << 10)

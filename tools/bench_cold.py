@@ -1,16 +1,17 @@
 """Cold-cache whole reads, interleaved (page cache dropped before every read; needs root), best of N rounds:
 
-- ucp ``state_dict`` on the local path as it is (a large read split into contiguous segments of each shard
-  file, each read in file order through its own open file: ``localread._SPLIT = "segments"``),
-- ucp with the old split (every run of at most ``RUN_BYTES`` its own pool task, one open file shared by all
-  threads: ``"runs"``),
-- the ceilings: a raw read of the same bytes from ONE file into fresh memory, and a raw read of ucp's own
-  shard files (same files, same extents on disk) one after another into fresh memory,
+- ucp ``state_dict`` on the local path as it is: the large arrays read several at once on localread's
+  stream pool, each shard file read in file order as one stream (``io._STREAMS``, ``read_streamed``),
+- ucp as it was: one array after another, each split over the read pool as runs of at most ``RUN_BYTES``
+  read at several offsets of one open file at once (``io._STREAMS = False``, ``localread._SPLIT = "runs"``),
+- the ceilings: a raw read of the same bytes from ONE file into fresh memory; a raw read of ucp's own shard
+  files (same files, same extents on disk) into fresh memory, one after another and 8 at once,
 - ``torch.load`` and safetensors' ``load_file`` of the same tensors,
 
-with ratios against the raw read and ``torch.load``, and each case's round-to-round spread (slowest /
-fastest round) and median. The disk here is shared: absolute figures swing 2-4x from round to round, so
-read the best-of and the medians side by side, never one round.
+with ratios against the raw read of one file and ``torch.load``, each case's round-to-round spread
+(slowest / fastest round), median, and the disk's read requests (count, mean size) in the median round.
+The disk here is shared: absolute figures swing 2-4x from round to round, so read best-of and medians side
+by side, never one round.
 
     .venv/bin/python tools/bench_cold.py --gib 0.5 --rounds 8
 """
@@ -23,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ os.environ.setdefault("UCP_PROGRESS", "0")
 import bench_store  # noqa: E402
 
 import ucp_store  # noqa: E402
+from ucp_store import io as ucp_io  # noqa: E402
 from ucp_store import localread  # noqa: E402
 
 
@@ -80,17 +83,19 @@ def main() -> None:
         if not bench_store.drop_caches():
             print("cannot drop the page cache here (not root): no cold figure")
             return
-        split = localread._SPLIT
+        split, streams = localread._SPLIT, ucp_io._STREAMS
+        pool = ThreadPoolExecutor(8)
 
-        def ucp(how: str):
+        def ucp(new: bool):
             def run():
-                localread._SPLIT = how
+                localread._SPLIT, ucp_io._STREAMS = (split, streams) if new else ("runs", False)
                 return ucp_store.open_store(store.location.url).checkpoint("c@1").state_dict("weight")
             return run
 
-        cases = {"ucp state_dict (segments)": ucp("segments"), "ucp state_dict (old: runs)": ucp("runs"),
+        cases = {"ucp state_dict": ucp(True), "ucp state_dict (old)": ucp(False),
                  "raw read, one file": lambda: np.fromfile(raw, np.uint8),
-                 "raw read, ucp's shard files": lambda: [np.fromfile(p, np.uint8) for p in shards],
+                 "raw read, ucp's files": lambda: [np.fromfile(p, np.uint8) for p in shards],
+                 "raw read, ucp's files, 8 thr": lambda: list(pool.map(lambda p: np.fromfile(p, np.uint8), shards)),
                  "torch.load": lambda: torch.load(pt, weights_only=True),
                  "safetensors load_file": lambda: load_file(sf)}
         times: dict[str, list[float]] = {k: [] for k in cases}
@@ -108,7 +113,8 @@ def main() -> None:
                 times[k].append(dt)
                 io[k].append((d1[0] - d0[0], d1[1] - d0[1]))
                 print(r, k, f"{dt:.3f} s", flush=True)
-        localread._SPLIT = split
+        localread._SPLIT, ucp_io._STREAMS = split, streams
+        pool.shutdown()
         best = {k: min(v) for k, v in times.items()}
         raw_best, torch_best = best["raw read, one file"], best["torch.load"]
         print(f"\ncold cache, {nbytes / 2**30:.2f} GiB, best of {args.rounds} interleaved rounds, "

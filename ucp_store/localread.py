@@ -181,21 +181,49 @@ def _prefetch(runs: list[tuple]) -> None:
 # offsets at once through one open file (the old behaviour; tools/bench_cold.py compares the two).
 _SPLIT = os.environ.get("UCP_READ_SPLIT", "segments")
 SEGMENT_MIN_BYTES = 8 << 20  # a file is split into segments no smaller than this
+# Several whole reads in flight at once (``LocalArray.read_streamed``, ``io.read_tensors``): each shard file
+# is read in file order as one stream (a file larger than this in streams of about this size), no WILLNEED;
+# the concurrency comes from the reads in flight (from a cold cache, several files read at once in large
+# sequential requests is what this disk serves fastest: tools/bench_cold.py).
+STREAM_BYTES = 64 << 20
+_streamed = threading.local()
 SEGMENTS_PER_THREAD = 2  # segments per pool thread (balance: a thread that finishes early takes another)
 _SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
 
 
-def _segments(runs: list[tuple], total: int) -> list[tuple[bool, list[tuple]]]:
+def _stream_threads() -> int:
+    env = os.environ.get("UCP_READ_STREAM_THREADS")
+    if env:
+        return max(1, int(env))
+    return 2 * _threads()
+
+
+_stream_pool: ThreadPoolExecutor | None = None
+
+
+def get_stream_pool() -> ThreadPoolExecutor:
+    """The pool whole reads run on when several are in flight at once (``read_streamed``); apart from the
+    read pool (its tasks may wait on the read pool's, never the reverse)."""
+    global _stream_pool
+    if _stream_pool is None:
+        with _pool_lock:
+            if _stream_pool is None:
+                _stream_pool = ThreadPoolExecutor(_stream_threads(), thread_name_prefix="ucp-stream")
+    return _stream_pool
+
+
+def _segments(runs: list[tuple], total: int, target: int = 0) -> list[tuple[bool, list[tuple]]]:
     """``(own, runs)`` pool tasks for ``runs`` (each file's runs together, in file order), ``total`` bytes:
     each file's runs cut into contiguous segments of about ``total / threads`` bytes (at least
-    ``SEGMENT_MIN_BYTES``); ``own``: the file has more than one segment (each reads through its own file)."""
+    ``SEGMENT_MIN_BYTES``), or of about ``target`` bytes when given; ``own``: the file has more than one
+    segment (each reads through its own file)."""
     files: list[list[tuple]] = []
     for r in runs:
         if files and files[-1][0][0] == r[0]:
             files[-1].append(r)
         else:
             files.append([r])
-    target = max(SEGMENT_MIN_BYTES, -(-total // (SEGMENTS_PER_THREAD * _threads())))
+    target = target or max(SEGMENT_MIN_BYTES, -(-total // (SEGMENTS_PER_THREAD * _threads())))
     tasks: list[tuple[bool, list[tuple]]] = []
     for file_runs in files:
         nbytes = sum(len(r[2]) * r[3] for r in file_runs)
@@ -487,6 +515,16 @@ class LocalArray:
         self.read_into(box, out)
         return out
 
+    def read_streamed(self, box: fmt.Box) -> np.ndarray:
+        """``read`` as one of several whole reads in flight at once (``io.read_tensors`` runs them on
+        ``get_stream_pool``): each shard file is read in file order as one stream (``STREAM_BYTES``), in this
+        thread when the box has one; the same checks and errors as ``read``."""
+        _streamed.on = True
+        try:
+            return self.read(box)
+        finally:
+            _streamed.on = False
+
     def read_into(self, box: fmt.Box, out: np.ndarray) -> None:
         """Fill ``out`` (shape of ``box``, this array's dtype, any strides) with the box's elements.
 
@@ -530,7 +568,22 @@ class LocalArray:
         read is split over the pool: by default (``_SPLIT`` "segments") as contiguous segments of each file,
         read in file order, each through its own open file (``_segments``); "runs": every run a pool task."""
         total = sum(len(r[2]) for r in runs) * self.chunk_bytes
-        if total >= PARALLEL_BYTES and len(runs) > 1:
+        if getattr(_streamed, "on", False) and runs:
+            tasks = _segments(runs, total, STREAM_BYTES)  # one stream per file (or per STREAM_BYTES of one)
+            if len(tasks) == 1:
+                self._read_segment(*tasks[0])
+                return
+            futures = [_get_pool().submit(self._read_segment, *seg) for seg in tasks]
+            try:
+                for f in futures:
+                    f.result()
+            finally:
+                for f in futures:
+                    f.cancel()
+                for f in futures:
+                    if not f.cancelled():
+                        f.exception()
+        elif total >= PARALLEL_BYTES and len(runs) > 1:
             if _WILLNEED is not None:
                 _prefetch(runs)
             if _SPLIT == "runs":
