@@ -13,7 +13,9 @@ C order, then its crc32c) sits at the end of the file. So for a folder store thi
   needed part is copied,
 - checks every chunk's crc32c with ``google_crc32c`` (hardware CRC32C; tools/bench_crc32c.py measured
   it against numcodecs' CRC32C and the ``crc32c`` package),
-- splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL),
+- splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL) as
+  contiguous segments of each shard file, each read in file order through its own open file, and reads
+  several whole arrays at once with one stream per shard file (``read_streamed``, for ``state_dict``),
 - reads a box of whole rows (chunks holding whole rows, the chunk policy's usual cut) without per-chunk
   views: each whole chunk's destination is a byte range found by arithmetic and a shard's index entries
   are checked in one numpy pass (``_read_rows``),
@@ -148,10 +150,10 @@ def _populate(entry: tuple, off: int, nbytes: int) -> None:
     done.add(off)
 
 
-# Large reads split over the pool read one file at several offsets at once, which the kernel's readahead
-# takes for random access: from a cold cache it then reads in small synchronous pieces. One
-# POSIX_FADV_WILLNEED per file over the span the runs cover starts the whole span's reads at once (on a
-# warm cache it finds the pages present). ``UCP_READ_WILLNEED=0`` leaves it out (tools/bench_cold.py).
+# Large reads split over the pool read one file at several offsets at once. One POSIX_FADV_WILLNEED per
+# file over the span the runs cover starts the whole span's reads at once (on a warm cache it finds the
+# pages present). ``UCP_READ_WILLNEED=0`` leaves it out. (Whole reads of several arrays, ``read_streamed``,
+# skip it: one sequential stream per file, several files at once, measured faster from a cold cache.)
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None) if os.environ.get("UCP_READ_WILLNEED", "1") != "0" else None
 
 
