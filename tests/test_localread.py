@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import ucp_store
 from ucp_store import dtypes
 from ucp_store import format as fmt
 from ucp_store.errors import ChecksumError
-from ucp_store.localread import LocalArray, is_local_chain, numpy_view, open_reader
+from ucp_store.localread import LocalArray, LocalReadError, is_local_chain, numpy_view, open_reader
 from ucp_store.location import Location
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
@@ -137,10 +138,58 @@ def test_large_read_uses_threads_and_matches(where, monkeypatch):
     local, ts_handle = _both(where, rel, layout)
     for box in [((0, 512), (0, 256)), ((3, 500), (7, 250)), ((100, 101), (0, 256))]:
         assert local.read(box).tobytes() == ts_handle[fmt.box_index(box)].read().result().tobytes()
-    # the split reads asked the kernel to read ahead each shard file's span at once (one call per file)
+    # the split reads asked the kernel to read ahead each shard file's span at once (one call per file),
+    # and each segment's reads were announced as sequential
     chunk = 16 * 128 * 4 + 4
-    assert advised and all(how == lr.os.POSIX_FADV_WILLNEED and n >= chunk and n % chunk == 0
-                           for _, n, how in advised)
+    willneed = [a for a in advised if a[2] == lr.os.POSIX_FADV_WILLNEED]
+    assert willneed and all(n >= chunk and n % chunk == 0 for _, n, _how in willneed)
+    seq = [a for a in advised if a[2] == lr.os.POSIX_FADV_SEQUENTIAL]
+    assert seq and all(n >= chunk and n % chunk == 0 for _, n, _how in seq)
+
+
+@pytest.mark.parametrize("split", ["segments", "runs"])
+def test_large_read_split_modes_match(where, monkeypatch, split):
+    """Both ways of splitting a large read (contiguous segments per file, each through its own open file;
+    or every run its own task) return TensorStore's bytes, and a corrupt chunk is caught either way."""
+    import ucp_store.localread as lr
+
+    monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(lr, "RUN_BYTES", 1 << 14)
+    monkeypatch.setattr(lr, "SEGMENT_MIN_BYTES", 1 << 15)
+    monkeypatch.setattr(lr, "_SPLIT", split)
+    opened = []
+    real_open = lr.os.open
+    monkeypatch.setattr(lr.os, "open", lambda path, flags, *a: (opened.append(path), real_open(path, flags, *a))[1])
+    x = random_bits((1024, 64), torch.float32, torch.Generator().manual_seed(2))
+    rel, layout = _write(where, x, (16, 64), (16, 1))  # 4 shard files of 256 rows, 16 chunks of 4 KiB each
+    local, ts_handle = _both(where, rel, layout)
+    for box in [((0, 1024), (0, 64)), ((5, 1000), (3, 60))]:
+        opened.clear()
+        assert local.read(box).tobytes() == ts_handle[fmt.box_index(box)].read().result().tobytes()
+        per_file = max(opened.count(p) for p in set(opened))
+        assert per_file > 1 if split == "segments" else per_file == 1  # segments: a file opened per segment
+    shard = os.path.join(where[0].root, rel, "c", "1", "0")
+    with open(shard, "r+b") as f:
+        f.seek(5 * (16 * 64 * 4 + 4) + 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(LocalReadError, match="crc32c checksum mismatch"):
+        local.read(((0, 1024), (0, 64)))
+
+
+def test_segments_cut_each_file_in_order():
+    import ucp_store.localread as lr
+
+    runs = [(fd, "k", [(off, None)], 1 << 20) for fd in (3, 4) for off in range(0, 16 << 20, 1 << 20)]
+    runs += [(5, "k", [(0, None)], 1 << 20)]
+    tasks = lr._segments(runs, 33 << 20)
+    assert [r for _own, seg in tasks for r in seg] == runs  # every run once, in order
+    for own, seg in tasks:
+        assert len({r[0] for r in seg}) == 1  # one file per segment
+        assert own == (sum(1 for _o, s in tasks if s[0][0] == seg[0][0]) > 1)
+    assert sum(1 for _o, s in tasks if s[0][0] == 3) > 1  # a 16 MiB file is split
+    assert [s for _o, s in tasks if s[0][0] == 5] == [[runs[-1]]]
 
 
 # --- routing ----------------------------------------------------------------------------------------
@@ -370,6 +419,39 @@ def test_corrupt_store_array_named_through_load_shard(tmp_path):
         store.checkpoint("r@1").state_dict("fp32")
     problems = store.checkpoint("r@1").verify()
     assert [p["chunk"] for p in problems] == [[0, 0]] and "crc32c mismatch" in problems[0]["error"]
+
+
+@pytest.mark.parametrize("streams", [True, False])
+def test_state_dict_streams_whole_reads(tmp_path, monkeypatch, streams):
+    """state_dict's large reads run several at once, each shard file one stream (a file over STREAM_BYTES
+    in several, each through its own open file), or one after another: the same bytes either way, and a
+    corrupt chunk is named with its tensor."""
+    import ucp_store.io as uio
+    import ucp_store.localread as lr
+
+    monkeypatch.setattr(uio, "PARALLEL_BYTES", 1 << 15)
+    monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 15)
+    monkeypatch.setattr(lr, "STREAM_BYTES", 1 << 18)
+    monkeypatch.setattr(lr, "RUN_BYTES", 1 << 17)
+    monkeypatch.setattr(uio, "_STREAMS", streams)
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True, chunk_target_bytes=128 << 10)
+    g = torch.Generator().manual_seed(5)
+    state = {f"l{i}.w": random_bits((1024, 256), torch.float32, g) for i in range(3)}
+    state["small"] = random_bits((4, 4), torch.bfloat16, g)
+    store.save("r", 1, state, state="weight")
+    streamed = []
+    real = lr.LocalArray.read_streamed
+    monkeypatch.setattr(lr.LocalArray, "read_streamed", lambda self, box: (streamed.append(box), real(self, box))[1])
+    sd = store.checkpoint("r@1").state_dict("weight")
+    assert sd.keys() == state.keys()
+    for n, t in state.items():
+        assert sd[n].dtype == t.dtype and dtypes.to_numpy(sd[n]).tobytes() == dtypes.to_numpy(t).tobytes()
+    assert len(streamed) == (3 if streams else 0)  # the three 1 MiB arrays, never the small one
+    info = store.checkpoint("r@1").info("l1.w", "weight")
+    path = next(p for p in (Path(store.location.root) / info.array / "c").rglob("*") if p.is_file())
+    flip_byte(path, 100)
+    with pytest.raises(ChecksumError, match=r"tensor 'l1.w' state 'weight' of checkpoint .* chunk \[0, 0\]"):
+        store.checkpoint("r@1").state_dict("weight")
 
 
 def test_small_chunk_target_store_reads_rows(tmp_path):

@@ -29,7 +29,7 @@ from . import format as fmt
 from ._window import FutureWindow, read_failed
 from .errors import ChecksumError, UcpError
 from .geometry import Box
-from .localread import PARALLEL_BYTES, LocalArray, numpy_view, open_reader
+from .localread import PARALLEL_BYTES, LocalArray, get_stream_pool, numpy_view, open_reader
 from .planner import Plan, TensorPlan
 from .planner import plan as make_plan
 from .records import TensorInfo
@@ -46,6 +46,8 @@ _BATCH_READS = 64
 # disk, so more of them in flight at once
 _COLD_BATCH_READS = 8
 _BATCH_BYTES = 4 << 20
+# whole reads (``read_tensors``): large local ones several at once, one stream per shard file
+_STREAMS = os.environ.get("UCP_READ_STREAMS", "1") != "0"
 # held local readers, per process: (store root, array path, dtype, shape, chunk, shard) -> (codecs, handle,
 # layout); a LocalArray rechecks each shard file's identity on every read, so a held one is never stale
 _HELD_MAX = 4096
@@ -527,18 +529,45 @@ class LazyShardState(ShardState):
 
 
 def read_tensors(checkpoint, infos: Iterable[TensorInfo]) -> dict[tuple[str, str], torch.Tensor]:
-    """Whole tensor-states, read concurrently (the results own the buffers TensorStore filled)."""
+    """Whole tensor-states, read concurrently (the results own the buffers the reads filled).
+
+    Large local reads (``PARALLEL_BYTES`` and up) run several at once on localread's stream pool, each
+    shard file read in file order as one stream (``LocalArray.read_streamed``): from a cold cache that is
+    what the disk serves fastest (tools/bench_cold.py), and on a warm one the reads in flight keep the
+    cores busy. ``UCP_READ_STREAMS=0`` (or ``_STREAMS = False``): one after another, each split over the
+    read pool. Small reads and TensorStore's go through ``_Reader`` as before."""
     # every result is kept, so a window on the reads in flight would save no memory; without one
     # TensorStore keeps both cores busy (about 30% faster on 2 GiB here)
     reader = _Reader(checkpoint, window_bytes=None)
     out: dict[tuple[str, str], torch.Tensor] = {}
-    for info in infos:
-        key = (info.name, info.state)
+    whole: list[tuple[TensorInfo, Box, Any]] = []  # (info, box, future) of the large local reads
+    try:
+        for info in infos:
+            key = (info.name, info.state)
+            box = Box(tuple((0, n) for n in info.shape))
+            if _STREAMS and reader._local_ok:
+                handle, layout = reader.handle(info)
+                if isinstance(handle, LocalArray) and box.numel * layout.itemsize >= PARALLEL_BYTES:
+                    whole.append((info, box, get_stream_pool().submit(handle.read_streamed, box.ranges)))
+                    continue
 
-        def sink(data, key=key):
-            out[key] = _to_torch(data)
-        reader.submit(info, Box(tuple((0, n) for n in info.shape)), sink)
-    reader.drain()
+            def sink(data, key=key):
+                out[key] = _to_torch(data)
+            reader.submit(info, box, sink)
+        reader.drain()
+        for info, box, future in whole:
+            try:
+                data = future.result()
+            except ValueError as exc:
+                raise reader._failed(info, box, exc) from None
+            out[(info.name, info.state)] = _to_torch(data)
+            reader.bytes_copied += data.nbytes
+    finally:  # no read left running when this returns or raises
+        for _i, _b, future in whole:
+            future.cancel()
+        for _i, _b, future in whole:
+            if not future.cancelled():
+                future.exception()
     return out
 
 

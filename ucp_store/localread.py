@@ -13,7 +13,9 @@ C order, then its crc32c) sits at the end of the file. So for a folder store thi
   needed part is copied,
 - checks every chunk's crc32c with ``google_crc32c`` (hardware CRC32C; tools/bench_crc32c.py measured
   it against numcodecs' CRC32C and the ``crc32c`` package),
-- splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL),
+- splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL) as
+  contiguous segments of each shard file, each read in file order through its own open file, and reads
+  several whole arrays at once with one stream per shard file (``read_streamed``, for ``state_dict``),
 - reads a box of whole rows (chunks holding whole rows, the chunk policy's usual cut) without per-chunk
   views: each whole chunk's destination is a byte range found by arithmetic and a shard's index entries
   are checked in one numpy pass (``_read_rows``),
@@ -148,10 +150,10 @@ def _populate(entry: tuple, off: int, nbytes: int) -> None:
     done.add(off)
 
 
-# Large reads split over the pool read one file at several offsets at once, which the kernel's readahead
-# takes for random access: from a cold cache it then reads in small synchronous pieces. One
-# POSIX_FADV_WILLNEED per file over the span the runs cover starts the whole span's reads at once (on a
-# warm cache it finds the pages present). ``UCP_READ_WILLNEED=0`` leaves it out (tools/bench_cold.py).
+# Large reads split over the pool read one file at several offsets at once. One POSIX_FADV_WILLNEED per
+# file over the span the runs cover starts the whole span's reads at once (on a warm cache it finds the
+# pages present). ``UCP_READ_WILLNEED=0`` leaves it out. (Whole reads of several arrays, ``read_streamed``,
+# skip it: one sequential stream per file, several files at once, measured faster from a cold cache.)
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None) if os.environ.get("UCP_READ_WILLNEED", "1") != "0" else None
 
 
@@ -172,6 +174,79 @@ def _prefetch(runs: list[tuple]) -> None:
             os.posix_fadvise(fd, lo, hi - lo, _WILLNEED)  # type: ignore[arg-type]
         except OSError:
             pass  # advice only
+
+
+# How a large read is split over the pool (``LocalArray._run_all``): "segments" (default) gives each
+# thread contiguous segments of whole files in file order, each read through its own open file, so that
+# from a cold cache each stream gets the kernel's sequential readahead (large requests, read ahead of the
+# copy); "runs" submits every run (at most RUN_BYTES) as its own task, so one file is read at several
+# offsets at once through one open file (the old behaviour; tools/bench_cold.py compares the two).
+_SPLIT = os.environ.get("UCP_READ_SPLIT", "segments")
+SEGMENT_MIN_BYTES = 8 << 20  # a file is split into segments no smaller than this
+# Several whole reads in flight at once (``LocalArray.read_streamed``, ``io.read_tensors``): each shard file
+# is read in file order as one stream (a file larger than this in streams of about this size), no WILLNEED;
+# the concurrency comes from the reads in flight (from a cold cache, several files read at once in large
+# sequential requests is what this disk serves fastest: tools/bench_cold.py).
+STREAM_BYTES = 64 << 20
+_streamed = threading.local()
+SEGMENTS_PER_THREAD = 2  # segments per pool thread (balance: a thread that finishes early takes another)
+_SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
+
+
+def _stream_threads() -> int:
+    env = os.environ.get("UCP_READ_STREAM_THREADS")
+    if env:
+        return max(1, int(env))
+    return 2 * _threads()
+
+
+_stream_pool: ThreadPoolExecutor | None = None
+
+
+def get_stream_pool() -> ThreadPoolExecutor:
+    """The pool whole reads run on when several are in flight at once (``read_streamed``); apart from the
+    read pool (its tasks may wait on the read pool's, never the reverse)."""
+    global _stream_pool
+    if _stream_pool is None:
+        with _pool_lock:
+            if _stream_pool is None:
+                _stream_pool = ThreadPoolExecutor(_stream_threads(), thread_name_prefix="ucp-stream")
+    return _stream_pool
+
+
+def _segments(runs: list[tuple], total: int, target: int = 0) -> list[tuple[bool, list[tuple]]]:
+    """``(own, runs)`` pool tasks for ``runs`` (each file's runs together, in file order), ``total`` bytes:
+    each file's runs cut into contiguous segments of about ``total / threads`` bytes (at least
+    ``SEGMENT_MIN_BYTES``), or of about ``target`` bytes when given; ``own``: the file has more than one
+    segment (each reads through its own file)."""
+    files: list[list[tuple]] = []
+    for r in runs:
+        if files and files[-1][0][0] == r[0]:
+            files[-1].append(r)
+        else:
+            files.append([r])
+    target = target or max(SEGMENT_MIN_BYTES, -(-total // (SEGMENTS_PER_THREAD * _threads())))
+    tasks: list[tuple[bool, list[tuple]]] = []
+    for file_runs in files:
+        nbytes = sum(len(r[2]) * r[3] for r in file_runs)
+        n = max(1, min(len(file_runs), round(nbytes / target)))
+        if n == 1:
+            tasks.append((False, file_runs))
+            continue
+        per = nbytes / n  # cut where the bytes so far pass a multiple of ``per``
+        seg: list[tuple] = []
+        cut: list[list[tuple]] = []
+        acc, k = 0, 1
+        for r in file_runs:
+            seg.append(r)
+            acc += len(r[2]) * r[3]
+            if acc >= k * per and k < n:
+                cut.append(seg)
+                seg, k = [], k + 1
+        if seg:
+            cut.append(seg)
+        tasks += [(len(cut) > 1, c) for c in cut]
+    return tasks
 
 
 class LocalReadError(ValueError):
@@ -446,6 +521,16 @@ class LocalArray:
         self.read_into(box, out)
         return out
 
+    def read_streamed(self, box: fmt.Box) -> np.ndarray:
+        """``read`` as one of several whole reads in flight at once (``io.read_tensors`` runs them on
+        ``get_stream_pool``): each shard file is read in file order as one stream (``STREAM_BYTES``), in this
+        thread when the box has one; the same checks and errors as ``read``."""
+        _streamed.on = True
+        try:
+            return self.read(box)
+        finally:
+            _streamed.on = False
+
     def read_into(self, box: fmt.Box, out: np.ndarray) -> None:
         """Fill ``out`` (shape of ``box``, this array's dtype, any strides) with the box's elements.
 
@@ -485,11 +570,32 @@ class LocalArray:
                 os.close(fd)
 
     def _run_all(self, runs: list[tuple]) -> None:
+        """Read ``runs`` (``(fd, key, items, expect)``, each file's runs together in file order); a large
+        read is split over the pool: by default (``_SPLIT`` "segments") as contiguous segments of each file,
+        read in file order, each through its own open file (``_segments``); "runs": every run a pool task."""
         total = sum(len(r[2]) for r in runs) * self.chunk_bytes
-        if total >= PARALLEL_BYTES and len(runs) > 1:
+        if getattr(_streamed, "on", False) and runs:
+            tasks = _segments(runs, total, STREAM_BYTES)  # one stream per file (or per STREAM_BYTES of one)
+            if len(tasks) == 1:
+                self._read_segment(*tasks[0])
+                return
+            futures = [_get_pool().submit(self._read_segment, *seg) for seg in tasks]
+            try:
+                for f in futures:
+                    f.result()
+            finally:
+                for f in futures:
+                    f.cancel()
+                for f in futures:
+                    if not f.cancelled():
+                        f.exception()
+        elif total >= PARALLEL_BYTES and len(runs) > 1:
             if _WILLNEED is not None:
                 _prefetch(runs)
-            futures = [_get_pool().submit(self._read_run, *r) for r in runs]
+            if _SPLIT == "runs":
+                futures = [_get_pool().submit(self._read_run, *r) for r in runs]
+            else:
+                futures = [_get_pool().submit(self._read_segment, *seg) for seg in _segments(runs, total)]
             try:
                 for f in futures:
                     f.result()
@@ -502,6 +608,41 @@ class LocalArray:
         else:
             for r in runs:
                 self._read_run(*r)
+
+    def _read_segment(self, own: bool, runs: list[tuple]) -> None:
+        """Runs of one file in file order (``_segments``). ``own``: other threads read other segments of
+        the same file, so this one reads through a file of its own (the kernel keeps readahead state per
+        open file: on a shared one, reads at several offsets look random and get no readahead); the file
+        opened again must be the one whose index was checked (same identity), else the shared one is used.
+        Either way the kernel is told the reads are sequential (a larger readahead window)."""
+        fd, key = runs[0][0], runs[0][1]
+        mine = -1
+        if own:
+            try:
+                mine = os.open(os.path.join(self.folder, *key.split("/")), _RDONLY)
+                st = os.fstat(mine)
+                held = self._indexes.get(key)
+                if held is None or held[0] != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                    os.close(mine)
+                    mine = -1
+            except OSError:
+                if mine >= 0:
+                    os.close(mine)
+                mine = -1
+        use = mine if mine >= 0 else fd
+        try:
+            if _SEQUENTIAL is not None:
+                lo = min(it[0] for r in runs for it in (r[2][0], r[2][-1]))
+                hi = max(it[0] for r in runs for it in (r[2][0], r[2][-1])) + runs[0][3]
+                try:
+                    os.posix_fadvise(use, lo, hi - lo, _SEQUENTIAL)
+                except OSError:
+                    pass  # advice only
+            for _fd, _key, items, expect in runs:
+                self._read_run(use, key, items, expect)
+        finally:
+            if mine >= 0:
+                os.close(mine)
 
     def read_rows(self, lo: int, hi: int, out: np.ndarray, addr: int | None = None) -> None:
         """Rows ``[lo, hi)`` (``lo < hi``) of an array whose chunks hold whole rows (``rows_ok``) into
