@@ -830,3 +830,46 @@ def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeyp
     for topo in (z3, tp2):
         with pytest.raises(ChecksumError, match=r"layers\.2\.w.*chunk \[0, 0\]"):
             store.checkpoint("r@1").load_shard(topo, 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_read_pools_work_in_a_forked_child(tmp_path):
+    """A child forked after the parent used the read pools makes pools of its own: the inherited ones have
+    no threads, and a read submitted to them would wait forever (the child is killed after 60 s)."""
+    import time
+
+    from ucp_store.topology import Topology
+
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    big = torch.arange(5 << 20, dtype=torch.float32).reshape(-1, 1024)  # 20 MiB: split over the read pool
+    small = {f"layers.{i}.w": torch.full((64, 64), float(i)) for i in range(40)}
+    store.save("r", 1, {"big": big, **small})
+
+    def read_all() -> bool:
+        ck = store.checkpoint("r@1")
+        got = ck.state_dict("weight")  # the stream and read pools
+        shard = ck.load_shard(Topology(dp=2, zero_stage=3, layers=40), 1)  # the small-read pool
+        # numpy compares: torch's OpenMP team is not usable in a forked child (libgomp is not fork-safe)
+        ok = np.array_equal(got["big"].numpy(), big.numpy()) and all(
+            np.array_equal(got[k].numpy(), v.numpy()) for k, v in small.items())
+        return ok and len(shard.tensors) == len(small) + 1
+
+    assert read_all()  # the parent's pools now exist, their threads idle
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only when its reads complete and match
+        code = 1
+        try:
+            code = 0 if read_all() else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("a read in the forked child did not finish in 60 s (an inherited pool without threads)")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

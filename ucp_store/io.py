@@ -17,7 +17,6 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -26,6 +25,7 @@ import torch
 
 from . import dtypes
 from . import format as fmt
+from ._pools import LazyPool
 from ._window import FutureWindow, read_failed
 from .errors import ChecksumError, UcpError
 from .geometry import Box
@@ -55,24 +55,7 @@ _held: OrderedDict[tuple, tuple] = OrderedDict()
 _held_lock = threading.Lock()
 
 
-def _small_threads() -> int:
-    env = os.environ.get("UCP_SMALL_READ_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(4, min(32, 4 * (os.cpu_count() or 1)))
-
-
-_small_pool: ThreadPoolExecutor | None = None
-_small_lock = threading.Lock()
-
-
-def _get_small_pool() -> ThreadPoolExecutor:
-    global _small_pool
-    if _small_pool is None:
-        with _small_lock:
-            if _small_pool is None:
-                _small_pool = ThreadPoolExecutor(_small_threads(), thread_name_prefix="ucp-small-read")
-    return _small_pool
+_get_small_pool = LazyPool("ucp-small-read", "UCP_SMALL_READ_THREADS", lambda cpus: max(4, min(32, 4 * cpus))).get
 
 
 def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:

@@ -42,7 +42,6 @@ import os
 import struct
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, overload
 
 import google_crc32c
@@ -51,6 +50,7 @@ import torch
 
 from . import dtypes
 from . import format as fmt
+from ._pools import LazyPool
 from .location import Location, _safe_rel
 
 _MISSING = (1 << 64) - 1
@@ -71,24 +71,9 @@ _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0) if os.environ.get("UCP_READ_NOWAIT", "1") != "0" else 0
 
 
-def _threads() -> int:
-    env = os.environ.get("UCP_READ_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(2, min(16, 2 * (os.cpu_count() or 1)))
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(_threads(), thread_name_prefix="ucp-read")
-    return _pool
+_READ_POOL = LazyPool("ucp-read", "UCP_READ_THREADS", lambda cpus: max(2, min(16, 2 * cpus)))
+_threads = _READ_POOL.size
+_get_pool = _READ_POOL.get
 
 
 # Single-chunk reads of large chunks (a row of a big parameter) go through a mapping of the
@@ -193,25 +178,10 @@ SEGMENTS_PER_THREAD = 2  # segments per pool thread (balance: a thread that fini
 _SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
 
 
-def _stream_threads() -> int:
-    env = os.environ.get("UCP_READ_STREAM_THREADS")
-    if env:
-        return max(1, int(env))
-    return 2 * _threads()
-
-
-_stream_pool: ThreadPoolExecutor | None = None
-
-
-def get_stream_pool() -> ThreadPoolExecutor:
-    """The pool whole reads run on when several are in flight at once (``read_streamed``); apart from the
-    read pool (its tasks may wait on the read pool's, never the reverse)."""
-    global _stream_pool
-    if _stream_pool is None:
-        with _pool_lock:
-            if _stream_pool is None:
-                _stream_pool = ThreadPoolExecutor(_stream_threads(), thread_name_prefix="ucp-stream")
-    return _stream_pool
+# The pool whole reads run on when several are in flight at once (``read_streamed``); apart from the read
+# pool (its tasks may wait on the read pool's, never the reverse).
+_STREAM_POOL = LazyPool("ucp-stream", "UCP_READ_STREAM_THREADS", lambda cpus: 2 * _threads())
+get_stream_pool = _STREAM_POOL.get
 
 
 def _segments(runs: list[tuple], total: int, target: int = 0) -> list[tuple[bool, list[tuple]]]:

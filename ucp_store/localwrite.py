@@ -35,7 +35,7 @@ import math
 import os
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import google_crc32c
@@ -43,6 +43,7 @@ import numpy as np
 import xxhash
 
 from . import format as fmt
+from ._pools import LazyPool
 from .localread import _PAGE, _bad_distance, _copy, is_local_chain
 from .location import Location, _safe_rel
 
@@ -77,34 +78,13 @@ def shard_boxes(layout: fmt.ArrayLayout, offset: tuple[int, ...], shape: tuple[i
                                for o, n, sh in zip(offset, shape, layout.shard_shape)))
 
 
-def _threads() -> int:
-    env = os.environ.get("UCP_WRITE_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(2, min(8, os.cpu_count() or 1))
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _reset_after_fork() -> None:
-    global _pool
-    _pool = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
+_WRITE_POOL = LazyPool("ucp-write", "UCP_WRITE_THREADS", lambda cpus: max(2, min(8, cpus)))
+_threads = _WRITE_POOL.size
 
 
 def submit(fn, *args: Any) -> Future:
     """Run ``fn(*args)`` on the write pool."""
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(_threads(), thread_name_prefix="ucp-write")
-    return _pool.submit(fn, *args)
+    return _WRITE_POOL.get().submit(fn, *args)
 
 
 _scratch = threading.local()
