@@ -13,6 +13,7 @@ Everything no read covers stays zero: vocab padding rows, ZeRO alignment gaps, c
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -362,14 +363,8 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
                                f"[{dest.numel()}] on {dest.device}, the plan needs {target} [{b.numel}] in host "
                                "memory, contiguous")
             out.buffers[b.key] = dest.view(-1).zero_()
-        elif used is None:
-            # every tensor-state of the buffer is read: only the gaps no slot covers are zeroed here, each
-            # slot's own padding by _submit_tensor (the plan tiles the buffer: reads + padding)
-            out.buffers[b.key] = buf = torch.empty(b.numel, dtype=target)
-            for g in b.padding:
-                buf[g.start:g.stop].zero_()
         else:
-            out.buffers[b.key] = torch.zeros(b.numel, dtype=target)
+            out.buffers[b.key] = torch.zeros(b.numel, dtype=target)  # large: see _dest
     for tp in plan.tensors:
         if wanted is not None and (tp.name, tp.state) not in wanted:
             continue
@@ -383,12 +378,40 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
 _NP_CARRIERS = {torch.bfloat16: np.int16}
 
 
-def _empty(shape: tuple[int, ...], handle: LocalArray, target: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
-    """An uninitialised destination in the array's stored dtype as the numpy array the local reads fill and
-    the tensor viewing it (cheaper than ``torch.empty`` and a numpy view of it, per small tensor)."""
+# Destinations from this size are made with torch.zeros: its parallel fill faults the pages in ahead of the
+# reads, which otherwise fault them 4 KiB at a time (bench_reshard's TP 4 -> 3 loads ran 1.1-1.3x slower
+# into fresh memory). Smaller ones are left uninitialised (a fresh torch.zeros of a 16 KiB ZeRO-3 partition
+# cost more than its read), and so are those from _HUGE_BYTES that whole-row reads fill in place with
+# preadv: numpy asks for transparent huge pages there (a 32 MiB whole-tensor read ran 2.5x faster).
+_ZEROED_MIN_BYTES = 1 << 20
+_HUGE_BYTES = 4 << 20
+
+
+def _in_place(tp: TensorPlan, rest: tuple | None) -> bool:
+    """Every read of ``tp`` is a box of whole rows of an array whose chunks hold whole rows (``rest`` the
+    trailing full ranges, None otherwise): the reads go straight into place (``LocalArray.read_rows``)."""
+    return rest is not None and all(r.box.ranges[1:] == rest for r in tp.reads)
+
+
+def _dest(shape: tuple[int, ...], handle: LocalArray, target: torch.dtype,
+          in_place: bool) -> tuple[np.ndarray, torch.Tensor]:
+    """A destination for direct local reads in the array's stored dtype: the numpy array the reads fill and
+    the tensor viewing it. Uninitialised (made by numpy: cheaper than ``torch.empty`` and a numpy view of
+    it) unless it is large (``_ZEROED_MIN_BYTES``, ``_HUGE_BYTES``); the caller zeroes the padding."""
+    nbytes = math.prod(shape) * handle.itemsize
+    if _ZEROED_MIN_BYTES <= nbytes and not (in_place and nbytes >= _HUGE_BYTES):
+        t = torch.zeros(shape, dtype=target)
+        return numpy_view(t), t
     arr = np.empty(shape, handle.dtype)
     carrier = _NP_CARRIERS.get(target)
     return arr, torch.from_numpy(arr) if carrier is None else torch.from_numpy(arr.view(carrier)).view(target)
+
+
+def _new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A destination filled through sinks (a cast, TensorStore): zeros when large (see ``_dest``)."""
+    if math.prod(shape) * dtype.itemsize >= _ZEROED_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype)
 
 
 def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> None:
@@ -407,8 +430,8 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
     rest = handle._rest if rows else None
     if tp.fragment is None:
         # the reads fill it, the padding is zeroed here; read directly, made as the numpy array they fill
-        view, dest = _empty(tp.local_shape, handle, target) if direct else (None, torch.empty(tp.local_shape,
-                                                                                              dtype=target))
+        view, dest = (_dest(tp.local_shape, handle, target, _in_place(tp, rest)) if direct
+                      else (None, _new(tp.local_shape, target)))
         for g in tp.padding:
             dest[g.slices()].zero_()  # type: ignore[union-attr]
         out.tensors[key] = dest
@@ -435,9 +458,9 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
         # pages in, then the read writes them again); the reads and the zeroed padding tile the slot. Read
         # directly, it is made as the numpy array the reads fill, the tensor a view of it.
         if direct:
-            flat, slot = _empty((tp.fragment.slot,), handle, target)
+            flat, slot = _dest((tp.fragment.slot,), handle, target, _in_place(tp, rest))
         else:
-            slot = torch.empty(tp.fragment.slot, dtype=target)
+            slot = _new((tp.fragment.slot,), target)
         out.tensors[key] = slot
         base, vkey = 0, key
         owner = slot
