@@ -30,7 +30,7 @@ from ._pools import LazyPool
 from ._window import FutureWindow, read_failed
 from .errors import ChecksumError, UcpError
 from .geometry import Box
-from .localread import PARALLEL_BYTES, LocalArray, get_stream_pool, numpy_view, open_reader
+from .localread import PARALLEL_BYTES, LocalArray, get_stream_pool, numpy_view, open_reader, settle
 from .planner import Plan, TensorPlan
 from .planner import plan as make_plan
 from .records import TensorInfo
@@ -454,9 +454,8 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
         return
     flat: np.ndarray | None = None
     if tp.buffer is None:  # ZeRO-3 weight: the parameter's own partition
-        # not zeros: a fresh torch.zeros of a small partition costs more than its read (the fill faults the
-        # pages in, then the read writes them again); the reads and the zeroed padding tile the slot. Read
-        # directly, it is made as the numpy array the reads fill, the tensor a view of it.
+        # made by _dest / _new: small ones uninitialised (the reads and the zeroed padding tile the slot);
+        # read directly, as the numpy array the reads fill, the tensor a view of it
         if direct:
             flat, slot = _dest((tp.fragment.slot,), handle, target, _in_place(tp, rest))
         else:
@@ -569,11 +568,7 @@ def read_tensors(checkpoint, infos: Iterable[TensorInfo]) -> dict[tuple[str, str
             out[(info.name, info.state)] = _to_torch(data)
             reader.bytes_copied += data.nbytes
     finally:  # no read left running when this returns or raises
-        for _i, _b, future in whole:
-            future.cancel()
-        for _i, _b, future in whole:
-            if not future.cancelled():
-                future.exception()
+        settle([future for _i, _b, future in whole])
     return out
 
 

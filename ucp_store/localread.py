@@ -219,6 +219,25 @@ def _segments(runs: list[tuple], total: int, target: int = 0) -> list[tuple[bool
     return tasks
 
 
+def settle(futures: list) -> None:
+    """Leave none of ``futures`` running: cancel those not started, wait for the others (their errors are
+    the caller's to report, not raised here)."""
+    for f in futures:
+        f.cancel()
+    for f in futures:
+        if not f.cancelled():
+            f.exception()
+
+
+def wait_all(futures: list) -> None:
+    """The results of ``futures`` in order (the first failure raises); none left running either way."""
+    try:
+        for f in futures:
+            f.result()
+    finally:
+        settle(futures)
+
+
 class LocalReadError(ValueError):
     """A shard file or chunk fails a check (crc32c, size, index entry) or is missing.
 
@@ -549,16 +568,7 @@ class LocalArray:
             if len(tasks) == 1:
                 self._read_segment(*tasks[0])
                 return
-            futures = [_get_pool().submit(self._read_segment, *seg) for seg in tasks]
-            try:
-                for f in futures:
-                    f.result()
-            finally:
-                for f in futures:
-                    f.cancel()
-                for f in futures:
-                    if not f.cancelled():
-                        f.exception()
+            wait_all([_get_pool().submit(self._read_segment, *seg) for seg in tasks])
         elif total >= PARALLEL_BYTES and len(runs) > 1:
             if _WILLNEED is not None:
                 _prefetch(runs)
@@ -566,15 +576,7 @@ class LocalArray:
                 futures = [_get_pool().submit(self._read_run, *r) for r in runs]
             else:
                 futures = [_get_pool().submit(self._read_segment, *seg) for seg in _segments(runs, total)]
-            try:
-                for f in futures:
-                    f.result()
-            finally:  # every run ends before its file is closed, also when one fails
-                for f in futures:
-                    f.cancel()
-                for f in futures:
-                    if not f.cancelled():
-                        f.exception()
+            wait_all(futures)  # every run ends before its file is closed, also when one fails
         else:
             for r in runs:
                 self._read_run(*r)
@@ -592,7 +594,7 @@ class LocalArray:
                 mine = os.open(os.path.join(self.folder, *key.split("/")), _RDONLY)
                 st = os.fstat(mine)
                 held = self._indexes.get(key)
-                if held is None or held[0] != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+                if held is None or held[0] != _ident(st):
                     os.close(mine)
                     mine = -1
             except OSError:

@@ -13,12 +13,12 @@ state, shape, dtype, pattern, chunk_shape``) and returns a ``Plan``: for every t
   per-parameter partitions (``buffer is None``, the slot is the whole buffer, DeepSpeed's ``ds_tensor``).
 
 Everything not covered by a read is zero: ``TensorPlan.padding`` (vocab rows, ZeRO-3 clip tails) and
-``BufferPlan.padding`` (ZeRO-1/2 alignment gaps and the tail). ``io.py`` zeroes exactly those, and the
-reads fill the rest. Which tensor-states a rank gets: those whose placement includes its stage (layers of its stage,
-tied tensors on first and last); expert tensors give each ``ep`` rank its experts (a fused ``expert``
-tensor its slice, a separate ``expert_member`` tensor only to its owner, so each ep rank's expert ZeRO
-group holds its own experts in record order: DeepSpeed's order when the records list layer by layer,
-expert by expert).
+``BufferPlan.padding`` (ZeRO-1/2 alignment gaps and the tail). ``io.py`` zeroes those where it leaves a
+destination uninitialised; the reads fill the rest. Which tensor-states a rank gets: those whose placement
+includes its stage (layers of its stage, tied tensors on first and last); expert tensors give each ``ep`` rank
+its experts (a fused ``expert`` tensor its slice, a separate ``expert_member`` tensor only to its owner, so
+each ep rank's expert ZeRO group holds its own experts in record order: DeepSpeed's order when the records
+list layer by layer, expert by expert).
 
 Counts per tensor-state: ``bytes_needed`` (sum of read boxes), ``chunks_touched`` (distinct stored chunks
 intersecting any read box, from ``chunk_shape``; ``None`` means one chunk), ``bytes_read`` (those chunks'
