@@ -142,3 +142,45 @@ def test_padding_is_zero_in_reused_memory(transformer_store, ti):
         for key, want in want_buffers.items():
             assert np.array_equal(got.buffers[key].to(torch.float64).numpy().astype(np.int64), want), (topo, rank, key)
     assert padded, "the topology must have padding for this test to mean anything"
+
+
+@pytest.mark.parametrize("text", ['[4, 8]', '[]', '{"kind": "partitioned", "dim": 0, "placement": {"layer": 3}}',
+                                  ' [1]', '[1] ', 'null', '"x"', '{"a": [1.5, true, null, "\\u00e9"]}'])
+def test_catalog_json_decoder_equals_json_loads(text):
+    """Catalog text goes through the JSON decoder's C scanner alone; whatever it takes, the value is
+    json.loads', and text it does not take (leading or trailing space) still goes through json.loads."""
+    import json
+
+    from ucp_store.checkpoint import _json_value
+
+    assert _json_value(text) == json.loads(text)
+    assert _json_value(text.encode()) == json.loads(text)  # a driver handing bytes
+
+
+@pytest.mark.parametrize("text", ['[1,', '[1] x', '', '{"a": }'])
+def test_catalog_json_decoder_refuses_what_json_loads_refuses(text):
+    import json
+
+    from ucp_store.checkpoint import _json_value
+
+    with pytest.raises(json.JSONDecodeError):
+        _json_value(text)
+
+
+def test_fetches_share_shapes_and_codecs(transformer_store):
+    """Two fetches of a version hand out the same shape and codec objects (io's held readers match a
+    later load's records by identity), with values equal to the catalog's."""
+    ck, _ = transformer_store
+    a = ck.store.checkpoint("tf@1").tensors()
+    b = ck.store.checkpoint("tf@1").tensors()
+    assert a == b
+    for x, y in zip(a, b):
+        assert x.codecs is y.codecs and x.shape is y.shape and x.chunk_shape is y.chunk_shape
+    import json
+
+    from sqlalchemy import text
+
+    with ck.store.catalog.engine.connect() as conn:
+        rows = dict(conn.execute(text("SELECT id, codecs FROM arrays")).fetchall())
+    for x in a:
+        assert x.codecs == json.loads(rows[x.array_id])  # the catalog's own text, decoded independently

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import json.scanner
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -249,6 +250,28 @@ def compute_stats(handle: TensorHandle) -> TensorStats:
 
 _MISSING = object()
 
+# Decoded catalog values shared by every fetch in the process, by their JSON text: shapes as tuples and
+# codec chains. Equal text is an equal value, so sharing is sound while records stay read-only (their
+# contract); one object per value lets io's held readers and layout caches match a later fetch's records
+# by identity instead of comparing nested codec lists. Bounded: cleared past _SHARED_MAX texts.
+_TUPLES: dict[str, tuple[int, ...]] = {}
+_CODECS: dict[str, Any] = {}
+_SHARED_MAX = 1 << 16
+_scan_json = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]  # typeshed: a context
+
+
+def _json_value(text: str) -> Any:
+    """``json.loads`` of catalog text through the decoder's C scanner alone (half the cost per call: the
+    Python wrapper around it is most of a short value's decode); anything else (leading space, trailing
+    text) goes through ``json.loads``, which also raises the usual errors."""
+    try:
+        value, end = _scan_json(text, 0)
+    except (StopIteration, ValueError, TypeError):  # TypeError: bytes from a driver
+        return json.loads(text)
+    if end != len(text):
+        return json.loads(text)
+    return value
+
 
 class Checkpoint:
     """A committed version. Tensor rows are loaded from the catalog once, on first use."""
@@ -306,9 +329,13 @@ class Checkpoint:
                 cond = cond | (t.layer >= layer_limit)
             q = q.where(cond)
         q = q.order_by(t.position)
-        values: dict[str | None, Any] = {None: None}  # JSON text -> decoded value (pattern, codecs)
-        tuples: dict[str, tuple] = {}          # JSON text of a list of ints -> tuple
-        loads = json.loads
+        values: dict[str | None, Any] = {None: None}  # JSON text -> decoded value (pattern)
+        tuples = _TUPLES                       # JSON text of a list of ints -> tuple (process-wide)
+        codec_values = _CODECS                 # JSON text of a codec chain -> its value (process-wide)
+        if len(tuples) > _SHARED_MAX or len(codec_values) > _SHARED_MAX:
+            tuples.clear()
+            codec_values.clear()
+        loads = _json_value
         make = TensorInfo.from_catalog
         out: list[TensorInfo] = []
         add = out.append
@@ -328,9 +355,9 @@ class Checkpoint:
                 p = values.get(pattern, _MISSING)
                 if p is _MISSING:
                     p = values[pattern] = loads(pattern)
-                cd = values.get(codecs, _MISSING)
+                cd = codec_values.get(codecs, _MISSING)
                 if cd is _MISSING:
-                    cd = values[codecs] = loads(codecs)
+                    cd = codec_values[codecs] = loads(codecs)
                 add(make(name, state, s, dtype, p, c, sh, path, aid, cd, nbytes, chash, pos))
             del rows  # freed before the collector resumes, so it never scans them
         return out

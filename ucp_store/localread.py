@@ -1047,7 +1047,7 @@ class LocalArray:
             raw = os.pread(fd, want, size - want)
         if len(raw) != want:
             raise LocalReadError(f"shard file {key} of {self.folder}: short read of its index (Invalid shard index)")
-        if _crc(np.frombuffer(raw, np.uint8, want - 4)) != int.from_bytes(raw[-4:], "little"):
+        if _crc(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
             raise LocalReadError(f"shard file {key} of {self.folder}: shard index crc32c checksum mismatch")
         return raw
 
