@@ -22,14 +22,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ucp_test_helpers import flip_byte, random_bits
 
 import ucp_store
 from ucp_store import dtypes
 from ucp_store import format as fmt
+from ucp_store.dtypes import numpy_view
 from ucp_store.errors import ChecksumError
-from ucp_store.localread import LocalArray, LocalReadError, is_local_chain, numpy_view, open_reader
+from ucp_store.localread import LocalArray, LocalReadError, is_local_chain, open_reader
 from ucp_store.location import Location
+
+from ucp_test_helpers import flip_byte, random_bits
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
           torch.uint8, torch.bool]
@@ -222,6 +224,18 @@ def test_numpy_view_shares_memory_for_bf16_and_strided():
     v[...] = np.ones(v.shape, v.dtype)
     assert t[:, ::2].float().eq(1).all() and t[:, 1::2].float().eq(0).all()
 
+
+
+@pytest.mark.parametrize("name", dtypes.SUPPORTED)
+def test_numpy_view_and_from_numpy_as_share_memory_and_bits(name):
+    """The one carrier table (dtypes): a tensor seen by numpy and back is the same memory and the same bits
+    for every storable dtype, including those torch cannot hand to numpy as they are (bf16, uint16/32/64)."""
+    t = random_bits((3, 5), dtypes.torch_dtype(name), torch.Generator().manual_seed(5))
+    v = numpy_view(t)
+    assert v.dtype == dtypes.numpy_dtype(name) and v.ctypes.data == t.data_ptr()
+    back = dtypes.from_numpy_as(v, t.dtype)
+    assert back.dtype == t.dtype and back.data_ptr() == t.data_ptr()
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
 
 # --- corruption: both paths, the same ChecksumError ---------------------------------------------------
 

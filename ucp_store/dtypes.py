@@ -17,7 +17,8 @@ import torch
 from . import dtype_table
 from .errors import DTypeError, ValidationError
 
-__all__ = ["SUPPORTED", "zarr_name", "torch_dtype", "numpy_dtype", "itemsize", "to_numpy", "to_torch"]
+__all__ = ["SUPPORTED", "zarr_name", "torch_dtype", "numpy_dtype", "itemsize", "to_numpy", "to_torch", "from_numpy_as",
+           "numpy_view"]
 
 # zarr v3 name -> (torch dtype, numpy dtype)
 _TABLE: dict[str, tuple[torch.dtype, np.dtype]] = {
@@ -39,9 +40,12 @@ _TABLE: dict[str, tuple[torch.dtype, np.dtype]] = {
 }
 _BY_TORCH = {t: name for name, (t, _) in _TABLE.items()}
 _BY_NUMPY = {n: name for name, (_, n) in _TABLE.items()}
-# torch views used to hand tensors to numpy without a cast (numpy has no bf16; some uints are partial)
+# The one table of carriers: torch dtypes numpy has no type for (bf16) or that torch does not hand to or
+# take from numpy on every supported version (uint16/32/64 before torch 2.3), viewed through a signed
+# integer of their width, so the bits pass untouched both ways
 _VIEW_AS = {torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32,
             torch.uint64: torch.int64}
+_NUMPY_OF = {torch.int16: np.dtype(np.int16), torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
 
 SUPPORTED = dtype_table.SUPPORTED
 if tuple(_TABLE) != SUPPORTED or any(n.itemsize != dtype_table.ITEMSIZE[k] for k, (_, n) in _TABLE.items()):
@@ -123,8 +127,22 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
         # numpy calls a strided size-1 dim "C-contiguous"; torch would keep the odd stride, and e.g.
         # ``.view(torch.uint8)`` then fails on the returned tensor
         array = array.copy(order="C")
+    return from_numpy_as(array, target)
+
+
+def from_numpy_as(array: np.ndarray, target: torch.dtype) -> torch.Tensor:
+    """``torch.from_numpy`` of ``array`` (any strides torch takes), seen as ``target``, a torch dtype of the
+    same width (the array's own, or the stored one of raw bytes): through the carrier for the dtypes that
+    need one. Shares memory."""
     view = _VIEW_AS.get(target)
-    if view is not None:
-        carrier = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}[view]
-        return torch.from_numpy(array.view(carrier)).view(target)
-    return torch.from_numpy(array)
+    if view is None:
+        return torch.from_numpy(array)
+    return torch.from_numpy(array.view(_NUMPY_OF[view])).view(target)
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view (no copy, any strides) of a CPU tensor with its exact bits; bf16 as ``ml_dtypes``."""
+    view = _VIEW_AS.get(tensor.dtype)
+    if view is None:
+        return tensor.numpy()
+    return tensor.view(view).numpy().view(_TABLE[_BY_TORCH[tensor.dtype]][1])

@@ -28,9 +28,10 @@ from . import dtypes
 from . import format as fmt
 from ._pools import LazyPool
 from ._window import FutureWindow, read_failed
+from .dtypes import numpy_view
 from .errors import ChecksumError, UcpError
 from .geometry import Box
-from .localread import PARALLEL_BYTES, LocalArray, get_stream_pool, numpy_view, open_reader, settle
+from .localread import PARALLEL_BYTES, LocalArray, get_stream_pool, open_reader, settle
 from .planner import Plan, TensorPlan
 from .planner import plan as make_plan
 from .records import TensorInfo
@@ -374,10 +375,6 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
     return out
 
 
-# torch dtypes torch.from_numpy cannot take from numpy's (ml_dtypes) type: made through an integer carrier
-_NP_CARRIERS = {torch.bfloat16: np.int16}
-
-
 # Destinations from this size are made with torch.zeros: its parallel fill faults the pages in ahead of the
 # reads, which otherwise fault them 4 KiB at a time (bench_reshard's TP 4 -> 3 loads ran 1.1-1.3x slower
 # into fresh memory). Smaller ones are left uninitialised (a fresh torch.zeros of a 16 KiB ZeRO-3 partition
@@ -403,8 +400,7 @@ def _dest(shape: tuple[int, ...], handle: LocalArray, target: torch.dtype,
         t = torch.zeros(shape, dtype=target)
         return numpy_view(t), t
     arr = np.empty(shape, handle.dtype)
-    carrier = _NP_CARRIERS.get(target)
-    return arr, torch.from_numpy(arr) if carrier is None else torch.from_numpy(arr.view(carrier)).view(target)
+    return arr, dtypes.from_numpy_as(arr, target)
 
 
 def _new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

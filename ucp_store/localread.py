@@ -304,19 +304,6 @@ def open_reader(location: Location, rel: str, layout: fmt.ArrayLayout, context, 
 _chain_checks: dict[tuple, tuple] = {}  # (id(codecs), chunk shape, sharded, compression) -> (codecs, local?)
 
 
-def numpy_view(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view (no copy, any strides) of a CPU tensor with its exact bits; bf16 as ``ml_dtypes``."""
-    carrier = _CARRIERS.get(tensor.dtype)
-    if carrier is None:
-        return tensor.numpy()
-    return tensor.view(carrier).numpy().view(dtypes.numpy_dtype(dtypes.zarr_name(tensor.dtype)))
-
-
-# torch dtypes numpy has no type for (or torch cannot hand to numpy): viewed through a carrier of their width
-_CARRIERS = {torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32,
-             torch.uint64: torch.int64}
-
-
 class _Pending:
     """What ``LocalArray[...].read()`` returns: the read runs on ``result()`` (TensorStore-future-like)."""
 

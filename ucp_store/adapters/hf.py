@@ -462,7 +462,8 @@ def _write_shards(checkpoint, folder: str, layouts: list, pieces: list[Piece], o
     import torch
 
     from .. import format as fmt
-    from ..localread import LocalArray, numpy_view, open_reader
+    from ..dtypes import numpy_view
+    from ..localread import LocalArray, open_reader
     from ..progress import track
 
     store = checkpoint.store
