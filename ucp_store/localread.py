@@ -994,7 +994,7 @@ class LocalArray:
 
     def _index(self, fd: int, key: str, flags: int = 0, st: os.stat_result | None = None
                ) -> tuple[list, np.ndarray, int] | None:
-        """The shard index of ``key`` (open as ``fd``) as ``[(offset, nbytes)]`` per inner chunk in C order
+        """The shard index of ``key`` (open as ``fd``) as ``[[offset, nbytes]]`` per inner chunk in C order
         (and the same as an ``[n, 2]`` uint64 array), and where the chunk data ends; read and crc-checked
         again whenever the file's identity changed. ``flags`` ``RWF_NOWAIT``: None when reading it would
         wait for the disk. ``st``: ``fd``'s ``fstat``, when the caller has it."""
@@ -1008,7 +1008,7 @@ class LocalArray:
         if raw is None:
             return None
         entries = np.frombuffer(raw, "<u8", 2 * self.n_index).reshape(-1, 2)
-        index = list(map(tuple, entries.tolist()))
+        index = entries.tolist()  # [offset, nbytes] per chunk: Python ints, unpacked per read
         data_end = st.st_size - len(raw)
         self._indexes[key] = (ident, index, entries, data_end)
         return index, entries, data_end
