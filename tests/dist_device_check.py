@@ -379,10 +379,34 @@ def role_cross(spec, rank, out, checks: Checks):
     checks.add("cross_verify", rep.ok, str(rep))
 
 
+def _write(spec: dict, rank: int, out: dict, checks: Checks) -> None:
+    out["checks"] = checks.results
+    out["failed"] = checks.failed()
+    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
+
+
+def _control_group_check(checks: Checks) -> None:
+    """ucp_store's own gloo group beside the default process group (with NCCL and a bound device: the
+    ``new_group`` path every multi-rank save and load takes), made even for one rank, and a vote on it."""
+    import torch.distributed as dist
+
+    from ucp_store.distributed import all_ok, control_group, gather_errors
+
+    try:
+        group = control_group(tag="device-check")
+        ok = all_ok(True, group) and gather_errors(None, group) == [] and not all_ok(False, group)
+        detail = f"gloo group of {dist.get_world_size(group)} rank(s) beside {dist.get_backend()!r}: votes ok={ok}"
+    except Exception as exc:  # noqa: BLE001 - a failed check, named
+        ok, detail = False, f"{type(exc).__name__}: {exc}"
+    checks.add("control_group_beside_default_pg", ok, detail)
+
+
 def _rank_main(rank: int, spec: dict, port: int) -> int:
     import datetime
     import faulthandler
 
+    faulthandler.enable(all_threads=True)  # stacks on a fatal signal (an abort in native code included)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks before killing a hang
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(spec["world"]), LOCAL_RANK=str(rank))
@@ -416,17 +440,28 @@ def _rank_main(rank: int, spec: dict, port: int) -> int:
         out["backend"] = str(dist.get_backend())
         want = "nccl" if cuda else "gloo"
         checks.add("backend", want in out["backend"], f"dist.get_backend() = {out['backend']!r}, expected {want}")
+        if cuda:  # a collective on a device tensor goes through the default group's cuda backend (NCCL)
+            x = torch.full((4,), float(rank + 1), device=torch.device("cuda", rank))
+            dist.all_reduce(x)
+            torch.cuda.synchronize()
+            want_sum = spec["world"] * (spec["world"] + 1) / 2
+            try:
+                pg = dist.distributed_c10d._get_default_group()
+                out["cuda_backend"] = type(pg._get_backend(torch.device("cuda", rank))).__name__
+            except Exception as exc:  # noqa: BLE001 - private API: a record, not a check
+                out["cuda_backend"] = f"unknown ({type(exc).__name__})"
+            checks.add("device_all_reduce", x.device.type == "cuda" and x.cpu().tolist() == [want_sum] * 4,
+                       f"all_reduce on {x.device} via {out['cuda_backend']}: {x.cpu().tolist()}, expected {want_sum}")
         globals()["role_" + spec["role"]](spec, rank, out, checks)
+        _write(spec, rank, out, checks)  # what ran so far stays on record should the check below hang
+        _control_group_check(checks)
     except BaseException as exc:  # noqa: BLE001 - recorded; the parent reports it
         out["crash"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         print(f"dist_device_check: rank {rank} of phase {spec['phase']} crashed: {out['crash']}", file=sys.stderr)
         code = 3
-    out["checks"] = checks.results
-    out["failed"] = checks.failed()
+    _write(spec, rank, out, checks)
     if not code and out["failed"]:
         code = 1
-    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
     if code == 3:
         os._exit(code)  # no teardown collectives after a crash: the others must not wait for this rank
     try:
@@ -506,7 +541,7 @@ def _run_phase(spec: dict, args) -> dict:
             {"tp": spec["tp"], "dp": spec["dp"]}, "ok": not failed, "hung": bool(hung) and first_error is None,
             "failed": failed,
             "seconds": round(time.monotonic() - t0, 2), "torch": r0.get("torch"), "backend": r0.get("backend"),
-            "device_name": r0.get("device_name"), "nccl": r0.get("nccl"),
+            "device_name": r0.get("device_name"), "nccl": r0.get("nccl"), "cuda_backend": r0.get("cuda_backend"),
             "timings": {k: round(v, 4) for k, v in (r0.get("timings") or {}).items()},
             "checks": sorted((r0.get("checks") or {}).keys())}
 
@@ -532,7 +567,13 @@ def _refusal(args) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--rank":
-        return _rank_main(int(argv[1]), json.loads(argv[2]), int(argv[3]))
+        code = _rank_main(int(argv[1]), json.loads(argv[2]), int(argv[3]))
+        # the report is written and the process group destroyed: skip the interpreter's and native static
+        # teardown, where a gloo rank aborted now and then ("terminate called without an active exception",
+        # no Python frame left; torch 2.13 CPU) after passing every check
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), required=True)
     ap.add_argument("--world", type=int, default=1)

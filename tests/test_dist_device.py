@@ -36,13 +36,15 @@ from ucp_test_helpers import REPO, run_python
 SCRIPT = REPO / "tests" / "dist_device_check.py"
 
 MAIN_CHECKS = {
-    "backend", "params_are_dtensors_on_device", "state_dict_on_device", "verify_after_save",
+    "backend", "control_group_beside_default_pg", "params_are_dtensors_on_device", "state_dict_on_device",
+    "verify_after_save",
     "catalog_has_every_tensor", "async_thread_is_state_at_call", "async_thread_mutation_detected",
     "async_thread_equals_save", "async_process_is_state_at_call", "async_process_mutation_detected",
     "load_in_place", "load_bit_equal_on_device", "load_bit_equal_host", "load_stays_on_device", "verify_after_load",
     "trains_after_load",
 }
-CROSS_CHECKS = {"backend", "cross_load_equals_logical", "cross_stays_on_device", "cross_verify"}
+CROSS_CHECKS = {"backend", "control_group_beside_default_pg", "cross_load_equals_logical", "cross_stays_on_device",
+                "cross_verify"}
 
 pytestmark = pytest.mark.xdist_group("dist_device")  # one worker: the ranks of two runs would share 2 cores
 
@@ -170,7 +172,8 @@ def test_cuda_nccl_ranks_save_async_load_verify_and_cross_load_on_cpu(tmp_path, 
     _passed(proc, summary, out, [("main", world, MAIN_CHECKS), ("cross", 2, CROSS_CHECKS)])
     main, cross = summary["phases"]
     assert "nccl" in main["backend"] and "gloo" in main["backend"], main  # "cpu:gloo,cuda:nccl"
-    assert main["device_name"] and main["nccl"], main
+    assert main["device_name"] and main["nccl"] and main["cuda_backend"], main  # recorded (ProcessGroupNCCL)
+    assert "device_all_reduce" in _rank(out, "main", 0)["checks"]  # passed: _passed checked every check
     placements = _rank(out, "main", 0)["placements"]
     assert all("on cuda" in p for p in placements.values()), placements
     assert cross["backend"] == "gloo" and cross["device"] == "cpu"
