@@ -279,8 +279,18 @@ def _rank_main(rank, spec, port):
         out["crash"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    if dist.is_initialized() and "crash" not in out:
-        dist.destroy_process_group()
+    if "crash" not in out:
+        import ucp_store.dist as ucpd
+
+        ucpd.close()  # the async writer processes, before the process group goes
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # leave without interpreter teardown: a gloo rank sometimes aborted there ("terminate called without an
+    # active exception", no Python frame left) after passing every check; its outcome is in its JSON, and
+    # the parent now reports any rank's non-zero exit or signal
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:
@@ -309,7 +319,11 @@ def main() -> None:
     if hung:
         print(f"ranks {hung} did not finish in time", file=sys.stderr)
         sys.exit(4)
-    sys.exit(max(p.returncode for p in procs) if any(p.returncode for p in procs) else 0)
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
+    if bad:  # a rank killed by a signal has a negative code, which max() over the ranks would hide
+        print(f"ranks exited with {', '.join(f'rank {r}: {c}' for r, c in bad)}", file=sys.stderr)
+        sys.exit(bad[0][1] if bad[0][1] > 0 else 128 - bad[0][1])
+    sys.exit(0)
 
 
 if __name__ == "__main__":
