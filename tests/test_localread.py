@@ -887,3 +887,28 @@ def test_read_pools_work_in_a_forked_child(tmp_path):
             pytest.fail("a read in the forked child did not finish in 60 s (an inherited pool without threads)")
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 4096, 1 << 20, (4 << 20) + 3])
+def test_crc_library_agrees_with_google_crc32c(size):
+    """The local paths' CRC32C (``_crc.value``, the crc32c package where it is hardware-based) gives
+    google_crc32c's value (zarr's, TensorStore's) over whole buffers and continued over pieces."""
+    from ucp_store import _crc
+
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    want = google_crc32c.value(data.tobytes())
+    assert _crc.value(data) == want == _crc.google_value(data)
+    cut = size // 3
+    assert _crc.value(data[cut:], _crc.value(data[:cut])) == want == _crc.google_value(data[cut:],
+                                                                                       _crc.google_value(data[:cut]))
+    assert _crc.value(b"123456789") == 0xE3069283  # the CRC-32C check value
+
+
+def test_crc_library_is_the_fast_one_here():
+    """crc32c is a dependency: on a CPU with CRC instructions (every x86-64 since 2008, ARMv8.1) it is the
+    one used, not the fallback."""
+    import crc32c
+
+    from ucp_store import _crc
+
+    assert _crc.LIBRARY == ("crc32c" if crc32c.hardware_based else "google_crc32c")

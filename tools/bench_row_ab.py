@@ -1,7 +1,8 @@
 """Held-handle row read of a 256 MiB fp32 parameter (default 1 MiB chunks), before (main) vs after, side by
 side: processes alternate between the two trees on ONE store; in each, every case is timed interleaved
 (mean of 200 calls, best of 7 rounds): ucp held handle h[row], safetensors held get_slice, and the ceiling
-of a crc-checked row read at this chunking (google_crc32c over the row's 1 MiB chunk, already in memory).
+of a crc-checked row read at this chunking (the store's CRC32C library over the row's 1 MiB chunk, already in
+memory; crc32c where installed, else google_crc32c).
 
     git archive 2d4a9d7 | tar -x -C /tmp/before          # the tree to compare against
     BEFORE=/tmp/before .venv/bin/python tools/bench_row_ab.py 3   # rounds (processes per tree)
@@ -14,6 +15,11 @@ child = r'''
 import sys, os, time, json
 sys.path.insert(0, os.environ["T"]); os.environ["UCP_PROGRESS"] = "0"
 import numpy as np, torch, google_crc32c, ucp_store
+try:
+    import crc32c
+    crc = crc32c.crc32c
+except ImportError:
+    crc = google_crc32c.value
 from safetensors import safe_open
 S = os.environ["S"]
 store = ucp_store.open_store(S + "/store")
@@ -23,7 +29,7 @@ row = 4097
 w = stf.get_tensor("w")
 mib = np.fromfile(S + "/w.safetensors", np.uint8, 1 << 20, offset=4096)  # 1 MiB in memory, as a chunk
 cases = {"ucp_row_held": lambda: h[row], "safetensors_row_held": lambda: stf.get_slice("w")[row:row + 1, :],
-         "ceiling_crc32c_1MiB": lambda: google_crc32c.value(mib)}
+         "ceiling_crc32c_1MiB": lambda: crc(mib)}
 res = {}
 for r in range(7):
     for k, f in cases.items():

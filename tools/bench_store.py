@@ -29,7 +29,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import google_crc32c
 import numpy as np
 import torch
 
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ucp_store  # noqa: E402
 from ucp_store import dtypes, format as fmt  # noqa: E402
+from ucp_store._crc import value as crc_value  # noqa: E402  (the store's CRC32C library)
 from ucp_store.location import Location  # noqa: E402
 
 
@@ -210,7 +210,7 @@ def bench_full(tensors, work: str, cold: bool, repeats: int = 3, chunk_targets: 
         step = 1 << 20
         pieces = [flat[i:i + step] for i in range(0, flat.size, step)]
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            list(pool.map(google_crc32c.value, pieces))
+            list(pool.map(crc_value, pieces))
         return out
 
     readers = {

@@ -11,8 +11,8 @@ C order, then its crc32c) sits at the end of the file. So for a folder store thi
   contiguous lands there directly (one copy, page cache -> destination), chunks that are contiguous in
   the file go in one call; a chunk the read only partly needs goes to a scratch buffer and only the
   needed part is copied,
-- checks every chunk's crc32c with ``google_crc32c`` (hardware CRC32C; tools/bench_crc32c.py measured
-  it against numcodecs' CRC32C and the ``crc32c`` package),
+- checks every chunk's crc32c with ``_crc.value`` (the ``crc32c`` package's hardware CRC32C, which
+  releases the GIL; tools/bench_crc32c.py measured it against ``google_crc32c`` and numcodecs' CRC32C),
 - splits large reads over a thread pool (``preadv``, the crc and numpy's copies release the GIL) as
   contiguous segments of each shard file, each read in file order through its own open file, and reads
   several whole arrays at once with one stream per shard file (``read_streamed``, for ``state_dict``),
@@ -44,12 +44,12 @@ import threading
 from collections import OrderedDict
 from typing import Any, overload
 
-import google_crc32c
 import numpy as np
 import torch
 
 from . import dtypes
 from . import format as fmt
+from ._crc import value as crc_value
 from ._pools import LazyPool
 from .location import Location, _safe_rel
 
@@ -61,8 +61,7 @@ except (AttributeError, ValueError, OSError):
     _IOV_MAX = 16
 RUN_BYTES = 4 << 20        # one preadv covers at most this much (the crc then reads it back from cache)
 PARALLEL_BYTES = 16 << 20  # reads at least this large are split over the pool
-_crc = google_crc32c.value
-_crc_extend = google_crc32c.extend
+_crc = crc_value  # _crc.value: (data, crc=0) -> the crc32c of data, continuing crc
 _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 # preadv2's RWF_NOWAIT (Linux >= 4.14; buffered reads since 5.x): a read that would wait for the disk fails
 # at once with EAGAIN. io reads a small read in place when the page cache holds it and hands only the
@@ -713,8 +712,8 @@ class LocalArray:
         elif slow:
             ok = _crc(region[:-4]) == int.from_bytes(region[-4:], "little")
         else:
-            crc = _crc_extend(_crc(pre), flat) if a else _crc(flat)
-            ok = _crc_extend(crc, post[:-4]) == int.from_bytes(post[-4:], "little")
+            crc = _crc(flat, _crc(pre)) if a else _crc(flat)
+            ok = _crc(post[:-4], crc) == int.from_bytes(post[-4:], "little")
         if not ok:
             raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: crc32c checksum "
                                  f"mismatch in shard file {key}")
