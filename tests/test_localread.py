@@ -516,13 +516,13 @@ def test_held_handle_row_reads_go_through_the_mapping(tmp_path, monkeypatch):
 
 
 def test_default_policy_cuts_a_large_parameter_into_mapped_row_chunks():
-    """The default policy gives a 256 MiB fp32 parameter 1 MiB chunks of whole rows: a row read touches one
-    chunk, large enough for the mapped single-chunk path."""
+    """The default policy gives a 256 MiB fp32 parameter 256 KiB chunks of whole rows: a row read touches
+    one chunk, large enough for the mapped single-chunk path."""
     import ucp_store.localread as lr
     from ucp_store.chunking import DEFAULT_TARGET, choose_chunking
 
     c = choose_chunking((8192, 8192), 4)
-    assert c.chunk_shape == (32, 8192) and math.prod(c.chunk_shape) * 4 == DEFAULT_TARGET
+    assert c.chunk_shape == (8, 8192) and math.prod(c.chunk_shape) * 4 == DEFAULT_TARGET == 256 << 10
     assert math.prod(c.chunk_shape) * 4 >= lr.MAP_MIN_CHUNK_BYTES
 
 
