@@ -1,7 +1,7 @@
-"""Held-handle row read of a 256 MiB fp32 parameter (default 1 MiB chunks), before (main) vs after, side by
+"""Held-handle row read of a 256 MiB fp32 parameter (the writing tree's default chunks), before (main) vs after, side by
 side: processes alternate between the two trees on ONE store; in each, every case is timed interleaved
 (mean of 200 calls, best of 7 rounds): ucp held handle h[row], safetensors held get_slice, and the ceiling
-of a crc-checked row read at this chunking (the store's CRC32C library over the row's 1 MiB chunk, already in
+of a crc-checked row read at this chunking (the store's CRC32C library over the row's chunk, already in
 memory; crc32c where installed, else google_crc32c).
 
     git archive 2d4a9d7 | tar -x -C /tmp/before          # the tree to compare against
@@ -27,9 +27,10 @@ h = store.checkpoint("p@1").tensor("w", "fp32")
 stf = safe_open(S + "/w.safetensors", "pt")
 row = 4097
 w = stf.get_tensor("w")
-mib = np.fromfile(S + "/w.safetensors", np.uint8, 1 << 20, offset=4096)  # 1 MiB in memory, as a chunk
+cb = 4 * int(np.prod(h.info.chunk_shape))  # the row's chunk: its bytes in memory, as the ceiling reads them
+mib = np.fromfile(S + "/w.safetensors", np.uint8, cb, offset=4096)
 cases = {"ucp_row_held": lambda: h[row], "safetensors_row_held": lambda: stf.get_slice("w")[row:row + 1, :],
-         "ceiling_crc32c_1MiB": lambda: crc(mib)}
+         "ceiling_crc32c_chunk": lambda: crc(mib)}
 res = {}
 for r in range(7):
     for k, f in cases.items():
@@ -37,7 +38,7 @@ for r in range(7):
         t = time.perf_counter()
         for _ in range(n): out = f()
         res[k] = min(res.get(k, 1e9), (time.perf_counter() - t) / n)
-        if k != "ceiling_crc32c_1MiB":
+        if k != "ceiling_crc32c_chunk":
             assert torch.equal(out.reshape(-1), w[row])
 print(json.dumps(res))
 '''
@@ -66,9 +67,9 @@ for r in range(rounds):
             res[(name, k)] = min(res.get((name, k), 1e9), v)
         res.setdefault((name, "ratios"), []).append(got["ucp_row_held"] / got["safetensors_row_held"])
 print(f"\nheld row read, us (best over {rounds} process rounds); ratio = ucp / safetensors held, in the same process")
-print(f"{'tree':24}{'ucp row':>10}{'st held':>10}{'crc 1MiB':>10}{'ucp/st':>8}{'ceiling/st':>11}")
+print(f"{'tree':24}{'ucp row':>10}{'st held':>10}{'crc chunk':>10}{'ucp/st':>8}{'ceiling/st':>11}")
 for name in trees:
-    u, st, c = (res[(name, k)] for k in ("ucp_row_held", "safetensors_row_held", "ceiling_crc32c_1MiB"))
+    u, st, c = (res[(name, k)] for k in ("ucp_row_held", "safetensors_row_held", "ceiling_crc32c_chunk"))
     print(f"{name:24}{u*1e6:10.1f}{st*1e6:10.1f}{c*1e6:10.1f}{u/st:8.2f}{c/st:11.2f}   per-process ucp/st: "
           + ", ".join(f"{x:.2f}" for x in res[(name, "ratios")]))
 import shutil; shutil.rmtree(S, ignore_errors=True)
