@@ -87,7 +87,7 @@ def itemsize(name: str) -> int:
 
 def to_numpy(tensor: torch.Tensor, *, what: str = "tensor") -> np.ndarray:
     """A C-contiguous numpy array with the tensor's exact bits (a view where possible)."""
-    name = zarr_name(tensor.dtype, what=what)
+    zarr_name(tensor.dtype, what=what)  # refuses a dtype the store cannot hold, naming the tensor
     if tensor.layout != torch.strided:
         raise ValidationError(f"{what}: a {tensor.layout} tensor cannot be stored; convert it with .to_dense() first")
     if tensor.device.type == "meta":
@@ -98,10 +98,7 @@ def to_numpy(tensor: torch.Tensor, *, what: str = "tensor") -> np.ndarray:
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
-    view = _VIEW_AS.get(t.dtype)
-    if view is not None:
-        return t.view(view).numpy().view(numpy_dtype(name))
-    return t.numpy()
+    return numpy_view(t)
 
 
 # numpy dtypes torch.from_numpy takes as they are (bf16 and partial uints go through a carrier view)

@@ -49,7 +49,7 @@ import torch
 
 from . import dtypes
 from . import format as fmt
-from ._crc import value as crc_value
+from ._crc import value as _crc  # (data, crc=0) -> the crc32c of data, continuing crc
 from ._pools import LazyPool
 from .location import Location, _safe_rel
 
@@ -61,7 +61,6 @@ except (AttributeError, ValueError, OSError):
     _IOV_MAX = 16
 RUN_BYTES = 4 << 20        # one preadv covers at most this much (the crc then reads it back from cache)
 PARALLEL_BYTES = 16 << 20  # reads at least this large are split over the pool
-_crc = crc_value  # _crc.value: (data, crc=0) -> the crc32c of data, continuing crc
 _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 # preadv2's RWF_NOWAIT (Linux >= 4.14; buffered reads since 5.x): a read that would wait for the disk fails
 # at once with EAGAIN. io reads a small read in place when the page cache holds it and hands only the

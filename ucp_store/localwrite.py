@@ -42,7 +42,7 @@ import numpy as np
 import xxhash
 
 from . import format as fmt
-from ._crc import value as crc_value
+from ._crc import value as _crc
 from ._pools import LazyPool
 from .localread import _PAGE, _bad_distance, _copy, is_local_chain
 from .location import Location, _safe_rel
@@ -50,7 +50,6 @@ from .location import Location, _safe_rel
 __all__ = ["local_folder", "whole_shards", "shard_boxes", "write_shard_file", "sync_dirs", "submit"]
 
 _MISSING = (1 << 64) - 1
-_crc = crc_value
 
 
 def local_folder(location: Location, rel: str, layout: fmt.ArrayLayout) -> str | None:
