@@ -38,21 +38,16 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import traceback
 
+from ucp_test_helpers import free_port
+
 PG_TIMEOUT_S = 120
 RUN = "dev"
 STEPS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _layout(world: int, kind: str) -> dict:
@@ -479,7 +474,7 @@ def _rank_main(rank: int, spec: dict, port: int) -> int:
 def _run_phase(spec: dict, args) -> dict:
     """Start ``spec["world"]`` ranks, wait (bounded), and collect their JSON."""
     os.makedirs(spec["out"], exist_ok=True)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env.setdefault("UCP_DIST_TIMEOUT", "60")
     env.setdefault("UCP_PROGRESS", "0")

@@ -18,15 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import traceback
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ucp_test_helpers import free_port
 
 
 def _model(spec, seed):
@@ -305,7 +300,7 @@ def main() -> None:
         return
     spec = json.loads(sys.argv[1])
     os.makedirs(spec["out"], exist_ok=True)
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), json.dumps(spec), str(port)])
              for r in range(spec["world"])]
     deadline = time.monotonic() + spec.get("timeout", 240)

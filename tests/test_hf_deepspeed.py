@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ucp_test_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -177,12 +178,6 @@ def train(out: str) -> None:
 
 
 # ------------------------------------------------------------------------------- the test
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def split_like_hf(sd: dict) -> dict:
     """What an HF Llama holds, sliced by hand from the fused weights (the test's own reference split)."""
     nh, nkv = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
@@ -211,7 +206,7 @@ def test_deepspeed_fused_qkv_model_exports_to_hf_llama(tmp_path, store, store_pa
     run_dir = tmp_path / "ds"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", UCP_PROGRESS="0", PYTHONWARNINGS="ignore",
                TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            __file__, "--train", str(run_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

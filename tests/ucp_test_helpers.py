@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,13 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PG_ENV = "UCP_TEST_POSTGRES_URL"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextmanager
