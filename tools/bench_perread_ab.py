@@ -5,7 +5,10 @@ N loads per process; also fetch (plan_records) and plan separately, so exec = to
 Each tree reads the store its own writer made (the chunk policy is part of a tree), and beside them:
 ``after@before-store`` (this tree reading the before tree's store: the read path alone) and, with ``TS=1``,
 ``tensorstore`` (the before tree on its own store with ``UCP_LOCAL_READ=0``: every read through
-TensorStore, the path issue 10 measured at 270-470 us per read).
+TensorStore, the path issue 10 measured at 270-470 us per read). Two floors of the same job: ``raw
+syscalls`` (per array only the system calls of a checked read, no catalog) and ``python floor`` (this
+tree's catalog query plus those reads, with the least per-row Python a load needs; ``PYFLOOR=0`` leaves
+it out): how far a load written in Python could go at best.
 
     git archive 2d4a9d7 | tar -x -C /tmp/before          # the tree to compare against
     BEFORE=/tmp/before TS=1 .venv/bin/python tools/bench_perread_ab.py 3   # rounds (processes per tree)
@@ -26,6 +29,8 @@ BEFORE = os.environ["BEFORE"]
 runs = {"before": (BEFORE, "before", "1"), "after": (HERE, "after", "1"),
         "after@before-store": (HERE, "before", "1"), "raw syscalls, before store": ("raw", "before", "1"),
         "raw syscalls, after store": ("raw", "after", "1")}
+if os.environ.get("PYFLOOR", "1") != "0":
+    runs["python floor, after store"] = ("pyfloor", "after", "1")
 if os.environ.get("TS") == "1":
     runs["tensorstore"] = (BEFORE, "before", "0")
 py = sys.executable
@@ -110,6 +115,86 @@ for _ in range(int(os.environ["N"])):
     best = min(best, (time.perf_counter() - t) / len(plan))
 print(json.dumps({"fetch": 0.0, "plan": 0.0, "exec": best, "exec_cpu": best, "load_shard": best}))
 '''
+# The same job with everything but the catalog query and the checked reads taken out, in Python: this tree's
+# catalog query (the columns Checkpoint._fetch_infos selects, through SQLAlchemy Core, one fetchall), per
+# row its shape and pattern decoded (each layer's pattern is its own text) and the rows' flat range of a
+# ZeRO-3 rank worked out, then open, fstat and the file's identity compared with the held index's, one
+# preadv of the rows' chunk(s) into a fresh destination buffer, crc32c, close. No records, no plan, no
+# io layer: what a per-row Python loop costs at least for this load, where the raw row above has no catalog.
+pyfloor_child = r'''
+import os, sys, time, json
+sys.path.insert(0, os.environ["T"])
+os.environ["UCP_PROGRESS"] = "0"
+import numpy as np
+from sqlalchemy import Text, cast, select
+import ucp_store
+from ucp_store._crc import value as crc
+from ucp_store.catalog import models as m
+store = ucp_store.open_store(os.environ["S"])
+ck = store.checkpoint("r@1")
+root = store.location.root
+held = {}  # array path -> (shard file, identity, chunk entries, rows per chunk): a held reader's state
+for info in ck.tensors():
+    f = os.path.join(root, info.array, "c", "0", "0")
+    st = os.stat(f)
+    raw = open(f, "rb").read()
+    per = info.shape[0] // info.chunk_shape[0]
+    idx = np.frombuffer(raw[len(raw) - 16 * per - 4:len(raw) - 4], "<u8").reshape(-1, 2).tolist()
+    held[info.array] = (f, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), idx, info.chunk_shape[0])
+t, a = m.Tensor, m.Array
+q = (select(t.name, t.state, cast(t.shape, Text), t.dtype, cast(t.pattern, Text), cast(a.chunk_shape, Text),
+            cast(a.shard_shape, Text), a.path, a.id, cast(a.codecs, Text), t.nbytes, t.content_hash, t.position)
+     .join(a, t.array_id == a.id).where(t.checkpoint_id == ck.id).order_by(t.position))
+scan = json.scanner.make_scanner(json.JSONDecoder())
+engine = store.catalog.engine
+rank, world = 1, 4
+best = 1e9
+for _ in range(int(os.environ["N"])):
+    scratch = np.empty(1 << 20, np.uint8)
+    t0 = time.perf_counter()
+    with engine.connect() as conn:
+        rows = conn.execute(q).fetchall()
+    out = np.empty(sum(4096 for _ in rows), np.float32).view(np.uint8)   # fresh memory, as load_shard's buffer
+    shapes = {}
+    pos = 0
+    for (name, state, shape, dtype, pattern, chunk, shard, path, aid, codecs, nbytes, chash, position) in rows:
+        s = shapes.get(shape)
+        if s is None:
+            s = shapes[shape] = tuple(json.loads(shape))
+        scan(pattern, 0)
+        f, ident, idx, c0 = held[path]
+        rb = 4 * s[1]
+        part = s[0] * s[1] // world
+        lo, hi = rank * part // s[1], (rank + 1) * part // s[1]   # rows of the rank's flat range
+        fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != ident:
+            raise SystemExit(f"{f} changed")
+        n = (hi - lo) * rb
+        dst = out[pos:pos + n]
+        pos += n
+        i, cb = lo // c0, c0 * rb
+        if hi - lo <= c0:   # inside one chunk: before, rows, after + crc
+            off, nb = idx[i]
+            a0 = (lo - i * c0) * rb
+            pre, post = scratch[:a0], scratch[a0:a0 + nb - a0 - n]
+            os.preadv(fd, [pre, dst, post] if a0 else [dst, post], off)
+            c = crc(dst, crc(pre)) if a0 else crc(dst)
+            ok = crc(post[:-4], c) == int.from_bytes(post[-4:], "little")
+        else:               # whole chunks: each one's bytes then its crc
+            k = (hi - lo) // c0
+            crcs = scratch[:4 * k]
+            iov = []
+            for j in range(k):
+                iov += [dst[j * cb:(j + 1) * cb], crcs[4 * j:4 * j + 4]]
+            os.preadv(fd, iov, idx[i][0])
+            ok = all(crc(dst[j * cb:(j + 1) * cb]) == int.from_bytes(crcs[4 * j:4 * j + 4], "little") for j in range(k))
+        os.close(fd)
+        if not ok:
+            raise SystemExit(f"{f}: crc32c mismatch")
+    best = min(best, (time.perf_counter() - t0) / len(rows))
+print(json.dumps({"fetch": 0.0, "plan": 0.0, "exec": best, "exec_cpu": best, "load_shard": best}))
+'''
 tmp = tempfile.mkdtemp()
 mk = r'''
 import sys, os, torch
@@ -131,7 +216,9 @@ keys = ["fetch", "plan", "exec", "exec_cpu", "load_shard"]
 for r in range(rounds):
     for fresh in ("0", "1"):
         for name, (tree, built, local) in runs.items():
-            out = subprocess.run([py, "-c", raw_child if tree == "raw" else child], env={"T": tree, "F": fresh, "S": f"{tmp}/{built}",
+            code = {"raw": raw_child, "pyfloor": pyfloor_child}.get(tree, child)
+            out = subprocess.run([py, "-c", code], env={"T": HERE if tree == "pyfloor" else tree, "F": fresh,
+                                 "S": f"{tmp}/{built}",
                                  "N": os.environ.get("N", "8"), "PATH": "/usr/bin:/bin", "UCP_LOCAL_READ": local},
                                  capture_output=True, text=True)
             if out.returncode:
