@@ -29,6 +29,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ds_env() -> dict:
+    """The environment of a DeepSpeed job on CPU (gloo): this checkout importable, no progress bars."""
+    env = dict(os.environ)
+    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "UCP_PROGRESS": "0",
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+                "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"})
+    return env
+
+
+def torchrun(args: list[str], nproc: int, *, timeout: int = 600, cwd: Path | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run`` of ``args`` on ``nproc`` local processes (``ds_env``, a free
+    rendezvous port); with ``check``, a non-zero exit fails the test with the ends of both streams."""
+    import pytest
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           *args]
+    proc = subprocess.run(cmd, env=ds_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    if check and proc.returncode != 0:
+        pytest.fail(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-6000:]}")
+    return proc
+
+
 @contextmanager
 def postgres_schema_url():
     """A PostgreSQL URL whose search_path is a fresh schema, dropped on exit; skips without a server."""

@@ -8,13 +8,12 @@ stages); each is also converted by ``python -m deepspeed.checkpoint.ds_to_univer
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from ucp_test_helpers import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "tools" / "ds_train.py"
@@ -41,31 +40,6 @@ RESUME_AS = {
     "tp2_bf16": {"model": "tp", "tp": 1},
     "pp2_bf16": {"model": "pipe", "stages": 1},
 }
-
-
-def ds_env() -> dict:
-    env = dict(os.environ)
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "UCP_PROGRESS": "0",
-                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-                "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"})
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(args: list[str], nproc: int, *, timeout: int = 600,
-             cwd: Path | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           *args]
-    proc = subprocess.run(cmd, env=ds_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-6000:]}")
-    return proc
 
 
 def run_jobs(jobs: list[dict], nproc: int, where: Path, name: str, *, timeout: int = 600) -> None:

@@ -7,14 +7,12 @@ freshly built AutoEP engines at ep=2 and ep=1 (one torchrun launch, ``ucp_store/
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from ucp_test_helpers import torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed")]
 
@@ -87,17 +85,7 @@ def autoep(tmp_path_factory) -> AutoEPSession:
     root = tmp_path_factory.mktemp("autoep")
     path = root / "jobs.json"
     path.write_text(json.dumps(_jobs(root), indent=1))
-    env = dict(os.environ)
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "UCP_PROGRESS": "0", "TORCH_CPP_LOG_LEVEL": "ERROR",
-                "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", str(DRIVER),
-           "--jobs", str(path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun {DRIVER.name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    torchrun([str(DRIVER), "--jobs", str(path)], 2, timeout=900)
     return AutoEPSession(root)
 
 

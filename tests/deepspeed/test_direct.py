@@ -20,13 +20,12 @@ ucp engine; a dead rank leaves no listed version.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from ucp_test_helpers import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "ds_direct.py"
@@ -69,29 +68,12 @@ def _key(name, target, world) -> str:
     return f"{name}_to_z{target['zero']}_{target['model']}_dp{world}"
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "UCP_PROGRESS": "0", "TORCH_CPP_LOG_LEVEL": "ERROR",
-                "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
-    return env
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(jobs: list[dict], nproc: int, where: Path, name: str, *, check: bool = True) -> subprocess.CompletedProcess:
     path = where / f"{name}.json"
     path.write_text(json.dumps(jobs, indent=1))
     cwd = where / f"cwd_{name}"
     cwd.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_port()}",
-           str(DRIVER), "--jobs", str(path)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1200, cwd=cwd)
-    if check and proc.returncode != 0:
-        pytest.fail(f"torchrun {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    proc = torchrun([str(DRIVER), "--jobs", str(path)], nproc, timeout=1200, cwd=cwd, check=check)
     return proc
 
 

@@ -6,13 +6,11 @@ at ep=2 and ep=1 (one torchrun launch, ``ucp_store/demo/ds_moe.py``), then at ep
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from ucp_test_helpers import torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed")]
 
@@ -40,17 +38,7 @@ def run_jobs(jobs: list[dict], nproc: int, where: Path, name: str) -> None:
     """One torchrun launch of ``tools/ds_moe.py`` running ``jobs`` in order (gloo, CPU)."""
     path = where / f"{name}.json"
     path.write_text(json.dumps(jobs, indent=1))
-    env = dict(os.environ)
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "UCP_PROGRESS": "0", "TORCH_CPP_LOG_LEVEL": "ERROR",
-                "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           str(DRIVER), "--jobs", str(path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun {DRIVER.name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    torchrun([str(DRIVER), "--jobs", str(path)], nproc, timeout=900)
 
 
 class MoESession:
