@@ -17,8 +17,17 @@ from ucp_store.store import CheckpointWriter
 # Re-exported for modules that still write ``from conftest import ...`` (e.g. tests/test_distributed.py);
 # that form is ambiguous once tests/deepspeed/conftest.py exists: import from ucp_test_helpers instead.
 from ucp_test_helpers import (  # noqa: E402,F401
-    REPO, array_folders, bits, flip_byte, flip_chunk_byte, python_env, random_bits, run_python,
-    shard_file_and_range, tree_digest, wait_for,
+    REPO,
+    array_folders,
+    bits,
+    flip_byte,
+    flip_chunk_byte,
+    python_env,
+    random_bits,
+    run_python,
+    shard_file_and_range,
+    tree_digest,
+    wait_for,
 )
 
 

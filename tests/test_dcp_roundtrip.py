@@ -24,11 +24,12 @@ import os
 
 import pytest
 import torch
-from ucp_test_helpers import run_python
 
 import ucp_store
 from ucp_store import cli
 from ucp_store.adapters.dcp import opaque_entries
+
+from ucp_test_helpers import run_python
 
 pytestmark = pytest.mark.slow
 

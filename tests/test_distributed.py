@@ -7,16 +7,13 @@ file and TensorStore's conditional read-modify-write must merge them. Rank 0 com
 checks the logical tensors bit for bit and that nothing else was listed.
 """
 
-import os
-import sys
-
-import numpy as np
 import pytest
 import torch
 
 import ucp_store
 from ucp_store.topology import Topology
-from ucp_test_helpers import python_env, run_python
+
+from ucp_test_helpers import free_port, run_python
 
 WORKER = r'''
 import os, sys, torch, torch.distributed as dist
@@ -79,7 +76,7 @@ dist.destroy_process_group()
 def _torchrun(tmp_path, store_url, case, fail_rank=-1):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    return run_python(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(29500 + os.getpid() % 400),
+    return run_python(["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
                        str(script), store_url, case, str(fail_rank)], timeout=300)
 
 
@@ -119,5 +116,5 @@ def test_failure_on_one_rank_lists_nothing(tmp_path):
     res = _torchrun(tmp_path, store_url, "zero", fail_rank=1)
     assert res.returncode != 0
     assert store.list_checkpoints() == []
-    report = store.gc()
+    store.gc()  # the dead job's arrays are unreferenced: gc removes every one
     assert not any((tmp_path / "store" / "arrays").glob("*/*.zarr"))

@@ -8,10 +8,10 @@ disk (chunked, sharded, crc32c) and must give exactly what the in-memory executo
 import numpy as np
 import pytest
 import torch
-
-import ucp_store
 from test_planner import execute
 from test_transformer_grid import PARAMS, TOPOLOGIES
+
+import ucp_store
 from ucp_store.planner import plan
 from ucp_store.topology import Topology
 

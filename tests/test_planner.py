@@ -11,14 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_patterns import (  # the independent reference and the strategies live there
-    SENTINEL,
-    pattern_and_shape,
-    ref_local,
-    ref_zero_partition,
-    ref_zero_rank,
-    topologies,
-)
 from ucp_store.errors import PlanError
 from ucp_store.patterns import Box, FlatRange, is_writer, placement_stages
 from ucp_store.planner import (
@@ -30,6 +22,15 @@ from ucp_store.planner import (
     split_points,
 )
 from ucp_store.topology import Topology
+
+from test_patterns import (  # the independent reference and the strategies live there
+    SENTINEL,
+    pattern_and_shape,
+    ref_local,
+    ref_zero_partition,
+    ref_zero_rank,
+    topologies,
+)
 
 OPT_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 

@@ -18,8 +18,8 @@ import itertools
 
 import numpy as np
 import pytest
-
 from test_planner import execute, reassemble, reference_rank
+
 from ucp_store.patterns import stage_local_name
 from ucp_store.planner import chunk_alignment, plan
 from ucp_store.topology import Topology

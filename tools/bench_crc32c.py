@@ -4,12 +4,13 @@ last where it is hardware-based: the fastest out of cache here, and it releases 
     python tools/bench_crc32c.py
 """
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 import google_crc32c
 import numpy as np
 from numcodecs import CRC32C
-from concurrent.futures import ThreadPoolExecutor
+
 codec = CRC32C()
 for size in (32<<10, 128<<10, 256<<10, 1<<20, 16<<20):
     buf = np.random.default_rng(0).integers(0,255,size,dtype=np.uint8)

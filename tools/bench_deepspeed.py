@@ -54,8 +54,8 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import threading

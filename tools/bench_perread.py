@@ -5,11 +5,15 @@ local path one read at a time, and TensorStore (UCP_LOCAL_READ=0).
 
     .venv/bin/python tools/bench_perread.py 3     # rounds; best of each kept
 """
-import os, sys
+import os
+import sys
+
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_here, "..")); sys.path.insert(0, _here)
 import bench_planner
+
 from ucp_store import io
+
 res = {}
 real_per_read = bench_planner.per_read_seconds
 for r in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):

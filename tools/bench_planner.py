@@ -142,16 +142,14 @@ def catalog_store(root: str, recs: list[dict], catalog: str | None = None):
     rows are what a save commits (``tensors.layer`` included), inserted in one transaction."""
     import datetime as dt
 
-    from sqlalchemy import insert
+    from sqlalchemy import delete, insert
 
     import ucp_store
     from ucp_store.catalog import models as m
     from ucp_store.store import _layer_of
 
-    from sqlalchemy import delete
-
     store = ucp_store.open_store(root, create=True, catalog=catalog)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cid = m.new_id()  # fresh ids and run name: the catalog may hold an earlier run's rows
     run_name = f"bench-{cid}"
     arrays, tensors = [], []

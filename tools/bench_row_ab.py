@@ -7,7 +7,12 @@ memory; crc32c where installed, else google_crc32c).
     git archive 2d4a9d7 | tar -x -C /tmp/before          # the tree to compare against
     BEFORE=/tmp/before .venv/bin/python tools/bench_row_ab.py 3   # rounds (processes per tree)
 """
-import subprocess, sys, os, json, tempfile
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
 py = sys.executable
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 trees = {"before": os.environ["BEFORE"], "after": HERE}

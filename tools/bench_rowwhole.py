@@ -4,11 +4,18 @@ reads (state_dict) of the same 256 MiB fp32 param vs torch.load and raw reads; i
     .venv/bin/python tools/bench_rowwhole.py . 6             # this tree
     .venv/bin/python tools/bench_rowwhole.py /tmp/old-tree 6 # another checkout (git archive REV ucp_store) on the same files
 """
-import os, sys, time, math
+import os
+import sys
+import time
+
 sys.path.insert(0, sys.argv[1])
-import numpy as np, torch, ucp_store
+import numpy as np
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+import ucp_store
+
 os.environ["UCP_PROGRESS"] = "0"
 W = "/tmp/rd/focus"; os.makedirs(W, exist_ok=True)
 w = torch.randn(8192, 8192, generator=torch.Generator().manual_seed(0))

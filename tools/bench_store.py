@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ucp_store  # noqa: E402
-from ucp_store import dtypes, format as fmt  # noqa: E402
+from ucp_store import dtypes  # noqa: E402
+from ucp_store import format as fmt
 from ucp_store._crc import value as crc_value  # noqa: E402  (the store's CRC32C library)
 from ucp_store.location import Location  # noqa: E402
 
