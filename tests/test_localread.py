@@ -846,6 +846,155 @@ def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeyp
             store.checkpoint("r@1").load_shard(topo, 1)
 
 
+# --- boxes inside one chunk the page cache holds: read at once in the caller (``box_cached``) --------------
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=arrays_and_boxes(), mapped=st.booleans())
+def test_box_cached_reads_one_chunk_boxes_like_tensorstore(where, case, mapped):
+    """``box_cached`` reads a box inside one chunk of a cached shard file as TensorStore does (every dtype,
+    strided destinations included) and declines (False, the destination untouched) a box over several
+    chunks, a 0-d array and a mapped array (large chunks: their single-chunk reads go through the mapping)."""
+    import ucp_store.localread as lr
+
+    dtype, shape, chunk, per_shard, box, seed = case
+    saved = lr.MAP_MIN_CHUNK_BYTES
+    lr.MAP_MIN_CHUNK_BYTES = 0 if mapped else 1 << 62
+    try:
+        x = random_bits(shape, dtype, torch.Generator().manual_seed(seed))
+        rel, layout = _write(where, x, chunk, per_shard)
+        local, ts_handle = _both(where, rel, layout)
+    finally:
+        lr.MAP_MIN_CHUNK_BYTES = saved
+    want = ts_handle[fmt.box_index(box)].read().result()
+    one_chunk = bool(shape) and all((hi - 1) // c == lo // c for (lo, hi), c in zip(box, chunk))
+    big = np.zeros(tuple(2 * n for n in want.shape), local.dtype)
+    out = big[tuple(slice(None, None, 2) for _ in want.shape)]  # strided: every other element
+    if not lr._NOWAIT:
+        pytest.skip("no RWF_NOWAIT on this platform: box_cached never reads")
+    got = local.box_cached(box, out)
+    assert got == (one_chunk and not mapped), (shape, chunk, box)
+    if got:
+        assert out.tobytes() == want.tobytes()
+        assert not big[tuple(slice(1, None, 2) for _ in want.shape)].any()  # nothing outside the view
+    else:
+        assert not big.reshape(-1).view(np.uint8).any()
+
+
+def _evicted(path: Path) -> bool:
+    """Drop a file's pages from the page cache (written back first: dirty pages stay); False where the
+    filesystem keeps them anyway (tmpfs), which a ``RWF_NOWAIT`` read of its first byte tells. That read
+    may start readahead of the page as it fails: a blocking read waits for it, and the pages are dropped
+    once more."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        except BlockingIOError:
+            os.pread(fd, 1, 0)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return True
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_box_cached_declines_what_the_page_cache_lacks(where):
+    """Neither the shard index nor the chunk cached: False, the destination untouched; the blocking read
+    brings both in and box_cached then reads; the index held and the chunk evicted again: False again."""
+    import ucp_store.localread as lr
+
+    if not lr._NOWAIT or not hasattr(os, "posix_fadvise"):
+        pytest.skip("no RWF_NOWAIT or posix_fadvise on this platform")
+    loc, _ = where
+    x = random_bits(SHAPE, torch.float32, torch.Generator().manual_seed(5))
+    rel, layout = _write(where, x, CHUNK, PER_SHARD)
+    local, _ = _both(where, rel, layout)
+    path = _shard_path(loc, rel, (1, 0))
+    box = ((25, 27), (12, 15))  # inside chunk [3, 1], shard file c/1/0
+    want = x.numpy()[25:27, 12:15].tobytes()
+    if not _evicted(path):
+        pytest.skip("this filesystem keeps file pages in memory (tmpfs): nothing to evict")
+    out = np.zeros((2, 3), np.float32)
+    assert local.box_cached(box, out) is False and not out.any()
+    local.read_into(box, out)  # the blocking read, as the pool's
+    assert out.tobytes() == want
+    again = np.zeros((2, 3), np.float32)
+    assert local.box_cached(box, again) is True and again.tobytes() == want
+    assert _evicted(path)
+    evicted = np.zeros((2, 3), np.float32)
+    assert local.box_cached(box, evicted) is False and not evicted.any()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_box_cached_raises_what_the_blocking_read_raises(where, case):
+    """Every corruption of the chunk's shard file fails ``box_cached`` (a reader holding no index yet) with
+    the error ``read_into`` gives; nothing is read as zeros."""
+    import ucp_store.localread as lr
+
+    if not lr._NOWAIT:
+        pytest.skip("no RWF_NOWAIT on this platform: box_cached never reads")
+    loc, _ = where
+    x = random_bits(SHAPE, torch.float32, torch.Generator().manual_seed(6))
+    rel, layout = _write(where, x, CHUNK, PER_SHARD)
+    path = _shard_path(loc, rel, (1, 0))
+    saved = path.read_bytes()
+    _corrupt(case, path)
+    box = ((25, 26), (12, 13))  # chunk [3, 1], the corrupted one
+    try:
+        blocking, _ = _both(where, rel, layout)
+        with pytest.raises(LocalReadError) as want:
+            blocking.read_into(box, np.zeros((1, 1), np.float32))
+        cached, _ = _both(where, rel, layout)
+        out = np.zeros((1, 1), np.float32)
+        with pytest.raises(LocalReadError) as got:
+            cached.box_cached(box, out)
+        assert str(got.value) == str(want.value) and "c/1/0" in str(got.value) and not out.any()
+    finally:
+        path.write_bytes(saved)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_load_shard_one_chunk_boxes_in_place_when_cached_else_on_the_pool(tmp_path, monkeypatch, cached):
+    """TP column slices (boxes of part of each row, inside one chunk) that the page cache holds are read in
+    the calling thread (``box_cached``), the rest on the pool; the same tensors either way, and a flipped
+    byte is a ChecksumError naming the tensor and chunk either way."""
+    from ucp_store import io
+    from ucp_store import localread as lr
+    from ucp_store.topology import Topology
+
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    g = torch.Generator().manual_seed(32)
+    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(6)}
+    with store.begin("r", 1) as w:
+        for i, (name, t) in enumerate(ws.items()):
+            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 1, "placement": {"layer": i}})
+    results, batches = [], []
+    real_cached, real_batch = lr.LocalArray.box_cached, io._read_batch
+
+    def cached_spy(self, *a):
+        results.append(real_cached(self, *a) if cached else False)
+        return results[-1]
+
+    monkeypatch.setattr(lr.LocalArray, "box_cached", cached_spy)
+    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    got = store.checkpoint("r@1").load_shard(Topology(tp=2), 1)
+    for name, t in ws.items():
+        assert torch.equal(got[(name, "fp32")], t[:, 4:]), name
+    assert len(results) == 6
+    if cached and lr._NOWAIT:
+        assert all(results) and not batches  # just written: in the page cache, every read here
+    else:
+        assert sum(batches) == 6
+    bad = store.checkpoint("r@1").info("layers.2.w", "fp32")
+    path = Path(store.location.root) / bad.array / "c" / "0" / "0"
+    flip_byte(path, 16 * 8 * 4 - 3)  # in the last row's last column, which rank 1 reads
+    with pytest.raises(ChecksumError, match=r"layers\.2\.w.*chunk \[0, 0\]"):
+        store.checkpoint("r@1").load_shard(Topology(tp=2), 1)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_read_pools_work_in_a_forked_child(tmp_path):
     """A child forked after the parent used the read pools makes pools of its own: the inherited ones have

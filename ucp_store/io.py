@@ -149,8 +149,9 @@ class _Reader:
     def submit_into(self, info: TensorInfo, handle: LocalArray, box, target: np.ndarray, addr: int | None) -> None:
         """A local read straight into ``target`` (a numpy view of the destination in the stored dtype, the
         box's shape; or with ``addr``, its address, the C-order bytes of a box of whole rows as a 1-d
-        array): no sink, no torch on the read's path. Rows the page cache holds are read here at once
-        (``LocalArray.rows_cached``); the rest go to the small-read pool in batches."""
+        array): no sink, no torch on the read's path. Rows and single-chunk boxes the page cache holds
+        are read here at once (``LocalArray.rows_cached``, ``box_cached``); the rest go to the small-read
+        pool in batches."""
         nbytes = target.nbytes
         if addr is not None and nbytes < PARALLEL_BYTES:
             r = box.ranges[0]
@@ -173,6 +174,15 @@ class _Reader:
                 raise self._failed(info, box, exc) from None
             self.bytes_copied += nbytes
             return
+        try:
+            # a box inside one chunk the page cache holds: here at once as well. A warm load handing these
+            # to the pool ran 1.4x slower: every system call of this thread then waits for a pool thread
+            # to give back the GIL (tools/bench_planner.py's end-to-end loads)
+            if addr is None and handle.box_cached(box.ranges, target):
+                self.bytes_copied += nbytes
+                return
+        except ValueError as exc:
+            raise self._failed(info, box, exc) from None
         self._batch.append((handle, box, target, addr, None, info))
         self._batch_bytes += nbytes
         if len(self._batch) >= _BATCH_READS or self._batch_bytes >= _BATCH_BYTES:

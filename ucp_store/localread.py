@@ -622,6 +622,19 @@ class LocalArray:
             return self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
         return False
 
+    def box_cached(self, box: fmt.Box, out: np.ndarray) -> bool:
+        """``read_into`` for a box inside one chunk done only if it needs no disk, as ``rows_cached`` for any
+        box (the shard index when not held and the chunk read with ``RWF_NOWAIT``): False (``out`` untouched)
+        when it does not apply (several chunks, a mapped array, no ``RWF_NOWAIT``) or a read would wait; the
+        caller then reads it elsewhere. Corruption raises as usual."""
+        if not _NOWAIT or self._mapped_ok or not self.ndim or out.dtype != self.dtype:
+            return False
+        chunk = self.chunk_shape
+        idx = tuple(lo // c for (lo, _), c in zip(box, chunk))
+        if any(hi <= lo or (hi - 1) // c != i for (lo, hi), c, i in zip(box, chunk, idx)):
+            return False
+        return self._read_single(idx, box, out, _NOWAIT)
+
     @property
     def rows_ok(self) -> bool:
         """Chunks hold whole rows: ``read_rows`` applies to boxes of whole rows."""
@@ -852,7 +865,10 @@ class LocalArray:
             names = self._names[t] = (key, os.path.join(self.folder, *key.split("/")))
         return names[0], names[1], local
 
-    def _read_single(self, idx: tuple, box: fmt.Box, out: np.ndarray) -> None:
+    def _read_single(self, idx: tuple, box: fmt.Box, out: np.ndarray, flags: int = 0) -> bool:
+        """One chunk read into scratch, its crc32c checked, the box's part copied into ``out``. True when
+        done; ``flags`` ``RWF_NOWAIT``: False (``out`` untouched) when the index or the chunk is not all in the
+        page cache."""
         key, path, local = self._shard_of(idx)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -862,7 +878,10 @@ class LocalArray:
         except OSError as exc:
             raise ValueError(f"reading {path} failed: {exc}") from None
         try:
-            index, _, data_end = self._index(fd, key)
+            got_index = self._index(fd, key, flags)
+            if got_index is None:
+                return False
+            index, _, data_end = got_index
             off, nb = index[local]
             expect = self._expect
             if nb != expect or off + nb > data_end:
@@ -876,12 +895,18 @@ class LocalArray:
                                               view.__array_interface__["data"][0]):
                 enc, _ = _placed(buf, addr, 0, off, expect, _HALF_PAGE)
             try:
-                got = os.preadv(fd, [enc.data], off)
+                got = os.preadv(fd, [enc.data], off, flags) if flags else os.preadv(fd, [enc.data], off)
+            except BlockingIOError:
+                if flags:
+                    return False
+                raise ValueError(f"reading shard file {key} of {self.folder} failed: would block") from None
             except OSError as exc:
                 raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
         finally:
             os.close(fd)
         if got != expect:
+            if flags:
+                return False  # partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is truncated (short read)")
         mem = enc[:-4]
         if _crc(mem) != int.from_bytes(enc[-4:], "little"):
@@ -891,6 +916,7 @@ class LocalArray:
             out[...] = view
         else:
             _copy(out, view)
+        return True
 
     def _check_entry(self, idx: tuple, key: str, off: int, nb: int, expect: int, data_end: int) -> None:
         if off == _MISSING and nb == _MISSING:
