@@ -595,7 +595,8 @@ def test_whole_row_reads_match_tensorstore(where, monkeypatch, scratch_all, per_
     assert local._slab
     calls = []
     real = local._read_rows
-    monkeypatch.setattr(local, "_read_rows", lambda lo, hi, out: (calls.append((lo, hi)), real(lo, hi, out)))
+    monkeypatch.setattr(local, "_read_rows",
+                        lambda lo, hi, out, flags=0: (calls.append((lo, hi)), real(lo, hi, out, flags))[1])
     for lo in range(0, 38, 3):
         for hi in range(lo + 1, 39, 5):
             box = ((lo, hi), (0, 6), (0, 5))
@@ -852,9 +853,10 @@ def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeyp
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=arrays_and_boxes(), mapped=st.booleans())
 def test_box_cached_reads_one_chunk_boxes_like_tensorstore(where, case, mapped):
-    """``box_cached`` reads a box inside one chunk of a cached shard file as TensorStore does (every dtype,
-    strided destinations included) and declines (False, the destination untouched) a box over several
-    chunks, a 0-d array and a mapped array (large chunks: their single-chunk reads go through the mapping)."""
+    """``box_cached`` reads any box of cached shard files as TensorStore does (every dtype, strided
+    destinations included) and declines (False, the destination untouched) only a 0-d array and a box
+    inside one chunk of a mapped array (large chunks: such reads go through the mapping, whose page faults
+    cannot be told not to wait)."""
     import ucp_store.localread as lr
 
     dtype, shape, chunk, per_shard, box, seed = case
@@ -873,7 +875,7 @@ def test_box_cached_reads_one_chunk_boxes_like_tensorstore(where, case, mapped):
     if not lr._NOWAIT:
         pytest.skip("no RWF_NOWAIT on this platform: box_cached never reads")
     got = local.box_cached(box, out)
-    assert got == (one_chunk and not mapped), (shape, chunk, box)
+    assert got == (bool(shape) and not (one_chunk and mapped)), (shape, chunk, box)
     if got:
         assert out.tobytes() == want.tobytes()
         assert not big[tuple(slice(1, None, 2) for _ in want.shape)].any()  # nothing outside the view
@@ -926,12 +928,48 @@ def test_box_cached_declines_what_the_page_cache_lacks(where):
     assert _evicted(path)
     evicted = np.zeros((2, 3), np.float32)
     assert local.box_cached(box, evicted) is False and not evicted.any()
+    # a box over several chunks of two shard files (c/0/0 and c/1/0): one of them evicted is enough
+    wide, want_wide = ((10, 30), (5, 25)), x.numpy()[10:30, 5:25].tobytes()
+    assert _evicted(path)
+    out = np.zeros((20, 20), np.float32)
+    assert local.box_cached(wide, out) is False
+    local.read_into(wide, out)
+    assert out.tobytes() == want_wide
+    again = np.zeros((20, 20), np.float32)
+    assert local.box_cached(wide, again) is True and again.tobytes() == want_wide
 
 
+def test_rows_cached_over_several_chunks(where):
+    """Rows over several chunks and shard files: read at once when cached (and equal to TensorStore's),
+    False when a shard file is not in the page cache, read at once again after the blocking read."""
+    import ucp_store.localread as lr
+
+    if not lr._NOWAIT or not hasattr(os, "posix_fadvise"):
+        pytest.skip("no RWF_NOWAIT or posix_fadvise on this platform")
+    loc, _ = where
+    x = random_bits(ONE_SHAPE, torch.float32, torch.Generator().manual_seed(23))
+    rel, layout = _write(where, x, ONE_CHUNK, ONE_PER_SHARD)  # chunks of 8 rows, 2 chunks a shard file
+    local, ts_handle = _both(where, rel, layout)
+    want = ts_handle[fmt.box_index(((4, 21), (0, 3), (0, 8)))].read().result().tobytes()
+    flat = np.zeros(17 * 24, np.float32).view(np.uint8)
+    assert local.rows_cached(4, 21, flat, flat.ctypes.data) is True and flat.tobytes() == want
+    path = _shard_path(loc, rel, (1, 0, 0))  # rows 16..23
+    if not _evicted(path):
+        pytest.skip("this filesystem keeps file pages in memory (tmpfs): nothing to evict")
+    flat = np.zeros(17 * 24, np.float32).view(np.uint8)
+    assert local.rows_cached(4, 21, flat, flat.ctypes.data) is False
+    local.read_rows(4, 21, flat.view(np.float32))
+    assert flat.tobytes() == want
+    again = np.zeros(17 * 24, np.float32).view(np.uint8)
+    assert local.rows_cached(4, 21, again, again.ctypes.data) is True and again.tobytes() == want
+
+
+@pytest.mark.parametrize("box", [((25, 26), (12, 13)), ((20, 32), (5, 25))], ids=["one chunk", "several chunks"])
 @pytest.mark.parametrize("case", CASES)
-def test_box_cached_raises_what_the_blocking_read_raises(where, case):
-    """Every corruption of the chunk's shard file fails ``box_cached`` (a reader holding no index yet) with
-    the error ``read_into`` gives; nothing is read as zeros."""
+def test_box_cached_raises_what_the_blocking_read_raises(where, case, box):
+    """Every corruption of a chunk's shard file fails ``box_cached`` (a reader holding no index yet) with
+    the error ``read_into`` gives, for a box in that chunk and one over several chunks; nothing is read as
+    zeros."""
     import ucp_store.localread as lr
 
     if not lr._NOWAIT:
@@ -941,36 +979,40 @@ def test_box_cached_raises_what_the_blocking_read_raises(where, case):
     rel, layout = _write(where, x, CHUNK, PER_SHARD)
     path = _shard_path(loc, rel, (1, 0))
     saved = path.read_bytes()
-    _corrupt(case, path)
-    box = ((25, 26), (12, 13))  # chunk [3, 1], the corrupted one
+    _corrupt(case, path)  # chunk [3, 1], which both boxes cover
+    shape = tuple(hi - lo for lo, hi in box)
     try:
         blocking, _ = _both(where, rel, layout)
         with pytest.raises(LocalReadError) as want:
-            blocking.read_into(box, np.zeros((1, 1), np.float32))
+            blocking.read_into(box, np.zeros(shape, np.float32))
         cached, _ = _both(where, rel, layout)
-        out = np.zeros((1, 1), np.float32)
         with pytest.raises(LocalReadError) as got:
-            cached.box_cached(box, out)
-        assert str(got.value) == str(want.value) and "c/1/0" in str(got.value) and not out.any()
+            cached.box_cached(box, np.zeros(shape, np.float32))
+        assert str(got.value) == str(want.value) and "c/1/0" in str(got.value)
     finally:
         path.write_bytes(saved)
 
 
 @pytest.mark.parametrize("cached", [True, False])
-def test_load_shard_one_chunk_boxes_in_place_when_cached_else_on_the_pool(tmp_path, monkeypatch, cached):
-    """TP column slices (boxes of part of each row, inside one chunk) that the page cache holds are read in
-    the calling thread (``box_cached``), the rest on the pool; the same tensors either way, and a flipped
-    byte is a ChecksumError naming the tensor and chunk either way."""
+@pytest.mark.parametrize("chunks", ["one", "several"])
+def test_load_shard_column_boxes_in_place_when_cached_else_on_the_pool(tmp_path, monkeypatch, cached, chunks):
+    """TP column slices (boxes of part of each row, inside one chunk or over several) that the page cache
+    holds are read in the calling thread (``box_cached``), the rest on the pool; the same tensors either
+    way, and a flipped byte is a ChecksumError naming the tensor and chunk either way."""
     from ucp_store import io
     from ucp_store import localread as lr
+    from ucp_store.chunking import MIN_TARGET
     from ucp_store.topology import Topology
 
-    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True, chunk_target_bytes=MIN_TARGET)
     g = torch.Generator().manual_seed(32)
-    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(6)}
+    shape = (16, 8) if chunks == "one" else (256, 256)  # 256 KiB: chunks of columns, a TP half covers several
+    ws = {f"layers.{i}.w": torch.randn(*shape, generator=g) for i in range(6)}
     with store.begin("r", 1) as w:
         for i, (name, t) in enumerate(ws.items()):
             w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 1, "placement": {"layer": i}})
+    chunk = store.checkpoint("r@1").info("layers.0.w", "fp32").chunk_shape
+    assert (shape[1] // 2 > chunk[1]) == (chunks == "several"), chunk
     results, batches = [], []
     real_cached, real_batch = lr.LocalArray.box_cached, io._read_batch
 
@@ -981,17 +1023,21 @@ def test_load_shard_one_chunk_boxes_in_place_when_cached_else_on_the_pool(tmp_pa
     monkeypatch.setattr(lr.LocalArray, "box_cached", cached_spy)
     monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
     got = store.checkpoint("r@1").load_shard(Topology(tp=2), 1)
+    half = shape[1] // 2
     for name, t in ws.items():
-        assert torch.equal(got[(name, "fp32")], t[:, 4:]), name
+        assert torch.equal(got[(name, "fp32")], t[:, half:]), name
     assert len(results) == 6
     if cached and lr._NOWAIT:
         assert all(results) and not batches  # just written: in the page cache, every read here
     else:
         assert sum(batches) == 6
+    # flip a byte of the last element (last row, last column: rank 1 reads it), found in its shard file
     bad = store.checkpoint("r@1").info("layers.2.w", "fp32")
-    path = Path(store.location.root) / bad.array / "c" / "0" / "0"
-    flip_byte(path, 16 * 8 * 4 - 3)  # in the last row's last column, which rank 1 reads
-    with pytest.raises(ChecksumError, match=r"layers\.2\.w.*chunk \[0, 0\]"):
+    last = ws["layers.2.w"][-1, -1].numpy().tobytes()
+    (path, at), = [(f, f.read_bytes().find(last)) for f in (Path(store.location.root) / bad.array / "c").rglob("*")
+                   if f.is_file() and last in f.read_bytes()]
+    flip_byte(path, at + 1)
+    with pytest.raises(ChecksumError, match=r"layers\.2\.w.*chunk \["):
         store.checkpoint("r@1").load_shard(Topology(tp=2), 1)
 
 

@@ -505,66 +505,81 @@ class LocalArray:
         finally:
             _streamed.on = False
 
-    def read_into(self, box: fmt.Box, out: np.ndarray) -> None:
-        """Fill ``out`` (shape of ``box``, this array's dtype, any strides) with the box's elements.
+    def read_into(self, box: fmt.Box, out: np.ndarray, flags: int = 0) -> bool:
+        """Fill ``out`` (shape of ``box``, this array's dtype, any strides) with the box's elements; True.
 
-        Raises :class:`LocalReadError` on any corruption; ``out`` may then hold partial data."""
+        Raises :class:`LocalReadError` on any corruption; ``out`` may then hold partial data. ``flags``
+        ``RWF_NOWAIT`` (``box_cached``): False instead of waiting for the disk (a shard index or chunk not
+        all in the page cache; also a 0-d array, a single chunk of a mapped array and a read split over
+        the pool, which it does not try); ``out`` may then hold partial data."""
         if out.dtype != self.dtype:
             raise TypeError(f"destination dtype {out.dtype} is not the array's {self.dtype}")
         if not self.ndim:
+            if flags:
+                return False
             self._read_scalar(out)
-            return
+            return True
         if any(hi <= lo for lo, hi in box):
-            return
+            return True
         chunk = self.chunk_shape
         idx = tuple(lo // c for (lo, _), c in zip(box, chunk))
         if all((hi - 1) // c == i for (_, hi), c, i in zip(box, chunk, idx)):
             if self._mapped_ok:
+                if flags:
+                    return False  # page faults of a mapping cannot be told not to wait
                 self._read_single_mapped(idx, box, out)  # a row of a large chunk: crc in place, copy the row
-                return
+                return True
             if self._slab and out.flags.c_contiguous and box[1:] == self._rest:
                 flat = out.reshape(-1).view(np.uint8)  # whole rows: straight into place, no copy after
-                if self._rows_in_chunk(box[0][0], box[0][1], flat, flat.ctypes.data):
-                    return
-            self._read_single(idx, box, out)  # a small slice: one chunk, fewest steps
-            return
+                return self._rows_in_chunk(box[0][0], box[0][1], flat, flat.ctypes.data, flags)
+            return self._read_single(idx, box, out, flags)  # a small slice: one chunk, fewest steps
         if self._slab and out.flags.c_contiguous and all(b == (0, n) for b, n in zip(box[1:], self.shape[1:])):
-            self._read_rows(box[0][0], box[0][1], out)  # whole rows: no per-chunk views, one check per shard
-            return
+            # whole rows: no per-chunk views, one check per shard
+            return self._read_rows(box[0][0], box[0][1], out, flags)
         fds: list[int] = []
         try:
             runs = []
             for key, sidx, items in self._plan(box, out):
                 fd = self._open(key, items)
                 fds.append(fd)
-                runs += self._runs(fd, key, sidx, items)
-            self._run_all(runs)
+                got = self._runs(fd, key, sidx, items, flags)
+                if got is None:
+                    return False
+                runs += got
+            return self._run_all(runs, flags)
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _run_all(self, runs: list[tuple]) -> None:
+    def _run_all(self, runs: list[tuple], flags: int = 0) -> bool:
         """Read ``runs`` (``(fd, key, items, expect)``, each file's runs together in file order); a large
         read is split over the pool: by default (``_SPLIT`` "segments") as contiguous segments of each file,
-        read in file order, each through its own open file (``_segments``); "runs": every run a pool task."""
+        read in file order, each through its own open file (``_segments``); "runs": every run a pool task.
+        ``flags`` ``RWF_NOWAIT``: the runs one after another here, False as soon as one would wait (a read
+        the pool would split is not tried: False)."""
         total = sum(len(r[2]) for r in runs) * self.chunk_bytes
+        if flags:
+            if total >= PARALLEL_BYTES or getattr(_streamed, "on", False):
+                return False
+            return all(self._read_run(fd, key, items, expect, flags) for fd, key, items, expect in runs)
         if getattr(_streamed, "on", False) and runs:
             tasks = _segments(runs, total, STREAM_BYTES)  # one stream per file (or per STREAM_BYTES of one)
             if len(tasks) == 1:
                 self._read_segment(*tasks[0])
-                return
+                return True
             wait_all([_get_pool().submit(self._read_segment, *seg) for seg in tasks])
         elif total >= PARALLEL_BYTES and len(runs) > 1:
             if _WILLNEED is not None:
                 _prefetch(runs)
             if _SPLIT == "runs":
-                futures = [_get_pool().submit(self._read_run, *r) for r in runs]
+                futures: list[Any] = [_get_pool().submit(self._read_run, *r) for r in runs]
             else:
                 futures = [_get_pool().submit(self._read_segment, *seg) for seg in _segments(runs, total)]
             wait_all(futures)  # every run ends before its file is closed, also when one fails
         else:
             for r in runs:
                 self._read_run(*r)
+        return True
 
     def _read_segment(self, own: bool, runs: list[tuple]) -> None:
         """Runs of one file in file order (``_segments``). ``own``: other threads read other segments of
@@ -614,26 +629,25 @@ class LocalArray:
         self.read_into(((lo, hi),) + self._rest, out.reshape(-1).view(self.dtype).reshape((hi - lo,) + self.shape[1:]))
 
     def rows_cached(self, lo: int, hi: int, flat: np.ndarray, addr: int) -> bool:
-        """``read_rows`` for rows inside one chunk done only if it needs no disk: the index (when not held)
-        and the chunk read with ``RWF_NOWAIT``. False (``flat`` may hold partial data) when it does not
-        apply or a read would wait: the caller then reads
-        ``flat`` (1-d, the rows' C-order bytes at ``addr``) again elsewhere. Corruption raises as usual."""
-        if _NOWAIT and (hi - 1) // self._c0 == lo // self._c0 and not self._mapped_ok:
-            return self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
-        return False
+        """``read_rows`` done only if it needs no disk: the shard indexes (when not held) and the chunks read
+        with ``RWF_NOWAIT``. False (``flat`` may hold partial data) when it does not apply or a read would
+        wait: the caller then reads ``flat`` (1-d, the rows' C-order bytes at ``addr``) again elsewhere.
+        Corruption raises as usual."""
+        if not _NOWAIT:
+            return False
+        if (hi - 1) // self._c0 == lo // self._c0:
+            return not self._mapped_ok and self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
+        return self.box_cached(((lo, hi),) + self._rest,
+                               flat.view(self.dtype).reshape((hi - lo,) + self.shape[1:]))
 
     def box_cached(self, box: fmt.Box, out: np.ndarray) -> bool:
-        """``read_into`` for a box inside one chunk done only if it needs no disk, as ``rows_cached`` for any
-        box (the shard index when not held and the chunk read with ``RWF_NOWAIT``): False (``out`` untouched)
-        when it does not apply (several chunks, a mapped array, no ``RWF_NOWAIT``) or a read would wait; the
-        caller then reads it elsewhere. Corruption raises as usual."""
-        if not _NOWAIT or self._mapped_ok or not self.ndim or out.dtype != self.dtype:
+        """``read_into`` done only if it needs no disk, as ``rows_cached`` for any box: the shard indexes
+        (when not held) and the chunks read with ``RWF_NOWAIT``. False (``out`` may hold partial data; a box
+        inside one chunk leaves it untouched) when it does not apply (see ``read_into``) or a read would
+        wait: the caller then reads it again elsewhere. Corruption raises as usual."""
+        if not _NOWAIT or out.dtype != self.dtype:
             return False
-        chunk = self.chunk_shape
-        idx = tuple(lo // c for (lo, _), c in zip(box, chunk))
-        if any(hi <= lo or (hi - 1) // c != i for (lo, hi), c, i in zip(box, chunk, idx)):
-            return False
-        return self._read_single(idx, box, out, _NOWAIT)
+        return self.read_into(box, out, _NOWAIT)
 
     @property
     def rows_ok(self) -> bool:
@@ -733,11 +747,12 @@ class LocalArray:
             flat[...] = region[a:b]
         return True
 
-    def _read_rows(self, lo: int, hi: int, out: np.ndarray) -> None:
+    def _read_rows(self, lo: int, hi: int, out: np.ndarray, flags: int = 0) -> bool:
         """Rows ``[lo, hi)`` of an array whose chunks hold whole rows (``chunk_shape[1:] == shape[1:]``) into
         C-contiguous ``out``: each whole chunk's destination is a contiguous byte range, found by arithmetic;
         the shard index entries are checked with numpy, one call per shard; a chunk the rows only partly
-        cover (at most two) goes through ``_read_single``."""
+        cover (at most two) goes through ``_read_single``. True; ``flags`` ``RWF_NOWAIT``: False as soon as
+        a read would wait (``read_into``)."""
         c0, n0 = self.chunk_shape[0], self.shape[0]
         rest = tuple((0, n) for n in self.shape[1:])
         zeros = (0,) * (self.ndim - 1)
@@ -749,12 +764,14 @@ class LocalArray:
         flat = out.reshape(-1).view(np.uint8)
         if lo < first * c0:
             a, b = lo, min(first * c0, hi)
-            self._read_single((lo // c0,) + zeros, ((a, b),) + rest, out[a - lo:b - lo])
+            if not self._read_single((lo // c0,) + zeros, ((a, b),) + rest, out[a - lo:b - lo], flags):
+                return False
         if end * c0 < hi:
             a = max(end * c0, lo)
-            self._read_single((a // c0,) + zeros, ((a, hi),) + rest, out[a - lo:])
+            if not self._read_single((a // c0,) + zeros, ((a, hi),) + rest, out[a - lo:], flags):
+                return False
         if end <= first:
-            return
+            return True
         base = flat.ctypes.data
         expect, cb, per0 = self._expect, self.chunk_bytes, self.per_shard[0]
         most = max(1, min(_IOV_MAX // 2, RUN_BYTES // expect))
@@ -768,7 +785,10 @@ class LocalArray:
                 key = f"c/{s}{tail}"
                 fd = self._open(key, [((a,) + zeros,)])
                 fds.append(fd)
-                _, entries, data_end = self._index(fd, key)
+                got_index = self._index(fd, key, flags)
+                if got_index is None:
+                    return False
+                _, entries, data_end = got_index
                 ent = entries[(a - s * per0) * step:(b - s * per0) * step:step]  # [i, 0, ..., 0] of the shard
                 offs, nbs = ent[:, 0], ent[:, 1]
                 bad = nbs != expect
@@ -792,7 +812,7 @@ class LocalArray:
                     d += cb
                 if items:
                     runs.append((fd, key, items, expect))
-            self._run_all(runs)
+            return self._run_all(runs, flags)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -975,13 +995,17 @@ class LocalArray:
         except OSError as exc:
             raise ValueError(f"reading {path} failed: {exc}") from None
 
-    def _runs(self, fd: int, key: str, sidx: tuple, items: list) -> list[tuple]:
+    def _runs(self, fd: int, key: str, sidx: tuple, items: list, flags: int = 0) -> list[tuple] | None:
         """Check the shard index and every needed entry; group the chunks into runs adjacent in the file.
 
         A run's items are ``(file offset, chunk index, mem, address, src, dst)``: ``mem`` the destination's
         bytes (a whole chunk with a contiguous destination at ``address``), else None with the chunk's
-        ``src`` slices (None: all of it) and the destination view ``dst``."""
-        index, _, data_end = self._index(fd, key)
+        ``src`` slices (None: all of it) and the destination view ``dst``. ``flags`` ``RWF_NOWAIT``: None
+        when reading the index would wait."""
+        got_index = self._index(fd, key, flags)
+        if got_index is None:
+            return None
+        index, _, data_end = got_index
         per = self.per_shard
         expect = self._expect
         located = []
@@ -1062,10 +1086,11 @@ class LocalArray:
             raise LocalReadError(f"shard file {key} of {self.folder}: shard index crc32c checksum mismatch")
         return raw
 
-    def _read_run(self, fd: int, key: str, run: list, expect: int) -> None:
+    def _read_run(self, fd: int, key: str, run: list, expect: int, flags: int = 0) -> bool:
         """One ``preadv`` for chunks adjacent in the file (see ``_runs`` for the items): straight into the
         destination where it is contiguous and not at a slow distance from the file offset, else into
-        scratch placed at the file offset's page position and copied; then every crc32c checked."""
+        scratch placed at the file offset's page position and copied; then every crc32c checked. True;
+        ``flags`` ``RWF_NOWAIT``: False when the chunks are not all in the page cache."""
         data_bytes = expect - 4
         n = len(run)
         crcs = np.empty(n, "<u4")
@@ -1094,10 +1119,16 @@ class LocalArray:
                 iov.append(enc)
                 via.append(enc)
         try:
-            got = os.preadv(fd, iov, run[0][0])
+            got = os.preadv(fd, iov, run[0][0], flags) if flags else os.preadv(fd, iov, run[0][0])
+        except BlockingIOError:
+            if flags:
+                return False
+            raise ValueError(f"reading shard file {key} of {self.folder} failed: would block") from None
         except OSError as exc:
             raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
         if got != expect * n:
+            if flags:
+                return False  # partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {list(run[0][1])} of {self.folder}: shard file {key} is truncated "
                                  f"(short read)")
         stored = crcs.tolist()
@@ -1117,3 +1148,4 @@ class LocalArray:
                 else:
                     whole = data.view(self.dtype).reshape(chunk)
                     _copy(dst, whole if src is None else whole[src])
+        return True
