@@ -807,8 +807,9 @@ def test_rows_in_one_chunk_catch_every_flipped_byte(where, monkeypatch, where_in
 @pytest.mark.parametrize("cached", [True, False])
 def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeypatch, cached):
     """load_shard reads rows the page cache holds in place at once (``rows_cached``); rows it does not hold
-    go to the pool in small batches. Both give the same tensors (ZeRO-3 fragments and TP row boxes), and a
-    flipped byte is a ChecksumError naming the tensor and chunk either way."""
+    go to the pool in small batches, and after one such read the next ones go there untried
+    (``io._COLD_SKIP``). Both give the same tensors (ZeRO-3 fragments and TP row boxes), and a flipped byte
+    is a ChecksumError naming the tensor and chunk either way."""
     from ucp_store import io
     from ucp_store import localread as lr
     from ucp_store.topology import Topology
@@ -834,10 +835,10 @@ def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeyp
         for name, t in ws.items():
             want = t.reshape(-1)[64:] if topo is z3 else t[8:]
             assert torch.equal(got[(name, "fp32")], want), (topo, name)
-    assert len(results) == 12
     if cached:
-        assert any(results)  # just written: in the page cache
+        assert len(results) == 12 and any(results)  # just written: in the page cache
     else:
+        assert results == [False, False]  # one try per load, the rest untried
         assert sum(batches) == 12 and max(batches) <= io._COLD_BATCH_READS
     bad = store.checkpoint("r@1").info("layers.2.w", "fp32")
     path = Path(store.location.root) / bad.array / "c" / "0" / "0"
@@ -875,7 +876,8 @@ def test_box_cached_reads_one_chunk_boxes_like_tensorstore(where, case, mapped):
     if not lr._NOWAIT:
         pytest.skip("no RWF_NOWAIT on this platform: box_cached never reads")
     got = local.box_cached(box, out)
-    assert got == (bool(shape) and not (one_chunk and mapped)), (shape, chunk, box)
+    assert bool(got) == (bool(shape) and not (one_chunk and mapped)), (shape, chunk, box)
+    assert got is not False  # declined, never "would wait": the file was just written
     if got:
         assert out.tobytes() == want.tobytes()
         assert not big[tuple(slice(1, None, 2) for _ in want.shape)].any()  # nothing outside the view
@@ -997,8 +999,9 @@ def test_box_cached_raises_what_the_blocking_read_raises(where, case, box):
 @pytest.mark.parametrize("chunks", ["one", "several"])
 def test_load_shard_column_boxes_in_place_when_cached_else_on_the_pool(tmp_path, monkeypatch, cached, chunks):
     """TP column slices (boxes of part of each row, inside one chunk or over several) that the page cache
-    holds are read in the calling thread (``box_cached``), the rest on the pool; the same tensors either
-    way, and a flipped byte is a ChecksumError naming the tensor and chunk either way."""
+    holds are read in the calling thread (``box_cached``), the rest on the pool (after one read the cache
+    lacked, untried); the same tensors either way, and a flipped byte is a ChecksumError naming the tensor
+    and chunk either way."""
     from ucp_store import io
     from ucp_store import localread as lr
     from ucp_store.chunking import MIN_TARGET
@@ -1026,11 +1029,12 @@ def test_load_shard_column_boxes_in_place_when_cached_else_on_the_pool(tmp_path,
     half = shape[1] // 2
     for name, t in ws.items():
         assert torch.equal(got[(name, "fp32")], t[:, half:]), name
-    assert len(results) == 6
     if cached and lr._NOWAIT:
-        assert all(results) and not batches  # just written: in the page cache, every read here
+        assert results == [True] * 6 and not batches  # just written: in the page cache, every read here
+    elif cached:
+        assert results == [None] * 6 and sum(batches) == 6  # no RWF_NOWAIT here: never tried
     else:
-        assert sum(batches) == 6
+        assert results == [False] and sum(batches) == 6  # one try, the rest untried
     # flip a byte of the last element (last row, last column: rank 1 reads it), found in its shard file
     bad = store.checkpoint("r@1").info("layers.2.w", "fp32")
     last = ws["layers.2.w"][-1, -1].numpy().tobytes()
@@ -1039,6 +1043,37 @@ def test_load_shard_column_boxes_in_place_when_cached_else_on_the_pool(tmp_path,
     flip_byte(path, at + 1)
     with pytest.raises(ChecksumError, match=r"layers\.2\.w.*chunk \["):
         store.checkpoint("r@1").load_shard(Topology(tp=2), 1)
+
+
+def test_a_read_the_cache_lacked_sends_the_next_ones_to_the_pool_untried(tmp_path, monkeypatch):
+    """After a small read that would wait for the disk, the next ``io._COLD_SKIP`` go to the pool without
+    a try in the calling thread (a cold load's reads, opens included, then wait in parallel); the one after
+    is tried again, so a load that meets a warm cache again reads in place again."""
+    from ucp_store import io
+    from ucp_store import localread as lr
+    from ucp_store.topology import Topology
+
+    if not lr._NOWAIT:
+        pytest.skip("no RWF_NOWAIT on this platform: nothing is tried in the calling thread")
+    monkeypatch.setattr(io, "_COLD_SKIP", 2)
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    g = torch.Generator().manual_seed(33)
+    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(8)}
+    with store.begin("r", 1) as w:
+        for i, (name, t) in enumerate(ws.items()):
+            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 1, "placement": {"layer": i}})
+    tries, batches = [], []
+    real_cached, real_batch = lr.LocalArray.box_cached, io._read_batch
+
+    def first_would_wait(self, *a):
+        tries.append(real_cached(self, *a) if tries else False)
+        return tries[-1]
+
+    monkeypatch.setattr(lr.LocalArray, "box_cached", first_would_wait)
+    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    got = store.checkpoint("r@1").load_shard(Topology(tp=2), 1)
+    assert all(torch.equal(got[(n, "fp32")], t[:, 4:]) for n, t in ws.items())
+    assert tries == [False] + [True] * 5 and sum(batches) == 3  # read 1 tried, 2-3 untried, 4-8 tried
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

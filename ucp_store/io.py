@@ -47,6 +47,11 @@ _BATCH_READS = 64
 # rows the page cache did not hold (``LocalArray.rows_cached``) go in smaller batches: each waits on the
 # disk, so more of them in flight at once
 _COLD_BATCH_READS = 8
+# a small read the page cache lacked sends the next this many small reads straight to the pool before the
+# calling thread tries one again: a cold load's reads then wait on the disk in parallel, opens included
+# (opening a file whose inode is not cached waits for the disk, which RWF_NOWAIT does not prevent: trying
+# every read here first made a cold ZeRO-3 load 1.2x slower)
+_COLD_SKIP = 64
 _BATCH_BYTES = 4 << 20
 # whole reads (``read_tensors``): large local ones several at once, one stream per shard file
 _STREAMS = os.environ.get("UCP_READ_STREAMS", "1") != "0"
@@ -89,6 +94,7 @@ class _Reader:
         self._small: FutureWindow[tuple[list, int]] = FutureWindow(_SMALL_INFLIGHT_BYTES, self._complete_batch)
         self._batch: list[tuple] = []  # small local reads not yet handed to the pool
         self._batch_bytes = 0
+        self._cold = 0  # small reads still to hand to the pool untried (``_COLD_SKIP``)
         self.bytes_copied = 0
         loc = self.store.location
         self._local_ok = loc.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0"
@@ -149,18 +155,25 @@ class _Reader:
     def submit_into(self, info: TensorInfo, handle: LocalArray, box, target: np.ndarray, addr: int | None) -> None:
         """A local read straight into ``target`` (a numpy view of the destination in the stored dtype, the
         box's shape; or with ``addr``, its address, the C-order bytes of a box of whole rows as a 1-d
-        array): no sink, no torch on the read's path. Rows and single-chunk boxes the page cache holds
-        are read here at once (``LocalArray.rows_cached``, ``box_cached``); the rest go to the small-read
-        pool in batches."""
+        array): no sink, no torch on the read's path. Small reads the page cache holds are read here at
+        once (``LocalArray.rows_cached``, ``box_cached``): a warm load handing them to the pool ran up to
+        1.6x slower, as every system call of this thread then waits for a pool thread to give back the GIL
+        (tools/bench_planner.py's end-to-end loads). The rest go to the small-read pool in batches."""
         nbytes = target.nbytes
         if addr is not None and nbytes < PARALLEL_BYTES:
-            r = box.ranges[0]
-            try:
-                if handle.rows_cached(r[0], r[1], target, addr):
+            if self._cold:
+                self._cold -= 1
+            else:
+                r = box.ranges[0]
+                try:
+                    done = handle.rows_cached(r[0], r[1], target, addr)
+                except ValueError as exc:
+                    raise self._failed(info, box, exc) from None
+                if done:
                     self.bytes_copied += nbytes
                     return
-            except ValueError as exc:
-                raise self._failed(info, box, exc) from None
+                if done is False:
+                    self._cold = _COLD_SKIP
             # not cached: to the pool, in small batches (parallel preads are what a cold cache needs)
             self._batch.append((handle, box, target, addr, None, info))
             self._batch_bytes += nbytes
@@ -174,15 +187,18 @@ class _Reader:
                 raise self._failed(info, box, exc) from None
             self.bytes_copied += nbytes
             return
-        try:
-            # a box inside one chunk the page cache holds: here at once as well. A warm load handing these
-            # to the pool ran 1.4x slower: every system call of this thread then waits for a pool thread
-            # to give back the GIL (tools/bench_planner.py's end-to-end loads)
-            if addr is None and handle.box_cached(box.ranges, target):
+        if self._cold:
+            self._cold -= 1
+        elif addr is None:
+            try:
+                done = handle.box_cached(box.ranges, target)
+            except ValueError as exc:
+                raise self._failed(info, box, exc) from None
+            if done:
                 self.bytes_copied += nbytes
                 return
-        except ValueError as exc:
-            raise self._failed(info, box, exc) from None
+            if done is False:
+                self._cold = _COLD_SKIP
         self._batch.append((handle, box, target, addr, None, info))
         self._batch_bytes += nbytes
         if len(self._batch) >= _BATCH_READS or self._batch_bytes >= _BATCH_BYTES:

@@ -505,18 +505,18 @@ class LocalArray:
         finally:
             _streamed.on = False
 
-    def read_into(self, box: fmt.Box, out: np.ndarray, flags: int = 0) -> bool:
+    def read_into(self, box: fmt.Box, out: np.ndarray, flags: int = 0) -> bool | None:
         """Fill ``out`` (shape of ``box``, this array's dtype, any strides) with the box's elements; True.
 
         Raises :class:`LocalReadError` on any corruption; ``out`` may then hold partial data. ``flags``
         ``RWF_NOWAIT`` (``box_cached``): False instead of waiting for the disk (a shard index or chunk not
-        all in the page cache; also a 0-d array, a single chunk of a mapped array and a read split over
-        the pool, which it does not try); ``out`` may then hold partial data."""
+        all in the page cache; ``out`` may then hold partial data), None for what it does not try (a 0-d
+        array, a single chunk of a mapped array, a read the pool would split)."""
         if out.dtype != self.dtype:
             raise TypeError(f"destination dtype {out.dtype} is not the array's {self.dtype}")
         if not self.ndim:
             if flags:
-                return False
+                return None
             self._read_scalar(out)
             return True
         if any(hi <= lo for lo, hi in box):
@@ -526,7 +526,7 @@ class LocalArray:
         if all((hi - 1) // c == i for (_, hi), c, i in zip(box, chunk, idx)):
             if self._mapped_ok:
                 if flags:
-                    return False  # page faults of a mapping cannot be told not to wait
+                    return None  # page faults of a mapping cannot be told not to wait
                 self._read_single_mapped(idx, box, out)  # a row of a large chunk: crc in place, copy the row
                 return True
             if self._slab and out.flags.c_contiguous and box[1:] == self._rest:
@@ -551,16 +551,16 @@ class LocalArray:
             for fd in fds:
                 os.close(fd)
 
-    def _run_all(self, runs: list[tuple], flags: int = 0) -> bool:
+    def _run_all(self, runs: list[tuple], flags: int = 0) -> bool | None:
         """Read ``runs`` (``(fd, key, items, expect)``, each file's runs together in file order); a large
         read is split over the pool: by default (``_SPLIT`` "segments") as contiguous segments of each file,
         read in file order, each through its own open file (``_segments``); "runs": every run a pool task.
         ``flags`` ``RWF_NOWAIT``: the runs one after another here, False as soon as one would wait (a read
-        the pool would split is not tried: False)."""
+        the pool would split is not tried: None)."""
         total = sum(len(r[2]) for r in runs) * self.chunk_bytes
         if flags:
             if total >= PARALLEL_BYTES or getattr(_streamed, "on", False):
-                return False
+                return None
             return all(self._read_run(fd, key, items, expect, flags) for fd, key, items, expect in runs)
         if getattr(_streamed, "on", False) and runs:
             tasks = _segments(runs, total, STREAM_BYTES)  # one stream per file (or per STREAM_BYTES of one)
@@ -628,25 +628,25 @@ class LocalArray:
                 return
         self.read_into(((lo, hi),) + self._rest, out.reshape(-1).view(self.dtype).reshape((hi - lo,) + self.shape[1:]))
 
-    def rows_cached(self, lo: int, hi: int, flat: np.ndarray, addr: int) -> bool:
+    def rows_cached(self, lo: int, hi: int, flat: np.ndarray, addr: int) -> bool | None:
         """``read_rows`` done only if it needs no disk: the shard indexes (when not held) and the chunks read
-        with ``RWF_NOWAIT``. False (``flat`` may hold partial data) when it does not apply or a read would
-        wait: the caller then reads ``flat`` (1-d, the rows' C-order bytes at ``addr``) again elsewhere.
-        Corruption raises as usual."""
+        with ``RWF_NOWAIT``. True when done; False when a read would wait (``flat`` may hold partial data),
+        None when it does not try (see ``read_into``): the caller then reads ``flat`` (1-d, the rows' C-order
+        bytes at ``addr``) again elsewhere. Corruption raises as usual."""
         if not _NOWAIT:
-            return False
+            return None
         if (hi - 1) // self._c0 == lo // self._c0:
-            return not self._mapped_ok and self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
+            return None if self._mapped_ok else self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
         return self.box_cached(((lo, hi),) + self._rest,
                                flat.view(self.dtype).reshape((hi - lo,) + self.shape[1:]))
 
-    def box_cached(self, box: fmt.Box, out: np.ndarray) -> bool:
+    def box_cached(self, box: fmt.Box, out: np.ndarray) -> bool | None:
         """``read_into`` done only if it needs no disk, as ``rows_cached`` for any box: the shard indexes
-        (when not held) and the chunks read with ``RWF_NOWAIT``. False (``out`` may hold partial data; a box
-        inside one chunk leaves it untouched) when it does not apply (see ``read_into``) or a read would
-        wait: the caller then reads it again elsewhere. Corruption raises as usual."""
+        (when not held) and the chunks read with ``RWF_NOWAIT``. True when done; False when a read would
+        wait (``out`` may hold partial data; a box inside one chunk leaves it untouched); None when it does
+        not try (see ``read_into``). The caller then reads it again elsewhere. Corruption raises as usual."""
         if not _NOWAIT or out.dtype != self.dtype:
-            return False
+            return None
         return self.read_into(box, out, _NOWAIT)
 
     @property
@@ -747,7 +747,7 @@ class LocalArray:
             flat[...] = region[a:b]
         return True
 
-    def _read_rows(self, lo: int, hi: int, out: np.ndarray, flags: int = 0) -> bool:
+    def _read_rows(self, lo: int, hi: int, out: np.ndarray, flags: int = 0) -> bool | None:
         """Rows ``[lo, hi)`` of an array whose chunks hold whole rows (``chunk_shape[1:] == shape[1:]``) into
         C-contiguous ``out``: each whole chunk's destination is a contiguous byte range, found by arithmetic;
         the shard index entries are checked with numpy, one call per shard; a chunk the rows only partly
