@@ -1076,6 +1076,46 @@ def test_a_read_the_cache_lacked_sends_the_next_ones_to_the_pool_untried(tmp_pat
     assert tries == [False] + [True] * 5 and sum(batches) == 3  # read 1 tried, 2-3 untried, 4-8 tried
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_small_whole_reads_and_casts_in_place_when_cached_else_on_the_pool(tmp_path, monkeypatch, cached):
+    """Reads through sinks (``state_dict``'s small tensors into fresh memory, a ``load_shard`` cast to bf16)
+    that the page cache holds are done in the calling thread (``box_cached``), the rest on the pool; the
+    same tensors either way, and a flipped byte is a ChecksumError naming the tensor either way."""
+    from ucp_store import io
+    from ucp_store import localread as lr
+    from ucp_store.topology import Topology
+
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    g = torch.Generator().manual_seed(34)
+    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(5)} | {"scale": torch.tensor(2.5)}
+    store.save("r", 1, ws)
+    tries, batches = [], []
+    real_cached, real_batch = lr.LocalArray.box_cached, io._read_batch
+
+    def spy(self, *a):
+        tries.append(real_cached(self, *a) if cached else False)
+        return tries[-1]
+
+    monkeypatch.setattr(lr.LocalArray, "box_cached", spy)
+    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    got = store.checkpoint("r@1").state_dict("weight")
+    assert got.keys() == ws.keys() and all(torch.equal(got[k], v) for k, v in ws.items())
+    if cached and lr._NOWAIT:
+        assert tries == [True] * 5 + [None] and sum(batches) == 1  # the 0-d one is not tried: to the pool
+    elif not cached:
+        assert tries == [False] and sum(batches) == 6
+    tries.clear()
+    batches.clear()
+    cast = store.checkpoint("r@1").load_shard(Topology(), 0, dtype=torch.bfloat16)
+    assert all(torch.equal(cast[(k, "weight")], v.bfloat16()) for k, v in ws.items())
+    if cached and lr._NOWAIT:
+        assert tries == [True] * 5 + [None] and sum(batches) == 1
+    bad = store.checkpoint("r@1").info("layers.3.w", "weight")
+    flip_byte(Path(store.location.root) / bad.array / "c" / "0" / "0", 100)
+    with pytest.raises(ChecksumError, match=r"layers\.3\.w"):
+        store.checkpoint("r@1").state_dict("weight")
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_read_pools_work_in_a_forked_child(tmp_path):
     """A child forked after the parent used the read pools makes pools of its own: the inherited ones have

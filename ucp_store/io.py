@@ -143,14 +143,39 @@ class _Reader:
             if nbytes >= PARALLEL_BYTES:
                 self._read_local(info, handle, layout, box, sink)  # now, split over localread's pool
                 return
-            # a small read: batched with others onto the small-read pool (overlapped with the rest);
-            # copied or delivered (sink) in this thread when its batch completes
+            # a small read: here at once when the page cache holds it (as ``submit_into``), else batched with
+            # others onto the small-read pool, copied or delivered (sink) in this thread when its batch completes
+            if self._cold:
+                self._cold -= 1
+            elif self._cached_into_sink(info, handle, layout, box, sink, nbytes):
+                return
             self._batch.append((handle, box, None, None, sink, info))
             self._batch_bytes += nbytes
             if len(self._batch) >= _BATCH_READS or self._batch_bytes >= _BATCH_BYTES:
                 self._flush()
             return
         self._remote.submit(handle[box.slices()].read(), nbytes, (sink, info, box, nbytes))
+
+    def _cached_into_sink(self, info: TensorInfo, handle: LocalArray, layout, box, sink, nbytes: int) -> bool:
+        """A small read for ``sink`` done here if the page cache holds it (``LocalArray.box_cached``): straight
+        into the sink's destination when it can take it (``_direct_target``), else into fresh memory handed
+        to the sink. False when not done (a read that would wait starts ``_COLD_SKIP``)."""
+        target = _direct_target(sink, layout, box)
+        data = None
+        if target is None:
+            data = target = np.empty(box.shape, handle.dtype)
+        try:
+            done = handle.box_cached(box.ranges, target)
+        except ValueError as exc:
+            raise self._failed(info, box, exc) from None
+        if not done:
+            if done is False:
+                self._cold = _COLD_SKIP
+            return False
+        if data is not None:
+            sink(data)
+        self.bytes_copied += nbytes
+        return True
 
     def submit_into(self, info: TensorInfo, handle: LocalArray, box, target: np.ndarray, addr: int | None) -> None:
         """A local read straight into ``target`` (a numpy view of the destination in the stored dtype, the
