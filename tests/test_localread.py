@@ -853,11 +853,10 @@ def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeyp
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=arrays_and_boxes(), mapped=st.booleans())
-def test_box_cached_reads_one_chunk_boxes_like_tensorstore(where, case, mapped):
+def test_box_cached_reads_every_box_like_tensorstore(where, case, mapped):
     """``box_cached`` reads any box of cached shard files as TensorStore does (every dtype, strided
-    destinations included) and declines (False, the destination untouched) only a 0-d array and a box
-    inside one chunk of a mapped array (large chunks: such reads go through the mapping, whose page faults
-    cannot be told not to wait)."""
+    destinations included; a box inside one chunk of a mapped array by ``pread``, as the mapping's page
+    faults cannot be told not to wait) and declines (None, the destination untouched) only a 0-d array."""
     import ucp_store.localread as lr
 
     dtype, shape, chunk, per_shard, box, seed = case
@@ -876,8 +875,9 @@ def test_box_cached_reads_one_chunk_boxes_like_tensorstore(where, case, mapped):
     if not lr._NOWAIT:
         pytest.skip("no RWF_NOWAIT on this platform: box_cached never reads")
     got = local.box_cached(box, out)
-    assert bool(got) == (bool(shape) and not (one_chunk and mapped)), (shape, chunk, box)
-    assert got is not False  # declined, never "would wait": the file was just written
+    assert got is (True if shape else None), (shape, chunk, box)  # never False: the file was just written
+    if mapped and one_chunk:
+        assert local._mapped_ok
     if got:
         assert out.tobytes() == want.tobytes()
         assert not big[tuple(slice(1, None, 2) for _ in want.shape)].any()  # nothing outside the view
@@ -939,6 +939,24 @@ def test_box_cached_declines_what_the_page_cache_lacks(where):
     assert out.tobytes() == want_wide
     again = np.zeros((20, 20), np.float32)
     assert local.box_cached(wide, again) is True and again.tobytes() == want_wide
+
+
+def test_rows_cached_reads_a_mapped_arrays_chunk_by_pread(where, monkeypatch):
+    """A mapped array's rows inside one chunk (large chunks: blocking reads go through the mapping) are
+    read by ``rows_cached`` with a ``pread``, as the mapping's page faults cannot be told not to wait."""
+    import ucp_store.localread as lr
+
+    if not lr._NOWAIT:
+        pytest.skip("no RWF_NOWAIT on this platform")
+    monkeypatch.setattr(lr, "MAP_MIN_CHUNK_BYTES", 0)
+    x = random_bits(ONE_SHAPE, torch.float32, torch.Generator().manual_seed(24))
+    local, ts_handle = _both(where, *_write(where, x, ONE_CHUNK, ONE_PER_SHARD))
+    assert local._mapped_ok
+    mapped = []
+    monkeypatch.setattr(lr, "_mapped", lambda *a: mapped.append(a))  # the mapping is not used
+    want = ts_handle[fmt.box_index(((9, 14), (0, 3), (0, 8)))].read().result().tobytes()
+    flat = np.zeros(5 * 24, np.float32).view(np.uint8)
+    assert local.rows_cached(9, 14, flat, flat.ctypes.data) is True and flat.tobytes() == want and not mapped
 
 
 def test_rows_cached_over_several_chunks(where):

@@ -511,7 +511,8 @@ class LocalArray:
         Raises :class:`LocalReadError` on any corruption; ``out`` may then hold partial data. ``flags``
         ``RWF_NOWAIT`` (``box_cached``): False instead of waiting for the disk (a shard index or chunk not
         all in the page cache; ``out`` may then hold partial data), None for what it does not try (a 0-d
-        array, a single chunk of a mapped array, a read the pool would split)."""
+        array, a read the pool would split). A single chunk of a mapped array is then read by ``pread``
+        (the mapping's page faults cannot be told not to wait)."""
         if out.dtype != self.dtype:
             raise TypeError(f"destination dtype {out.dtype} is not the array's {self.dtype}")
         if not self.ndim:
@@ -524,9 +525,7 @@ class LocalArray:
         chunk = self.chunk_shape
         idx = tuple(lo // c for (lo, _), c in zip(box, chunk))
         if all((hi - 1) // c == i for (_, hi), c, i in zip(box, chunk, idx)):
-            if self._mapped_ok:
-                if flags:
-                    return None  # page faults of a mapping cannot be told not to wait
+            if self._mapped_ok and not flags:
                 self._read_single_mapped(idx, box, out)  # a row of a large chunk: crc in place, copy the row
                 return True
             if self._slab and out.flags.c_contiguous and box[1:] == self._rest:
@@ -636,7 +635,7 @@ class LocalArray:
         if not _NOWAIT:
             return None
         if (hi - 1) // self._c0 == lo // self._c0:
-            return None if self._mapped_ok else self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
+            return self._rows_in_chunk(lo, hi, flat.view(np.uint8), addr, _NOWAIT)
         return self.box_cached(((lo, hi),) + self._rest,
                                flat.view(self.dtype).reshape((hi - lo,) + self.shape[1:]))
 
