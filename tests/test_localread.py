@@ -673,6 +673,18 @@ def test_whole_row_read_corruption_same_error(where, case):
     assert local.read(((0, 40), (0, 6), (0, 5))).tobytes() == x.numpy().tobytes()
 
 
+def _layer_store(tmp_path, n: int, shape: tuple, *, dim: int, seed: int, **store_kw):
+    """A store holding ``n`` fp32 tensors ``layers.<i>.w`` of ``shape``, each on layer ``i`` and partitioned
+    along ``dim`` (checkpoint ``r@1``), and the tensors."""
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True, **store_kw)
+    g = torch.Generator().manual_seed(seed)
+    ws = {f"layers.{i}.w": torch.randn(*shape, generator=g) for i in range(n)}
+    with store.begin("r", 1) as w:
+        for i, (name, t) in enumerate(ws.items()):
+            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": dim, "placement": {"layer": i}})
+    return store, ws
+
+
 def test_load_shard_batches_small_reads_and_holds_readers(tmp_path, monkeypatch):
     """Small local reads go to the pool in batches; a read failing mid-batch is named (ChecksumError for
     its tensor), the reads before it still land; readers are held per process and see a repaired file."""
@@ -680,12 +692,7 @@ def test_load_shard_batches_small_reads_and_holds_readers(tmp_path, monkeypatch)
     from ucp_store.topology import Topology
 
     monkeypatch.setattr(io, "_BATCH_READS", 3)
-    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
-    g = torch.Generator().manual_seed(9)
-    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(8)}
-    with store.begin("r", 1) as w:
-        for i, (name, t) in enumerate(ws.items()):
-            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
+    store, ws = _layer_store(tmp_path, 8, (16, 8), dim=0, seed=9)
     topo = Topology(tp=2)
     ck = store.checkpoint("r@1")
     first = ck.load_shard(topo, 1)
@@ -804,6 +811,27 @@ def test_rows_in_one_chunk_catch_every_flipped_byte(where, monkeypatch, where_in
     assert taken[-1] is True and out.tobytes() == x.numpy()[16:20].tobytes()  # the other shard still reads
 
 
+def _spy_reads(monkeypatch, method: str, forced=lambda i: None) -> tuple[list, list]:
+    """Record every answer of ``LocalArray.<method>`` (``rows_cached`` / ``box_cached``; ``forced(i)``: the
+    i-th call's answer in place of the real one, None for the real one) and the size of every batch the
+    small-read pool gets."""
+    from ucp_store import io
+    from ucp_store import localread as lr
+
+    answers: list = []
+    batches: list = []
+    real, real_batch = getattr(lr.LocalArray, method), io._read_batch
+
+    def spy(self, *a):
+        f = forced(len(answers))
+        answers.append(real(self, *a) if f is None else f)
+        return answers[-1]
+
+    monkeypatch.setattr(lr.LocalArray, method, spy)
+    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    return answers, batches
+
+
 @pytest.mark.parametrize("cached", [True, False])
 def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeypatch, cached):
     """load_shard reads rows the page cache holds in place at once (``rows_cached``); rows it does not hold
@@ -811,24 +839,10 @@ def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeyp
     (``io._COLD_SKIP``). Both give the same tensors (ZeRO-3 fragments and TP row boxes), and a flipped byte
     is a ChecksumError naming the tensor and chunk either way."""
     from ucp_store import io
-    from ucp_store import localread as lr
     from ucp_store.topology import Topology
 
-    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
-    g = torch.Generator().manual_seed(31)
-    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(6)}
-    with store.begin("r", 1) as w:
-        for i, (name, t) in enumerate(ws.items()):
-            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
-    results, batches = [], []
-    real_cached, real_batch = lr.LocalArray.rows_cached, io._read_batch
-
-    def cached_spy(self, *a):
-        results.append(real_cached(self, *a) if cached else False)
-        return results[-1]
-
-    monkeypatch.setattr(lr.LocalArray, "rows_cached", cached_spy)
-    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    store, ws = _layer_store(tmp_path, 6, (16, 8), dim=0, seed=31)
+    results, batches = _spy_reads(monkeypatch, "rows_cached", lambda i: None if cached else False)
     z3, tp2 = Topology(dp=2, zero_stage=3, layers=6), Topology(tp=2)
     for topo in (z3, tp2):
         got = store.checkpoint("r@1").load_shard(topo, 1)
@@ -1020,29 +1034,15 @@ def test_load_shard_column_boxes_in_place_when_cached_else_on_the_pool(tmp_path,
     holds are read in the calling thread (``box_cached``), the rest on the pool (after one read the cache
     lacked, untried); the same tensors either way, and a flipped byte is a ChecksumError naming the tensor
     and chunk either way."""
-    from ucp_store import io
     from ucp_store import localread as lr
     from ucp_store.chunking import MIN_TARGET
     from ucp_store.topology import Topology
 
-    store = ucp_store.open_store(str(tmp_path / "s"), create=True, chunk_target_bytes=MIN_TARGET)
-    g = torch.Generator().manual_seed(32)
     shape = (16, 8) if chunks == "one" else (256, 256)  # 256 KiB: chunks of columns, a TP half covers several
-    ws = {f"layers.{i}.w": torch.randn(*shape, generator=g) for i in range(6)}
-    with store.begin("r", 1) as w:
-        for i, (name, t) in enumerate(ws.items()):
-            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 1, "placement": {"layer": i}})
+    store, ws = _layer_store(tmp_path, 6, shape, dim=1, seed=32, chunk_target_bytes=MIN_TARGET)
     chunk = store.checkpoint("r@1").info("layers.0.w", "fp32").chunk_shape
     assert (shape[1] // 2 > chunk[1]) == (chunks == "several"), chunk
-    results, batches = [], []
-    real_cached, real_batch = lr.LocalArray.box_cached, io._read_batch
-
-    def cached_spy(self, *a):
-        results.append(real_cached(self, *a) if cached else False)
-        return results[-1]
-
-    monkeypatch.setattr(lr.LocalArray, "box_cached", cached_spy)
-    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    results, batches = _spy_reads(monkeypatch, "box_cached", lambda i: None if cached else False)
     got = store.checkpoint("r@1").load_shard(Topology(tp=2), 1)
     half = shape[1] // 2
     for name, t in ws.items():
@@ -1074,21 +1074,8 @@ def test_a_read_the_cache_lacked_sends_the_next_ones_to_the_pool_untried(tmp_pat
     if not lr._NOWAIT:
         pytest.skip("no RWF_NOWAIT on this platform: nothing is tried in the calling thread")
     monkeypatch.setattr(io, "_COLD_SKIP", 2)
-    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
-    g = torch.Generator().manual_seed(33)
-    ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(8)}
-    with store.begin("r", 1) as w:
-        for i, (name, t) in enumerate(ws.items()):
-            w.write(name, "fp32", t, pattern={"kind": "partitioned", "dim": 1, "placement": {"layer": i}})
-    tries, batches = [], []
-    real_cached, real_batch = lr.LocalArray.box_cached, io._read_batch
-
-    def first_would_wait(self, *a):
-        tries.append(real_cached(self, *a) if tries else False)
-        return tries[-1]
-
-    monkeypatch.setattr(lr.LocalArray, "box_cached", first_would_wait)
-    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    store, ws = _layer_store(tmp_path, 8, (16, 8), dim=1, seed=33)
+    tries, batches = _spy_reads(monkeypatch, "box_cached", lambda i: False if i == 0 else None)  # 1st would wait
     got = store.checkpoint("r@1").load_shard(Topology(tp=2), 1)
     assert all(torch.equal(got[(n, "fp32")], t[:, 4:]) for n, t in ws.items())
     assert tries == [False] + [True] * 5 and sum(batches) == 3  # read 1 tried, 2-3 untried, 4-8 tried
@@ -1099,7 +1086,6 @@ def test_small_whole_reads_and_casts_in_place_when_cached_else_on_the_pool(tmp_p
     """Reads through sinks (``state_dict``'s small tensors into fresh memory, a ``load_shard`` cast to bf16)
     that the page cache holds are done in the calling thread (``box_cached``), the rest on the pool; the
     same tensors either way, and a flipped byte is a ChecksumError naming the tensor either way."""
-    from ucp_store import io
     from ucp_store import localread as lr
     from ucp_store.topology import Topology
 
@@ -1107,15 +1093,7 @@ def test_small_whole_reads_and_casts_in_place_when_cached_else_on_the_pool(tmp_p
     g = torch.Generator().manual_seed(34)
     ws = {f"layers.{i}.w": torch.randn(16, 8, generator=g) for i in range(5)} | {"scale": torch.tensor(2.5)}
     store.save("r", 1, ws)
-    tries, batches = [], []
-    real_cached, real_batch = lr.LocalArray.box_cached, io._read_batch
-
-    def spy(self, *a):
-        tries.append(real_cached(self, *a) if cached else False)
-        return tries[-1]
-
-    monkeypatch.setattr(lr.LocalArray, "box_cached", spy)
-    monkeypatch.setattr(io, "_read_batch", lambda batch: (batches.append(len(batch)), real_batch(batch))[1])
+    tries, batches = _spy_reads(monkeypatch, "box_cached", lambda i: None if cached else False)
     got = store.checkpoint("r@1").state_dict("weight")
     assert got.keys() == ws.keys() and all(torch.equal(got[k], v) for k, v in ws.items())
     if cached and lr._NOWAIT:

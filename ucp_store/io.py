@@ -145,9 +145,7 @@ class _Reader:
                 return
             # a small read: here at once when the page cache holds it (as ``submit_into``), else batched with
             # others onto the small-read pool, copied or delivered (sink) in this thread when its batch completes
-            if self._cold:
-                self._cold -= 1
-            elif self._cached_into_sink(info, handle, layout, box, sink, nbytes):
+            if self._cached_into_sink(info, handle, layout, box, sink, nbytes):
                 return
             self._batch.append((handle, box, None, None, sink, info))
             self._batch_bytes += nbytes
@@ -160,22 +158,36 @@ class _Reader:
         """A small read for ``sink`` done here if the page cache holds it (``LocalArray.box_cached``): straight
         into the sink's destination when it can take it (``_direct_target``), else into fresh memory handed
         to the sink. False when not done (a read that would wait starts ``_COLD_SKIP``)."""
+        if self._cold:
+            self._cold -= 1
+            return False
         target = _direct_target(sink, layout, box)
         data = None
         if target is None:
             data = target = np.empty(box.shape, handle.dtype)
-        try:
-            done = handle.box_cached(box.ranges, target)
-        except ValueError as exc:
-            raise self._failed(info, box, exc) from None
-        if not done:
-            if done is False:
-                self._cold = _COLD_SKIP
+        if not self._in_place(info, box, nbytes, handle.box_cached, box.ranges, target):
             return False
         if data is not None:
             sink(data)
-        self.bytes_copied += nbytes
         return True
+
+    def _in_place(self, info: TensorInfo, box, nbytes: int, read: Any, *args: Any) -> bool:
+        """``read(*args)`` (``LocalArray.rows_cached`` or ``box_cached``: a small read done in this thread if
+        the page cache holds it), unless a read the cache lacked came fewer than ``_COLD_SKIP`` reads ago;
+        True when done. A read that would wait starts the skip again."""
+        if self._cold:
+            self._cold -= 1
+            return False
+        try:
+            done = read(*args)
+        except ValueError as exc:
+            raise self._failed(info, box, exc) from None
+        if done:
+            self.bytes_copied += nbytes
+            return True
+        if done is False:
+            self._cold = _COLD_SKIP
+        return False
 
     def submit_into(self, info: TensorInfo, handle: LocalArray, box, target: np.ndarray, addr: int | None) -> None:
         """A local read straight into ``target`` (a numpy view of the destination in the stored dtype, the
@@ -186,19 +198,9 @@ class _Reader:
         (tools/bench_planner.py's end-to-end loads). The rest go to the small-read pool in batches."""
         nbytes = target.nbytes
         if addr is not None and nbytes < PARALLEL_BYTES:
-            if self._cold:
-                self._cold -= 1
-            else:
-                r = box.ranges[0]
-                try:
-                    done = handle.rows_cached(r[0], r[1], target, addr)
-                except ValueError as exc:
-                    raise self._failed(info, box, exc) from None
-                if done:
-                    self.bytes_copied += nbytes
-                    return
-                if done is False:
-                    self._cold = _COLD_SKIP
+            r = box.ranges[0]
+            if self._in_place(info, box, nbytes, handle.rows_cached, r[0], r[1], target, addr):
+                return
             # not cached: to the pool, in small batches (parallel preads are what a cold cache needs)
             self._batch.append((handle, box, target, addr, None, info))
             self._batch_bytes += nbytes
@@ -212,18 +214,8 @@ class _Reader:
                 raise self._failed(info, box, exc) from None
             self.bytes_copied += nbytes
             return
-        if self._cold:
-            self._cold -= 1
-        elif addr is None:
-            try:
-                done = handle.box_cached(box.ranges, target)
-            except ValueError as exc:
-                raise self._failed(info, box, exc) from None
-            if done:
-                self.bytes_copied += nbytes
-                return
-            if done is False:
-                self._cold = _COLD_SKIP
+        if self._in_place(info, box, nbytes, handle.box_cached, box.ranges, target):  # a box of a small read
+            return
         self._batch.append((handle, box, target, addr, None, info))
         self._batch_bytes += nbytes
         if len(self._batch) >= _BATCH_READS or self._batch_bytes >= _BATCH_BYTES:
