@@ -157,10 +157,7 @@ class _Reader:
     def _cached_into_sink(self, info: TensorInfo, handle: LocalArray, layout, box, sink, nbytes: int) -> bool:
         """A small read for ``sink`` done here if the page cache holds it (``LocalArray.box_cached``): straight
         into the sink's destination when it can take it (``_direct_target``), else into fresh memory handed
-        to the sink. False when not done (a read that would wait starts ``_COLD_SKIP``)."""
-        if self._cold:
-            self._cold -= 1
-            return False
+        to the sink. False when not done (``_in_place``)."""
         target = _direct_target(sink, layout, box)
         data = None
         if target is None:

@@ -717,19 +717,12 @@ class LocalArray:
                 post = region[b:]
                 pre = region[:a]
                 iov = [region] if slow else [pre, flat, post] if a else [flat, post]
-            try:
-                got = os.preadv(fd, iov, off, flags) if flags else os.preadv(fd, iov, off)
-            except BlockingIOError:
-                if flags:
-                    return False
-                raise ValueError(f"reading shard file {key} of {self.folder} failed: would block") from None
-            except OSError as exc:
-                raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
+            got = self._preadv(fd, iov, off, flags, key)
         finally:
             os.close(fd)
         if got != expect:
             if flags:
-                return False  # partly cached (or truncated: the blocking read says which)
+                return False  # would wait, or partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {[i] + [0] * (self.ndim - 1)} of {self.folder}: shard file {key} is "
                                  "truncated (short read)")
         if whole:
@@ -913,19 +906,12 @@ class LocalArray:
             if same_strides and _bad_distance(out.__array_interface__["data"][0],
                                               view.__array_interface__["data"][0]):
                 enc, _ = _placed(buf, addr, 0, off, expect, _HALF_PAGE)
-            try:
-                got = os.preadv(fd, [enc.data], off, flags) if flags else os.preadv(fd, [enc.data], off)
-            except BlockingIOError:
-                if flags:
-                    return False
-                raise ValueError(f"reading shard file {key} of {self.folder} failed: would block") from None
-            except OSError as exc:
-                raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
+            got = self._preadv(fd, [enc.data], off, flags, key)
         finally:
             os.close(fd)
         if got != expect:
             if flags:
-                return False  # partly cached (or truncated: the blocking read says which)
+                return False  # would wait, or partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is truncated (short read)")
         mem = enc[:-4]
         if _crc(mem) != int.from_bytes(enc[-4:], "little"):
@@ -1085,6 +1071,18 @@ class LocalArray:
             raise LocalReadError(f"shard file {key} of {self.folder}: shard index crc32c checksum mismatch")
         return raw
 
+    def _preadv(self, fd: int, iov: list, off: int, flags: int, key: str) -> int:
+        """``os.preadv`` of shard file ``key`` (``flags`` ``RWF_NOWAIT`` or 0): the bytes read, -1 when it would
+        wait for the disk; any other failure as ValueError naming the file."""
+        try:
+            return os.preadv(fd, iov, off, flags) if flags else os.preadv(fd, iov, off)
+        except BlockingIOError:
+            if flags:
+                return -1
+            raise ValueError(f"reading shard file {key} of {self.folder} failed: would block") from None
+        except OSError as exc:
+            raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
+
     def _read_run(self, fd: int, key: str, run: list, expect: int, flags: int = 0) -> bool:
         """One ``preadv`` for chunks adjacent in the file (see ``_runs`` for the items): straight into the
         destination where it is contiguous and not at a slow distance from the file offset, else into
@@ -1117,17 +1115,10 @@ class LocalArray:
                 pos = end
                 iov.append(enc)
                 via.append(enc)
-        try:
-            got = os.preadv(fd, iov, run[0][0], flags) if flags else os.preadv(fd, iov, run[0][0])
-        except BlockingIOError:
-            if flags:
-                return False
-            raise ValueError(f"reading shard file {key} of {self.folder} failed: would block") from None
-        except OSError as exc:
-            raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
+        got = self._preadv(fd, iov, run[0][0], flags, key)
         if got != expect * n:
             if flags:
-                return False  # partly cached (or truncated: the blocking read says which)
+                return False  # would wait, or partly cached (or truncated: the blocking read says which)
             raise LocalReadError(f"chunk {list(run[0][1])} of {self.folder}: shard file {key} is truncated "
                                  f"(short read)")
         stored = crcs.tolist()
