@@ -899,21 +899,39 @@ def test_box_cached_reads_every_box_like_tensorstore(where, case, mapped):
         assert not big.reshape(-1).view(np.uint8).any()
 
 
+def _resident_pages(path: Path) -> int:
+    """How many of a file's pages the page cache holds (``mincore`` over a mapping of it that touches none)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+        anchor = ctypes.c_char.from_buffer(mm)
+        vec = (ctypes.c_ubyte * pages)()
+        try:
+            if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+        finally:
+            del anchor  # the mapping closes only once nothing points into it
+        return sum(v & 1 for v in vec)
+
+
 def _evicted(path: Path) -> bool:
-    """Drop a file's pages from the page cache (written back first: dirty pages stay); False where the
-    filesystem keeps them anyway (tmpfs), which a ``RWF_NOWAIT`` read of its first byte tells. That read
-    may start readahead of the page as it fails: a blocking read waits for it, and the pages are dropped
-    once more."""
+    """Drop a file's pages from the page cache (written back first: dirty pages stay), checked with
+    ``mincore``; tried again a few times, as a page still in a CPU's LRU batch is not dropped at once.
+    False where the pages stay anyway (tmpfs keeps file pages in memory)."""
+    import time
+
     fd = os.open(path, os.O_RDWR)
     try:
         os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        try:
-            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-        except BlockingIOError:
-            os.pread(fd, 1, 0)
+        for _ in range(50):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            return True
+            if not _resident_pages(path):
+                return True
+            time.sleep(0.01)
         return False
     finally:
         os.close(fd)
