@@ -5,7 +5,9 @@
 - ucp as it was: one array after another, each split over the read pool as runs of at most ``RUN_BYTES``
   read at several offsets of one open file at once (``io._STREAMS = False``, ``localread._SPLIT = "runs"``),
 - the ceilings: a raw read of the same bytes from ONE file into fresh memory; a raw read of ucp's own shard
-  files (same files, same extents on disk) into fresh memory, one after another and 8 at once,
+  files (same files, same extents on disk) into fresh memory, one after another and 8 at once; and the
+  job's own ceiling, those 8-at-once reads each followed by a crc32c over the file's bytes (what checking
+  every chunk costs on top of the raw read, nothing else),
 - ``torch.load`` and safetensors' ``load_file`` of the same tensors,
 
 with ratios against the raw read of one file and ``torch.load``, each case's round-to-round spread
@@ -38,6 +40,7 @@ import bench_store  # noqa: E402
 import ucp_store  # noqa: E402
 from ucp_store import io as ucp_io  # noqa: E402
 from ucp_store import localread  # noqa: E402
+from ucp_store._crc import value as _crc  # noqa: E402
 
 
 def _diskstats() -> tuple[int, int]:
@@ -54,6 +57,14 @@ def _diskstats() -> tuple[int, int]:
     except OSError:
         pass
     return reqs, sectors
+
+
+def _read_and_crc(path: str) -> np.ndarray:
+    """The job's ceiling per file: its bytes into fresh memory and one crc32c over them (the same bytes
+    every chunk's check covers, plus the small index), nothing else."""
+    data = np.fromfile(path, np.uint8)
+    _crc(data)
+    return data
 
 
 def main() -> None:
@@ -96,6 +107,7 @@ def main() -> None:
                  "raw read, one file": lambda: np.fromfile(raw, np.uint8),
                  "raw read, ucp's files": lambda: [np.fromfile(p, np.uint8) for p in shards],
                  "raw read, ucp's files, 8 thr": lambda: list(pool.map(lambda p: np.fromfile(p, np.uint8), shards)),
+                 "raw read + crc32c, 8 thr": lambda: list(pool.map(_read_and_crc, shards)),
                  "torch.load": lambda: torch.load(pt, weights_only=True),
                  "safetensors load_file": lambda: load_file(sf)}
         times: dict[str, list[float]] = {k: [] for k in cases}
