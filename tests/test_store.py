@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -371,6 +373,32 @@ def test_stats_match_numpy_with_planted_nan_and_inf(store):
     (sn,) = ck.stats("allnan")
     assert sn.nan == 3 and sn.mean is None and sn.min is None
     assert len(ck.stats()) == 3
+
+
+def test_stats_and_diff_take_signaling_nans_and_infs_without_warnings(store):
+    """A signaling NaN (quiet bit clear) is a NaN like any other: counted by stats, a NaN change in diff, and
+    no numpy warning from the float64 cast (fp32 and bf16 casts raise FE_INVALID on one; with warnings as
+    errors, stats and diff failed)."""
+    f32 = torch.tensor([0x7F800001, 0x3F800000, 0x7F800000], dtype=torch.int32).view(torch.float32)  # sNaN, 1, inf
+    bf16 = torch.tensor([0x7F81, 0x3F80, -0x0080], dtype=torch.int16).view(torch.bfloat16)  # sNaN, 1, -inf
+    ck = store.save("r", 1, {"f": f32, "b": bf16})
+    ck2 = store.save("r", 2, {"f": f32 * 1, "b": bf16.flip(0)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = {s.name: s for s in ck.stats()}
+        changed = {r["name"]: r for r in diff(ck, ck2)}
+    assert changed["b"]["status"] == "changed" and math.isnan(changed["b"]["relative_change"])
+    inf = float("inf")
+    a = store.save("r", 3, {"x": torch.tensor([1.0, inf]), "y": torch.tensor([1.0, 2.0])})
+    b = store.save("r", 4, {"x": torch.tensor([1.0, 2.0]), "y": torch.tensor([1.0, inf])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rel = {r["name"]: r["relative_change"] for r in diff(a, b)}
+    assert math.isnan(rel["x"]) and rel["y"] == inf  # an Inf in a: undefined; only in b: infinite
+    for name in ("f", "b"):
+        s = stats[name]
+        assert (s.nan, s.inf, s.numel) == (1, 1, 3), name
+        assert s.min == s.max == s.mean == 1.0 and s.norm == 1.0, name
 
 
 def test_diff_same_changed_added_removed(store, frozen):

@@ -226,8 +226,11 @@ def compute_stats(handle: TensorHandle) -> TensorStats:
     total = total_sq = 0.0
     lo, hi = math.inf, -math.inf
     for slab in handle.slabs():
-        x = slab.astype(np.float64) if slab.dtype.kind in "fiub" or slab.dtype.name == "bfloat16" else np.abs(slab)
-        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        # a signaling NaN raises FE_INVALID in the fp32/bf16 -> float64 cast (a RuntimeWarning, an error under
+        # -W error); it becomes a NaN like any other and is counted below
+        with np.errstate(invalid="ignore"):
+            x = slab.astype(np.float64) if slab.dtype.kind in "fiub" or slab.dtype.name == "bfloat16" else np.abs(slab)
+            x = np.asarray(x, dtype=np.float64).reshape(-1)
         n += x.size
         nan_mask = np.isnan(x)
         inf_mask = np.isinf(x)
@@ -535,7 +538,9 @@ class Checkpoint:
 
 
 def diff(a: Checkpoint, b: Checkpoint, *, progress: bool = False) -> list[dict]:
-    """same / changed / added / removed per tensor-state, with the relative change ||b-a|| / ||a||."""
+    """same / changed / added / removed per tensor-state, with the relative change ||b-a|| / ||a||: NaN when
+    either side holds a NaN or ``a`` an Inf (the size of such a change is not defined), Inf when only ``b``
+    holds an Inf."""
     from .progress import track
 
     ia = {(i.name, i.state): i for i in a.tensors()}
@@ -558,10 +563,16 @@ def diff(a: Checkpoint, b: Checkpoint, *, progress: bool = False) -> list[dict]:
         else:
             num = den = 0.0
             for sa, sb in zip(a.tensor(*key).slabs(), b.tensor(*key).slabs()):
-                fa, fb = sa.astype(np.float64).reshape(-1), sb.astype(np.float64).reshape(-1)
-                d = fb - fa
-                num += float(np.dot(d, d))
-                den += float(np.dot(fa, fa))
-            rel = math.sqrt(num) / math.sqrt(den) if den > 0 else (math.inf if num > 0 else 0.0)
+                # NaN and Inf make the change NaN or Inf, without numpy's warnings: a signaling NaN's cast (see
+                # compute_stats), inf - inf
+                with np.errstate(invalid="ignore", over="ignore"):
+                    fa, fb = sa.astype(np.float64).reshape(-1), sb.astype(np.float64).reshape(-1)
+                    d = fb - fa
+                    num += float(np.dot(d, d))
+                    den += float(np.dot(fa, fa))
+            if math.isnan(num) or math.isnan(den):
+                rel = math.nan  # a NaN on either side (or inf - inf): no size of the change, never "0.0"
+            else:
+                rel = math.sqrt(num) / math.sqrt(den) if den > 0 else (math.inf if num > 0 else 0.0)
             out.append({**row, "status": "changed", "relative_change": rel})
     return out
