@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +128,20 @@ def test_read_slice_to_npy(populated, ucp, tmp_path):
     rc, out, _ = ucp("read", "run1@0", "bias", "--store", path)  # bf16 printed
     assert rc == 0 and "0." in out
     assert not list(tmp_path.glob("*.tmp.npy"))
+
+
+def test_read_prints_signaling_nans_as_nan_without_warnings(store, store_path, ucp):
+    snan32 = torch.tensor([0x7F800001, 0x3F800000], dtype=torch.int32).view(torch.float32)
+    snan16 = torch.tensor([0x7F81, 0x3F80], dtype=torch.int16).view(torch.bfloat16)
+    store.save("s", 1, {"f": snan32, "b": snan16})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("f", "b"):
+            rc, out, _ = ucp("read", "s@1", name, "--json", "--store", store_path)
+            values = json.loads(out)["values"]
+            assert rc == 0 and math.isnan(values[0]) and values[1] == 1.0, name
+            rc, out, _ = ucp("read", "s@1", name, "--store", store_path)
+            assert rc == 0 and "nan" in out and "1." in out, name
 
 
 def test_stats_with_planted_nan_and_inf(store, store_path, ucp):

@@ -30,11 +30,13 @@ def cmd_read(args: Any) -> int:
         os.replace(tmp, args.out)
         print(f"wrote {args.out}: {list(np.shape(data))} {handle.info.dtype}")
     elif args.json:
+        with np.errstate(invalid="ignore"):  # a signaling NaN's cast warns (see checkpoint.compute_stats)
+            values = (np.asarray(data).astype(np.float64).tolist() if data.dtype.kind not in "biu"
+                      else np.asarray(data).tolist())
         print_json({"name": handle.info.name, "state": handle.info.state, "shape": list(np.shape(data)),
-                    "dtype": handle.info.dtype, "values": np.asarray(data).astype(np.float64).tolist()
-                    if data.dtype.kind not in "biu" else np.asarray(data).tolist()})
+                    "dtype": handle.info.dtype, "values": values})
     else:
-        with np.printoptions(threshold=200, edgeitems=4, linewidth=120):
+        with np.printoptions(threshold=200, edgeitems=4, linewidth=120), np.errstate(invalid="ignore"):
             print(np.asarray(data).astype(np.float32) if handle.info.dtype == "bfloat16" else np.asarray(data))
     return EXIT_OK
 
