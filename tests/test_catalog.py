@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import json
 import multiprocessing as mp
 import os
 import sqlite3
@@ -116,8 +117,8 @@ def _count(session, model) -> int:
 
 
 def test_revisions_are_linear():
-    assert known_revisions() == ["0001", "0002", "0003"]
-    assert head_revision() == "0003"
+    assert known_revisions() == ["0001", "0002", "0003", "0004"]
+    assert head_revision() == "0004"
 
 
 def test_create_at_head(url, opened):
@@ -218,11 +219,11 @@ def test_upgrade_from_0001_keeps_rows(url, opened):
     finally:
         engine.dispose()
 
-    with pytest.raises(SchemaVersionError, match=r"'0001', older than .*'0003'.*ucp db upgrade"):
+    with pytest.raises(SchemaVersionError, match=r"'0001', older than .*'0004'.*ucp db upgrade"):
         open_catalog(url, create=False, upgrade=False)
 
     catalog = opened(url, create=False)  # upgrade=True by default
-    assert current_revision(catalog) == "0003"
+    assert current_revision(catalog) == "0004"
     assert "retention" in {c["name"] for c in inspect(catalog.engine).get_columns("runs")}
     with catalog.session() as s:
         run = s.scalars(select(Run)).one()
@@ -242,8 +243,8 @@ def test_downgrade_then_upgrade(url, opened):
         s.add(Run(name="r", retention={"keep_last": 1}))
     catalog.close()
     downgrade_to(url, "0001")
-    assert upgrade(url) == ("0001", "0003")
-    assert upgrade(url) == ("0003", "0003")
+    assert upgrade(url) == ("0001", "0004")
+    assert upgrade(url) == ("0004", "0004")
     with opened(url, create=False).session() as s:
         assert s.scalars(select(Run.retention)).one() is None  # the 0002 column came back empty
 
@@ -280,7 +281,7 @@ def test_upgrade_from_0002_fills_tensor_layers(url, opened):
                                                           position=pos))
     finally:
         engine.dispose()
-    assert upgrade(url) == ("0002", "0003")
+    assert upgrade(url, "0003") == ("0002", "0003")
     with opened(url, create=False).session() as s:
         got = dict(s.execute(select(Tensor.name, Tensor.layer)).all())
     assert got == {name: layer for name, (_, layer) in rows.items()}
@@ -293,6 +294,52 @@ def test_upgrade_from_0002_fills_tensor_layers(url, opened):
         engine.dispose()
 
 
+def test_upgrade_from_0003_keeps_object_values(url, opened):
+    """0004 turns objects.value into JSON text the database never parses. Old rows keep their values: every
+    one on PostgreSQL (its json column kept the text); on SQLite each top-level number as SQLite stored it
+    (1.0 had become 1 there, -0.0 had become 0: lost before 0004) and everything nested exactly."""
+    assert upgrade(url, "0003", create=True) == (None, "0003")
+    sqlite = url.startswith("sqlite")
+    values = {"int": 7, "float": 0.30000000000000004, "tiny": 5e-324, "huge": 1.5e300, "text": "1.5",
+              "nul": "a\x00b", "nested": {"k": [1.0, -0.0, 2**64 - 1, "\u00e9", None]}, "none": None,
+              "list": [], "true": True}
+    if sqlite:
+        values["nan"] = float("nan")  # a PostgreSQL json column refused NaN before 0004
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            meta = MetaData()
+            t = {n: Table(n, meta, autoload_with=conn) for n in ("runs", "checkpoints", "objects")}
+            now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+            conn.execute(t["runs"].insert().values(id=1, name="r", created_at=now))
+            conn.execute(t["checkpoints"].insert().values(id="c" * 16, run_id=1, step=1, status="committed",
+                                                          created_at=now, committed_at=now, format_version=1))
+            for name, value in {**values, "one": 1.0, "negzero": -0.0}.items():
+                conn.execute(t["objects"].insert().values(checkpoint_id="c" * 16, name=name, kind="json",
+                                                          value=value))
+            conn.execute(t["objects"].insert().values(checkpoint_id="c" * 16, name="arr", kind="array"))
+    finally:
+        engine.dispose()
+    assert upgrade(url) == ("0003", "0004")
+
+    def stored() -> dict:
+        with opened(url, create=False).session() as s:
+            return {o.name: o.value for o in s.scalars(select(StoredObject))}
+
+    got = stored()
+    assert json.dumps({k: got[k] for k in values}) == json.dumps(values)  # json.dumps: 1.0 is not 1
+    assert got["arr"] is None
+    if sqlite:  # what the JSON column had already lost stays lost (documented in 0004)
+        assert (got["one"], got["negzero"]) == (1, 0) and type(got["one"]) is int
+    else:
+        assert repr(got["one"]) == "1.0" and repr(got["negzero"]) == "-0.0"
+    downgrade_to(url, "0003")
+    assert upgrade(url) == ("0003", "0004")
+    again = stored()
+    assert json.dumps({k: again[k] for k in values if k not in ("nan", "huge", "tiny")}) == json.dumps(
+        {k: v for k, v in values.items() if k not in ("nan", "huge", "tiny")})
+
+
 def test_newer_revision_is_refused(url, opened):
     catalog = opened(url)
     with catalog.write_session() as s:
@@ -303,7 +350,7 @@ def test_newer_revision_is_refused(url, opened):
             open_catalog(url, create=create)
         msg = str(info.value)
         assert "'0099_from_the_future', newer than this ucp_store" in msg
-        assert "knows up to '0003'" in msg and "upgrade ucp_store" in msg
+        assert "knows up to '0004'" in msg and "upgrade ucp_store" in msg
     with pytest.raises(SchemaVersionError, match="0099_from_the_future"):
         upgrade(url)
 
@@ -332,6 +379,8 @@ def test_offline_sql_generation():
     assert "CREATE INDEX ix_tensors_checkpoint_id_position ON tensors (checkpoint_id, position)" in sql
     assert "UPDATE tensors SET layer = (pattern -> 'placement' ->> 'layer')::integer" in sql  # backfill
     assert "UPDATE alembic_version SET version_num='0003'" in sql
+    assert "ALTER TABLE objects ALTER COLUMN value TYPE TEXT USING value::text" in sql  # 0004, exact on PostgreSQL
+    assert "UPDATE alembic_version SET version_num='0004'" in sql
 
 
 # ---------------------------------------------------------------------------------------------- constraints

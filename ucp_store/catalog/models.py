@@ -10,6 +10,9 @@ Conventions:
   offset is re-attached on load);
 - JSON columns use ``sqlalchemy.JSON`` (TEXT on SQLite, JSON on PostgreSQL); a nullable JSON column
   stores Python ``None`` as SQL NULL;
+- an object's value (``objects.value``) is a TEXT column holding the JSON text Python wrote
+  (``JSONText``), never a JSON column the database parses: SQLite's numeric affinity turned ``1.0`` into
+  ``1`` and ``2**64-1`` into a float (migration 0004);
 - reference counts of arrays are never stored: they are derived from ``tensors.array_id`` and
   ``objects.array_id``.
 """
@@ -17,6 +20,7 @@ Conventions:
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import secrets
 from typing import Any
 
@@ -43,6 +47,9 @@ __all__ = [
     "ARRAY_STATUSES",
     "OBJECT_KINDS",
     "UTCDateTime",
+    "JSONText",
+    "encode_json",
+    "decode_json",
     "utcnow",
     "new_id",
     "Base",
@@ -113,6 +120,39 @@ class UTCDateTime(TypeDecorator):
         if value.tzinfo is None:
             return value.replace(tzinfo=_dt.UTC)
         return value.astimezone(_dt.UTC)
+
+
+def encode_json(value: Any) -> str:
+    """The canonical text of a JSON value: ``json.dumps`` with plain separators, insertion-ordered keys and
+    only ASCII (a NUL, any control or non-ASCII character is a ``\\uXXXX`` escape: text every database stores).
+
+    Exact for what Python's ``json`` reads back: ``1.0`` stays a float (``repr``), ``-0.0`` keeps its
+    sign, integers of any size stay integers, and NaN/Infinity/-Infinity are written as those tokens
+    (Python's extension of JSON: this text is decoded by :func:`decode_json` only, never by the database).
+    Raises ``TypeError``/``ValueError`` for what is not JSON (tuples become lists, as ``json`` does)."""
+    return json.dumps(value, ensure_ascii=True, allow_nan=True, separators=(",", ":"))
+
+
+def decode_json(text_: str) -> Any:
+    """:func:`encode_json`'s value back (any JSON text Python's ``json`` reads)."""
+    return json.loads(text_)
+
+
+class JSONText(TypeDecorator):
+    """A JSON value stored as TEXT written by :func:`encode_json` and read by :func:`decode_json`.
+
+    Unlike ``sqlalchemy.JSON`` the database never parses it: SQLite gives a ``JSON`` column numeric
+    affinity, so ``'1.0'`` was stored as the integer 1, ``'-0.0'`` as 0 and ``'18446744073709551615'`` as a
+    float. Python ``None`` is SQL NULL (as ``JSON(none_as_null=True)`` did), so NULL reads back as None."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect) -> str | None:
+        return None if value is None else encode_json(value)
+
+    def process_result_value(self, value: Any, dialect) -> Any:
+        return None if value is None else decode_json(value)
 
 
 def _json_nullable() -> JSON:
@@ -306,7 +346,8 @@ class StoredObject(Base):
     checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(1024))
     kind: Mapped[str] = mapped_column(String(16))
-    value: Mapped[Any | None] = mapped_column(_json_nullable(), nullable=True)
+    #: kind ``json``: the value as JSON text (``JSONText``; NULL is None); kind ``array``: NULL
+    value: Mapped[Any | None] = mapped_column(JSONText(), nullable=True)
     array_id: Mapped[str | None] = mapped_column(ForeignKey("arrays.id"), nullable=True)
 
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="objects")
