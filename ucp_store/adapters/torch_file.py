@@ -19,7 +19,7 @@ from ..errors import ConfigurationError, SourceFormatError, UnsafePickleError
 from .base import TensorRecord, import_source
 
 __all__ = ["TorchFileSource", "TorchFileSink", "import_torch_file", "export_torch_file", "load_weights_only",
-           "flatten"]
+           "flatten", "unique_leaves"]
 
 
 def load_weights_only(path: str) -> Any:
@@ -54,8 +54,10 @@ def _zipfile(path: str) -> bool:
 
 
 def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Nested dicts/lists of tensors -> (dotted name, leaf) pairs."""
-    if isinstance(obj, dict):
+    """Nested dicts/lists of tensors -> (dotted name, leaf) pairs. An empty dict below the root is a leaf
+    (``{}``), so that it is kept. Two entries may give one name (``{"cfg": {"lr": 1}}`` and ``{"cfg.lr": 2}``):
+    :func:`unique_leaves` refuses that."""
+    if isinstance(obj, dict) and (obj or not prefix):
         for k, v in obj.items():
             yield from flatten(v, f"{prefix}{k}.")
     elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, torch.Tensor)) for v in obj):
@@ -65,13 +67,33 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix[:-1], obj
 
 
-def _jsonable(value: Any) -> Any:
+def unique_leaves(leaves: list[tuple[str, Any]], what: str) -> list[tuple[str, Any]]:
+    """``leaves`` if no two tensors and no two other values share a dotted name; else a SourceFormatError
+    naming it (one of them would be silently lost)."""
+    seen: set[tuple[bool, str]] = set()
+    for name, value in leaves:
+        key = (isinstance(value, torch.Tensor), name)
+        if key in seen:
+            kind = "tensors" if key[0] else "values"
+            raise SourceFormatError(f"{what}: two {kind} flatten to the name {name!r} (e.g. {{'cfg': {{'lr': ...}}}} "
+                                    f"and {{'cfg.lr': ...}}, or keys 1 and '1'); rename one of them, none is dropped")
+        seen.add(key)
+    return leaves
+
+
+def _jsonable(value: Any, what: str = "") -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [_jsonable(v, what) for v in value]
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():
+            if str(k) in out:
+                raise SourceFormatError(f"{what}: a dict holds both {k!r} and another key written {str(k)!r}; as "
+                                        "JSON one of them would be lost")
+            out[str(k)] = _jsonable(v, what)
+        return out
     if isinstance(value, torch.Size):
         return list(value)
     return repr(value)
@@ -92,9 +114,10 @@ class TorchFileSource:
             data = {"tensor": data}
         if not isinstance(data, dict):
             raise SourceFormatError(f"torch file {path} holds a {type(data).__name__}, expected a state dict")
-        leaves = list(flatten(data))
+        leaves = unique_leaves(list(flatten(data)), f"torch file {path}")
         self._tensors = [(n, v) for n, v in leaves if isinstance(v, torch.Tensor)]
-        self._others = {n: _jsonable(v) for n, v in leaves if not isinstance(v, torch.Tensor)}
+        self._others = {n: _jsonable(v, f"torch file {path} entry {n!r}")
+                        for n, v in leaves if not isinstance(v, torch.Tensor)}
 
     def describe(self) -> str:
         return os.path.basename(self.path)
@@ -132,16 +155,27 @@ def export_torch_file(checkpoint, path: str, *, state: str | None = None, progre
     if chosen is None or chosen not in states:
         raise SourceFormatError(f"checkpoint {checkpoint.run}@{checkpoint.step} has no state {chosen!r}; "
                                 f"states: {', '.join(sorted(states))}")
-    infos = checkpoint.tensors(state=chosen)
-    out = {i.name: checkpoint.read(i.name, i.state)
-           for i in track(infos, "export", enabled=progress, weight=lambda i: i.nbytes)}
+    path = os.fspath(path)
+    # the destination is checked before anything is read: "" or a folder would fail only at the rename,
+    # after the whole version was read and a temporary file written
+    if not path or path.endswith(os.sep) or os.path.isdir(path):
+        raise ConfigurationError(f"cannot write torch file {path!r}: expected the path of a file (it is "
+                                 f"{'empty' if not path else 'a folder'})")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ConfigurationError(f"cannot write torch file {path}: folder {parent} does not exist")
+    infos = checkpoint.tensors(state=chosen)
+    out = {i.name: checkpoint.read(i.name, i.state)
+           for i in track(infos, "export", enabled=progress, weight=lambda i: i.nbytes)}
     tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(out, tmp)
-    killpoint("export.torch")
-    os.replace(tmp, path)  # never leave a half-written file under the final name
+    try:
+        torch.save(out, tmp)
+        killpoint("export.torch")
+        os.replace(tmp, path)  # never leave a half-written file under the final name
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
     return len(out)
 
 
