@@ -14,6 +14,14 @@ Mirrors ``torch.distributed.checkpoint``: switch by changing one import::
 
 Each rank writes only the boxes of its shards (replicas once) into one logical array per tensor-state,
 and on load reads only the chunks its own shards need, whatever mesh saved them.
+
+State that differs across ranks (RNG states, dataloader positions) is detected by content and stored per
+rank with its mesh coordinates; ``load`` gives each rank its own on the saving mesh, and follows a declared
+policy on another (``per_rank={"dataloader*": "by-coordinate:dp", "rng": ucpd.reshard(fn)}``)::
+
+    ucpd.save(sd, store="ckpts", run="gpt", step=100, mesh=mesh)
+    ucpd.load(sd, store="ckpts", ref="gpt@latest", mesh=new_mesh, per_rank={"dataloader": "by-coordinate:dp",
+                                                                            "rng": "fresh"})
 """
 
 from .api import (
@@ -27,6 +35,18 @@ from .api import (
 )
 from .asyncsave import AsyncSaveHandle, async_save, close, prepare_async, wait
 from .checkpointer import Checkpointer
+from .rankstate import (
+           Policy,
+           RankTarget,
+           RankTopology,
+           SavedRankState,
+           by_coordinate,
+           fresh,
+           rank0,
+           reshard,
+           same,
+)
 
-__all__ = ["STATE_DICT_OBJECT", "AsyncSaveHandle", "Checkpointer", "LoadResult", "Mismatch", "VerifyReport",
-           "async_save", "close", "load", "prepare_async", "save", "verify", "wait"]
+__all__ = ["STATE_DICT_OBJECT", "AsyncSaveHandle", "Checkpointer", "LoadResult", "Mismatch", "Policy", "RankTarget",
+           "RankTopology", "SavedRankState", "VerifyReport", "async_save", "by_coordinate", "close", "fresh", "load",
+           "prepare_async", "rank0", "reshard", "same", "save", "verify", "wait"]

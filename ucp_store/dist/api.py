@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._killpoints import killpoint
 from .. import dtypes
+from .._killpoints import killpoint
 from ..errors import (
     ConfigurationError,
     ReferenceNotFound,
@@ -193,58 +193,135 @@ class _SavePlan:
     sources: list[tuple[torch.Tensor, tuple]]  # per item: (local tensor, local box slices); () for 0-d
     objects: list[dict]
     provenance: dict
+    #: the per-rank manifest (``rankstate.PerRankManifest`` JSON: saving topology and per-rank keys)
+    per_rank: dict | None = None
+    #: (object name, value) of the per-rank contents this rank stores (tensors as host copies)
+    rank_objects: list[tuple[str, Any]] = field(default_factory=list)
 
     def signature(self) -> tuple:
         """What the staging buffers depend on: the items and their dtypes."""
         return tuple((it, src.dtype, str(src.device)) for it, (src, _) in zip(self.items, self.sources))
 
 
-def _plan_save(state_dict: Any, ctx: _Ctx) -> _SavePlan:
-    """Flatten, describe, gather and decide who writes what (one all_gather_object)."""
-    error: BaseException | None = None
-    tensors: list[_Tensor] = []
-    objects: list[dict] = []
+def _describe_leaves(leaves, ctx: _Ctx, mesh) -> tuple[list[_Tensor], dict, dict, list, dict]:
+    """This rank's DTensors (with their meshes), plain tensors and JSON values (each with its content digest)."""
+    from . import perrank
+
+    dtensors: list[_Tensor] = []
     meshes: dict[str, dict] = {}
-    proposal: list = []
+    plain: dict[tuple, _Tensor] = {}
+    values: dict[tuple, Any] = {}
+    digests: list[tuple[tuple, str, bytes]] = []
+    for leaf in leaves:
+        if leaf.is_tensor and _is_dtensor(leaf.value):
+            t = _describe(leaf)
+            dtensors.append(t)
+            if t.pattern is not None:
+                m = t.leaf.value.device_mesh
+                meshes.setdefault(repr(m.mesh.tolist()), {"shape": t.pattern["mesh"]["shape"],
+                                                          "dims": list(m.mesh_dim_names or ()),
+                                                          "ranks": m.mesh.tolist()})
+        elif leaf.is_tensor:
+            plain[leaf.path] = _describe(leaf)
+            digests.append((leaf.path, "tensor", perrank.digest_tensor(leaf.value)))
+        else:
+            values[leaf.path] = json_value(leaf)
+            digests.append((leaf.path, "value", perrank.digest_value(values[leaf.path])))
+    topology = perrank.live_topology(leaves, mesh, ctx, what="save")
+    return dtensors, meshes, plain, digests, {"values": values, "topology": topology}
+
+
+def _check_dtensors(everyone: list, mine: dict, rank: int) -> tuple[dict, dict]:
+    """Every rank holds the same DTensors with the same shapes; (winning rank per box, first holder per key)."""
+    winners: dict[tuple, int] = {}
+    holders: dict[tuple, int] = {}
+    for r, part in enumerate(everyone):
+        props = part["dtensors"]
+        keys = {p[0] for p in props}
+        if keys != set(mine):
+            missing, extra = sorted(set(mine) - keys)[:5], sorted(keys - set(mine))[:5]
+            raise ConfigurationError(f"save: rank {r} holds different DTensors than rank {rank} (rank {r} lacks "
+                                     f"{missing or 'none'}, has extra {extra or 'none'}); every rank must pass the "
+                                     "same DTensors (plain tensors and values may differ: they are stored per rank)")
+        for key, shape, dtype, boxes in props:
+            _, my_shape, my_dtype, _ = mine[key]
+            if tuple(shape) != tuple(my_shape) or dtype != my_dtype:
+                raise ShapeMismatch(f"save: tensor {key[0]!r} state {key[1]!r} is {dtype}{list(shape)} on rank {r} "
+                                    f"but {my_dtype}{list(my_shape)} on rank {rank}")
+            holders.setdefault(key, r)
+            for box in boxes:
+                winners.setdefault((key, tuple(box)), r)
+    return winners, holders
+
+
+def _plan_save(state_dict: Any, ctx: _Ctx, mesh=None) -> _SavePlan:
+    """Flatten, describe, gather and decide who writes what (one all_gather_object).
+
+    The gather carries the DTensors' boxes and a content digest of every plain tensor and value: one that
+    differs across ranks, or that some rank lacks, is stored per rank (``perrank.decide``), never as rank 0's."""
+    from . import perrank
+    from .rankstate import RankTopology
+
+    error: BaseException | None = None
+    proposal: dict = {"dtensors": [], "digests": [], "topology": None}
+    leaves: list[Leaf] = []
+    dtensors: list[_Tensor] = []
+    plain: dict[tuple, _Tensor] = {}
+    meshes: dict = {}
+    extra: dict = {"values": {}}
     try:
         leaves = flatten(state_dict)
-        for leaf in leaves:
-            if leaf.is_tensor:
-                t = _describe(leaf)
-                tensors.append(t)
-                objects.append({"path": list(leaf.path), "tensor": list(t.key)})
-                if t.pattern is not None:
-                    m = t.leaf.value.device_mesh
-                    meshes.setdefault(repr(m.mesh.tolist()), {"shape": t.pattern["mesh"]["shape"],
-                                                              "dims": list(m.mesh_dim_names or ()),
-                                                              "ranks": m.mesh.tolist()})
-            else:
-                objects.append({"path": list(leaf.path), "value": json_value(leaf)})
-        proposal = [(t.key, t.shape, t.dtype, [r.global_box for r in t.regions] if t.candidate else [])
-                    for t in tensors]
+        dtensors, meshes, plain, digests, extra = _describe_leaves(leaves, ctx, mesh)
+        proposal = {"dtensors": [(t.key, t.shape, t.dtype, [r.global_box for r in t.regions] if t.candidate else [])
+                                 for t in dtensors],
+                    "digests": digests, "topology": extra["topology"].to_json()}
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
     ctx.raise_if_any_failed(error, "save (planning)")
     everyone = ctx.gather(proposal)
     # every rank checks the same facts and raises the same error, so none waits for another
-    mine = {p[0]: p for p in proposal}
-    winners: dict[tuple, int] = {}
-    holders: dict[tuple, int] = {}
-    for r, props in enumerate(everyone):
-        keys = {p[0] for p in props}
-        if keys != set(mine):
-            missing, extra = sorted(set(mine) - keys)[:5], sorted(keys - set(mine))[:5]
-            raise ConfigurationError(f"save: rank {r} holds different tensors than rank {ctx.rank} (rank {r} lacks "
-                                     f"{missing or 'none'}, has extra {extra or 'none'}); every rank must pass the "
-                                     "same state dict structure")
-        for key, shape, dtype, boxes in props:
-            _, my_shape, my_dtype, _ = mine[key]
-            if tuple(shape) != tuple(my_shape) or dtype != my_dtype:
-                raise ShapeMismatch(f"save: tensor {key[0]!r} state {key[1]!r} is {dtype}{list(shape)} on rank {r} "
-                                    f"but {my_dtype}{list(my_shape)} on rank {ctx.rank}")
-            holders.setdefault(key, r)
-            for box in boxes:
-                winners.setdefault((key, tuple(box)), r)
+    topos = [p["topology"] for p in everyone]
+    if any(t != topos[0] for t in topos):
+        raise TopologyError(f"save: the ranks see different topologies ({', '.join(map(str, topos[:4]))}); pass the "
+                            "same mesh= on every rank")
+    mine = {p[0]: p for p in proposal["dtensors"]}
+    winners, holders = _check_dtensors(everyone, mine, ctx.rank)
+    decision = perrank.decide([p["digests"] for p in everyone], RankTopology.from_json(topos[0]), ctx.rank)
+    for path in decision.replicated:  # equal on every rank: stored once, by rank 0, as before
+        t = plain.get(path)
+        if t is not None:
+            holders.setdefault(t.key, 0)
+            if t.regions:
+                winners.setdefault((t.key, t.regions[0].global_box), 0)
+    by_path = {t.leaf.path: t for t in dtensors}
+    by_path.update((p, t) for p, t in plain.items() if p in decision.replicated)
+    tensors = [by_path[leaf.path] for leaf in leaves if leaf.path in by_path]  # in the state dict's order
+    for path in decision.index:  # a plain tensor's key now names a per-rank object, never an array of rank 0's
+        t = plain.get(path)
+        if t is not None and t.key in mine:
+            raise ConfigurationError(f"save: {t.what} collides with a DTensor's catalog key on another rank")
+    items, sources = _write_items(tensors, winners, holders, ctx.rank)
+    objects: list[dict] = []
+    for leaf in leaves:
+        i = decision.index.get(leaf.path)
+        if i is not None:
+            objects.append({"path": list(leaf.path), "per_rank": i})
+        elif leaf.is_tensor:
+            objects.append({"path": list(leaf.path), "tensor": list(leaf.key)})  # type: ignore[arg-type]
+        else:
+            objects.append({"path": list(leaf.path), "value": extra["values"][leaf.path]})
+    rank_objects = [(name, _host(plain[path].local).clone() if path in plain else extra["values"][path])
+                    for name, path in decision.writes]
+    per_rank = decision.manifest.to_json()
+    provenance = {"source_kind": "dist", "source_path": None,
+                  "extra": {"dist": {"world_size": ctx.world, "meshes": list(meshes.values()),
+                                     "topology": per_rank["topology"],
+                                     "per_rank_keys": [k["text"] for k in per_rank["keys"]]}}}
+    return _SavePlan(items, sources, objects, provenance, per_rank, rank_objects)
+
+
+def _write_items(tensors: list[_Tensor], winners: dict, holders: dict, rank: int) -> tuple[list, list]:
+    """The boxes this rank writes: those it won, and the empty arrays it first held."""
     covered: dict[tuple, int] = {}
     for (key, box) in winners:
         n = 1
@@ -259,20 +336,18 @@ def _plan_save(state_dict: Any, ctx: _Ctx) -> _SavePlan:
             raise TopologyError(f"save: {t.what}: the ranks' shards cover {covered.get(t.key, 0)} of {numel} elements "
                                 f"of shape {list(t.shape)}; the placements do not tile the tensor")
         if not numel:  # nothing to write, but one rank records the (empty) array
-            if holders[t.key] == ctx.rank:
+            if holders[t.key] == rank:
                 items.append(WriteItem(*t.key, t.shape, (0,) * len(t.shape), t.pattern, t.boundaries, True))
                 sources.append((t.local, tuple(slice(0, 0) for _ in t.shape)))
             continue
         if not t.candidate:
             continue
         for region in t.regions:
-            if winners.get((t.key, region.global_box)) == ctx.rank:
+            if winners.get((t.key, region.global_box)) == rank:
                 origin = all(lo == 0 for lo, _ in region.global_box)
                 items.append(WriteItem(*t.key, t.shape, region.offset, t.pattern, t.boundaries, origin))
                 sources.append((t.local, region.local_slices()))
-    provenance = {"source_kind": "dist", "source_path": None,
-                  "extra": {"dist": {"world_size": ctx.world, "meshes": list(meshes.values())}}}
-    return _SavePlan(items, sources, objects, provenance)
+    return items, sources
 
 
 # ----------------------------------------------------------------------------------------- save
@@ -311,8 +386,13 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
             writer.write_region(it.name, it.state, data, shape=it.shape, offset=it.offset, pattern=it.pattern,
                                 boundaries=it.boundaries, origin=it.origin)
             killpoint("dist.mid_write")
+        for name, value in plan.rank_objects:  # the per-rank contents this rank owns
+            writer.write_object(name, value)
         if ctx.rank == 0:
-            writer.write_object(STATE_DICT_OBJECT, {"format": 1, "leaves": plan.objects})
+            manifest: dict[str, Any] = {"format": 1, "leaves": plan.objects}
+            if plan.per_rank is not None:
+                manifest.update(format=2, per_rank=plan.per_rank)
+            writer.write_object(STATE_DICT_OBJECT, manifest)
         writer.drain()  # a failed write is this rank's error before the vote below (never a hang in a gather)
     except BaseException as exc:  # noqa: BLE001
         error = exc
@@ -388,18 +468,23 @@ def _open_everywhere(store, create: bool, ctx: _Ctx):
 
 
 def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
-         parent: str | None = "auto", group=None, progress: bool = True, create: bool = True) -> str:
+         parent: str | None = "auto", group=None, progress: bool = True, create: bool = True, mesh=None) -> str:
     """Save a (sharded) training state dict as ``run@step``; call on every rank. Returns the version id.
 
     ``state_dict`` is what ``get_state_dict(model, optimizer)`` returns (or any nested dict of DTensors,
     tensors and JSON values). Each rank writes only the boxes it owns; replicated data is written once.
     The version is committed only after every rank's arrays are durable; on an error anywhere every rank
-    raises and nothing is listed. ``store`` is a URL, a folder or a ``Store`` (created if missing)."""
+    raises and nothing is listed. ``store`` is a URL, a folder or a ``Store`` (created if missing).
+
+    Per-rank state: a plain tensor or value whose content differs across ranks (RNG states, dataloader
+    positions), or that only some ranks hold, is stored per rank (once per distinct content), keyed by the
+    rank and its coordinates in ``mesh`` (a ``DeviceMesh``; default: the mesh of the state dict's DTensors
+    that spans every rank). Equal contents are stored once. ``load`` restores it by policy."""
     from .asyncsave import wait
 
     wait()  # an async save in flight commits first
     ctx = _Ctx(group)
-    plan = _plan_save(state_dict, ctx)
+    plan = _plan_save(state_dict, ctx, mesh)
     st = _open_everywhere(store, create, ctx)
     staged = [_host(src[sl] if sl else src) for src, sl in plan.sources]
     return _write_plan(st, plan, staged, ctx, run=run, step=step, message=message, parent=parent, progress=progress)
@@ -408,24 +493,59 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
 # ----------------------------------------------------------------------------------------- load
 @dataclass
 class LoadResult:
-    """What ``load`` did: the version loaded, keys skipped (``strict=False``) and bytes read by this rank."""
+    """What ``load`` did: the version loaded, keys skipped (``strict=False``), bytes read by this rank, and
+    how this rank's per-rank state was restored (``"path: policy <- saved rank r"`` lines)."""
 
     checkpoint_id: str
     missing: list[str] = field(default_factory=list)  # in the state dict, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state dict
     bytes_read: int = 0
+    per_rank: list[str] = field(default_factory=list)
 
 
-def _catalog_view(store, ref: str):
+@dataclass
+class _View:
+    """A version's state-dict manifest: tensor rows, replicated values and tensors by path, per-rank keys."""
+
+    ck: Any
+    infos: dict
+    values: dict[tuple, Any]
+    tensor_paths: dict[tuple, tuple[str, str]]
+    manifest: Any  # rankstate.PerRankManifest | None (format-1 manifests have none)
+
+    def replicated(self) -> dict[tuple, Any]:
+        """Path -> JSON value, or a callable reading a replicated tensor (for reshard callbacks)."""
+        out: dict[tuple, Any] = dict(self.values)
+        for path, key in self.tensor_paths.items():
+            if key in self.infos:
+                out[path] = (lambda k=key: self.ck.tensor(*k).read())
+        return out
+
+
+def _catalog_view(store, ref: str) -> _View:
+    from .rankstate import PerRankManifest
+
     ck = store.checkpoint(ref)
     infos = {(i.name, i.state): i for i in ck.tensors()}
-    objs = ck.objects().get(STATE_DICT_OBJECT)
-    values = {}
+    objs = _manifest_object(ck)
+    values, tensor_paths, manifest = {}, {}, None
     if isinstance(objs, dict):
         for leaf in objs.get("leaves", ()):
             if "value" in leaf:
                 values[tuple(leaf["path"])] = leaf["value"]
-    return ck, infos, values
+            elif "tensor" in leaf:
+                tensor_paths[tuple(leaf["path"])] = tuple(leaf["tensor"])
+        if isinstance(objs.get("per_rank"), dict):
+            manifest = PerRankManifest.from_json(objs["per_rank"])
+    return _View(ck, infos, values, tensor_paths, manifest)
+
+
+def _manifest_object(ck) -> Any:
+    """The state-dict manifest object alone (not every per-rank object of the version)."""
+    from .perrank import read_entries
+
+    # None: a version not saved by ucp_store.dist (tensors only)
+    return read_entries(ck, [STATE_DICT_OBJECT], required=False).get(STATE_DICT_OBJECT)
 
 
 def _key_text(key: tuple[str, str]) -> str:
@@ -433,57 +553,130 @@ def _key_text(key: tuple[str, str]) -> str:
 
 
 def load(state_dict: dict, *, store: Any = None, ref: str, strict: bool = True, group=None,
-         progress: bool = True) -> LoadResult:
+         progress: bool = True, per_rank: dict | None = None, mesh=None) -> LoadResult:
     """Load version ``ref`` into ``state_dict`` in place, on any mesh; call on every rank.
 
     Each rank reads only the chunks intersecting its local boxes (from its live DTensors' placements).
     A key or shape mismatch raises an error naming the key and both shapes; ``strict=False`` loads the
     keys both have and reports the rest in the result. Non-tensor values (learning rates, ...) are
-    restored too. If any rank fails, every rank raises."""
-    from ..io import _box_sink, _Reader
-    from ..patterns import Box
-    from ..progress import track
+    restored too. If any rank fails, every rank raises.
+
+    Per-rank state (what ``save`` stored per rank) is restored by policy. On the saving topology (the same
+    ranks and ``mesh``; default: the mesh of the live DTensors that spans every rank) each rank gets its own
+    state, bit for bit, with no policy. On another topology, ``per_rank`` maps key patterns (fnmatch over
+    dotted paths such as ``"dataloader.*"``; the first that matches a key or one of its parents wins) to:
+
+    - ``"by-coordinate:dp"`` / ``by_coordinate("dp")``: the state of the saved rank with the same
+      coordinates on the named mesh dims (ranks of one DP coordinate share a dataloader position);
+    - ``"rank0"`` / ``rank0()``: saved rank 0's state on every rank;
+    - ``reshard(fn)`` (or a callable): ``fn(saved, target)`` gets every saved rank's state of the matched
+      node (``SavedRankState``: rank, coords, path, value) and this rank (``RankTarget``) and returns the
+      node's new state (e.g. a sampler position re-split over the new DP size);
+    - ``"fresh"`` / ``fresh()``: left as the caller built it;
+    - ``"same"``: the default (the saving topology only).
+
+    A per-rank key without a fitting policy raises ``ConfigurationError`` naming the keys and both
+    topologies; with ``strict``, so does a saved per-rank key that no rank loaded (nothing is silently
+    dropped; ``strict=False`` lists them in ``unexpected``)."""
     from .asyncsave import wait
 
     wait()  # an async save in flight commits first
     ctx = _Ctx(group)
     error: BaseException | None = None
     result = LoadResult("")
+    consumed: set[int] = set()
+    view = None
     try:
-        st = _open(store, create=False)
-        ck, infos, values = _catalog_view(st, ref)
-        result.checkpoint_id = ck.id
-        leaves = flatten(state_dict)
-        tensors = [_describe(leaf) for leaf in leaves if leaf.is_tensor]
-        wanted = {t.key for t in tensors}
-        result.missing = sorted(_key_text(t.key) for t in tensors if t.key not in infos)
-        result.unexpected = sorted(_key_text(k) for k in infos if k not in wanted)
-        if strict and result.missing:
-            near = sorted(_key_text(k) for k in infos)[:5]
-            raise ReferenceNotFound(f"load {ref}: {len(result.missing)} state dict tensor(s) are not in checkpoint "
-                                    f"{ck.id}: {', '.join(result.missing[:5])}; it has e.g. {', '.join(near)} "
-                                    "(strict=False loads the intersection)")
-        for t in tensors:
-            info = infos.get(t.key)
-            if info is not None and tuple(info.shape) != t.shape:
-                raise ShapeMismatch(f"load {ref}: {t.what} has shape {list(t.shape)} in the state dict but "
-                                    f"{list(info.shape)} in checkpoint {ck.id}")
-        reader = _Reader(ck, infos=infos)
-        for t in track([t for t in tensors if t.key in infos], f"load {ref}", enabled=progress and ctx.rank == 0):
-            info = infos[t.key]
-            for region in t.regions:
-                reader.submit(info, Box(region.global_box), _box_sink(t.local, Box(region.local_box)))
-        reader.drain()
-        result.bytes_read = reader.bytes_copied
-        for leaf in leaves:
-            if not leaf.is_tensor and leaf.path in values:
-                set_leaf(state_dict, leaf.path, from_json(values[leaf.path], leaf.value))
-        if any(t.local.device.type == "cuda" for t in tensors):
-            torch.cuda.synchronize()
+        view, consumed = _load_here(state_dict, ctx, store, ref, strict, progress, per_rank, mesh, result)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
-    ctx.raise_if_any_failed(error, f"load of {ref}")
+    if ctx.dist is None:
+        if error is not None:
+            raise error
+        parts = [consumed]
+    else:  # one collective: every rank's error (all raise) and the per-rank keys it used
+        msgs = ctx.gather((None if error is None else f"{type(error).__name__}: {error}", sorted(consumed)),
+                          f"load of {ref}")
+        failures = [(r, m) for r, (m, _) in enumerate(msgs) if m is not None]
+        if failures:
+            if error is not None:
+                raise error
+            detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
+            raise UcpError(f"load of {ref} failed on {len(failures)} rank(s): {detail}")
+        parts = [set(c) for _, c in msgs]
+    if view is not None and view.manifest is not None:
+        _check_consumed(view, set().union(*parts), strict, ref, result)
     return result
+
+
+def _check_consumed(view: _View, used: set[int], strict: bool, ref: str, result: LoadResult) -> None:
+    """A saved per-rank key that no rank loaded is an error under ``strict`` (the same on every rank)."""
+    left = [k.text for i, k in enumerate(view.manifest.keys) if i not in used]
+    if not left:
+        return
+    if strict:
+        raise ConfigurationError(f"load {ref}: per-rank key(s) {', '.join(left[:8])} saved on "
+                                 f"{view.manifest.topology.describe()} were loaded by no rank (the live state dicts "
+                                 "lack them); declare per_rank={pattern: reshard(fn) | 'fresh'} for them, or "
+                                 "strict=False to skip them")
+    result.unexpected += [f"{t} [per-rank]" for t in left]
+
+
+def _load_here(state_dict, ctx: _Ctx, store, ref: str, strict: bool, progress: bool, per_rank, mesh,
+               result: LoadResult) -> tuple[_View, set[int]]:
+    """This rank's part of ``load``: plan the per-rank restore, read its boxes, put everything in place."""
+    from ..io import _box_sink, _Reader
+    from ..patterns import Box
+    from ..progress import track
+    from . import perrank
+
+    policies = perrank.parse_policies(per_rank)
+    st = _open(store, create=False)
+    view = _catalog_view(st, ref)
+    ck, infos, values = view.ck, view.infos, view.values
+    result.checkpoint_id = ck.id
+    leaves = flatten(state_dict)
+    live = perrank.live_topology(leaves, mesh, ctx, what=f"load {ref}")
+    plan = perrank.plan_restore(leaves, view.manifest, live, ctx.rank, policies, what=f"load {ref}")
+    tensors = [_describe(leaf) for leaf in leaves if leaf.is_tensor and leaf.path not in plan.handled]
+    wanted = {t.key for t in tensors}
+    result.missing = sorted(_key_text(t.key) for t in tensors if t.key not in infos)
+    result.unexpected = sorted(_key_text(k) for k in infos if k not in wanted)
+    if strict and result.missing:
+        near = sorted(_key_text(k) for k in infos)[:5]
+        raise ReferenceNotFound(f"load {ref}: {len(result.missing)} state dict tensor(s) are not in checkpoint "
+                                f"{ck.id}: {', '.join(result.missing[:5])}; it has e.g. {', '.join(near)} "
+                                "(strict=False loads the intersection)")
+    for t in tensors:
+        info = infos.get(t.key)
+        if info is not None and tuple(info.shape) != t.shape:
+            raise ShapeMismatch(f"load {ref}: {t.what} has shape {list(t.shape)} in the state dict but "
+                                f"{list(info.shape)} in checkpoint {ck.id}")
+    reader = _Reader(ck, infos=infos)
+    for t in track([t for t in tensors if t.key in infos], f"load {ref}", enabled=progress and ctx.rank == 0):
+        info = infos[t.key]
+        for region in t.regions:
+            reader.submit(info, Box(region.global_box), _box_sink(t.local, Box(region.local_box)))
+    reader.drain()
+    result.bytes_read = reader.bytes_copied
+    for leaf in leaves:
+        if not leaf.is_tensor and leaf.path in values and leaf.path not in plan.handled:
+            set_leaf(state_dict, leaf.path, from_json(values[leaf.path], leaf.value))
+    if plan.picks:
+        perrank.apply_picks(state_dict, plan, perrank.read_entries(ck, plan.objects()))
+    if plan.units:
+        cache: dict[str, Any] = {}
+
+        def read_object(name: str) -> Any:
+            if name not in cache:
+                cache.update(perrank.read_entries(ck, [name]))
+            return cache[name]
+
+        perrank.apply_units(state_dict, plan, view.replicated(), read_object)
+    result.per_rank = plan.applied
+    if any(t.local.device.type == "cuda" for t in tensors):
+        torch.cuda.synchronize()
+    return view, plan.consumed
 
 
 # ----------------------------------------------------------------------------------------- verify
@@ -532,13 +725,16 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.dtype(f"u{a.dtype.itemsize}")) if a.dtype.itemsize in (1, 2, 4, 8) else a.view(np.uint8)
 
 
-def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progress: bool = True) -> VerifyReport:
+def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progress: bool = True,
+           per_rank: dict | None = None, mesh=None) -> VerifyReport:
     """Compare a live (sharded) state dict with version ``ref``, bit for bit; call on every rank.
 
-    Each rank checks its own boxes; the report (gathered, the same on every rank) names every tensor and
-    box that differs, and keys or shapes that do not match."""
-    from ..patterns import Box
+    Each rank checks its own boxes and its per-rank state (against its own stored entry on the saving
+    topology, or the entry ``per_rank``'s policies pick, as in ``load``; ``reshard`` and ``fresh`` keys are
+    not compared). The report (gathered, the same on every rank) names every tensor, box and per-rank key
+    that differs, and keys or shapes that do not match."""
     from ..progress import track
+    from . import perrank
 
     ctx = _Ctx(group)
     error: BaseException | None = None
@@ -547,39 +743,84 @@ def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progres
     ck_id = ""
     try:
         st = _open(store, create=False)
-        ck, infos, _ = _catalog_view(st, ref)
+        view = _catalog_view(st, ref)
+        ck, infos = view.ck, view.infos
         ck_id = ck.id
-        tensors = [_describe(leaf) for leaf in flatten(state_dict) if leaf.is_tensor]
+        leaves = flatten(state_dict)
+        live = perrank.live_topology(leaves, mesh, ctx, what=f"verify {ref}")
+        handled = _verify_per_rank(view, leaves, live, ctx.rank, perrank.parse_policies(per_rank), mine)
+        tensors = [_describe(leaf) for leaf in leaves if leaf.is_tensor and leaf.path not in handled]
         for t in track(tensors, f"verify {ref}", enabled=progress and ctx.rank == 0):
-            path = path_text(t.leaf.path)
-            info = infos.get(t.key)
-            if info is None:
-                mine.append(Mismatch(t.key[0], t.key[1], path, ctx.rank, None, 0, reason="not in the checkpoint"))
-                continue
-            if tuple(info.shape) != t.shape or info.dtype != t.dtype:
-                mine.append(Mismatch(t.key[0], t.key[1], path, ctx.rank, None, 0,
-                                     reason=f"is {t.dtype}{list(t.shape)} live but {info.dtype}{list(info.shape)} "
-                                            "stored"))
-                continue
-            handle = ck.tensor(*t.key)
-            for region in t.regions:
-                stored = handle.read_numpy(region.global_slices()) if region.global_box else handle.read_numpy(())
-                live = dtypes.to_numpy(_host(t.local[region.local_slices()] if region.local_box else t.local),
-                                       what=t.what)
-                diff = _bits(stored) != _bits(live)
-                checked += int(live.size)
-                n = int(diff.sum())
-                if n:
-                    first = np.unravel_index(int(np.argmax(diff.reshape(-1))), diff.shape) if diff.ndim else ()
-                    mine.append(Mismatch(t.key[0], t.key[1], path, ctx.rank, [list(b) for b in region.global_box], n,
-                                         [int(lo + i) for (lo, _), i in zip(region.global_box, first)]))
-        _ = Box  # boxes are plain tuples here
+            checked += _verify_tensor(ck, infos, t, ctx.rank, mine)
     except BaseException as exc:  # noqa: BLE001
         error = exc
     ctx.raise_if_any_failed(error, f"verify of {ref}")
     parts = ctx.gather(([m.__dict__ for m in mine], checked))
     everything = [Mismatch(**d) for ms, _ in parts for d in ms]
     return VerifyReport(ck_id, everything, sum(c for _, c in parts))
+
+
+def _verify_tensor(ck, infos: dict, t: _Tensor, rank: int, mine: list[Mismatch]) -> int:
+    """Compare one live tensor's boxes with the stored array; returns the elements checked."""
+    path = path_text(t.leaf.path)
+    info = infos.get(t.key)
+    if info is None:
+        mine.append(Mismatch(t.key[0], t.key[1], path, rank, None, 0, reason="not in the checkpoint"))
+        return 0
+    if tuple(info.shape) != t.shape or info.dtype != t.dtype:
+        mine.append(Mismatch(t.key[0], t.key[1], path, rank, None, 0,
+                             reason=f"is {t.dtype}{list(t.shape)} live but {info.dtype}{list(info.shape)} stored"))
+        return 0
+    checked = 0
+    handle = ck.tensor(*t.key)
+    for region in t.regions:
+        stored = handle.read_numpy(region.global_slices()) if region.global_box else handle.read_numpy(())
+        live = dtypes.to_numpy(_host(t.local[region.local_slices()] if region.local_box else t.local), what=t.what)
+        diff = _bits(stored) != _bits(live)
+        checked += int(live.size)
+        n = int(diff.sum())
+        if n:
+            first = np.unravel_index(int(np.argmax(diff.reshape(-1))), diff.shape) if diff.ndim else ()
+            mine.append(Mismatch(t.key[0], t.key[1], path, rank, [list(b) for b in region.global_box], n,
+                                 [int(lo + i) for (lo, _), i in zip(region.global_box, first)]))
+    return checked
+
+
+def _verify_per_rank(view: _View, leaves: list[Leaf], live, rank: int, policies: dict,
+                     mine: list[Mismatch]) -> set[tuple]:
+    """Compare this rank's live per-rank leaves with the stored entries their policy picks; returns their paths."""
+    from . import perrank
+    from .rankstate import choose_source, parse_policy, policy_for
+
+    if view.manifest is None:
+        return set()
+    index = view.manifest.by_path()
+    todo: list[tuple[Leaf, str]] = []
+    handled: set[tuple] = set()
+    for leaf in leaves:
+        i = index.get(leaf.path)
+        if i is None:
+            continue
+        handled.add(leaf.path)
+        found = policy_for(leaf.path, policies)
+        policy = found[1] if found is not None else parse_policy("same")
+        if policy.kind in ("reshard", "fresh"):
+            continue  # computed or left as built on purpose: nothing stored to compare with
+        key = view.manifest.keys[i]
+        try:
+            src = choose_source(policy, key, view.manifest.topology, live, rank)
+        except ConfigurationError as exc:
+            mine.append(Mismatch(key.text, "per-rank", key.text, rank, None, 0, reason=str(exc)))
+            continue
+        todo.append((leaf, key.entry(src).object))  # type: ignore[union-attr]
+    got = perrank.read_entries(view.ck, {name for _, name in todo})
+    for leaf, name in todo:
+        why = perrank.compare(leaf.value, got[name])
+        if why is not None:
+            text = path_text(leaf.path)
+            mine.append(Mismatch(text, "per-rank", text, rank, None, 0 if leaf.is_tensor is False else 1,
+                                 reason=f"per-rank state differs from stored {name}: {why}"))
+    return handled
 
 
 def _iter_tensors(state_dict) -> Iterable[_Tensor]:

@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -306,7 +306,8 @@ def _writer_main(requests, responses, rank: int, world: int, addr: str, port: in
             continue
         try:
             ctx = _Ctx(None, tag="async-writer")
-            plan = _SavePlan(payload["items"], [], payload["objects"], payload["provenance"])
+            plan = _SavePlan(payload["items"], [], payload["objects"], payload["provenance"], payload["per_rank"],
+                             payload["rank_objects"])
             st = _open_everywhere(payload["store"], True, ctx)
             cid = _write_plan(st, plan, buffers, ctx, run=payload["run"], step=payload["step"],
                               message=payload["message"], parent=payload["parent"], progress=False)
@@ -340,7 +341,7 @@ def _writer_for(ctx: _Ctx) -> _WriterProcess:
     return writer
 
 
-def prepare_async(state_dict: dict, *, mode: str = "thread", group=None) -> None:
+def prepare_async(state_dict: dict, *, mode: str = "thread", group=None, mesh=None) -> None:
     """Do at setup what the first ``async_save`` of this state's layout would do on the caller's clock: make
     the staging buffers (pinned for device tensors, else memory whose pages are mapped now), the background
     group, and in ``"process"`` mode start the writer process and hand it the buffers. Call on every rank,
@@ -351,7 +352,7 @@ def prepare_async(state_dict: dict, *, mode: str = "thread", group=None) -> None
         raise ConfigurationError(f"prepare_async: mode={mode!r}; expected one of {', '.join(_MODES)}")
     wait()
     ctx = _Ctx(group)
-    plan = _plan_save(state_dict, ctx)
+    plan = _plan_save(state_dict, ctx, mesh)
     _STAGER.stage(plan, shared=mode == "process", copy=False)
     if mode == "thread":
         _Ctx(group, tag="async")
@@ -360,11 +361,13 @@ def prepare_async(state_dict: dict, *, mode: str = "thread", group=None) -> None
 
 
 def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
-               parent: str | None = "auto", group=None, mode: str = "thread", create: bool = True) -> AsyncSaveHandle:
+               parent: str | None = "auto", group=None, mode: str = "thread", create: bool = True,
+               mesh=None) -> AsyncSaveHandle:
     """Like ``save``, but return once the state is staged in host memory; write and commit in the background.
 
     ``mode`` is ``"thread"`` or ``"process"`` (see the module docstring). Call on every rank. The returned
-    handle's ``result()`` gives the version id or raises; a later call waits for this one first."""
+    handle's ``result()`` gives the version id or raises; a later call waits for this one first. Per-rank
+    state is detected and stored as ``save`` does (its contents copied at the call), keyed by ``mesh``."""
     global _PENDING
     if mode not in _MODES:
         raise ConfigurationError(f"async_save: mode={mode!r}; expected one of {', '.join(_MODES)}")
@@ -374,7 +377,7 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     wait()
     t0 = time.perf_counter()
     ctx = _Ctx(group)
-    plan = _plan_save(state_dict, ctx)
+    plan = _plan_save(state_dict, ctx, mesh)
     # process mode, new layout: shared pages fault in far slower than private ones, so the caller stages
     # into private memory and a background thread fills the shared buffers from it for the writer
     cold_process = mode == "process" and _STAGER.signature != (plan.signature(), True)
@@ -400,6 +403,7 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
         # beside the copy (on a busy host the import competed with the staging for the CPU)
         writer = _writer_for(ctx)
         job = {"items": plan.items, "objects": plan.objects, "provenance": plan.provenance,
+               "per_rank": plan.per_rank, "rank_objects": plan.rank_objects,
                "store": store if store is None else os.fspath(store) if not isinstance(store, str) else store,
                "run": run, "step": step, "message": message, "parent": parent}
         thread = None

@@ -33,7 +33,8 @@ class Checkpointer:
     ``async_mode``: ``None`` (synchronous ``save``), ``"thread"`` or ``"process"`` (``async_save``)."""
 
     def __init__(self, store: Any, run: str, *, every: int = 1, keep_last: int | None = None,
-                 keep_every: int | None = None, async_mode: str | None = None, group=None, create: bool = True):
+                 keep_every: int | None = None, async_mode: str | None = None, group=None, create: bool = True,
+                 mesh=None):
         from ..names import run_name
 
         run_name(run)
@@ -46,7 +47,7 @@ class Checkpointer:
             raise ConfigurationError(f"Checkpointer: async_mode={async_mode!r}; expected None, 'thread' or 'process'")
         self.store_arg, self.run, self.every = store, run, every
         self.keep_last, self.keep_every, self.async_mode = keep_last, keep_every, async_mode
-        self.group, self.create = group, create
+        self.group, self.create, self.mesh = group, create, mesh  # mesh: keys per-rank state (see dist.save)
         self._pending: AsyncSaveHandle | None = None  # the save in flight
         self._policy_set = False
         self.last_id: str | None = None
@@ -63,13 +64,13 @@ class Checkpointer:
         self._finish_pending()
         if self.async_mode is None:
             self.last_id = save(state_dict, store=self.store_arg, run=self.run, step=step, group=self.group,
-                                create=self.create, progress=False)
+                                create=self.create, progress=False, mesh=self.mesh)
             self._retain()
             return self.last_id
         from .asyncsave import async_save
 
         self._pending = async_save(state_dict, store=self.store_arg, run=self.run, step=step, group=self.group,
-                                   mode=self.async_mode, create=self.create)
+                                   mode=self.async_mode, create=self.create, mesh=self.mesh)
         return self._pending
 
     def _finish_pending(self) -> None:
@@ -111,8 +112,10 @@ class Checkpointer:
             return None
         return max((v["step"] for v in versions), default=None)
 
-    def load_latest(self, state_dict: dict, *, strict: bool = True) -> int | None:
-        """Load the newest committed version into ``state_dict`` in place; returns its step (None: nothing)."""
+    def load_latest(self, state_dict: dict, *, strict: bool = True, per_rank: dict | None = None,
+                    mesh=None) -> int | None:
+        """Load the newest committed version into ``state_dict`` in place; returns its step (None: nothing).
+        ``per_rank`` and ``mesh``: as ``ucp_store.dist.load`` takes them."""
         self._finish_pending()
         step = self.latest_step()
         ctx = _Ctx(self.group)
@@ -123,5 +126,5 @@ class Checkpointer:
         if step is None:
             return None
         load(state_dict, store=self.store_arg, ref=f"{self.run}@{step}", strict=strict, group=self.group,
-             progress=False)
+             progress=False, per_rank=per_rank, mesh=self.mesh if mesh is None else mesh)
         return step

@@ -67,7 +67,8 @@ def flatten(state_dict: Any) -> list[Leaf]:
     Raises ``ConfigurationError`` when two tensors would share a catalog key, ``InvalidNameError`` for a
     name that could escape the store."""
     if not isinstance(state_dict, dict):
-        raise ConfigurationError(f"state_dict must be a dict (as get_state_dict returns), got {type(state_dict).__name__}")
+        raise ConfigurationError(f"state_dict must be a dict (as get_state_dict returns), got "
+                                 f"{type(state_dict).__name__}")
     leaves: list[Leaf] = []
 
     def walk(obj: Any, path: tuple, opt: tuple | None, opt_prefix: tuple) -> None:
@@ -102,8 +103,8 @@ def flatten(state_dict: Any) -> list[Leaf]:
             continue
         other = seen.get(leaf.key)
         if other is not None:
-            raise ConfigurationError(f"state dict entries {path_text(other)!r} and {path_text(leaf.path)!r} both map to "
-                                     f"tensor {leaf.key[0]!r} state {leaf.key[1]!r}; rename one of them")
+            raise ConfigurationError(f"state dict entries {path_text(other)!r} and {path_text(leaf.path)!r} both map "
+                                     f"to tensor {leaf.key[0]!r} state {leaf.key[1]!r}; rename one of them")
         seen[leaf.key] = leaf.path
         try:
             names.tensor_name(leaf.key[0])
@@ -135,8 +136,9 @@ def json_value(leaf: Leaf) -> Any:
         return v if math.isfinite(v) else repr(v)
     if isinstance(v, (list, tuple)) and all(x is None or isinstance(x, (bool, int, float, str)) for x in v):
         return list(v)
-    raise ConfigurationError(f"state dict entry {path_text(leaf.path)!r} holds a {type(v).__name__}, which is neither a "
-                             "tensor nor JSON (numbers, strings, lists of them, None); ucp_store never pickles")
+    raise ConfigurationError(f"state dict entry {path_text(leaf.path)!r} holds a {type(v).__name__}, which is "
+                             "neither a tensor nor JSON (numbers, strings, lists of them, None); ucp_store never "
+                             "pickles")
 
 
 def from_json(stored: Any, current: Any) -> Any:
