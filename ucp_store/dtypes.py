@@ -93,7 +93,8 @@ def to_numpy(tensor: torch.Tensor, *, what: str = "tensor") -> np.ndarray:
     if tensor.device.type == "meta":
         raise ValidationError(f"{what}: a tensor on the meta device has no data to store (shape "
                               f"{list(tensor.shape)}); materialise it first")
-    t = tensor.detach()
+    # a lazy conjugate or negative view (``x.conj()``) holds other bits than its values: store the values
+    t = tensor.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():

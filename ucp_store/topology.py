@@ -83,14 +83,18 @@ from typing import Any, cast
 
 from .errors import TopologyError
 
-__all__ = ["AXES", "DEFAULT_ORDER", "EP_OVER", "SCHEMA_FILE", "LayerNameRule", "Topology", "load_schema",
-           "schema_errors", "validate_topology_record", "as_topology"]
+__all__ = ["AXES", "DEFAULT_ORDER", "EP_OVER", "MAX_WORLD_SIZE", "SCHEMA_FILE", "LayerNameRule", "Topology",
+           "load_schema", "schema_errors", "validate_topology_record", "as_topology"]
 
 AXES = ("tp", "sp", "dp", "pp")
 DEFAULT_ORDER = ("tp", "sp", "dp", "pp")
 # what expert parallelism is carved out of (see the module docstring)
 EP_OVER = ("dp", "stage")
 SCHEMA_FILE = "topology.schema.json"
+#: the most ranks a topology (or a DTensor mesh, ``planner.plan_mesh`` through ``ucp plan --mesh``) may have:
+#: twice and more the largest jobs run; a larger one is a typo, and planning or listing its ranks would
+#: exhaust memory before it said anything
+MAX_WORLD_SIZE = 1 << 20
 
 _INT_FIELDS = ("tp", "pp", "dp", "sp", "ep", "vocab_multiple", "zero_alignment", "zero_param_alignment")
 
@@ -158,6 +162,9 @@ class Topology:
                 f"ep={self.ep} must divide dp={self.dp}: expert-parallel ranks are carved out of the "
                 f"data-parallel dimension; use ep in {_divisors(self.dp)}"
             )
+        if self.world_size > MAX_WORLD_SIZE:
+            raise TopologyError(f"topology tp={self.tp} x sp={self.sp} x dp={self.dp} x pp={self.pp} has "
+                                f"{self.world_size} ranks; at most {MAX_WORLD_SIZE} (2^20) are supported")
         stage_world = self.tp * self.sp * self.dp
         if self.ep_over == "stage" and stage_world % self.ep:
             raise TopologyError(

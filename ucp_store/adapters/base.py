@@ -25,6 +25,7 @@ temporary name and rename at the end, so a crash never leaves a folder a foreign
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import (
@@ -35,6 +36,7 @@ from typing import (
 )
 
 from .._killpoints import killpoint
+from ..errors import SourceFormatError, UcpError
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -44,7 +46,49 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..store import CheckpointWriter, Store
 
 __all__ = ["ShardSpec", "TensorRecord", "RecordGroup", "Source", "Sink", "import_source", "write_records",
-           "merge_objects", "group_nbytes"]
+           "merge_objects", "group_nbytes", "parse_json", "MAX_JSON_DEPTH"]
+
+
+#: the deepest nesting a foreign JSON document (a Hugging Face config or index, a safetensors header, a name
+#: map, ``--config``) may have. Real ones nest a handful of levels; a deeper one is refused where it is read,
+#: before Python's recursive encoders, decoders and reprs (the catalog's JSON columns included) meet it.
+MAX_JSON_DEPTH = 100
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether ``value`` nests lists/objects more than ``MAX_JSON_DEPTH`` levels (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def parse_json(raw: str | bytes, what: str, *, error: type[UcpError] = SourceFormatError,
+               object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
+    """``json.loads`` of a foreign document, refusing with ``error`` (naming ``what``: the file) what the
+    standard decoder would raise as something else or accept and break on later: invalid JSON or UTF-8,
+    nesting past ``MAX_JSON_DEPTH`` (the decoder itself raises RecursionError near 1000 levels), and an
+    integer of more digits than Python converts (4300 by default: ValueError)."""
+    try:
+        value = json.loads(raw, object_pairs_hook=object_pairs_hook)
+    except RecursionError:
+        raise error(f"{what}: JSON nested more than {MAX_JSON_DEPTH} levels deep (lists/objects); "
+                    "real ones nest a few") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and the integer digit limit
+        text = str(exc)
+        if "integer string conversion" in text:
+            text = "it holds an integer with more digits than Python converts (4300)"
+        raise error(f"{what} is not valid JSON ({text})") from None
+    if _too_deep(value):
+        raise error(f"{what}: JSON nested more than {MAX_JSON_DEPTH} levels deep (lists/objects); "
+                    "real ones nest a few")
+    return value
 
 
 @dataclass(frozen=True)

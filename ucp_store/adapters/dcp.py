@@ -42,6 +42,7 @@ renames it at the end, so a crash never leaves a folder that ``dcp.load`` would 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import io
 import json
 import math
@@ -62,7 +63,8 @@ from ..errors import SourceFormatError, UcpError, UnsafePickleError
 from ..writer import MAX_ELEMENTS
 from .base import TensorRecord, import_source
 
-__all__ = ["INDEX_OBJECT", "DcpSource", "export_dcp", "import_dcp", "opaque_entries", "read_dcp_metadata"]
+__all__ = ["INDEX_OBJECT", "DcpSource", "export_dcp", "import_dcp", "opaque_entries", "read_dcp_metadata",
+           "tiling_problem"]
 
 #: name of the object that records the DCP key layout of an imported checkpoint
 from .dcp_cli import INDEX_OBJECT  # noqa: E402  (one home for the name)
@@ -462,6 +464,48 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+# ----------------------------------------------------------------------------------------- chunk tiling
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one saved chunk
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]))
+
+
+def tiling_problem(size: tuple[int, ...], boxes: list[Box]) -> tuple[str, int, int, int] | None:
+    """Whether ``boxes`` tile a tensor of ``size`` exactly (pure): None, or ``(kind, i, j, n)``:
+    ``("outside", i, -1, 0)`` box ``i`` has the wrong rank or leaves the tensor; ``("overlap", i, j, 0)``
+    boxes ``i`` and ``j`` share elements (a chunk listed twice included); ``("gap", -1, -1, n)`` ``n``
+    elements lie in no box.
+
+    Adding up the boxes' volumes alone is not enough: a duplicated chunk makes up for a missing one.
+    Disjoint boxes inside the tensor whose volumes add up to its own cover it, so the check is bounds,
+    then no overlap, then the volume. Overlaps are found by a sweep along the dimension with the most
+    distinct offsets (boxes sorted by their start there, each compared only with the boxes still open at
+    that start): O(n log n) for a split along one dimension, O(n * sqrt(n)) at worst for a grid."""
+    nd = len(size)
+    for i, (o, s) in enumerate(boxes):
+        if len(o) != nd or len(s) != nd or any(x < 0 for x in o + s) or any(
+                a + b > n for a, b, n in zip(o, s, size)):
+            return ("outside", i, -1, 0)
+    live = [i for i, (_, s) in enumerate(boxes) if all(s)]  # an empty box holds nothing and overlaps nothing
+    if nd == 0:
+        return ("overlap", live[0], live[1], 0) if len(live) > 1 else None if live else ("gap", -1, -1, 1)
+    d = max(range(nd), key=lambda k: len({boxes[i][0][k] for i in live}))
+    open_: list[tuple[int, int]] = []  # (end along d, box) of the boxes that may still overlap a later one
+    for i in sorted(live, key=lambda i: boxes[i][0][d]):
+        start = boxes[i][0][d]
+        while open_ and open_[0][0] <= start:
+            heapq.heappop(open_)
+        for _, j in open_:
+            if _overlap(boxes[i], boxes[j]):
+                return ("overlap", j, i, 0)
+        heapq.heappush(open_, (start + boxes[i][1][d], i))
+    covered = sum(math.prod(boxes[i][1]) for i in live)
+    total = math.prod(size)
+    return None if covered == total else ("gap", -1, -1, total - covered)
+
+
 # --------------------------------------------------------------------------------------------- source
 # elements per torch copy call: below torch's grain size (32768), so one thread does each piece
 _PIECE = 30 * 1024
@@ -488,6 +532,10 @@ def _place(dst: torch.Tensor, src: torch.Tensor) -> None:
     step = max(1, _PIECE // per)
     for i in range(0, rows, step):
         dst[i:i + step].copy_(src[i:i + step])
+
+
+def _chunk_name(box: Box) -> str:
+    return f"chunk {list(box[0])}+{list(box[1])}"
 
 
 class DcpSource:
@@ -526,6 +574,8 @@ class DcpSource:
                 seen[(e.name, e.state)] = e.key
         self._objects: dict[str, Any] = {}
         self._files = _Files(self.folder)
+        # every key's chunks checked before an import begins (kept: read_key uses them)
+        self._layouts = {e.key: self._layout(e.key) for e in self.tensor_entries()}
 
     def describe(self) -> str:
         return self.folder
@@ -552,30 +602,73 @@ class DcpSource:
     def tensor_entries(self) -> list[_Entry]:
         return [e for e in self.entries.values() if e.kind in ("tensor", "array")]
 
-    def read_key(self, key: str) -> torch.Tensor:
-        """The logical tensor of one tensor key, assembled from its saved chunks."""
+    def _layout(self, key: str) -> tuple[tuple[int, ...], torch.dtype, list[tuple[Box, Any]]]:
+        """(size, dtype, [(chunk box, storage entry)]) of one tensor key, checked against the metadata and the
+        files before anything is allocated: the size is bounded, the chunks tile the tensor exactly, and each
+        chunk's declared bytes fit in the bytes its file entry holds (so a crafted size cannot make the
+        import allocate memory no file backs)."""
+        where = f"{self.folder}/{_METADATA}"
         tmd = self.md.state_dict_metadata[key]
-        size = tuple(int(s) for s in tmd.size)
-        dtype = tmd.properties.dtype
+        try:
+            size = tuple(int(s) for s in tmd.size)
+            boxes: list[Box] = [(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes))
+                                for c in tmd.chunks]
+            dtype = tmd.properties.dtype
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise SourceFormatError(f"{where}: tensor {key!r} has a malformed size or chunk list ({exc})") from None
         total = math.prod(size)
-        if total > MAX_ELEMENTS:  # a corrupt or crafted size: refuse before allocating
-            raise SourceFormatError(f"{self.folder}/{_METADATA}: tensor {key!r} has size {list(size)} ({total} "
-                                    f"elements); a tensor-state holds at most 2^48")
-        chunks = list(tmd.chunks)
-        if not chunks and total:
-            raise SourceFormatError(f"{self.folder}/{_METADATA}: tensor {key!r} {list(size)} lists no saved chunks")
-        out: torch.Tensor | None = None
-        covered = 0
-        for c in chunks:
-            offs = tuple(int(x) for x in c.offsets)
-            sizes = tuple(int(x) for x in c.sizes)
-            what = f"chunk {list(offs)}+{list(sizes)} of {key!r}"
-            info = self._storage.get((key, offs))
+        if not isinstance(dtype, torch.dtype):
+            raise SourceFormatError(f"{where}: tensor {key!r} has dtype {dtype!r}, not a torch dtype")
+        if total > MAX_ELEMENTS or any(not 0 <= n <= MAX_ELEMENTS for n in size):
+            raise SourceFormatError(f"{where}: tensor {key!r} has size {list(size)} ({total} elements); a tensor-state "
+                                    "holds at most 2^48 elements, and no dimension may be negative or exceed that")
+        if not boxes and total:
+            raise SourceFormatError(f"{where}: tensor {key!r} {list(size)} lists no saved chunks")
+        chunks = []
+        for box in boxes:
+            info = self._storage.get((key, box[0]))
             if info is None:
-                raise SourceFormatError(f"{self.folder}/{_METADATA}: {what} has no storage entry")
-            if any(o + s > n for o, s, n in zip(offs, sizes, size)) or len(offs) != len(size):
+                raise SourceFormatError(f"{where}: {_chunk_name(box)} of {key!r} has no storage entry")
+            chunks.append((box, info))
+        problem = tiling_problem(size, boxes)
+        if problem is not None:
+            raise SourceFormatError(f"{where}: tensor {key!r} {list(size)}: {self._tiling_message(problem, chunks)}; "
+                                    "the saved chunks must tile the tensor exactly (no overlap, no gap)")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for box, info in chunks:
+            need = math.prod(box[1]) * itemsize
+            held = int(getattr(info, "length", 0) or 0)
+            # a stream transform (compression) may hold fewer bytes than it expands to: read to know
+            if not getattr(info, "transform_descriptors", None) and held < need:
                 raise SourceFormatError(
-                    f"{self.folder}/{_METADATA}: {what} lies outside the tensor's size {list(size)}")
+                    f"{os.path.join(self.folder, info.relative_path)}: {_chunk_name(box)} of {key!r} declares "
+                    f"{need} bytes ({str(dtype).replace('torch.', '')}{list(box[1])}) but its entry in the file holds "
+                    f"{held} bytes (per {_METADATA}): the metadata is corrupt or the file is not this checkpoint's")
+        return size, dtype, chunks
+
+    def _tiling_message(self, problem: tuple[str, int, int, int], chunks: list[tuple[Box, Any]]) -> str:
+        kind, i, j, n = problem
+
+        def named(k: int) -> str:
+            return f"{_chunk_name(chunks[k][0])} (in {chunks[k][1].relative_path})"
+
+        if kind == "outside":
+            return f"{named(i)} lies outside the tensor"
+        if kind == "overlap":
+            if chunks[i][0] == chunks[j][0]:
+                return f"{named(i)} is listed twice"
+            return f"{named(i)} and {named(j)} overlap"
+        shown = ", ".join(named(k) for k in range(min(len(chunks), 8))) + (", ..." if len(chunks) > 8 else "")
+        return f"{n} element(s) lie in no saved chunk (a rank's shard is missing); chunks: {shown or 'none'}"
+
+    def read_key(self, key: str) -> torch.Tensor:
+        """The logical tensor of one tensor key, assembled from its saved chunks (checked by ``_layout``)."""
+        size, dtype, chunks = self._layouts[key] if key in self._layouts else self._layout(key)
+        out: torch.Tensor | None = None
+        for (offs, sizes), info in chunks:
+            if not all(sizes):
+                continue  # holds nothing
+            what = f"{_chunk_name((offs, sizes))} of {key!r}"
             t = _load_chunk(self._files, info, key, what)
             if tuple(t.shape) != sizes or t.dtype != dtype:
                 raise SourceFormatError(f"{os.path.join(self.folder, info.relative_path)}: {what} holds "
@@ -583,15 +676,11 @@ class DcpSource:
                                         f"{str(dtype).replace('torch.', '')}{list(sizes)}")
             if len(chunks) == 1 and sizes == size:
                 return t
-            if out is None:
+            if out is None:  # every chunk tiles the tensor (checked): no element stays uninitialised
                 out = torch.empty(size, dtype=dtype)
             _place(out[tuple(slice(o, o + s) for o, s in zip(offs, sizes))], t)
-            covered += math.prod(sizes)
         if out is None:
             out = torch.empty(size, dtype=dtype)
-        if covered != total:
-            raise SourceFormatError(f"{self.folder}: tensor {key!r} {list(size)}: its saved chunks cover {covered} of "
-                                    f"{total} elements (chunks missing or overlapping)")
         return out
 
     def _prefetch_key(self, key: str) -> None:

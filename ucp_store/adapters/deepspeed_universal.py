@@ -52,7 +52,7 @@ import torch
 from .. import names as _names
 from .. import safe_pickle as sp
 from .._killpoints import killpoint
-from ..errors import ConfigurationError, ConflictError, InvalidNameError, SourceFormatError
+from ..errors import ConfigurationError, ConflictError, DTypeError, InvalidNameError, SourceFormatError
 from ..patterns import Averaged, Fused, Partitioned, Replicated, Vocab, parse_pattern
 from .base import import_source
 from .deepspeed import param_groups
@@ -258,7 +258,6 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
     out = os.path.join(root_real, f".{tag}.partial-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)
     zero = os.path.join(out, "zero")
-    os.makedirs(zero)
     metas = objs.get("deepspeed/universal_meta") or {}
     step_types = objs.get("deepspeed/step_types") or {}
     warnings: list[str] = []
@@ -275,8 +274,11 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
 
     jobs = []
     for name, states in by_name.items():
+        if "fp32" not in states and "weight" in states and weight_only_fallback:
+            _check_fp32_cast(checkpoint, states["weight"])
         d = _safe_dir(root_real, zero, name)
         jobs.append((name, states, d))
+    os.makedirs(zero)  # after every check above: a refused export writes nothing
 
     def export_one(job):
         name, states, d = job
@@ -340,6 +342,22 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
         f.write(tag)
     os.replace(tmp, os.path.join(out_root, "latest_universal"))
     return final
+
+
+#: stored dtypes a weight may have to become a universal ``fp32.pt`` master (``float32``, as DeepSpeed keeps it)
+_FLOAT_MASTER = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_fp32_cast(checkpoint, info) -> None:
+    """Refuse a weight the weight-only fallback would write as an fp32 master when float32 cannot stand for it:
+    a complex tensor loses its imaginary part, an integer its values past 2^24 (uint64, int64) and a bool its
+    type, and DeepSpeed's universal loader would take the result as a trained parameter."""
+    if info.dtype not in _FLOAT_MASTER:
+        raise DTypeError(
+            f"tensor {info.name!r} state {info.state!r} of {checkpoint.run}@{checkpoint.step} is {info.dtype}: a "
+            f"DeepSpeed universal folder holds each parameter as a float32 master (fp32.pt), and {info.dtype} "
+            "cannot become one without changing its values or type; export it with 'ucp export torch' or "
+            "'ucp export dcp', or leave it out of the version")
 
 
 def _common_step(checkpoint, by_name) -> Any:

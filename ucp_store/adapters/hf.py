@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import shutil
 import threading
 from collections.abc import Iterator, Mapping
@@ -36,7 +37,7 @@ from .. import dtypes, names
 from .._killpoints import killpoint
 from .._window import read_failed
 from ..errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
-from .base import TensorRecord, import_source
+from .base import TensorRecord, import_source, parse_json
 from .hf_map import NameMap, Piece, load_map, plan_outputs
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ CONFIG_OBJECT = "hf.config"
 GENERATION_CONFIG_OBJECT = "hf.generation_config"
 _JSON_FILES = {"config.json": CONFIG_OBJECT, "generation_config.json": GENERATION_CONFIG_OBJECT}
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+MAX_ELEMENTS = 1 << 48  # writer.MAX_ELEMENTS, the most a tensor-state holds (named here: the writer loads torch)
 _IMPORT_FLUSH_BYTES = 1 << 30  # the writer's bound on bytes in flight (writer._MAX_INFLIGHT_BYTES)
 
 # safetensors dtype code -> the store's (zarr) dtype name
@@ -115,25 +117,27 @@ def read_header(path: str) -> SafetensorsHeader:
     except OSError as exc:
         raise SourceFormatError(f"safetensors file {path} cannot be read: {exc.strerror or exc}") from None
     try:
-        header = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SourceFormatError(f"safetensors file {path}: header is not valid JSON ({exc})") from None
+        header = parse_json(raw, f"safetensors file {path}: header", object_pairs_hook=_no_duplicate_keys)
     except _DuplicateKey as exc:
         raise SourceFormatError(f"safetensors file {path}: header names {exc.args[0]!r} twice (a JSON object with "
                                 "duplicate keys: which entry is meant is ambiguous)") from None
     if not isinstance(header, dict):
         raise SourceFormatError(f"safetensors file {path}: header is a {type(header).__name__}, expected an object")
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise SourceFormatError(f"safetensors file {path}: __metadata__ must be an object of strings")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SourceFormatError(f"safetensors file {path}: __metadata__ must be an object of strings (as "
+                                "safetensors itself requires)")
     data_start = 8 + n
     data_len = size - data_start
     entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
     for name, e in header.items():
         what = f"safetensors file {path} tensor {name!r}"
         if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
-            raise SourceFormatError(f"{what}: header entry must have dtype, shape and data_offsets, got {e!r}"[:400])
+            raise SourceFormatError(f"{what}: header entry must have dtype, shape and data_offsets, got "
+                                    f"{reprlib.repr(e)}")
         code, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        if not isinstance(code, str):
+            raise SourceFormatError(f"{what}: dtype {reprlib.repr(code)} is not a safetensors dtype code")
         if code in _ST_UNSTORABLE:
             raise SourceFormatError(f"{what}: dtype {code} cannot be stored bit-exactly by ucp_store (supported: "
                                     f"{', '.join(ST_DTYPES)})")
@@ -142,10 +146,15 @@ def read_header(path: str) -> SafetensorsHeader:
                                     f"holds: {', '.join(ST_DTYPES)}")
         if (not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                    for s in shape)):
-            raise SourceFormatError(f"{what}: shape {shape!r} is not a list of non-negative integers")
+            raise SourceFormatError(f"{what}: shape {reprlib.repr(shape)} is not a list of non-negative integers")
+        if any(s > MAX_ELEMENTS for s in shape) or math.prod(shape) > MAX_ELEMENTS:
+            # a dimension past 2^48 is refused even when another is 0 (no elements): numpy cannot make it
+            raise SourceFormatError(f"{what}: shape {shape} is too large: a tensor-state holds at most 2^48 "
+                                    "elements, and no dimension may exceed that")
         if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) and not isinstance(o, bool)
                                                                     for o in offs) or not 0 <= offs[0] <= offs[1]):
-            raise SourceFormatError(f"{what}: data_offsets {offs!r} must be [start, end] with 0 <= start <= end")
+            raise SourceFormatError(f"{what}: data_offsets {reprlib.repr(offs)} must be [start, end] with "
+                                    "0 <= start <= end")
         dtype = ST_DTYPES[code]
         need = math.prod(shape) * dtypes.itemsize(dtype)
         if offs[1] - offs[0] != need:
@@ -159,6 +168,14 @@ def read_header(path: str) -> SafetensorsHeader:
 
 
 # ------------------------------------------------------------------------------------------- import
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise SourceFormatError(f"{path} cannot be read: {exc.strerror or exc}") from None
+
+
 class HfSource:
     """A Hugging Face model folder (``model.safetensors`` or shards + index), read through memory maps.
 
@@ -200,11 +217,7 @@ class HfSource:
         for fname, obj in _JSON_FILES.items():
             p = os.path.join(self.root, fname)
             if os.path.isfile(p):
-                try:
-                    with open(p, encoding="utf-8") as fh:
-                        self._objects[obj] = json.load(fh)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise SourceFormatError(f"{p} is not valid JSON ({exc})") from None
+                self._objects[obj] = parse_json(_read_bytes(p), p)
         meta = next((h.metadata for h in self.headers if h.metadata), None)
         if meta:
             self._objects["hf.safetensors_metadata"] = meta
@@ -212,11 +225,7 @@ class HfSource:
     def _files(self) -> tuple[list[str], dict[str, str] | None]:
         index = os.path.join(self.root, INDEX_NAME)
         if os.path.isfile(index):
-            try:
-                with open(index, encoding="utf-8") as f:
-                    data = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise SourceFormatError(f"{index} is not valid JSON ({exc})") from None
+            data = parse_json(_read_bytes(index), index)
             wm = data.get("weight_map") if isinstance(data, dict) else None
             if not isinstance(wm, dict) or not wm:
                 raise SourceFormatError(f"{index}: expected a non-empty 'weight_map' object of tensor -> shard file")
@@ -337,7 +346,7 @@ def parse_size(size: int | str) -> int:
                 value = float(num)
             except ValueError:
                 break
-            if value > 0:
+            if value > 0 and math.isfinite(value):  # float() also reads "inf" and "nan"
                 return int(value * mult)
             break
     else:
@@ -662,12 +671,11 @@ def _load_config(config: "str | os.PathLike | Mapping") -> dict:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as exc:
         raise ConfigurationError(f"config {path} cannot be read: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigurationError(f"config {path} is not valid JSON ({exc})") from None
+    return parse_json(raw, f"config {path}", error=ConfigurationError)
 
 
 def _write_json(path: str, obj: Any) -> None:

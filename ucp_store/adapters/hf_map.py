@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import json
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -362,12 +361,14 @@ def load_map(spec: "str | os.PathLike | Mapping | NameMap") -> NameMap:
             hint = f"; did you mean the shipped map {near[0]!r}?" if near else ""
             raise ConfigurationError(f"name map {path}: no such file, and no shipped map of that name (shipped: "
                                      f"{', '.join(sorted(shipped)) or 'none'}){hint}")
+    from .base import parse_json
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ConfigurationError(f"name map {path}: not valid JSON ({exc})") from None
-    return NameMap(data, origin=path)
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ConfigurationError(f"name map {path} cannot be read: {exc.strerror or exc}") from None
+    return NameMap(parse_json(raw, f"name map {path}", error=ConfigurationError), origin=path)
 
 
 def plan_outputs(infos: Iterable[Any], name_map: "NameMap | None", config: Mapping[str, Any] | None) -> list[Piece]:

@@ -560,6 +560,14 @@ def _connect(
     return Catalog(u.render_as_string(hide_password=False), _make_engine(u, busy_timeout_ms))
 
 
+def _unreadable(catalog: Catalog, e: exc.DatabaseError) -> str:
+    """The message for a catalog the database refuses as a whole (not a lock or a connection problem)."""
+    what = "an SQLite database file that is corrupt or of another format" if catalog.dialect == "sqlite" else \
+        "a database the server refuses"
+    return (f"catalog {catalog.display_url} cannot be opened: {getattr(e, 'orig', e)} (expected a ucp catalog; "
+            f"found {what})")
+
+
 def open_catalog(
     url: str,
     *,
@@ -582,6 +590,9 @@ def open_catalog(
     except exc.OperationalError as e:
         catalog.close()
         raise CatalogError(f"catalog {catalog.display_url} cannot be opened: {getattr(e, 'orig', e)}") from e
+    except exc.DatabaseError as e:  # e.g. SQLite's "file is not a database": random bytes, another format
+        catalog.close()
+        raise CatalogError(_unreadable(catalog, e)) from e
     except BaseException:
         catalog.close()
         raise
@@ -598,6 +609,8 @@ def upgrade(url: str, revision: str = "head", *, create: bool = False) -> tuple[
         return _migrate(catalog, revision, create=create, allow_upgrade=True)
     except exc.OperationalError as e:
         raise CatalogError(f"catalog {catalog.display_url} cannot be upgraded: {getattr(e, 'orig', e)}") from e
+    except exc.DatabaseError as e:
+        raise CatalogError(_unreadable(catalog, e)) from e
     finally:
         catalog.close()
 

@@ -17,6 +17,7 @@ that needs it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import UcpError
@@ -58,6 +59,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: what a command line names as its input, in the order an error message names them
+_INPUT_ARGS = ("kind", "source", "ref", "dest", "config", "map")
+#: failures that parsing a foreign file or a value can raise where no check caught it first (a JSON
+#: document nested too deeply, a number too large to convert, memory for an absurd declared size); the
+#: known sites refuse these inputs with a UcpError, and this is the net that keeps the rest one line
+_INPUT_FAILURES = (RecursionError, MemoryError, OverflowError, ValueError)
+
+
+def _inputs(args: argparse.Namespace) -> str:
+    """``ucp <command> <its inputs>``, for an error message that has no better name for the input."""
+    parts = [str(args.command)] + [repr(v) if v == "" else str(v) for a in _INPUT_ARGS
+                                   if isinstance(v := getattr(args, a, None), str)]
+    return "ucp " + " ".join(parts)
+
+
+def _raised_at(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ucp_store that the exception passed through (for a report)."""
+    tb, where = exc.__traceback__, ""
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if "ucp_store" in path:
+            where = f"{path[path.rindex('ucp_store'):]}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where or "?"
+
+
+def _catalog_failure(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """The error line for a failure of the SQL catalog that no UcpError wrapped (a page of an SQLite file
+    corrupted after the store was opened: "database disk image is malformed"), or None when it is not one.
+    Integrity and programming errors stay tracebacks: they are bugs, not bad input."""
+    mod = sys.modules.get("sqlalchemy.exc")
+    if mod is None or not isinstance(exc, mod.DatabaseError):
+        return None
+    if isinstance(exc, (mod.IntegrityError, mod.ProgrammingError)):
+        return None
+    store = getattr(args, "store", None) or os.environ.get("UCP_STORE") or "./ucp-store"
+    catalog = getattr(args, "catalog", None) or os.environ.get("UCP_CATALOG") or f"{store}/catalog.db"
+    return (f"catalog {catalog} failed: {getattr(exc, 'orig', exc)} (a corrupt catalog file, or the database "
+            "server refused the query)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one ``ucp`` command line; the exit status."""
     parser = build_parser()
@@ -76,3 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ucp: interrupted", file=sys.stderr)
         return 130
+    except _INPUT_FAILURES as exc:
+        text = str(exc).splitlines()[0][:300] if str(exc) else "out of memory" if isinstance(exc, MemoryError) else ""
+        print(f"ucp: error: {_inputs(args)}: {type(exc).__name__}: {text} (raised at {_raised_at(exc)} where no "
+              "check refused this input first: please report it)", file=sys.stderr)
+        return EXIT_FAIL
+    except Exception as exc:
+        line = _catalog_failure(exc, args)
+        if line is None:
+            raise
+        print(f"ucp: error: {_inputs(args)}: {line}", file=sys.stderr)
+        return EXIT_FAIL

@@ -7,13 +7,14 @@ use), so this module and the catalog-only command modules import nothing heavy.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..store import Store
 
-__all__ = ["EXIT_OK", "EXIT_FAIL", "Command", "add_common", "open_from_args", "progress_wanted"]
+__all__ = ["EXIT_OK", "EXIT_FAIL", "Command", "add_common", "open_from_args", "progress_wanted", "mib_bytes"]
 
 EXIT_OK, EXIT_FAIL = 0, 1
 
@@ -34,6 +35,19 @@ def open_from_args(args: Any, *, create: bool = False, **settings: Any) -> Store
     from ..store import open_store
 
     return open_store(args.store, create=create, catalog=args.catalog, **settings)
+
+
+def mib_bytes(value: float | None, flag: str) -> int | None:
+    """``value`` MiB (an option given as a float) in bytes, or None when the option was not given; a value
+    that is not a positive finite number (argparse's ``float`` reads ``nan``, ``inf`` and ``0``) is refused
+    naming the option. The range itself is the API's to check."""
+    from ..errors import ConfigurationError
+
+    if value is None:
+        return None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{flag} {value}: expected a positive, finite number of MiB")
+    return int(value * (1 << 20))
 
 
 def progress_wanted(args: Any) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import UcpError
-from ..topology import EP_OVER, Topology
+from ..topology import EP_OVER, MAX_WORLD_SIZE, Topology
 from .common import EXIT_OK, Command, open_from_args
 from .output import fmt_bytes, print_json, table
 
@@ -55,7 +55,7 @@ def run_plan(args: Any, store: Any) -> int:
         return _run_mesh_plan(args, ck, infos)
     topo = topology_from_args(args, infos, source_ep_over(ck.provenance))
     states = args.states.split(",") if args.states else None
-    ranks = [args.rank] if args.rank is not None else list(range(topo.world_size))
+    ranks = _ranks(args, topo.world_size, topo.describe())
     for r in ranks:
         if not 0 <= r < topo.world_size:
             raise UcpError(f"--rank {r} is outside the topology's {topo.world_size} ranks ({topo.describe()})")
@@ -82,6 +82,21 @@ def run_plan(args: Any, store: Any) -> int:
         draw_plan(ck, plans, args.param, args.plot, topology=topo)
         print(f"wrote {args.plot}")
     return EXIT_OK
+
+
+#: the most ranks ``ucp plan`` plans and lists without ``--rank`` (each rank's plan is held for the table)
+MAX_LISTED_RANKS = 1 << 16
+
+
+def _ranks(args: Any, world: int, what: str) -> list[int]:
+    """``[--rank]`` (the planners check it lies in the world), or every rank when there are at most
+    ``MAX_LISTED_RANKS``."""
+    if args.rank is not None:
+        return [args.rank]
+    if world > MAX_LISTED_RANKS:
+        raise UcpError(f"{what} has {world} ranks; ucp plan lists at most {MAX_LISTED_RANKS} at once: pass "
+                       "--rank R for one of them")
+    return list(range(world))
 
 
 def _print_experts(infos: Any, topo: Topology) -> None:
@@ -124,7 +139,9 @@ def _run_mesh_plan(args: Any, ck: Any, infos: list) -> int:
     world = 1
     for n in shape:
         world *= n
-    ranks = [args.rank] if args.rank is not None else list(range(world))
+    if world > MAX_WORLD_SIZE:
+        raise UcpError(f"--mesh {args.mesh} has {world} ranks; at most {MAX_WORLD_SIZE} (2^20) are supported")
+    ranks = _ranks(args, world, f"mesh {args.mesh}")
     states = args.states.split(",") if args.states else None
     plans = [plan_mesh(infos, {"shape": shape, "dims": dims}, r, states=states) for r in ranks]
     if args.json:

@@ -10,7 +10,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UcpError
-from .common import EXIT_OK, Command, open_from_args
+from .common import EXIT_OK, Command, mib_bytes, open_from_args
 from .output import fmt_bytes, print_json, table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -20,11 +20,14 @@ __all__ = ["COMMANDS", "cmd_init", "cmd_ls", "cmd_show", "cmd_log", "cmd_tag", "
 
 
 def cmd_init(args: Any) -> int:
-    """Create a store (and its catalog)."""
+    """Create a store (and its catalog). On an existing store: a no-op when the options match its settings,
+    an error naming the setting when one differs (a store's settings never change)."""
     store = open_from_args(args, create=True, compression=args.compression,
-                           chunk_target_bytes=int(args.chunk_mib * (1 << 20)) if args.chunk_mib else None)
-    print(f"store ready at {store.location.url} (catalog {store.catalog.display_url}, "
-          f"compression {store.settings['compression']})")
+                           chunk_target_bytes=mib_bytes(args.chunk_mib, "--chunk-mib"))
+    what = "store ready at" if store.created else "store already exists, settings unchanged:"
+    print(f"{what} {store.location.url} (catalog {store.catalog.display_url}, "
+          f"compression {store.settings['compression']}, chunk target "
+          f"{fmt_bytes(store.settings['chunk_target_bytes'])})")
     return EXIT_OK
 
 

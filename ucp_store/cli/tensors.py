@@ -26,8 +26,13 @@ def cmd_read(args: Any) -> int:
     data = handle.read_numpy(index)
     if args.out:
         tmp = args.out + ".tmp.npy"
-        np.save(tmp, np.asarray(data), allow_pickle=False)
-        os.replace(tmp, args.out)
+        try:
+            np.save(tmp, np.asarray(data), allow_pickle=False)
+            os.replace(tmp, args.out)
+        except BaseException:  # e.g. --out names a folder: the rename fails; leave no temporary file
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
         print(f"wrote {args.out}: {list(np.shape(data))} {handle.info.dtype}")
     elif args.json:
         with np.errstate(invalid="ignore"):  # a signaling NaN's cast warns (see checkpoint.compute_stats)
