@@ -1,11 +1,9 @@
-"""The bad-input corpus as data: one :class:`Case` per bad input.
+"""Issue 16's bad-input corpus: one ``clean_error`` case per bad input (see ``framework``).
 
-A case builds its input under ``ctx.inp`` (or seeds the store), then makes one call: an API call
-(``api``: a function of the context) or a ``ucp`` command line run in-process (``cli``: a function
-returning argv). It names what must come out: the exception class (API) or the exit code (CLI), and a
-substring of the error that names the offending thing (``str.format``-ed with the context's fields:
-``{inp}``, ``{store}``, ``{marker}``, ...). The runner (``test_bad_input_corpus.py``) checks that, and
-that nothing was left behind in the catalog or the arrays, and that no pickle payload ran.
+Each names what must come out: the exception class (API) or the exit code (CLI), and a substring of the
+error that names the offending thing (``str.format``-ed with the context's fields: ``{inp}``, ``{store}``,
+``{marker}``, ...); the runner checks that, that nothing was left behind in the catalog or the arrays, and
+that no pickle payload ran.
 
 Inputs are tiny and built from the real producers where one exists (``torch.save``, safetensors,
 ``torch.distributed.checkpoint.save``); DeepSpeed tag/universal folders are the files DeepSpeed's
@@ -15,12 +13,10 @@ layout names, holding what the case needs (the real-DeepSpeed corruptions live i
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,55 +37,23 @@ from ucp_store.errors import (
     ValidationError,
 )
 
-EXIT_FAIL = 1
-EXIT_USAGE = 2
+from .framework import CLEAN_ERROR, EXIT_FAIL, Case, Ctx, Payload, nothing
+
+FOREIGN = ("torch", "deepspeed", "universal", "hf", "dcp")
 
 
-class Payload:
-    """Unpickling this runs ``os.system('touch <marker>')``: if the marker exists afterwards, code ran."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-@dataclass
-class Ctx:
-    tmp: Path
-    store: Path
-    inp: Path
-    marker: Path
-    good_dcp: Path
-    extra: dict = field(default_factory=dict)
-
-    def open(self):
-        return ucp_store.open_store(str(self.store))
-
-    def fields(self) -> dict:
-        return {"tmp": self.tmp, "store": self.store, "inp": self.inp, "marker": self.marker, **self.extra}
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    kind: str                     # the importer / surface: torch, deepspeed, universal, hf, dcp, cli, api
-    build: Callable[[Ctx], None]
-    expect: type[BaseException] | int
-    needle: str
-    api: Callable[[Ctx], Any] | None = None
-    cli: Callable[[Ctx], list[str]] | None = None
-    subprocess: bool = False      # run the CLI in a real process (a few cases only)
-
-
-def nothing(ctx: Ctx) -> None:
-    pass
+def refused(id: str, kind: str, build: Callable[[Ctx], None], expect: type[BaseException] | int, needle: str, *,
+            api: Callable[[Ctx], Any] | None = None, cli: Callable[[Ctx], list[str]] | None = None,
+            subprocess: bool = False, surface: str | None = None) -> Case:
+    """An issue-16 case: the input is refused with ``expect`` naming ``needle``, and nothing is left behind."""
+    surface = surface or ("foreign" if kind in FOREIGN else kind)
+    return Case(id, surface, kind, build, CLEAN_ERROR, expect=expect, needle=needle, api=api, cli=cli,
+                subprocess=subprocess, issue="16")
 
 
 def seed(ctx: Ctx) -> None:
-    """One committed version r@1 with a 4x6 tensor 'w' (for reads, refs and slices)."""
-    ctx.open().save("r", 1, {"w": torch.arange(24.0).reshape(4, 6)})
+    """The seeded store: r@1 holds a 4x6 tensor 'w' (for reads, refs and slices)."""
+    ctx.seed()
 
 
 # --- torch files ----------------------------------------------------------------------------------
@@ -454,228 +418,120 @@ BIG = (2**31, 2**31)
 
 CASES: list[Case] = [
     # torch files
-    Case("torch-empty", "torch", torch_empty, SourceFormatError, "{inp}/w.pt", api=torch_import),
-    Case("torch-truncated", "torch", torch_truncated, SourceFormatError, "{inp}/w.pt", api=torch_import),
-    Case("torch-foreign", "torch", torch_foreign, SourceFormatError, "{inp}/w.pt", api=torch_import),
-    Case("torch-missing", "torch", nothing, SourceFormatError, "{inp}/w.pt", api=torch_import),
-    Case("torch-pickle-reduce", "torch", torch_pickle, UnsafePickleError, "{inp}/w.pt", api=torch_import),
-    Case("torch-pickle-legacy-cli", "torch", torch_legacy_pickle, EXIT_FAIL, "{inp}/w.pt",
+    refused("torch-empty", "torch", torch_empty, SourceFormatError, "{inp}/w.pt", api=torch_import),
+    refused("torch-truncated", "torch", torch_truncated, SourceFormatError, "{inp}/w.pt", api=torch_import),
+    refused("torch-foreign", "torch", torch_foreign, SourceFormatError, "{inp}/w.pt", api=torch_import),
+    refused("torch-missing", "torch", nothing, SourceFormatError, "{inp}/w.pt", api=torch_import),
+    refused("torch-pickle-reduce", "torch", torch_pickle, UnsafePickleError, "{inp}/w.pt", api=torch_import),
+    refused("torch-pickle-legacy-cli", "torch", torch_legacy_pickle, EXIT_FAIL, "{inp}/w.pt",
          cli=ucp_import("torch", "{inp}/w.pt")),
-    Case("torch-pickle-raw-subprocess", "torch", torch_raw_pickle, EXIT_FAIL, "{inp}/w.pt",
+    refused("torch-pickle-raw-subprocess", "torch", torch_raw_pickle, EXIT_FAIL, "{inp}/w.pt",
          cli=ucp_import("torch", "{inp}/w.pt"), subprocess=True),
-    Case("torch-escaping-name", "torch", torch_bad_name, InvalidNameError, "../../escape", api=torch_import),
-    Case("torch-unsupported-dtype-cli", "torch", torch_unsupported_dtype, EXIT_FAIL, "float8_e4m3fn",
+    refused("torch-escaping-name", "torch", torch_bad_name, InvalidNameError, "../../escape", api=torch_import),
+    refused("torch-unsupported-dtype-cli", "torch", torch_unsupported_dtype, EXIT_FAIL, "float8_e4m3fn",
          cli=ucp_import("torch", "{inp}/w.pt")),
     # DeepSpeed tag folders
-    Case("ds-empty-folder", "deepspeed", ds_empty, SourceFormatError, "{inp}/global_step1", api=ds_import),
-    Case("ds-pickle-optimizer", "deepspeed", ds_pickle, UnsafePickleError, OPTIM0, api=ds_import),
-    Case("ds-truncated-optimizer", "deepspeed", ds_truncated, SourceFormatError, OPTIM0, api=ds_import),
-    Case("ds-foreign-optimizer-cli", "deepspeed", ds_foreign, EXIT_FAIL, OPTIM0,
+    refused("ds-empty-folder", "deepspeed", ds_empty, SourceFormatError, "{inp}/global_step1", api=ds_import),
+    refused("ds-pickle-optimizer", "deepspeed", ds_pickle, UnsafePickleError, OPTIM0, api=ds_import),
+    refused("ds-truncated-optimizer", "deepspeed", ds_truncated, SourceFormatError, OPTIM0, api=ds_import),
+    refused("ds-foreign-optimizer-cli", "deepspeed", ds_foreign, EXIT_FAIL, OPTIM0,
          cli=ucp_import("deepspeed", "{inp}/global_step1")),
-    Case("ds-no-model-states", "deepspeed", ds_no_model_states, SourceFormatError, "model-state", api=ds_import),
-    Case("ds-missing-dp-shard", "deepspeed", ds_missing_shard, SourceFormatError,
+    refused("ds-no-model-states", "deepspeed", ds_no_model_states, SourceFormatError, "model-state", api=ds_import),
+    refused("ds-missing-dp-shard", "deepspeed", ds_missing_shard, SourceFormatError,
          "zero_pp_rank_1_mp_rank_00_optim_states.pt", api=ds_import),
     # universal folders
-    Case("universal-empty-folder", "universal", uni_empty, SourceFormatError, "zero/", api=uni_import),
-    Case("universal-no-optimizer-state", "universal", uni_no_optimizer_state, SourceFormatError,
+    refused("universal-empty-folder", "universal", uni_empty, SourceFormatError, "zero/", api=uni_import),
+    refused("universal-no-optimizer-state", "universal", uni_no_optimizer_state, SourceFormatError,
          "optimizer_state.pt", api=uni_import),
-    Case("universal-pickle-cli", "universal", uni_pickle, EXIT_FAIL, "optimizer_state.pt",
+    refused("universal-pickle-cli", "universal", uni_pickle, EXIT_FAIL, "optimizer_state.pt",
          cli=ucp_import("deepspeed-universal", "{inp}/uni")),
-    Case("universal-truncated-model-states", "universal", uni_truncated_model, SourceFormatError, MODEL0,
+    refused("universal-truncated-model-states", "universal", uni_truncated_model, SourceFormatError, MODEL0,
          api=uni_import),
     # Hugging Face folders
-    Case("hf-empty-folder", "hf", hf_empty, SourceFormatError, "{inp}/hf", api=hf_import),
-    Case("hf-truncated", "hf", hf_truncated, SourceFormatError, "model.safetensors", api=hf_import),
-    Case("hf-foreign", "hf", hf_foreign, SourceFormatError, "model.safetensors", api=hf_import),
-    Case("hf-absurd-shape", "hf", hf_absurd_shape, SourceFormatError, "huge", api=hf_import),
-    Case("hf-unsupported-dtype-cli", "hf", hf_bad_dtype, EXIT_FAIL, "Q4_K", cli=ucp_import("hf", "{inp}/hf")),
-    Case("hf-wrong-shape", "hf", hf_wrong_shape, SourceFormatError, "[3, 3]", api=hf_import),
-    Case("hf-duplicate-key", "hf", hf_duplicate_key, SourceFormatError, "'w' twice", api=hf_import),
-    Case("hf-missing-shard", "hf", hf_missing_shard, SourceFormatError, "b.safetensors", api=hf_import),
-    Case("hf-escaping-shard", "hf", hf_escaping_shard, SourceFormatError, "../../etc/a.safetensors",
+    refused("hf-empty-folder", "hf", hf_empty, SourceFormatError, "{inp}/hf", api=hf_import),
+    refused("hf-truncated", "hf", hf_truncated, SourceFormatError, "model.safetensors", api=hf_import),
+    refused("hf-foreign", "hf", hf_foreign, SourceFormatError, "model.safetensors", api=hf_import),
+    refused("hf-absurd-shape", "hf", hf_absurd_shape, SourceFormatError, "huge", api=hf_import),
+    refused("hf-unsupported-dtype-cli", "hf", hf_bad_dtype, EXIT_FAIL, "Q4_K", cli=ucp_import("hf", "{inp}/hf")),
+    refused("hf-wrong-shape", "hf", hf_wrong_shape, SourceFormatError, "[3, 3]", api=hf_import),
+    refused("hf-duplicate-key", "hf", hf_duplicate_key, SourceFormatError, "'w' twice", api=hf_import),
+    refused("hf-missing-shard", "hf", hf_missing_shard, SourceFormatError, "b.safetensors", api=hf_import),
+    refused("hf-escaping-shard", "hf", hf_escaping_shard, SourceFormatError, "../../etc/a.safetensors",
          api=hf_import),
-    Case("hf-pickle-bin-only", "hf", hf_pickle_bin, SourceFormatError, "pickles", api=hf_import),
-    Case("hf-rtl-mark-name", "hf", hf_rtl_name, InvalidNameError, "U+202E", api=hf_import),
+    refused("hf-pickle-bin-only", "hf", hf_pickle_bin, SourceFormatError, "pickles", api=hf_import),
+    refused("hf-rtl-mark-name", "hf", hf_rtl_name, InvalidNameError, "U+202E", api=hf_import),
     # DCP folders
-    Case("dcp-empty-folder", "dcp", dcp_empty, SourceFormatError, ".metadata", api=dcp_import),
-    Case("dcp-truncated-metadata", "dcp", dcp_truncated_metadata, SourceFormatError, ".metadata", api=dcp_import),
-    Case("dcp-foreign-metadata", "dcp", dcp_foreign_metadata, SourceFormatError, ".metadata", api=dcp_import),
-    Case("dcp-pickle-metadata-cli", "dcp", dcp_pickle_metadata, EXIT_FAIL, ".metadata",
+    refused("dcp-empty-folder", "dcp", dcp_empty, SourceFormatError, ".metadata", api=dcp_import),
+    refused("dcp-truncated-metadata", "dcp", dcp_truncated_metadata, SourceFormatError, ".metadata", api=dcp_import),
+    refused("dcp-foreign-metadata", "dcp", dcp_foreign_metadata, SourceFormatError, ".metadata", api=dcp_import),
+    refused("dcp-pickle-metadata-cli", "dcp", dcp_pickle_metadata, EXIT_FAIL, ".metadata",
          cli=ucp_import("dcp", "{inp}/dcp")),
-    Case("dcp-missing-shard", "dcp", dcp_missing_shard, SourceFormatError, ".distcp", api=dcp_import),
-    Case("dcp-truncated-shard", "dcp", dcp_truncated_shard, SourceFormatError, ".distcp", api=dcp_import),
-    Case("dcp-absurd-shape", "dcp", dcp_absurd_shape, SourceFormatError, "{key}", api=dcp_import),
+    refused("dcp-missing-shard", "dcp", dcp_missing_shard, SourceFormatError, ".distcp", api=dcp_import),
+    refused("dcp-truncated-shard", "dcp", dcp_truncated_shard, SourceFormatError, ".distcp", api=dcp_import),
+    refused("dcp-absurd-shape", "dcp", dcp_absurd_shape, SourceFormatError, "{key}", api=dcp_import),
     # API: names
-    Case("api-name-dotdot", "api", nothing, InvalidNameError, "../x", api=save({"../x": torch.ones(1)})),
-    Case("api-name-absolute", "api", nothing, InvalidNameError, "/etc/passwd",
+    refused("api-name-dotdot", "api", nothing, InvalidNameError, "../x", api=save({"../x": torch.ones(1)})),
+    refused("api-name-absolute", "api", nothing, InvalidNameError, "/etc/passwd",
          api=save({"/etc/passwd": torch.ones(1)})),
-    Case("api-name-nul", "api", nothing, InvalidNameError, "\\x00", api=save({"a\x00b": torch.ones(1)})),
-    Case("api-name-backslash", "api", nothing, InvalidNameError, "backslash",
+    refused("api-name-nul", "api", nothing, InvalidNameError, "\\x00", api=save({"a\x00b": torch.ones(1)})),
+    refused("api-name-backslash", "api", nothing, InvalidNameError, "backslash",
          api=save({"a\\..\\b": torch.ones(1)})),
-    Case("api-name-nfd", "api", nothing, InvalidNameError, "NFC", api=save({"caf\u0065\u0301": torch.ones(1)})),
-    Case("api-name-rtl-override", "api", nothing, InvalidNameError, "U+202E",
+    refused("api-name-nfd", "api", nothing, InvalidNameError, "NFC", api=save({"caf\u0065\u0301": torch.ones(1)})),
+    refused("api-name-rtl-override", "api", nothing, InvalidNameError, "U+202E",
          api=save({"w\u202egpj.exe": torch.ones(1)})),
-    Case("api-name-rtl-mark-object", "api", nothing, InvalidNameError, "U+200F",
+    refused("api-name-rtl-mark-object", "api", nothing, InvalidNameError, "U+200F",
          api=save({"w": torch.ones(1)}, objects={"cfg\u200f": {"a": 1}})),
-    Case("api-run-name-escape", "api", nothing, InvalidNameError, "../r",
+    refused("api-run-name-escape", "api", nothing, InvalidNameError, "../r",
          api=lambda ctx: ctx.open().save("../r", 1, {"w": torch.ones(1)})),
     # API: shapes and dtypes
-    Case("api-absurd-shape-view", "api", nothing, ValidationError, "2^62",
+    refused("api-absurd-shape-view", "api", nothing, ValidationError, "2^62",
          api=save({"w": np.broadcast_to(np.zeros((), np.uint8), BIG)})),
-    Case("api-absurd-shape-meta", "api", nothing, ValidationError, "2^62",
+    refused("api-absurd-shape-meta", "api", nothing, ValidationError, "2^62",
          api=save({"w": torch.empty(BIG, dtype=torch.uint8, device="meta")})),
-    Case("api-meta-tensor", "api", nothing, ValidationError, "meta",
+    refused("api-meta-tensor", "api", nothing, ValidationError, "meta",
          api=save({"w": torch.empty(3, device="meta")})),
-    Case("api-sparse-tensor", "api", nothing, ValidationError, "sparse",
+    refused("api-sparse-tensor", "api", nothing, ValidationError, "sparse",
          api=save({"w": torch.eye(3).to_sparse()})),
-    Case("api-unsupported-dtype-float8", "api", nothing, DTypeError, "float8_e5m2",
+    refused("api-unsupported-dtype-float8", "api", nothing, DTypeError, "float8_e5m2",
          api=save({"w": torch.ones(2).to(torch.float8_e5m2)})),
-    Case("api-unsupported-dtype-object", "api", nothing, DTypeError, "object",
+    refused("api-unsupported-dtype-object", "api", nothing, DTypeError, "object",
          api=save({"w": np.array([object()])})),
-    Case("api-not-a-tensor", "api", nothing, ValidationError, "str", api=save({"w": "weights"})),
-    Case("api-duplicate-key", "api", nothing, DuplicateEntryError, "'w'", api=duplicate_write),
-    Case("api-step-out-of-range", "api", nothing, ValidationError, "2^63",
+    refused("api-not-a-tensor", "api", nothing, ValidationError, "str", api=save({"w": "weights"})),
+    refused("api-duplicate-key", "api", nothing, DuplicateEntryError, "'w'", api=duplicate_write),
+    refused("api-step-out-of-range", "api", nothing, ValidationError, "2^63",
          api=lambda ctx: ctx.open().save("r", 2**64, {"w": torch.ones(1)})),
     # references, URLs, slices
-    Case("ref-step-not-int", "cli", seed, EXIT_FAIL, "'r@abc'", cli=lambda ctx: ["read", "r@abc", "w", "--store",
+    refused("ref-step-not-int", "cli", seed, EXIT_FAIL, "'r@abc'", cli=lambda ctx: ["read", "r@abc", "w", "--store",
                                                                                  str(ctx.store)]),
-    Case("ref-step-overflow", "api", seed, ReferenceNotFound, "out of range",
+    refused("ref-step-overflow", "api", seed, ReferenceNotFound, "out of range",
          api=lambda ctx: ctx.open().resolve("r@" + "9" * 30)),
-    Case("ref-unknown-run", "api", seed, ReferenceNotFound, "'nosuch'",
+    refused("ref-unknown-run", "api", seed, ReferenceNotFound, "'nosuch'",
          api=lambda ctx: ctx.open().checkpoint("nosuch@1")),
-    Case("ref-empty-tag", "cli", seed, EXIT_FAIL, "'r:'", cli=lambda ctx: ["show", "r:", "--store", str(ctx.store)]),
-    Case("url-unknown-scheme", "cli", nothing, EXIT_FAIL, "'ftp'", cli=lambda ctx: ["ls", "--store", "ftp://host/x"]),
-    Case("url-s3-no-bucket", "api", nothing, ConfigurationError, "no bucket",
+    refused("ref-empty-tag", "cli", seed, EXIT_FAIL, "'r:'", cli=lambda ctx: ["show", "r:", "--store", str(ctx.store)]),
+    refused("url-unknown-scheme", "cli", nothing, EXIT_FAIL, "'ftp'", cli=lambda ctx: ["ls", "--store", "ftp://host/x"]),
+    refused("url-s3-no-bucket", "api", nothing, ConfigurationError, "no bucket",
          api=lambda ctx: ucp_store.open_store("s3:///prefix?catalog=sqlite:///x.db")),
-    Case("url-s3-no-catalog", "api", nothing, ConfigurationError, "catalog",
+    refused("url-s3-no-catalog", "api", nothing, ConfigurationError, "catalog",
          api=lambda ctx: ucp_store.open_store("s3://bucket/prefix")),
-    Case("url-no-store-here", "cli", nothing, EXIT_FAIL, "{tmp}/typo",
+    refused("url-no-store-here", "cli", nothing, EXIT_FAIL, "{tmp}/typo",
          cli=lambda ctx: ["ls", "--store", str(ctx.tmp / "typo")]),
-    Case("slice-not-a-number", "cli", seed, EXIT_FAIL, "x", cli=lambda ctx: ["read", "r@1", "w", "--slice", "0:x",
+    refused("slice-not-a-number", "cli", seed, EXIT_FAIL, "x", cli=lambda ctx: ["read", "r@1", "w", "--slice", "0:x",
                                                                               "--store", str(ctx.store)]),
-    Case("slice-too-many-dims", "cli", seed, EXIT_FAIL, "3 entries",
+    refused("slice-too-many-dims", "cli", seed, EXIT_FAIL, "3 entries",
          cli=lambda ctx: ["read", "r@1", "w", "--slice", "0,0,0", "--store", str(ctx.store)]),
-    Case("slice-out-of-bounds", "cli", seed, EXIT_FAIL, "9",
+    refused("slice-out-of-bounds", "cli", seed, EXIT_FAIL, "9",
          cli=lambda ctx: ["read", "r@1", "w", "--slice", "9", "--store", str(ctx.store)]),
-    Case("slice-zero-step", "cli", seed, EXIT_FAIL, "step cannot be zero",
+    refused("slice-zero-step", "cli", seed, EXIT_FAIL, "step cannot be zero",
          cli=lambda ctx: ["read", "r@1", "w", "--slice", "0:4:0", "--store", str(ctx.store)]),
     # catalogs and backends
-    Case("catalog-newer-schema", "cli", newer_schema, EXIT_FAIL, "9999_from_the_future",
+    refused("catalog-newer-schema", "cli", newer_schema, EXIT_FAIL, "9999_from_the_future", surface="store",
          cli=lambda ctx: ["ls", "--store", str(ctx.store)]),
-    Case("catalog-newer-schema-api", "api", newer_schema, SchemaVersionError, "9999_from_the_future",
-         api=lambda ctx: ctx.open()),
-    Case("postgres-refused", "api", nothing, CatalogError, "127.0.0.1", api=open_pg(None, port=1)),
-    Case("postgres-silent-server", "api", silent_pg_server, CatalogError, "timeout expired",
+    refused("catalog-newer-schema-api", "api", newer_schema, SchemaVersionError, "9999_from_the_future",
+            surface="store", api=lambda ctx: ctx.open()),
+    refused("postgres-refused", "api", nothing, CatalogError, "127.0.0.1", api=open_pg(None, port=1)),
+    refused("postgres-silent-server", "api", silent_pg_server, CatalogError, "timeout expired",
          api=open_pg("pg_port", timeout="?connect_timeout=2")),
-    Case("s3-unreachable-bucket-cli", "cli", torch_good, EXIT_FAIL, "s3://nobucket/p/arrays/",
+    refused("s3-unreachable-bucket-cli", "cli", torch_good, EXIT_FAIL, "s3://nobucket/p/arrays/",
         cli=lambda ctx: ["import", "torch", str(ctx.inp / "w.pt"), "--run", "imp", "--step", "1", "--store",
                          unreachable_bucket_url(ctx), "--no-progress"]),
 ]
-
-
-# --- the runner (shared by the tests and tools/fault_counts.py) -----------------------------------
-
-TABLES = ("runs", "checkpoints", "arrays", "tensors", "provenance", "objects", "tags", "settings")
-SIDE_FILES = ("catalog.db-wal", "catalog.db-shm", "catalog.db-journal")
-#: the most seconds an unreachable catalog server or bucket may take to fail (the design bounds are the
-#: 10 s PostgreSQL connect timeout and about 3 s of S3 backoff; the rest is slack for a loaded machine)
-UNREACHABLE_LIMIT_S = 60.0
-
-
-def snapshot(ctx: Ctx) -> tuple[set[str], dict[str, list[str]]]:
-    """Every file under the case's folder (SQLite side files aside) and every catalog row."""
-    import sqlite3
-
-    files = {str(p.relative_to(ctx.tmp)) for p in ctx.tmp.rglob("*") if p.name not in SIDE_FILES}
-    rows: dict[str, list[str]] = {}
-    db = ctx.store / "catalog.db"
-    if db.exists():
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
-            for t in TABLES:
-                rows[t] = sorted(map(repr, con.execute(f"SELECT * FROM {t}")))  # noqa: S608 (fixed names)
-        finally:
-            con.close()
-    return files, rows
-
-
-@dataclass
-class Outcome:
-    case: Case
-    error: BaseException | None = None
-    exit_code: int | None = None
-    text: str = ""
-    seconds: float = 0.0
-    before: Any = None  # the snapshot taken after the build, before the call
-
-
-def make_ctx(tmp: Path, good_dcp: Path, template: Path | None = None) -> Ctx:
-    """A fresh, empty store (a copy of ``template``, an empty store made once, where given)."""
-    ctx = Ctx(tmp=tmp, store=tmp / "store", inp=tmp / "in", marker=tmp / "marker", good_dcp=good_dcp)
-    ctx.inp.mkdir(parents=True)
-    if template is not None:
-        shutil.copytree(template, ctx.store)
-    else:
-        ucp_store.open_store(str(ctx.store), create=True)
-    return ctx
-
-
-def run_case(case: Case, ctx: Ctx) -> Outcome:
-    """Build the input, make the call, return what came out (the checks are the caller's)."""
-    import contextlib
-    import io
-    import subprocess
-    import sys
-    import time
-
-    from ucp_store import cli
-
-    case.build(ctx)
-    out = Outcome(case, before=snapshot(ctx))
-    t0 = time.monotonic()
-    try:
-        if case.cli is not None:
-            argv = [str(a) for a in case.cli(ctx)]
-            if case.subprocess:
-                env = {**os.environ, "UCP_PROGRESS": "0"}
-                p = subprocess.run([sys.executable, "-m", "ucp_store.cli", *argv], capture_output=True, text=True,
-                                   env=env, timeout=300)
-                out.exit_code, out.text = p.returncode, p.stderr
-            else:
-                err = io.StringIO()
-                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                    try:
-                        out.exit_code = cli.main(argv)
-                    except SystemExit as e:  # argparse usage errors
-                        out.exit_code = int(e.code or 0)
-                out.text = err.getvalue()
-        else:
-            assert case.api is not None
-            try:
-                case.api(ctx)
-            except Exception as e:  # noqa: BLE001 (the outcome is checked by the caller)
-                out.error, out.text = e, str(e)
-    finally:
-        out.seconds = time.monotonic() - t0
-        for close in ctx.extra.pop("closers", []):
-            close()
-    return out
-
-
-def check(out: Outcome, ctx: Ctx) -> None:
-    """The corpus's assertions for one case."""
-    case = out.case
-    needle = case.needle.format(**ctx.fields())
-    if isinstance(case.expect, int):
-        assert out.exit_code == case.expect, f"{case.id}: exit {out.exit_code}, expected {case.expect}: {out.text}"
-        assert out.text.startswith("ucp: error: ") and len(out.text.strip().splitlines()) == 1, \
-            f"{case.id}: not one error line: {out.text!r}"
-    else:
-        assert out.error is not None, f"{case.id}: no error raised"
-        assert isinstance(out.error, case.expect), \
-            f"{case.id}: {type(out.error).__name__}: {out.error}; expected {case.expect.__name__}"
-    assert needle in out.text, f"{case.id}: {needle!r} not in the error: {out.text!r}"
-    assert not ctx.marker.exists(), f"{case.id}: a pickle payload ran"
-    assert snapshot(ctx) == out.before, f"{case.id}: something was left behind in the catalog or the files"
-    if case.id.startswith(("postgres-", "s3-")):
-        assert out.seconds < UNREACHABLE_LIMIT_S, f"{case.id}: took {out.seconds:.0f} s"
