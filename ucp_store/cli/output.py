@@ -1,5 +1,9 @@
 """Output helpers of the ``ucp`` command: tables, JSON, byte counts, and quiet exits on a closed pipe.
 
+``--json`` output is always strict JSON: NaN, Infinity and -Infinity are printed as the strings ``"NaN"``,
+``"Infinity"`` and ``"-Infinity"`` (a number where the value is finite), and complex values as
+``[re, im]`` pairs (``ucp read``).
+
 Only ``rich`` (for tables) is imported, and only when a table is drawn: a catalog-only command stays
 cheap to start.
 """
@@ -7,11 +11,12 @@ cheap to start.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any
 
-__all__ = ["fmt_bytes", "print_json", "table", "quiet_stdout"]
+__all__ = ["fmt_bytes", "json_safe", "print_json", "table", "quiet_stdout", "NONFINITE"]
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -25,9 +30,38 @@ def fmt_bytes(n: float | None) -> str:
     return str(n)
 
 
+#: how ``--json`` spells the floats JSON has no number for (the names JavaScript and Python's ``json`` use)
+NONFINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN, Infinity and -Infinity float (also inside dicts, lists and tuples, and numpy
+    scalars) replaced by the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``: strict JSON has no
+    number for them, and a bare ``NaN`` token makes the whole output unreadable to a strict parser."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else NONFINITE[repr(float(obj))]
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if getattr(obj, "shape", None) == () and hasattr(obj, "item"):  # a numpy scalar (numpy is not imported here)
+        return json_safe(obj.item())
+    return obj
+
+
 def print_json(obj: Any) -> None:
-    """Print ``obj`` as indented JSON (non-JSON values as their ``str``)."""
-    print(json.dumps(obj, indent=2, default=str, allow_nan=True))
+    """Print ``obj`` as indented, strict JSON (``allow_nan=False`` holds): non-finite floats as the strings
+    of :func:`json_safe`, other non-JSON values as their ``str``."""
+    try:
+        text = json.dumps(obj, indent=2, default=_default, allow_nan=False)
+    except ValueError:  # a non-finite float somewhere: walk the value only then (a large read is long)
+        text = json.dumps(json_safe(obj), indent=2, default=_default, allow_nan=False)
+    print(text)
+
+
+def _default(obj: Any) -> Any:
+    safe = json_safe(obj)  # a numpy scalar becomes its Python value; anything else is returned as it is
+    return str(obj) if safe is obj else safe
 
 
 def table(rows: list[list[Any]], headers: list[str]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from .common import EXIT_FAIL, EXIT_OK, Command, open_from_args, progress_wanted
 from .output import print_json, table
 
-__all__ = ["COMMANDS", "cmd_read", "cmd_stats", "cmd_diff", "cmd_verify"]
+__all__ = ["COMMANDS", "cmd_read", "cmd_stats", "cmd_diff", "cmd_verify", "json_values"]
 
 
 def cmd_read(args: Any) -> int:
@@ -35,15 +35,26 @@ def cmd_read(args: Any) -> int:
             raise
         print(f"wrote {args.out}: {list(np.shape(data))} {handle.info.dtype}")
     elif args.json:
-        with np.errstate(invalid="ignore"):  # a signaling NaN's cast warns (see checkpoint.compute_stats)
-            values = (np.asarray(data).astype(np.float64).tolist() if data.dtype.kind not in "biu"
-                      else np.asarray(data).tolist())
         print_json({"name": handle.info.name, "state": handle.info.state, "shape": list(np.shape(data)),
-                    "dtype": handle.info.dtype, "values": values})
+                    "dtype": handle.info.dtype, "values": json_values(np.asarray(data))})
     else:
         with np.printoptions(threshold=200, edgeitems=4, linewidth=120), np.errstate(invalid="ignore"):
             print(np.asarray(data).astype(np.float32) if handle.info.dtype == "bfloat16" else np.asarray(data))
     return EXIT_OK
+
+
+def json_values(data: Any) -> Any:
+    """A numpy array as nested lists for ``read --json``: integers and booleans as they are, floats as
+    float64 (NaN/Infinity become strings in ``print_json``), complex values as ``[re, im]`` pairs, so an
+    element of a complex tensor of shape ``S`` sits at ``values[i][j]...`` = ``[re, im]``."""
+    import numpy as np
+
+    if data.dtype.kind in "biu":
+        return data.tolist()
+    with np.errstate(invalid="ignore"):  # a signaling NaN's cast warns (see checkpoint.compute_stats)
+        if data.dtype.kind == "c":
+            return np.stack([data.real, data.imag], axis=-1).astype(np.float64).tolist()
+        return data.astype(np.float64).tolist()
 
 
 def cmd_stats(args: Any) -> int:
@@ -121,7 +132,8 @@ def _verify_args(sp: argparse.ArgumentParser) -> None:
 
 
 COMMANDS = {
-    "read": Command(cmd_read, "read a tensor or a slice of it (only the chunks it touches)", _read_args),
+    "read": Command(cmd_read, "read a tensor or a slice of it (only the chunks it touches); --json: complex "
+                    "values as [re, im], NaN/Infinity as strings", _read_args),
     "stats": Command(cmd_stats, "min/max/mean/std/norm/NaN/Inf, computed chunk by chunk", _stats_args),
     "diff": Command(cmd_diff, "compare two versions tensor by tensor", _diff_args),
     "verify": Command(cmd_verify, "check every chunk checksum and content hash (exit 1 on mismatch)", _verify_args),
