@@ -458,6 +458,10 @@ class Checkpoint:
 
     # --- objects --------------------------------------------------------------------------------
     def objects(self) -> dict[str, Any]:
+        """``name -> value``: JSON values exactly as saved (``1.0`` stays a float, ``-0.0`` keeps its sign, big
+        integers stay integers, NaN/Infinity come back; JSON has one sequence type, so a tuple comes back as
+        a list), array objects as tensors. Rows written before migration 0004 on SQLite may have lost a
+        top-level ``1.0`` -> ``1`` already (see ``migrations/versions/0004_object_value_text.py``)."""
         out = {}
         with self.store.catalog.session() as s:
             for o in s.scalars(select(m.StoredObject).where(m.StoredObject.checkpoint_id == self.id)):

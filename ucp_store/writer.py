@@ -724,7 +724,10 @@ class CheckpointWriter:
         return h
 
     def write_object(self, name: str, value: Any) -> None:
-        """Store non-tensor state: JSON (dicts, lists, numbers, strings) or a tensor/array. Never pickle."""
+        """Store non-tensor state: JSON (dicts, lists, numbers, strings) or a tensor/array. Never pickle.
+
+        A JSON value reads back exactly (``Checkpoint.objects``), types and signs included; tuples become
+        lists, and a dict whose keys JSON would make equal (``1`` and ``"1"``) is refused."""
         self._check_open()
         names.object_name(name)
         if name in self._objects:
