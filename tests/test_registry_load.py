@@ -1,5 +1,7 @@
-"""Registry under load (issue 16): 8 processes x 25 saves into one registry, on SQLite and PostgreSQL, with
-readers and a gc/rm racer running throughout (the harness and its checks: tests/registry_load.py)."""
+"""Registry under load (issues 16 and 30): savers in separate processes saving into one registry, on SQLite and
+PostgreSQL, with a reader, an rm loop and a gc loop running throughout; afterwards every save committed or
+raised a clear error, and every listed version verifies (the harness and its checks: tests/registry_load.py;
+issue 30's full 8 x 25 run with its counts: ``tools/fault_table.py stress``)."""
 
 from __future__ import annotations
 
@@ -44,25 +46,29 @@ def test_save_whose_tensor_changed_after_write_aborts_when_its_dedup_target_is_g
     assert store.list_checkpoints(include_pending=True) == [] and array_folders(store_path) == set()
 
 
-def _run(tmp_path, store_url, catalog):
+#: CI's size of the stress run (issue 30's 8 x 25 is ``tools/fault_table.py stress``): the same code path,
+#: fewer savers and saves
+CI_SAVERS, CI_SAVES = 4, 6
+
+
+def _run(tmp_path, store_url, catalog, savers=CI_SAVERS, saves=CI_SAVES):
     out = tmp_path / "result.json"
-    p = subprocess.run([sys.executable, str(REPO / "tests" / "registry_load.py"), store_url, catalog or "", str(out)],
-                       env=python_env(), cwd=str(REPO), capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "registry_load.py"), store_url, catalog or "", str(out),
+                        str(savers), str(saves)], env=python_env(), cwd=str(REPO), capture_output=True, text=True,
+                       timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     counts = registry_load.check(json.loads(out.read_text()), store_url, catalog)
     print("registry under load:", json.dumps(counts))
-    assert counts["committed"] == registry_load.SAVERS * registry_load.SAVES + 3
-    assert counts["step_conflicts"] == 3 * (registry_load.SAVERS - 1)
+    assert counts["committed"] == savers * saves + 3
+    assert counts["step_conflicts"] == 3 * (savers - 1)
     return counts
 
 
-@pytest.mark.slow
 @pytest.mark.xdist_group("registry_load")
 def test_registry_under_load_sqlite(tmp_path):
     _run(tmp_path, str(tmp_path / "store"), None)
 
 
-@pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.xdist_group("registry_load")
 def test_registry_under_load_postgres(tmp_path):
