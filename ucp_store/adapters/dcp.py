@@ -30,6 +30,9 @@ Import (:class:`DcpSource`, on the adapter interface of :mod:`ucp_store.adapters
   :func:`ucp_store.safe_pickle.to_jsonable`). A blob that needs any other global, or would not survive
   JSON exactly, stays opaque: its bytes are stored as a ``uint8`` array object, never unpickled, listed as
   opaque in ``ucp show``, and written back byte-identical on export.
+* Per-rank entries (a non-tensor-state key that names a rank, torchtitan's ``dataloader.dp_rank_<i>``, or
+  matches ``per_rank`` patterns) are kept under their keys and recorded with their saving rank and the
+  saving topology in the version's per-rank record (:mod:`.dcp_perrank`, :mod:`ucp_store.rank_record`).
 * The object ``_dcp`` records the key layout (key -> tensor-state, value or opaque blob, and DCP's
   ``planner_data`` nesting), so an export rebuilds exactly the keys and nesting the job saved.
 
@@ -549,7 +552,8 @@ class DcpSource:
     # writer's hashing and submitting: the assembly of the next tensor overlaps the store's work on this one
     prefetch = True
 
-    def __init__(self, folder: str, *, optim_prefixes: Iterable[str] | None = None, model_prefix: str | None = None):
+    def __init__(self, folder: str, *, optim_prefixes: Iterable[str] | None = None, model_prefix: str | None = None,
+                 per_rank: Iterable[str] | None = None):
         self.folder = os.path.abspath(folder)
         self.md = read_dcp_metadata(self.folder)
         self.entries = _classify(self.md, optim_prefixes, model_prefix)
@@ -576,6 +580,11 @@ class DcpSource:
         self._files = _Files(self.folder)
         # every key's chunks checked before an import begins (kept: read_key uses them)
         self._layouts = {e.key: self._layout(e.key) for e in self.tensor_entries()}
+        from . import dcp_perrank
+
+        dcp_perrank.check_names(self)
+        # per-rank entries (dataloader.dp_rank_<i>): key -> (saving rank, file), recorded with the topology
+        self.per_rank = dcp_perrank.per_rank_keys(self, per_rank)
 
     def describe(self) -> str:
         return self.folder
@@ -597,7 +606,7 @@ class DcpSource:
                 "source_hashes": {_METADATA: "sha256:" + h.hexdigest()},
                 "library_versions": {"torch": _t.__version__},
                 "extra": {"dcp_version": self.md.version, "data_files": sizes,
-                          "keys": len(self.md.state_dict_metadata)}}
+                          "keys": len(self.md.state_dict_metadata), "per_rank_keys": sorted(self.per_rank)}}
 
     def tensor_entries(self) -> list[_Entry]:
         return [e for e in self.entries.values() if e.kind in ("tensor", "array")]
@@ -738,20 +747,26 @@ class DcpSource:
                               "sha256": hashlib.sha256(raw).hexdigest(), "why": why,
                               "source_transforms": list(descriptors or [])}
                 objs[key] = np.frombuffer(raw, dtype=np.uint8).copy()
+        from . import dcp_perrank
+
+        per_rank = dcp_perrank.record(self, index, self.per_rank)  # notes each key's rank in the index too
+        if per_rank is not None:
+            objs[dcp_perrank.RECORD_OBJECT] = per_rank
         objs[INDEX_OBJECT] = {"format": "dcp", "version": self.md.version, "keys": index}
         self._files.close()
         return objs
 
 
 def import_dcp(store, folder: str, run: str, step: int, *, message: str | None = None, progress: bool = True,
-               optim_prefixes: Iterable[str] | None = None, model_prefix: str | None = None):
+               optim_prefixes: Iterable[str] | None = None, model_prefix: str | None = None,
+               per_rank: Iterable[str] | None = None):
     """Import a DCP checkpoint folder as ``run@step``; returns the committed :class:`Checkpoint`.
 
     Everything that can be checked before writing (metadata safety, key layout, files present and long
     enough) is checked first, so a bad folder fails before a version is begun."""
     if step is None:
         raise UcpError("ucp import dcp DIR: --step N is required (DCP folders carry no step)")
-    source = DcpSource(folder, optim_prefixes=optim_prefixes, model_prefix=model_prefix)
+    source = DcpSource(folder, optim_prefixes=optim_prefixes, model_prefix=model_prefix, per_rank=per_rank)
     for info in source.md.storage_data.values():  # every file present and long enough, before begin
         source._files.view(info.relative_path, int(info.offset), int(getattr(info, "length", 0) or 0),
                             f"an entry of {info.relative_path}")
@@ -854,6 +869,10 @@ def _plan(checkpoint, states: Iterable[str] | None) -> tuple[dict, dict[str, tup
             key = ".".join(map(str, path))
             set_element(sd, path, placeholder(info))
             tensors[key] = (name, state)
+        from .dcp_perrank import export_entries
+
+        for path, value in export_entries(checkpoint, {tuple(k.split(".")) for k in tensors}):
+            set_element(sd, path, value)  # per-rank state: <key>.rank_<r>, never dropped
         return sd, tensors, opaque
     keys = index.get("keys", {})
     optim_heads = {v["path"][0] for v in keys.values() if v.get("kind") == "tensor" and v.get("state") != _MODEL_STATE

@@ -24,6 +24,9 @@ def add_cli_parser(kinds, verb: str, common) -> None:
                         help="top-level key of the optimizer state (default: detected; repeatable)")
         kp.add_argument("--model-prefix", default=None, metavar="KEY",
                         help="top-level key of the model state ('' for FQNs at the top level; default: detected)")
+        kp.add_argument("--per-rank", action="append", default=None, metavar="PATTERN",
+                        help="keys (fnmatch over dotted DCP keys) holding per-rank state, besides those whose name "
+                             "names a rank (dataloader.dp_rank_<i>); repeatable")
     else:
         kp.add_argument("ref")
         kp.add_argument("dest", metavar="DIR")
@@ -39,12 +42,16 @@ def cli_import(store, args) -> int:
     if args.step is None:
         raise UcpError("ucp import dcp DIR: --step N is required (a DCP folder carries no step)")
     ck = import_dcp(store, args.source, args.run, args.step, message=args.message, progress=not args.no_progress,
-                    optim_prefixes=args.optim_prefix, model_prefix=args.model_prefix)
+                    optim_prefixes=args.optim_prefix, model_prefix=args.model_prefix, per_rank=args.per_rank)
+    from ..rank_record import describe_topology, read_record
     from .dcp import opaque_entries
 
     n_opaque = len(opaque_entries(ck))
+    rec = read_record(ck)
+    per_rank = "" if rec is None else (f", {len(rec['keys'])} per-rank entr{'y' if len(rec['keys']) == 1 else 'ies'} "
+                                       f"saved on {describe_topology(rec['topology'])}")
     print(f"imported {args.source} as {ck.run}@{ck.step} ({ck.id}, {len(ck.tensors())} tensor-states, "
-          f"{ck.nbytes} bytes, {n_opaque} opaque non-tensor entr{'y' if n_opaque == 1 else 'ies'})")
+          f"{ck.nbytes} bytes, {n_opaque} opaque non-tensor entr{'y' if n_opaque == 1 else 'ies'}{per_rank})")
     return 0
 
 
@@ -53,8 +60,13 @@ def cli_export(checkpoint, args) -> int:
     from .dcp import export_dcp
 
     states = [s.strip() for s in args.states.split(",") if s.strip()] if args.states else None
+    from ..rank_record import read_record
+
     s = export_dcp(checkpoint, args.dest, states=states, progress=not args.no_progress, thread_count=args.threads)
-    print(f"wrote DCP folder {s['path']}: {s['tensors']} tensors, {s['opaque']} opaque entries written back as stored")
+    rec = read_record(checkpoint)
+    per_rank = "" if rec is None else f", {len(rec['keys'])} per-rank key(s) with every saving rank's entry"
+    print(f"wrote DCP folder {s['path']}: {s['tensors']} tensors, {s['opaque']} opaque entries written back as "
+          f"stored{per_rank}")
     return 0
 
 

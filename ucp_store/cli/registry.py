@@ -52,11 +52,16 @@ def cmd_ls(args: Any) -> int:
 
 
 def cmd_show(args: Any) -> int:
-    """A version's manifest: its tensors, patterns and arrays."""
+    """A version's manifest: its tensors, patterns and arrays, and its per-rank keys with their saving topology."""
+    from ..rank_record import read_record, show_json
+    from ..rank_record import show_lines as per_rank_lines
     from ..schema import validate
 
     ck = open_from_args(args).checkpoint(args.ref)
     manifest = ck.manifest()
+    record = read_record(ck)
+    if record is not None:  # per-rank keys with their saving topology (ucp_store.dist, DCP, DeepSpeed)
+        manifest["per_rank"] = show_json(record)
     validate("manifest", manifest)
     if args.json:
         print_json(manifest)
@@ -69,6 +74,8 @@ def cmd_show(args: Any) -> int:
     from ..adapters.dcp_cli import show_lines
 
     for line in show_lines(ck):
+        print(line)
+    for line in per_rank_lines(record):
         print(line)
     _show_experts(ck)
     return EXIT_OK
