@@ -1,7 +1,9 @@
 """Multi-process worker of tests/test_dist.py: real gloo ranks training, saving and resuming the demo model.
 
 Run as ``python tests/dist_worker.py SPEC_JSON``; it starts ``world`` rank processes (gloo, a free
-port; plain subprocesses so that one rank dying leaves the others to report) that each run ``spec["role"]`` and write ``<out>/rank<r>.json``. Roles:
+port; plain subprocesses so that one rank dying leaves the others to report) that each run
+``spec["role"]`` (of ``spec["module"]`` when given, e.g. tests/perrank_worker.py) and write
+``<out>/rank<r>.json``. Roles:
 
 - ``source``: train ``steps`` steps on the mesh, save with ``ucp_store.dist.save`` and with DCP;
 - ``resume``: build a differently initialised model on the target mesh, load one copy with
@@ -265,11 +267,13 @@ def _rank_main(rank, spec, port):
     out = {"rank": rank}
     try:
         dist.init_process_group("gloo", rank=rank, world_size=spec["world"])
+        # roles of another worker module (tests/perrank_worker.py) run under this same launcher
+        roles = vars(__import__(spec["module"])) if spec.get("module") else globals()
         if "jobs" in spec:  # several jobs of one world size, one after the other
-            out["jobs"] = [globals()["role_" + (job.get("role") or spec["role"])]({**spec, **job}, rank)
+            out["jobs"] = [roles["role_" + (job.get("role") or spec["role"])]({**spec, **job}, rank)
                            for job in spec["jobs"]]
         else:
-            out.update(globals()["role_" + spec["role"]](spec, rank))
+            out.update(roles["role_" + spec["role"]](spec, rank))
     except BaseException as exc:  # noqa: BLE001
         out["crash"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:

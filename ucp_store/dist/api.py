@@ -447,6 +447,8 @@ def _set_region_hashes(writer, parts: list[dict]) -> None:
             h = fmt.chunk_tree_hash(layout, digests)
             if h is not None:
                 writer.set_region_hash(key[0], key[1], h)
+            else:  # the origin reads back only the units of the content hash that no box held whole
+                writer.set_chunk_digests(key[0], key[1], digests)
 
 
 def _open_everywhere(store, create: bool, ctx: _Ctx):
@@ -749,6 +751,12 @@ def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progres
         leaves = flatten(state_dict)
         live = perrank.live_topology(leaves, mesh, ctx, what=f"verify {ref}")
         handled = _verify_per_rank(view, leaves, live, ctx.rank, perrank.parse_policies(per_rank), mine)
+        for leaf in leaves:  # replicated values (a learning rate, a position all ranks share)
+            if not leaf.is_tensor and leaf.path not in handled and leaf.path in view.values:
+                why = perrank.compare(leaf.value, view.values[leaf.path])
+                if why is not None:
+                    text = path_text(leaf.path)
+                    mine.append(Mismatch(text, "value", text, ctx.rank, None, 0, reason=why))
         tensors = [_describe(leaf) for leaf in leaves if leaf.is_tensor and leaf.path not in handled]
         for t in track(tensors, f"verify {ref}", enabled=progress and ctx.rank == 0):
             checked += _verify_tensor(ck, infos, t, ctx.rank, mine)
