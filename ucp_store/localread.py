@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -61,7 +62,9 @@ except (AttributeError, ValueError, OSError):
     _IOV_MAX = 16
 RUN_BYTES = 4 << 20        # one preadv covers at most this much (the crc then reads it back from cache)
 PARALLEL_BYTES = 16 << 20  # reads at least this large are split over the pool
-_RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: opening a FIFO planted in the store returns at once instead of waiting for a writer (the
+# S_ISREG check then refuses it); on regular files it changes nothing (open(2))
+_RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 # preadv2's RWF_NOWAIT (Linux >= 4.14; buffered reads since 5.x): a read that would wait for the disk fails
 # at once with EAGAIN. io reads a small read in place when the page cache holds it and hands only the
 # others to its pool (parallel preads are what a cold cache needs; on a warm one the pool's thread
@@ -101,9 +104,10 @@ def _mapped(path: str, ident: tuple) -> tuple:
         if hit is not None and hit[0] == ident:
             _maps.move_to_end(path)
             return hit
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, _RDONLY)
     try:
         st = os.fstat(fd)
+        _check_regular(st, os.path.dirname(path), os.path.basename(path))
         # private (copy-on-write, never written): its view is writable for torch's copy, pages stay shared
         mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)  # st_size > 0: the caller checked the index fits
     finally:
@@ -240,6 +244,13 @@ class LocalReadError(ValueError):
     """A shard file or chunk fails a check (crc32c, size, index entry) or is missing.
 
     A ``ValueError`` like TensorStore's, and worded so that ``format.is_corruption`` recognises it."""
+
+
+def _check_regular(st: os.stat_result, folder: str, key: str) -> None:
+    """Refuse a shard file that is not a regular file (a FIFO, socket or device planted in the store)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise LocalReadError(f"shard file {key} of {folder} is corrupt: not a regular file (mode "
+                             f"{stat.filemode(st.st_mode)}); a store holds only regular files")
 
 
 def _plain(chain: Any) -> bool:
@@ -883,7 +894,7 @@ class LocalArray:
         page cache."""
         key, path, local = self._shard_of(idx)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, _RDONLY)
         except FileNotFoundError:
             raise LocalReadError(f"chunk {list(idx)} of {self.folder}: shard file {key} is missing "
                                  "(NOT_FOUND)") from None
@@ -947,7 +958,9 @@ class LocalArray:
 
     def _read_file(self, path: str, key: str) -> bytes:
         try:
-            with open(path, "rb", buffering=0) as f:
+            fd = os.open(path, _RDONLY)
+            with open(fd, "rb", buffering=0) as f:
+                _check_regular(os.fstat(fd), self.folder, key)
                 return f.read()
         except FileNotFoundError:
             raise LocalReadError(f"shard file {key} of {self.folder} is missing (NOT_FOUND)") from None
@@ -973,7 +986,7 @@ class LocalArray:
     def _open(self, key: str, items: list) -> int:
         path = os.path.join(self.folder, *key.split("/"))
         try:
-            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return os.open(path, _RDONLY)
         except FileNotFoundError:
             raise LocalReadError(f"chunk {list(items[0][0])} of {self.folder}: shard file {key} is missing "
                                  "(NOT_FOUND)") from None
@@ -1033,6 +1046,7 @@ class LocalArray:
         wait for the disk. ``st``: ``fd``'s ``fstat``, when the caller has it."""
         if st is None:
             st = os.fstat(fd)
+        _check_regular(st, self.folder, key)
         ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = self._indexes.get(key)
         if hit is not None and hit[0] == ident:

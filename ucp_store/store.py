@@ -127,8 +127,13 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
         raise
     store = Store(location, catalog_db)
     if create:
-        store._init_settings(compression, chunk_target_bytes)
+        store.created = store._init_settings(compression, chunk_target_bytes)
     return store
+
+
+# what a setting a store's catalog does not record means: a store created before the chunk target was
+# recorded at creation wrote 1 MiB inner chunks
+_UNRECORDED: dict[str, Any] = {"compression": "none", "chunk_target_bytes": 1 << 20, "format_version": FORMAT_VERSION}
 
 
 class Store:
@@ -138,12 +143,12 @@ class Store:
     def __init__(self, location: Location, catalog):
         self.location = location
         self.catalog = catalog
+        #: whether ``open_store(create=True)`` made this store (False: it existed, its settings unchanged)
+        self.created = False
         self._context: Any = None
         with self.catalog.session() as s:
             rows = {r.key: r.value for r in s.scalars(select(m.Setting))}
-        # a store created before the chunk target was recorded at creation wrote 1 MiB inner chunks
-        self.settings: dict[str, Any] = {"compression": "none", "chunk_target_bytes": 1 << 20,
-                                         "format_version": FORMAT_VERSION, **rows}
+        self.settings: dict[str, Any] = {**_UNRECORDED, **rows}
 
     def __repr__(self) -> str:
         return f"Store({self.location.url!r})"
@@ -167,11 +172,13 @@ class Store:
             self._unsynced_context = make_context(sync=False)
         return self._unsynced_context
 
-    def _init_settings(self, compression: str | None, chunk_target_bytes: int | None) -> None:
+    def _init_settings(self, compression: str | None, chunk_target_bytes: int | None) -> bool:
+        """Record a new store's settings; True when the store is new. An existing store's settings never
+        change: a requested value equal to the stored one is a no-op, another one is refused (naming the
+        setting, the stored and the requested value) before anything is written."""
         from .chunking import DEFAULT_TARGET, MAX_TARGET, MIN_TARGET
 
         wanted: dict[str, Any] = {"format_version": FORMAT_VERSION}
-        defaults: dict[str, Any] = {"chunk_target_bytes": DEFAULT_TARGET}  # recorded unless already set
         if compression is not None:
             from .format import check_compression
 
@@ -183,21 +190,30 @@ class Store:
                                          f"{MIN_TARGET >> 10} KiB to {MAX_TARGET >> 20} MiB")
             wanted["chunk_target_bytes"] = int(chunk_target_bytes)
         with self.catalog.write_session() as s:
+            rows = {r.key: r.value for r in s.scalars(select(m.Setting))}
+            new = not rows and s.scalar(select(func.count()).select_from(m.Run)) == 0
+            stored = {**_UNRECORDED, **rows}
+            if new:
+                wanted.setdefault("chunk_target_bytes", DEFAULT_TARGET)  # recorded: later defaults may change
+            else:
+                for key, value in wanted.items():
+                    if key != "format_version" and stored[key] != value:
+                        raise ConfigurationError(self._setting_conflict(key, stored[key], value))
             for key, value in wanted.items():
-                row = s.get(m.Setting, key)
-                if row is None:
+                if key not in rows:
                     s.add(m.Setting(key=key, value=value))
-                elif key != "format_version":
-                    row.value = value
-            for key, value in defaults.items():
-                if key not in wanted:
-                    row = s.get(m.Setting, key)
-                    if row is None:
-                        s.add(m.Setting(key=key, value=value))
-                        wanted[key] = value
-                    else:
-                        wanted[key] = row.value
-        self.settings.update(wanted)
+        self.settings = {**stored, **wanted} if new else stored
+        return new
+
+    def _setting_conflict(self, key: str, stored: Any, requested: Any) -> str:
+        option = {"compression": "--compression", "chunk_target_bytes": "--chunk-mib"}.get(key, key)
+        if key == "chunk_target_bytes":
+            stored, requested = (f"{v} bytes ({v / (1 << 20):g} MiB)" for v in (stored, requested))
+        else:
+            stored, requested = repr(stored), repr(requested)
+        return (f"store {self.location.url} already exists with {key} = {stored}; creating it again asked for "
+                f"{key} = {requested} (`ucp init {option}`): a store's settings do not change once it is made "
+                f"(omit the setting to open it as it is, or create another store)")
 
     def array_url(self, rel: str) -> str:
         return self.location.display(rel)
@@ -431,6 +447,7 @@ class Store:
     def rm(self, ref: str, *, force: bool = False) -> str:
         """Remove a committed version from the catalog; its arrays go when nothing else needs them."""
         cid = self.resolve(ref)
+        self.location.check_walkable(ARRAYS_DIR)  # before the row goes: a sweep through a link is refused
         with self.catalog.write_session() as s:
             tags = list(s.scalars(select(m.Tag.name).where(m.Tag.checkpoint_id == cid)))
             if tags and not force:

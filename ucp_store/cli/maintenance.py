@@ -16,6 +16,7 @@ __all__ = ["COMMANDS", "cmd_gc", "cmd_retention", "cmd_db"]
 
 def cmd_gc(args: Any) -> int:
     """Apply retention, drop unfinished saves, delete unreferenced arrays (``--dry-run``: only report)."""
+    _check_retention_flags(args)
     store = open_from_args(args)
     report = store.gc(run=args.run, keep_last=args.keep_last, keep_every=args.keep_every,
                       keep_tagged=not args.no_keep_tagged, dry_run=args.dry_run)
@@ -30,10 +31,19 @@ def cmd_gc(args: Any) -> int:
 
 def cmd_retention(args: Any) -> int:
     """Store a run's retention policy (``gc`` applies it)."""
+    _check_retention_flags(args)
     policy = open_from_args(args).set_retention(args.run, keep_last=args.keep_last, keep_every=args.keep_every,
                                                keep_tagged=not args.no_keep_tagged)
     print(f"retention of {args.run}: {json.dumps(policy)} (applied by `ucp gc`)")
     return EXIT_OK
+
+
+def _check_retention_flags(args: Any) -> None:
+    """--keep-last and --keep-every count versions and steps: 0 or a negative one would make gc remove
+    nearly every version, so they are refused before the store is opened."""
+    for flag, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and not 1 <= value <= 2**63 - 1:
+            raise UcpError(f"{flag} {value}: expected an integer from 1 to 2^63-1 (omit it for no such rule)")
 
 
 def cmd_db(args: Any) -> int:
@@ -75,8 +85,9 @@ def _retention_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _retention_flags(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--keep-last", type=int, default=None)
-    sp.add_argument("--keep-every", type=int, default=None)
+    sp.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep the newest N versions (N >= 1)")
+    sp.add_argument("--keep-every", type=int, default=None, metavar="K",
+                    help="keep every step divisible by K (K >= 1)")
     sp.add_argument("--no-keep-tagged", action="store_true")
 
 
