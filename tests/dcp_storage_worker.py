@@ -215,7 +215,7 @@ def sc_bad(spec, rank, state):
     w.reset()  # drops the pending version on the coordinator (as the next save would)
     torch.distributed.barrier()
     st = open_store(spec["store"])
-    out["listed_runs"] = sorted(r["name"] if isinstance(r, dict) else getattr(r, "name", str(r)) for r in st.runs())
+    out["listed"] = sorted(f"{c['run']}@{c['step']}" for c in st.list_checkpoints())
     out["pending_left"] = _pending(st)
     return out
 

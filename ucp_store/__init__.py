@@ -33,6 +33,7 @@ __all__ = ["Store", "open_store", "Checkpoint", "Topology", "load_shard", "UcpEr
 _LAZY = {
     "Store": "store", "open_store": "store", "Checkpoint": "checkpoint", "Topology": "topology",
     "load_shard": "io", "UcpError": "errors", "ReferenceNotFound": "errors",
+    "UcpStorageWriter": "dcp_storage", "UcpStorageReader": "dcp_storage",
 }
 
 

@@ -171,8 +171,9 @@ def _stand_in_metadata(plans: list[SavePlan]) -> Any:
             if item.type == WriteItemType.BYTE_IO:
                 sdm.setdefault(fqn, DcpBytesStorageMetadata())
             else:
-                sdm.setdefault(fqn, DcpTensorStorageMetadata(properties=None, size=item.tensor_data.size,
-                                                             chunks=[]))
+                td = item.tensor_data
+                assert td is not None  # a tensor item always carries its tensor data
+                sdm.setdefault(fqn, DcpTensorStorageMetadata(properties=None, size=td.size, chunks=[]))
     return DcpMetadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data={}, storage_meta=None,
                        version=None)
 
@@ -190,6 +191,7 @@ def _tensor_boxes(plans: list[SavePlan]) -> tuple[dict[str, list], dict[tuple[in
                 seen.setdefault((item.index.fqn, None, None), rank)  # type: ignore[arg-type]
                 continue
             td = item.tensor_data
+            assert td is not None
             offsets, sizes = tuple(int(x) for x in td.chunk.offsets), tuple(int(x) for x in td.chunk.sizes)
             mark = (item.index.fqn, offsets, sizes)
             keep[(rank, i)] = mark not in seen
@@ -275,6 +277,7 @@ def _catalog_commit(writer, keys: dict[str, _Key], paths: dict[str, Any], result
     tensor_keys = {k: v for k, v in keys.items() if v.kind == "tensor"}
     writer.open_regions([(v.name, v.state, v.dtype, v.shape, None, v.points()) for v in tensor_keys.values()])
     for v in tensor_keys.values():  # an empty box at the origin: this writer hashes and records the array
+        assert v.name is not None and v.state is not None and v.dtype is not None
         empty = np.empty((0,) * len(v.shape), dtype=dtypes.numpy_dtype(v.dtype))
         writer.write_region(v.name, v.state, empty, shape=v.shape, offset=(0,) * len(v.shape), pattern=None,
                             boundaries=v.points(), origin=True)
@@ -283,10 +286,10 @@ def _catalog_commit(writer, keys: dict[str, _Key], paths: dict[str, Any], result
     for rank_results in results:
         for r in rank_results:
             key = r.index.fqn
-            v = keys.get(key)
-            data = r.storage_data
-            if v is None or not isinstance(data, dict):
+            found, data = keys.get(key), r.storage_data
+            if found is None or not isinstance(data, dict):
                 raise UcpError(f"DCP save: a write result for key {key!r} that the global plan does not hold")
+            v = found
             if "digests" in data:
                 digests.append({(v.name, v.state): data["digests"]})
             if v.kind == "whole":
@@ -422,7 +425,7 @@ class UcpStorageWriter(StorageWriter):
         try:
             fut.set_result(self._write(plan, planner))
         except BaseException as exc:  # noqa: BLE001 - DCP collects every rank's failure from the future
-            fut.set_exception(exc)
+            fut.set_exception(exc)  # type: ignore[arg-type]  # torch types the argument as the result type
         return fut
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -442,13 +445,14 @@ class UcpStorageWriter(StorageWriter):
             key = item.index.fqn
             v = data.keys[key]
             if item.type == WriteItemType.BYTE_IO:
-                buf = planner.resolve_data(item)
+                buf: Any = planner.resolve_data(item)
                 raw = buf.getvalue() if isinstance(buf, io.BytesIO) else bytes(buf.read())
                 results.append(WriteResult(item.index, len(raw), {"bytes": raw}))
                 continue
-            t = planner.resolve_data(item).detach()
-            t = t.to("cpu") if t.device.type != "cpu" else t
+            t: Any = planner.resolve_data(item)
+            t = t.detach().cpu()  # a no-op for a host tensor
             if v.kind == "tensor":
+                assert item.tensor_data is not None and v.name is not None and v.state is not None
                 offsets = tuple(int(x) for x in item.tensor_data.chunk.offsets)
                 n = writer.write_region(v.name, v.state, t, shape=v.shape, offset=offsets, pattern=None,
                                         boundaries=v.points())
@@ -613,7 +617,7 @@ class UcpStorageReader(StorageReader):
             self._read(plan, planner)
             fut.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - DCP collects every rank's failure from the future
-            fut.set_exception(exc)
+            fut.set_exception(exc)  # type: ignore[arg-type]  # torch types the argument as the result type
         return fut
 
     def _bytes(self, ck, s: _Serve) -> bytes:
