@@ -120,7 +120,8 @@ def test_any_json_value_round_trips_through_save(store, value):
 
 
 def test_keys_json_would_merge_are_refused(store):
-    with pytest.raises(ValidationError, match=r"object 'cfg': keys 1 and '1' are both stored as the JSON key '1'"):
+    with pytest.raises(ValidationError, match=r"object 'cfg': two keys of one dict are both stored as the JSON "
+                                              r"key '1'"):
         store.save("r", 1, {"w": torch.zeros(1)}, objects={"cfg": {"a": [{1: "x", "1": "y"}]}})
     assert store.list_checkpoints() == []
 

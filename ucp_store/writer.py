@@ -1007,19 +1007,28 @@ def _writer_aligned_shards(layout: fmt.ArrayLayout, source_points: Mapping[int, 
 
 def _check_json(name: str, value: Any) -> Any:
     """``value`` as the catalog will give it back (``json``'s view: tuples become lists, ``1.0``, ``-0.0``,
-    big integers and NaN/Infinity stay what they are), or a ValidationError naming the object."""
+    big integers and NaN/Infinity stay what they are), or a ValidationError naming the object. A dict whose
+    keys ``json`` makes equal (``1`` and ``"1"``) is refused: the catalog would keep only one of them."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):  # only converted keys can repeat: a Python dict has no duplicate keys
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise ValidationError(f"object {name!r}: two keys of one dict are both stored as the JSON key "
+                                          f"{key!r} (e.g. 1 and '1'); one of them would be lost")
+                seen.add(key)
+        return out
+
     try:
-        text_ = m.encode_json(value)
-        _check_keys(name, value)
-        return m.decode_json(text_)
+        return json.loads(m.encode_json(value), object_pairs_hook=unique)
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"object {name!r} is not JSON-serialisable ({exc}); store tensors as arrays, "
                               "never pickle") \
             from None
     except RecursionError:
         raise ValidationError(f"object {name!r} is nested too deeply to store as JSON") from None
-
-
 def _check_keys(name: str, value: Any) -> None:
     """Refuse a dict whose keys ``json`` makes equal (``1`` and ``"1"``): the catalog would keep only one."""
     if isinstance(value, dict):
