@@ -1029,19 +1029,3 @@ def _check_json(name: str, value: Any) -> Any:
             from None
     except RecursionError:
         raise ValidationError(f"object {name!r} is nested too deeply to store as JSON") from None
-def _check_keys(name: str, value: Any) -> None:
-    """Refuse a dict whose keys ``json`` makes equal (``1`` and ``"1"``): the catalog would keep only one."""
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            seen: dict[str, Any] = {}
-            for k in value:
-                key = k if isinstance(k, str) else next(iter(m.decode_json(m.encode_json({k: 0}))))
-                if key in seen:
-                    raise ValidationError(f"object {name!r}: keys {seen[key]!r} and {k!r} are both stored as the "
-                                          f"JSON key {key!r}; one of them would be lost")
-                seen[key] = k
-        for v in value.values():
-            _check_keys(name, v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _check_keys(name, v)
