@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..store import CheckpointWriter, Store
 
 __all__ = ["ShardSpec", "TensorRecord", "RecordGroup", "Source", "Sink", "import_source", "write_records",
-           "merge_objects", "group_nbytes", "parse_json", "MAX_JSON_DEPTH"]
+           "merge_objects", "group_nbytes", "parse_json", "MAX_JSON_DEPTH", "destination"]
 
 
 #: the deepest nesting a foreign JSON document (a Hugging Face config or index, a safetensors header, a name
@@ -67,6 +67,19 @@ def _too_deep(value: Any) -> bool:
             return True
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return False
+
+
+def destination(path: Any, what: str) -> str:
+    """An export's destination as given (``os.fspath``), refusing an empty one: ``os.path.abspath("")`` is the
+    current folder, which an export would then write into or refuse with a message about the wrong path."""
+    import os
+
+    text = os.fspath(path) if path is not None else ""
+    if not text:
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(f"cannot write {what} to '': expected a path (the destination is empty)")
+    return text
 
 
 def parse_json(raw: str | bytes, what: str, *, error: type[UcpError] = SourceFormatError,

@@ -64,7 +64,7 @@ import torch
 from .._killpoints import killpoint
 from ..errors import SourceFormatError, UcpError, UnsafePickleError
 from ..writer import MAX_ELEMENTS
-from .base import TensorRecord, import_source
+from .base import TensorRecord, destination, import_source
 
 __all__ = ["INDEX_OBJECT", "DcpSource", "export_dcp", "import_dcp", "opaque_entries", "read_dcp_metadata",
            "tiling_problem"]
@@ -938,7 +938,9 @@ def export_dcp(checkpoint, dest: str, *, states: Iterable[str] | None = None, pr
 
     from ..progress import track
 
-    dest = os.path.abspath(dest)
+    dest = os.path.abspath(destination(dest, "a DCP folder"))
+    if not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1:
+        raise UcpError(f"thread_count (--threads) must be an integer >= 1, got {thread_count!r}")
     parent = os.path.dirname(dest)
     if not os.path.isdir(parent):
         raise UcpError(f"cannot write DCP folder {dest}: folder {parent} does not exist")

@@ -37,6 +37,7 @@ Import reads such a folder back: :class:`UniversalFolderReader` (layout, metadat
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -54,7 +55,7 @@ from .. import safe_pickle as sp
 from .._killpoints import killpoint
 from ..errors import ConfigurationError, ConflictError, DTypeError, InvalidNameError, SourceFormatError
 from ..patterns import Averaged, Fused, Partitioned, Replicated, Vocab, parse_pattern
-from .base import import_source
+from .base import destination, import_source
 from .deepspeed import param_groups
 from .deepspeed_files import (
     DS_MODEL_KEYS,
@@ -249,9 +250,8 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
         style = "zero3" if (src_zero >= 3 and src_tp == 1) else "zero12"
     tag = tag or f"global_step{checkpoint.step}_universal"
     _names.tag_name(tag)
-    out_root = os.path.abspath(os.fspath(out_root))
-    os.makedirs(out_root, exist_ok=True)
-    root_real = os.path.realpath(out_root)
+    out_root = os.path.abspath(destination(out_root, "a DeepSpeed universal folder"))
+    root_real = os.path.realpath(out_root)  # the folder is made once every check below has passed
     final = os.path.join(root_real, tag)
     if os.path.lexists(final) and not overwrite:
         raise ConflictError(f"{final} exists; choose another tag or pass overwrite=True")
@@ -278,7 +278,8 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
             _check_fp32_cast(checkpoint, states["weight"])
         d = _safe_dir(root_real, zero, name)
         jobs.append((name, states, d))
-    os.makedirs(zero)  # after every check above: a refused export writes nothing
+    made_root = not os.path.isdir(out_root)
+    os.makedirs(zero)  # after every check above: a refused export writes nothing (not even out_root)
 
     def export_one(job):
         name, states, d = job
@@ -336,6 +337,9 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
             os.replace(out, final)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
+        if made_root:
+            with contextlib.suppress(OSError):
+                os.rmdir(out_root)  # made by this export, empty again
         raise
     tmp = os.path.join(out_root, f".latest_universal.{os.getpid()}")
     with open(tmp, "w") as f:

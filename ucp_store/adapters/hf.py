@@ -37,7 +37,7 @@ from .. import dtypes, names
 from .._killpoints import killpoint
 from .._window import read_failed
 from ..errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
-from .base import TensorRecord, import_source, parse_json
+from .base import TensorRecord, destination, import_source, parse_json
 from .hf_map import NameMap, Piece, load_map, plan_outputs
 
 if TYPE_CHECKING:
@@ -575,7 +575,7 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
     (``bf16``/``fp16``/``fp32``) casts floating tensors and sets ``config.json``'s ``dtype``;
     ``name_map``: a map file, shipped map name or dict (:mod:`ucp_store.adapters.hf_map`); ``config``:
     a ``config.json`` to write instead of the stored ``hf.config`` object. Returns a summary."""
-    dest = os.path.abspath(os.fspath(dest))
+    dest = os.path.abspath(destination(dest, "a Hugging Face folder"))
     limit = parse_size(max_shard_size)
     parent = os.path.dirname(dest)
     if not os.path.isdir(parent):
