@@ -1,5 +1,6 @@
 """The DeepSpeed engine's building blocks without DeepSpeed (issue 14): the writer hashes ZeRO fragments from
-the chunk digests taken while writing, and the loader reads group buffers straight into given tensors."""
+the digests of the content hash's units taken while writing, and the loader reads group buffers straight into
+given tensors."""
 
 import pytest
 import torch
@@ -59,14 +60,13 @@ def saved(tmp_path_factory):
 def test_fragments_are_hashed_from_their_chunk_digests(saved):
     store, ck, logical, digests = saved
     infos = {t.name: t for t in ck.tensors()}
-    # "big" spans many chunks, each written whole by one rank but the one the DP boundary cuts (mid-row)
-    big = infos["big"]
-    layout = fmt.ArrayLayout.from_catalog(big.dtype, big.shape, big.chunk_shape, big.shard_shape,
-                                          [{"name": "bytes"}])
-    n_chunks = sum(1 for _ in fmt.chunk_indices(layout))
-    assert 1 < len(digests[("big", "fp32")]) < n_chunks  # the cut chunk is read back by the origin rank
+    # "big" spans several units of the content hash, each written whole by one rank but the one the DP boundary
+    # cuts (mid-row)
+    n_units = len(fmt.missing_units("float32", SHAPES["big"], {}))
+    assert 1 < len(digests[("big", "fp32")]) < n_units  # the cut unit is read back by the origin rank
     for name, t in infos.items():
-        assert t.content_hash.startswith(fmt.CHUNK_HASH_PREFIX), name
+        # the one scheme of every save path: what a whole-tensor write of the same bits records
+        assert t.content_hash == fmt.content_hash(logical[name].numpy()), name
         assert torch.equal(ck.read(name, "fp32"), logical[name])
     assert ck.verify() == []  # every hash recomputed from the stored bytes matches the one recorded
 

@@ -1,7 +1,7 @@
 """The local write path (ucp_store/localwrite.py): whole shard files written without TensorStore.
 
 The files must be the bytes TensorStore writes for the same array (the one format every reader knows),
-the per-chunk digests must be ``format.chunk_digest`` of each chunk, and a save through it must commit
+the digests of the content hash's units must be of the bytes written, and a save through it must commit
 the same content hash as the TensorStore path, verify clean and read back exactly.
 """
 
@@ -59,10 +59,11 @@ def test_shard_files_are_tensorstores_bytes(tmp_path, shape, chunk, shard, dtype
     for f in files:  # byte for byte what TensorStore wrote, index and crc included
         assert filecmp.cmp(tmp_path / "ts" / f, tmp_path / "lw" / f, shallow=False), f
     assert sorted(os.listdir(tmp_path / "lw" / "c")) == sorted(os.listdir(tmp_path / "ts" / "c"))  # no temp left
-    assert set(digests) == set(fmt.chunk_indices(layout))
-    for idx, d in digests.items():
-        box = layout.chunk_box(idx)
-        assert d == fmt.chunk_digest(a[tuple(slice(lo, hi) for lo, hi in box)]), idx
+    # the content hash's units each shard held whole, digested from the bytes written; with the rest (units a
+    # shard boundary cuts) the digests give the array's content hash
+    for unit, lo, hi in fmt.missing_units(layout.dtype, layout.shape, digests):
+        digests[unit] = fmt.chunk_digest(a.reshape(-1)[lo:hi])
+    assert fmt.units_hash(layout.dtype, layout.shape, digests) == fmt.content_hash(a)
     back = fmt.open_array(loc, "lw", layout, ctx).read().result()
     assert np.array_equal(back, a)
 
@@ -100,7 +101,7 @@ def test_a_failed_shard_write_is_a_write_error_naming_the_tensor(tmp_path, monke
 
 def test_save_through_either_path_commits_one_hash(tmp_path, monkeypatch):
     """A save through the local path and one through TensorStore (``UCP_LOCAL_WRITE=0``) commit the same
-    chunk-tree hash, verify clean and read back exactly."""
+    content hash, verify clean and read back exactly."""
     import ucp_store.dist as ucpd
 
     t = torch.randn(128, 96)
@@ -118,7 +119,7 @@ def test_save_through_either_path_commits_one_hash(tmp_path, monkeypatch):
         target = {"w": torch.zeros(128, 96)}
         ucpd.load(target, store=store, ref=cid, progress=False)
         assert torch.equal(target["w"], t)
-    assert hashes["1"] == hashes["0"] and hashes["1"].startswith(fmt.CHUNK_HASH_PREFIX)
+    assert hashes["1"] == hashes["0"] == fmt.content_hash(t.numpy())  # the one scheme, whatever the path
 
 
 def test_boxes_that_share_a_shard_go_through_tensorstore(tmp_path, monkeypatch):

@@ -46,11 +46,13 @@ __all__ = [
     "COMPRESSIONS", "HASH_PREFIX", "Box", "ArrayLayout", "check_compression", "compression_of", "plan_layout",
     "make_context", "array_spec", "create_array", "open_array", "metadata_mismatch", "read_metadata", "box_index",
     "is_corruption", "locate_bad_chunks", "read_box", "ContentHasher", "content_hash", "slabs", "VerifyReport",
-    "verify_array",
+    "verify_array", "UNIT_BYTES", "WHOLE_HASH_PREFIX", "CHUNK_HASH_PREFIX", "LEGACY_HASH_PREFIXES", "hash_scheme",
+    "units_hash", "missing_units", "box_unit_digests", "WholeHasher", "chunk_digest", "chunk_tree_hash",
+    "legacy_chunk_tree_hash",
 ]
 
 COMPRESSIONS = ("none", "zstd", "blosc")
-HASH_PREFIX = "xxh3-128:"
+HASH_PREFIX = "xxh3-128-units:"  # the content-hash scheme of every save path (see "content hashes")
 
 #: a box as raw ranges, one half-open ``(start, stop)`` per dim (``geometry.Ranges``)
 Box = Ranges
@@ -304,6 +306,7 @@ def metadata_mismatch(location: Location, rel: str, layout: ArrayLayout, context
 
 def read_metadata(location: Location, rel: str) -> dict:
     import json
+    location.check_regular(f"{rel}/zarr.json")  # a FIFO there would block TensorStore's read forever
     kv = ts.KvStore.open(location.kvstore(rel)).result()
     raw = kv.read("zarr.json").result()
     if raw.state != "value":
@@ -366,28 +369,240 @@ def read_box(handle: Any, layout: ArrayLayout, box: Box, *, what: str, array_url
 
 
 # --- content hashes ------------------------------------------------------------------------------
+#
+# One scheme for every save path (``HASH_PREFIX``, "units"): the array's C-order bytes are cut into units
+# that depend only on its dtype and shape, never on the storage chunk grid (two save paths may choose
+# different grids for one tensor: a whole-tensor write and a per-rank write with declared topologies):
+#
+# - a row is the last dimension (a 0-d array is one row of one element);
+# - rows of at most ``UNIT_BYTES`` are grouped, ``UNIT_BYTES // row_bytes`` consecutive rows per unit (the
+#   last unit shorter); a longer row is cut into pieces of ``UNIT_BYTES // itemsize`` elements (each row's
+#   last piece shorter);
+# - the hash is xxh3-128 over ``"<dtype>:<shape>;"`` and every unit's xxh3-128 digest, in C order.
+#
+# Every unit is contiguous in C order, so a writer holding the whole tensor hashes it in one pass, and a
+# writer holding a box (a ZeRO fragment, a DTensor shard, a shard file) digests the units that lie wholly
+# inside it from memory; only units that no single writer held whole are read back (``missing_units``).
+# Arrays saved before this scheme keep their hashes: ``WHOLE_HASH_PREFIX`` (xxh3-128 over the whole byte
+# stream) and ``CHUNK_HASH_PREFIX`` (per storage chunk); ``verify_array`` recomputes either, and ``diff``
+# compares the data when two hashes are of different schemes.
+
+#: bytes per unit of the content hash; part of the scheme's definition (changing it changes every hash)
+UNIT_BYTES = 256 << 10
+WHOLE_HASH_PREFIX = "xxh3-128:"
+CHUNK_HASH_PREFIX = "xxh3-128-chunks:"
+LEGACY_HASH_PREFIXES = (WHOLE_HASH_PREFIX, CHUNK_HASH_PREFIX)
+
+
+def hash_scheme(h: str | None) -> str:
+    """The scheme prefix of a content hash (``HASH_PREFIX`` or one of ``LEGACY_HASH_PREFIXES``), or ``""``."""
+    for prefix in (HASH_PREFIX, CHUNK_HASH_PREFIX, WHOLE_HASH_PREFIX):  # the longer prefixes first
+        if (h or "").startswith(prefix):
+            return prefix
+    return ""
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The unit cut of one (dtype, shape): ``span`` bytes of whole rows per unit, or (``span`` == 0) pieces of
+    ``piece`` bytes within each row of ``row_bytes``."""
+
+    total: int
+    itemsize: int
+    row_bytes: int
+    rows: int
+    span: int
+    piece: int
+
+    @classmethod
+    def of(cls, dtype: str, shape: Sequence[int]) -> "_Units":
+        itemsize = dtypes.itemsize(dtype)
+        cols = int(shape[-1]) if len(shape) else 1
+        rows = math.prod(int(s) for s in shape[:-1]) if len(shape) else 1
+        row_bytes = cols * itemsize
+        if row_bytes <= UNIT_BYTES:
+            per_unit = UNIT_BYTES // max(row_bytes, 1)  # whole rows per unit
+            return cls(rows * row_bytes, itemsize, row_bytes, rows, per_unit * row_bytes, 0)
+        return cls(rows * row_bytes, itemsize, row_bytes, rows, 0, UNIT_BYTES // itemsize * itemsize)
+
+    @property
+    def per_row(self) -> int:
+        return -(-self.row_bytes // self.piece) if self.piece else 0
+
+    @property
+    def count(self) -> int:
+        if not self.total:
+            return 0
+        return -(-self.total // self.span) if self.span else self.rows * self.per_row
+
+    def byte_range(self, u: int) -> tuple[int, int]:
+        """Unit ``u``'s bytes ``[start, stop)`` in the C-order stream."""
+        if self.span:
+            return u * self.span, min((u + 1) * self.span, self.total)
+        r, j = divmod(u, self.per_row)
+        return r * self.row_bytes + j * self.piece, r * self.row_bytes + min((j + 1) * self.piece, self.row_bytes)
+
+    def end_of(self, pos: int) -> int:
+        """The end of the unit holding stream byte ``pos``."""
+        if self.span:
+            return min((pos // self.span + 1) * self.span, self.total)
+        r, w = divmod(pos, self.row_bytes)
+        return r * self.row_bytes + min((w // self.piece + 1) * self.piece, self.row_bytes)
+
+
+def _header(dtype: str, shape: Sequence[int]) -> bytes:
+    return f"{dtype}:{','.join(map(str, shape))};".encode()
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    # ``.data`` is the same bytes as a memoryview (numpy's stubs give ndarray ``__buffer__`` only on 3.12+)
+    return np.require(array, requirements="C").reshape(-1).view(np.uint8).data
+
 
 class ContentHasher:
-    """xxh3-128 over (dtype, shape, C-order bytes). Fed in row-major order, slab by slab."""
+    """The content hash (``HASH_PREFIX``) of an array fed in C order, in pieces of any size (slab by slab)."""
 
     def __init__(self, dtype: str, shape: Sequence[int]):
-        self._h = xxhash.xxh3_128()
-        self._h.update(f"{dtype}:{','.join(map(str, shape))};".encode())
+        self._u = _Units.of(dtype, shape)
+        self._h = xxhash.xxh3_128(_header(dtype, shape))
+        self._pos = 0
+        self._cur: Any = None  # the unit begun in an earlier piece
 
     def update(self, array: np.ndarray) -> None:
-        self._h.update(np.require(array, requirements="C").reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        b = _bytes_of(array)
+        i, n, u = 0, len(b), self._u
+        while i < n:
+            end = u.end_of(self._pos)
+            take = min(end - self._pos, n - i)
+            if self._cur is None and self._pos + take == end:
+                self._h.update(xxhash.xxh3_128_digest(b[i:i + take]))  # a whole unit inside this piece
+            else:
+                if self._cur is None:
+                    self._cur = xxhash.xxh3_128()
+                self._cur.update(b[i:i + take])
+                if self._pos + take == end:
+                    self._h.update(self._cur.digest())
+                    self._cur = None
+            i += take
+            self._pos += take
 
     def hexdigest(self) -> str:
+        if self._pos != self._u.total:
+            raise ValueError(f"content hash fed {self._pos} of {self._u.total} bytes")
         return HASH_PREFIX + self._h.hexdigest()
 
 
-CHUNK_HASH_PREFIX = "xxh3-128-chunks:"
+def content_hash(array: np.ndarray, dtype: str | None = None) -> str:
+    """The content hash (``HASH_PREFIX``) of a whole array."""
+    h = ContentHasher(dtype or dtypes.zarr_name(array.dtype), array.shape)
+    h.update(array)
+    return h.hexdigest()
+
+
+def units_hash(dtype: str, shape: Sequence[int], digests: dict) -> str | None:
+    """The content hash from every unit's digest (``box_unit_digests``, merged over writers); None when a
+    unit's digest is missing (``missing_units`` says which)."""
+    h = xxhash.xxh3_128(_header(dtype, shape))
+    for k in range(_Units.of(dtype, shape).count):
+        d = digests.get(k)
+        if d is None:
+            return None
+        h.update(d)
+    return HASH_PREFIX + h.hexdigest()
+
+
+def missing_units(dtype: str, shape: Sequence[int], digests: dict) -> list[tuple[int, int, int]]:
+    """``(unit, first element, stop element)`` of every unit without a digest, in C order."""
+    u = _Units.of(dtype, shape)
+    out = []
+    for k in range(u.count):
+        if k not in digests:
+            a, b = u.byte_range(k)
+            out.append((k, a // u.itemsize, b // u.itemsize))
+    return out
+
+
+def _row_runs(shape: Sequence[int], offset: Sequence[int], extent: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """The rows (index of every dim but the last) of a box as runs contiguous in C order: ``(first row, stop
+    row, the run's first row counted in the box)``."""
+    lead, off, ext = list(shape[:-1]), list(offset[:-1]), list(extent[:-1])
+    if not lead:
+        yield 0, 1, 0
+        return
+    t = len(lead) - 1
+    while t > 0 and off[t] == 0 and ext[t] == lead[t]:
+        t -= 1  # dims after t are whole in the box: a run spans dim t's range
+    inner = math.prod(lead[t + 1:])
+    strides = [math.prod(lead[d + 1:]) for d in range(len(lead))]
+    q = 0
+    import itertools
+
+    for head in itertools.product(*(range(o, o + e) for o, e in zip(off[:t], ext[:t]))):
+        first = sum(i * s for i, s in zip(head, strides)) + off[t] * strides[t]
+        n = ext[t] * inner
+        yield first, first + n, q
+        q += n
+
+
+def box_unit_digests(dtype: str, shape: Sequence[int], offset: Sequence[int], data: np.ndarray, out: dict) -> None:
+    """Digest into ``out`` (unit -> digest) every unit of the content hash that lies wholly inside the box
+    ``data`` at ``offset`` of an array of ``shape``; units the box cuts are left to other writers (or to a
+    read-back). ``data`` is read, never kept."""
+    u = _Units.of(dtype, shape)
+    if not u.total or not data.size:
+        return
+    if not len(shape):
+        out[0] = xxhash.xxh3_128_digest(_bytes_of(data))
+        return
+    cols, c0 = int(shape[-1]), int(offset[-1])
+    c1 = c0 + int(data.shape[-1])
+    if u.span:  # units of whole rows: a box that cuts the rows holds none
+        if c0 or c1 != cols:
+            return
+        k = u.span // u.row_bytes
+        b = None
+        for ra, rb, q in _row_runs(shape, offset, data.shape):
+            first, stop = -(-ra // k), (rb // k if rb != u.rows else -(-rb // k))
+            if first >= stop:
+                continue
+            if b is None:
+                b = _bytes_of(data)
+            for j in range(first, stop):
+                lo, hi = j * k, min((j + 1) * k, u.rows)
+                out[j] = xxhash.xxh3_128_digest(b[(q + lo - ra) * u.row_bytes:(q + hi - ra) * u.row_bytes])
+        return
+    per, pe = u.per_row, u.piece // u.itemsize  # pieces of a row, elements per piece
+    j0, j1 = -(-c0 // pe), (c1 // pe if c1 != cols else per)
+    if j0 >= j1:
+        return
+    b, w = _bytes_of(data), (c1 - c0) * u.itemsize
+    for ra, rb, q in _row_runs(shape, offset, data.shape):
+        for r in range(ra, rb):
+            base = (q + r - ra) * w - c0 * u.itemsize
+            for j in range(j0, j1):
+                lo, hi = j * u.piece, min((j + 1) * u.piece, u.row_bytes)
+                out[r * per + j] = xxhash.xxh3_128_digest(b[base + lo:base + hi])
+
+
+# --- the schemes of versions saved before "units" (verify recomputes them; nothing writes them) ---------
+
+class WholeHasher:
+    """``WHOLE_HASH_PREFIX``: xxh3-128 over (dtype, shape, C-order bytes), fed in row-major order."""
+
+    def __init__(self, dtype: str, shape: Sequence[int]):
+        self._h = xxhash.xxh3_128()
+        self._h.update(_header(dtype, shape))
+
+    def update(self, array: np.ndarray) -> None:
+        self._h.update(_bytes_of(array))
+
+    def hexdigest(self) -> str:
+        return WHOLE_HASH_PREFIX + self._h.hexdigest()
 
 
 def chunk_digest(data: np.ndarray) -> bytes:
     """xxh3-128 digest of one inner chunk's C-order bytes (the edge chunks clipped to the array)."""
-    # ``.data`` is the same bytes as a memoryview (numpy's stubs give ndarray ``__buffer__`` only on 3.12+)
-    return xxhash.xxh3_128_digest(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+    return xxhash.xxh3_128_digest(_bytes_of(data))
 
 
 def chunk_indices(layout: "ArrayLayout") -> Iterator[tuple[int, ...]]:
@@ -398,10 +613,15 @@ def chunk_indices(layout: "ArrayLayout") -> Iterator[tuple[int, ...]]:
 
 
 def chunk_tree_hash(layout: "ArrayLayout", digests: dict) -> str | None:
-    """The content hash of writers that never see the whole array (``ucp_store.dist``): xxh3-128 over
-    (dtype, shape, chunk shape) and every inner chunk's digest in C order of the chunk grid. It names the
-    same content only under the same chunk shape, so it is prefixed apart from the whole-array hash
-    (dedup never mixes the two). None when a chunk's digest is missing."""
+    """The content hash from the merged unit digests of every writer (``box_unit_digests``), as
+    :func:`units_hash` (``layout`` gives dtype and shape; the chunk grid plays no part); None when a unit's
+    digest is missing. The name stays for callers that combine every rank's digests (``ucp_store.dist``)."""
+    return units_hash(layout.dtype, layout.shape, digests)
+
+
+def legacy_chunk_tree_hash(layout: "ArrayLayout", digests: dict) -> str | None:
+    """``CHUNK_HASH_PREFIX``: xxh3-128 over (dtype, shape, chunk shape) and every inner chunk's digest in C order
+    of the chunk grid (what sharded saves recorded before "units"). None when a chunk's digest is missing."""
     h = xxhash.xxh3_128()
     h.update(f"{layout.dtype}:{','.join(map(str, layout.shape))}/{','.join(map(str, layout.chunk_shape))};".encode())
     for idx in chunk_indices(layout):
@@ -410,12 +630,6 @@ def chunk_tree_hash(layout: "ArrayLayout", digests: dict) -> str | None:
             return None
         h.update(d)
     return CHUNK_HASH_PREFIX + h.hexdigest()
-
-
-def content_hash(array: np.ndarray, dtype: str | None = None) -> str:
-    h = ContentHasher(dtype or dtypes.zarr_name(array.dtype), array.shape)
-    h.update(array)
-    return h.hexdigest()
 
 
 def slabs(layout: ArrayLayout, max_bytes: int = 64 << 20) -> Iterator[Box]:
@@ -445,9 +659,10 @@ def verify_array(handle: ts.TensorStore, layout: ArrayLayout, array_url: str, *,
                  scheme: str = HASH_PREFIX) -> VerifyReport:
     """Decode every chunk (crc32c) and recompute the content hash, slab by slab.
 
-    ``scheme`` is the prefix of the stored hash: the whole-array hash, or ``CHUNK_HASH_PREFIX`` (per-chunk
-    digests, see ``chunk_tree_hash``)."""
-    hasher = ContentHasher(layout.dtype, layout.shape)
+    ``scheme`` is the prefix of the stored hash (:func:`hash_scheme`): ``HASH_PREFIX``, or for a version saved
+    before it ``WHOLE_HASH_PREFIX`` or ``CHUNK_HASH_PREFIX``; the hash is recomputed in that scheme."""
+    hasher: ContentHasher | WholeHasher = (WholeHasher(layout.dtype, layout.shape) if scheme == WHOLE_HASH_PREFIX
+                                           else ContentHasher(layout.dtype, layout.shape))
     digests: dict = {}
     bad: list[tuple] = []
     for box in slabs(layout):
@@ -471,5 +686,5 @@ def verify_array(handle: ts.TensorStore, layout: ArrayLayout, array_url: str, *,
             hasher.update(data)
     if bad:
         return VerifyReport(array_url, bad, None)
-    return VerifyReport(array_url, bad, chunk_tree_hash(layout, digests) if scheme == CHUNK_HASH_PREFIX
+    return VerifyReport(array_url, bad, legacy_chunk_tree_hash(layout, digests) if scheme == CHUNK_HASH_PREFIX
                         else hasher.hexdigest())

@@ -7,11 +7,12 @@ copied every column-cut chunk once more to digest it. Here each inner chunk is g
 small scratch buffer (or taken in place when it is contiguous in memory), and from that one copy
 
 - its crc32c is computed (the chain's ``crc32c`` codec),
-- its xxh3-128 digest is recorded (``format.chunk_tree_hash``: the array's content hash without a read-back),
 - it is written with its crc by one ``writev``;
 
-then the shard index (``(offset, nbytes)`` uint64 pairs per inner chunk in C order, then its crc32c) ends the
-file, the file is fsynced (its writeback started every 8 MiB along the way by ``sync_file_range``, so
+the units of the content hash that lie wholly inside the shard are digested from the source
+(``format.box_unit_digests``: the array's content hash without a read-back); then the shard index
+(``(offset, nbytes)`` uint64 pairs per inner chunk in C order, then its crc32c) ends the file, the file is
+fsynced (its writeback started every 8 MiB along the way by ``sync_file_range``, so
 the disk works while later chunks are encoded) and renamed into place, and its folder fsynced: the same
 bytes TensorStore writes for the store's uncompressed chain (``localread.is_local_chain``), chunks in C
 order, edge chunks padded with the fill value (0) to the full chunk shape, chunks wholly outside the
@@ -39,7 +40,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from . import format as fmt
 from ._crc import value as _crc
@@ -190,7 +190,8 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     """Write shard file ``shard`` of the array in ``folder`` from ``data`` (a C-order-indexable box at global
     ``offset`` that covers the shard's part of the array); returns the bytes written.
 
-    ``digests``: when given, each inner chunk's ``format.chunk_digest`` goes into it by chunk index.
+    ``digests``: when given, the digest of each unit of the content hash that lies wholly inside the shard
+    (``format.box_unit_digests``, from ``data``: the bytes this call writes) goes into it by unit.
     The file appears whole (written under a temporary name, fsynced, then renamed). Durable on return,
     its folder fsynced too, unless ``dirs`` is given: then the folders whose entries changed are added
     to it and the caller fsyncs each once (:func:`sync_dirs`) after all its files, before it relies on them.
@@ -230,8 +231,6 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
                 if not full:
                     enc[:] = 0  # the fill value pads an edge chunk to the full chunk shape
                 _copy(view[tuple(slice(0, b - a) for a, b in zip(lo, hi))], src)
-            if digests is not None:
-                digests[idx] = xxhash.xxh3_128_digest(enc.data) if full else fmt.chunk_digest(src)
             batch.add(enc, _crc(enc).to_bytes(4, "little"))
             index[k] = (pos, cbytes + 4)
             pos += cbytes + 4
@@ -241,6 +240,8 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
                 flushed = pos
         raw = index.reshape(-1).view(np.uint8)
         batch.add(raw, _crc(raw).to_bytes(4, "little"))
+        if digests is not None:
+            _digest_units(layout, shard, data, offset, digests)
         batch.write()
         if durable:
             os.fdatasync(fd)
@@ -266,6 +267,14 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     else:
         dirs.update(changed)
     return pos + raw.nbytes + 4
+
+
+def _digest_units(layout: fmt.ArrayLayout, shard: tuple[int, ...], data: np.ndarray, offset: tuple[int, ...],
+                  digests: dict) -> None:
+    lo = [s * sh for s, sh in zip(shard, layout.shard_shape)]
+    hi = [min(a + sh, n) for a, sh, n in zip(lo, layout.shard_shape, layout.shape)]
+    src = data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))]
+    fmt.box_unit_digests(layout.dtype, layout.shape, tuple(lo), src, digests)
 
 
 def sync_dirs(dirs) -> None:

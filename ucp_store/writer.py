@@ -34,6 +34,7 @@ from ._killpoints import killpoint
 from ._window import FutureWindow
 from .catalog import models as m
 from .errors import CommitRaceError, DuplicateEntryError, ShapeMismatch, ValidationError, WriteError, WriterClosedError
+from .geometry import flat_range_to_boxes
 from .location import array_path
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,6 +45,7 @@ __all__ = ["CheckpointWriter", "layer_of"]
 _ROW_BATCH = 512
 _TARGETED_LOOKUPS = 8  # a writer's catalog lookups of single content hashes before it reads them all at once
 _MAX_INFLIGHT_BYTES = 1 << 30
+_SNAPSHOT_PIECE = 4 << 20  # write()'s copy is hashed a piece at a time, while the piece is still in cache
 _SYNC_WORKERS = 16  # concurrent fsyncs of a deferred-durability pass (the journal commits them together)
 #: the most elements one tensor-state may have (256 Ti: 1 PiB of fp32). A larger shape is a bad input
 #: (a corrupt header, a stride-0 view of 2^62 elements), refused before a byte is hashed or allocated.
@@ -280,15 +282,41 @@ class CheckpointWriter:
                     self._hash_lookups[ch].append((aid, list(ashape), adtype))
 
     def _put_array(self, array: np.ndarray, dtype: str, pattern, what: str) -> tuple[str, str, int]:
-        """Write (or dedup) one array; returns (array id, content hash, stored bytes written)."""
-        h = fmt.content_hash(array, dtype)
+        """Write (or dedup) one array; returns (array id, content hash, stored bytes written).
+
+        The array is copied first into a buffer this writer owns (once there is room for it in the window of
+        writes in flight), and hashed from that copy: the write in flight reads only the copy, so the caller
+        may change its tensor as soon as ``write`` returns, and the hash describes exactly the bytes written.
+        On a dedup hit the copy is dropped and nothing is written."""
+        snapshot, h = self._snapshot(array, dtype)
         local = h in self._local_arrays
         aid = self._dedup(h, dtype, array.shape)
         if aid is not None:
-            if not local:
+            if not local:  # kept until the rows are flushed, in case a concurrent rm/gc sweeps the array
                 self._borrowed.setdefault(aid, (array, dtype, pattern, what, h))
             return aid, h, 0
-        return self._new_array(array, dtype, pattern, what, h)
+        return self._new_array(snapshot, dtype, pattern, what, h)
+
+    def _snapshot(self, array: np.ndarray, dtype: str) -> tuple[np.ndarray, str]:
+        """``(copy of array, its content hash)``: the copy is made, hashed as it is made (a piece at a time,
+        while the piece is in cache), after waiting until the window of writes in flight has room for it
+        (the back-pressure that bounds the writer's memory; one array larger than the window waits for the
+        window to empty)."""
+        window = self._window
+        while window.max_bytes is not None and len(window) and window.bytes + array.nbytes > window.max_bytes:
+            window.complete_one()
+        copy = np.empty(array.shape, array.dtype)
+        hasher = fmt.ContentHasher(dtype, array.shape)
+        if array.flags.c_contiguous and array.ndim and array.size:
+            src, dst = array.reshape(-1), copy.reshape(-1)
+            step = max(1, _SNAPSHOT_PIECE // array.itemsize)
+            for lo in range(0, src.size, step):
+                np.copyto(dst[lo:lo + step], src[lo:lo + step])
+                hasher.update(dst[lo:lo + step])
+        else:
+            np.copyto(copy, array)
+            hasher.update(copy)
+        return copy, hasher.hexdigest()
 
     def _new_array(self, array: np.ndarray, dtype: str, pattern, what: str, h: str) -> tuple[str, str, int]:
         layout = self._layout(array.shape, dtype, pattern)
@@ -392,9 +420,17 @@ class CheckpointWriter:
         After every rank has written, each calls ``finish_shards`` (after a barrier) and rank 0 commits.
         ``position`` orders the tensor-state like ``write``'s (every rank passes the same global order);
         by default the order in which the origin rank records it.
-        ``digest``: also digest, from memory, every inner chunk that lies wholly inside one of the boxes
-        written (``shard_digests``); once every rank's are merged into ``set_chunk_digests``, the origin
-        rank hashes the array (``fmt.chunk_tree_hash``) reading back only the chunks no single write covered.
+        ``digest``: also digest, from memory, every unit of the content hash (``fmt.box_unit_digests``) that
+        lies wholly inside one of the boxes written (``shard_digests``); once every rank's are merged into
+        ``set_chunk_digests``, the origin rank hashes the array reading back only the units no single write
+        held whole. The hash is the one every save path records (``fmt.HASH_PREFIX``), so identical bits
+        saved through ``write`` and through here deduplicate.
+
+        Unlike ``write``, this writes straight from ``local`` (no copy: the DeepSpeed engine and the
+        distributed saves hand over buffers they own): the caller must not change ``local`` until
+        :meth:`drain` returns (or ``shard_digests``, ``finish_shards``, ``flush``, ``export_rows`` or
+        ``commit``, which drain first). Digests and writes both read ``local`` before then, and the origin
+        reads back from the stored array whatever no digest covers, so the hash is of the bytes written.
         """
         from . import patterns as pat
         from .topology import as_topology
@@ -440,7 +476,7 @@ class CheckpointWriter:
             else:
                 self._window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
                 if digest:
-                    _digest_chunks_inside(self._shard_digests.setdefault((name, state), {}), layout, offset, data)
+                    fmt.box_unit_digests(dtype, shape, offset, data, self._shard_digests.setdefault((name, state), {}))
             written += data.size
             killpoint("write.shard_box")
         self._sharded.setdefault((name, state), (aid, rel, layout, pattern))
@@ -462,7 +498,12 @@ class CheckpointWriter:
         The caller guarantees one writer per element (replicas write once). Exactly one rank passes
         ``origin=True`` (the one writing element 0, or any one rank for an empty tensor): after the
         barrier it hashes the array and records the row in ``finish_shards``, deduplicating against
-        committed arrays with the same content."""
+        committed arrays with the same content.
+
+        Like ``write_shard``, this writes straight from ``local`` (no copy): the caller must not change it until
+        :meth:`drain` returns (or ``region_digests``, ``finish_shards``, ``flush``, ``export_rows`` or
+        ``commit``). The unit digests (``fmt.box_unit_digests``) are taken from ``local`` before then, and
+        units no box held whole are read back from the stored array by the origin."""
         self._check_open()
         names.tensor_name(name)
         names.state_name(state)
@@ -548,42 +589,39 @@ class CheckpointWriter:
             self._sharded[key] = (aid, rel, layout, pattern)
 
     def _digest_region(self, key, layout: fmt.ArrayLayout, offset, array: np.ndarray) -> None:
-        """Digest every inner chunk of a chunk-aligned box (``fmt.chunk_tree_hash``), so that the origin rank
-        can hash the array without reading it back; a box that cuts a chunk disables this for the array."""
+        """Digest every unit of the content hash that lies wholly inside the box (``fmt.box_unit_digests``), so
+        that the origin rank reads back only the units that no box held whole."""
         digests = self._region_digests.setdefault(key, {})
-        if digests is None:
-            return
-        for o, n, c, s in zip(offset, array.shape, layout.chunk_shape, layout.shape):
-            if o % c or ((o + n) % c and o + n != s):
-                self._region_digests[key] = None
-                return
-        _digest_chunks_inside(digests, layout, tuple(offset), array)  # aligned: every chunk it touches is inside
+        if digests is not None:
+            fmt.box_unit_digests(layout.dtype, layout.shape, tuple(offset), array, digests)
 
     def drain(self) -> None:
         """Wait for every array write in flight; the first failure raises here (a ``WriteError``)."""
         self._drain()
 
     def region_digests(self) -> dict:
-        """``{(name, state): {chunk index: digest} | None}`` of the boxes this writer wrote (None: unaligned);
-        waits for the writes in flight first (the local write path digests as it writes)."""
+        """``{(name, state): {unit: digest}}`` of the units of the content hash (``fmt.box_unit_digests``) that
+        boxes of this writer held whole; waits for the writes in flight first (the local write path digests
+        as it writes)."""
         self._drain()
         return dict(self._region_digests)
 
     def set_region_hash(self, name: str, state: str, content_hash: str) -> None:
-        """The content hash of a region-written array, computed from every rank's chunk digests; the origin
-        rank's ``finish_shards`` then records it instead of reading the array back."""
+        """The content hash of a region-written array, computed from every rank's unit digests
+        (``fmt.units_hash``); the origin rank's ``finish_shards`` then records it instead of reading back."""
         self._region_hashes[(name, state)] = content_hash
 
     def shard_digests(self) -> dict:
-        """``{(name, state): {chunk index: digest}}`` of the chunks this writer's ``write_shard(digest=True)``
-        calls wrote whole (see ``set_chunk_digests``). Waits for the writes in flight first: the write pool
-        digests the chunks of whole shard files it writes."""
+        """``{(name, state): {unit: digest}}`` of the units of the content hash that this writer's
+        ``write_shard(digest=True)`` boxes held whole (see ``set_chunk_digests``). Waits for the writes in
+        flight first: the write pool digests the units of whole shard files it writes."""
         self._drain()
         return {k: dict(v) for k, v in self._shard_digests.items()}
 
     def set_chunk_digests(self, name: str, state: str, digests: dict) -> None:
-        """Every rank's ``shard_digests`` of one tensor-state, merged: the origin rank's ``finish_shards``
-        hashes the array from them (``xxh3-128-chunks:``), reading back only the chunks missing here."""
+        """Every rank's ``shard_digests`` (or ``region_digests``) of one tensor-state, merged: the origin rank's
+        ``finish_shards`` hashes the array from them (``fmt.HASH_PREFIX``), reading back only the units
+        missing here."""
         self._chunk_digests[(name, state)] = dict(digests)
 
     def _known_array(self, key, dtype: str, shape, who: str, earlier: str):
@@ -680,11 +718,7 @@ class CheckpointWriter:
             if h is None and key in self._chunk_digests:
                 h = self._tree_hash(key, handle, layout, rel)
             if h is None:
-                hasher = fmt.ContentHasher(layout.dtype, layout.shape)
-                for box in fmt.slabs(layout):
-                    hasher.update(fmt.read_box(handle, layout, box, what=f"tensor {key[0]!r} state {key[1]!r}",
-                                               array_url=self.store.array_url(rel)))
-                h = hasher.hexdigest()
+                h = self._read_back_hash(handle, layout, rel, f"tensor {key[0]!r} state {key[1]!r}")
             hashes[key] = h
         self._lookup_hashes([h for h in hashes.values() if h not in self._local_arrays])  # one query for all
         for key, h in hashes.items():
@@ -710,18 +744,28 @@ class CheckpointWriter:
             self.flush()
 
     def _tree_hash(self, key, handle, layout: fmt.ArrayLayout, rel: str) -> str:
-        """The chunk-tree hash of a sharded array from the merged digests; chunks that no single write
-        covered (a ZeRO fragment boundary inside a chunk) are read back and digested."""
+        """The content hash of a sharded array from the merged unit digests; units that no single write held
+        whole (a ZeRO fragment boundary, a box cutting rows) are read back and digested. When most are
+        missing (boxes that cut every row), the whole array is read back in order instead."""
         digests = dict(self._chunk_digests[key])
-        for idx in fmt.chunk_indices(layout):
-            if idx not in digests:
-                box = layout.chunk_box(idx) if layout.shape else ()
-                digests[idx] = fmt.chunk_digest(fmt.read_box(handle, layout, box,
-                                                             what=f"tensor {key[0]!r} state {key[1]!r}",
-                                                             array_url=self.store.array_url(rel)))
-        h = fmt.chunk_tree_hash(layout, digests)
-        assert h is not None  # every chunk has a digest now
+        missing = fmt.missing_units(layout.dtype, layout.shape, digests)
+        what = f"tensor {key[0]!r} state {key[1]!r}"
+        if 2 * len(missing) > max(1, len(digests) + len(missing)):
+            return self._read_back_hash(handle, layout, rel, what)
+        url = self.store.array_url(rel)
+        for unit, lo, hi in missing:
+            boxes = [b.ranges for b in flat_range_to_boxes(layout.shape, lo, hi)] if layout.shape else [()]
+            parts = [fmt.read_box(handle, layout, box, what=what, array_url=url).reshape(-1) for box in boxes]
+            digests[unit] = fmt.chunk_digest(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        h = fmt.units_hash(layout.dtype, layout.shape, digests)
+        assert h is not None  # every unit has a digest now
         return h
+
+    def _read_back_hash(self, handle, layout: fmt.ArrayLayout, rel: str, what: str) -> str:
+        hasher = fmt.ContentHasher(layout.dtype, layout.shape)
+        for box in fmt.slabs(layout):
+            hasher.update(fmt.read_box(handle, layout, box, what=what, array_url=self.store.array_url(rel)))
+        return hasher.hexdigest()
 
     def write_object(self, name: str, value: Any) -> None:
         """Store non-tensor state: JSON (dicts, lists, numbers, strings) or a tensor/array. Never pickle.
@@ -742,27 +786,67 @@ class CheckpointWriter:
         self._objects.add(name)
         self._rows.append(row)
 
-    def _restore_borrowed(self) -> None:
+    def _restore_borrowed(self, gone: set[str] | None = None, rows: list | None = None) -> None:
         """Write again, from the data in hand, each committed array this save deduplicated against that a
-        concurrent rm/gc swept meanwhile, and point the pending rows at the new copy: a save never needs
-        an array that is gone. The data is re-hashed first; if it changed since ``write``, the save aborts."""
+        concurrent rm/gc swept meanwhile (``gone``, or those the catalog no longer lists), and point the
+        pending rows (and ``rows``) at the new copy: a save never needs an array that is gone. The data is
+        copied and re-hashed first; if the caller changed it since ``write``, the save aborts."""
         if not self._borrowed:
             return
-        with self.store.catalog.session() as s:
-            found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(list(self._borrowed)))))
+        if gone is None:
+            with self.store.catalog.session() as s:
+                gone = set(self._borrowed) - self._existing(s, set(self._borrowed))
         remap: dict[str, str] = {}
-        for old in [a for a in self._borrowed if a not in found]:
+        for old in sorted(gone & set(self._borrowed)):
             array, dtype, pattern, what, h = self._borrowed.pop(old)
-            if fmt.content_hash(array, dtype) != h:
+            copy, again = self._snapshot(array, dtype)
+            if again != h:
                 raise CommitRaceError(f"{what}: the array it was deduplicated against was removed by a concurrent "
-                                      "rm/gc and the tensor changed since it was written; the save is aborted, "
-                                      "retry it")
+                                      "rm/gc and the tensor was changed in place after write() returned; the save "
+                                      "is aborted, retry it")
             self._committed_hashes = None  # stale: it listed the swept array
             self._hash_lookups.clear()
-            remap[old] = self._new_array(array, dtype, pattern, what, h)[0]
-        for row in self._rows:
-            if getattr(row, "array_id", None) in remap:
+            remap[old] = self._new_array(copy, dtype, pattern, what, h)[0]
+        for row in itertools.chain(self._rows, rows or ()):
+            if isinstance(row, dict):
+                if row.get("array_id") in remap:
+                    row["array_id"] = remap[row["array_id"]]
+            elif getattr(row, "array_id", None) in remap:
                 row.array_id = remap[row.array_id]
+
+    def _existing(self, s, ids: set[str], *, lock: bool = False) -> set[str]:
+        """The arrays among ``ids`` the catalog lists. ``lock``: inside a write transaction, also keep a
+        concurrent sweep from deleting them until it ends: PostgreSQL takes ``FOR KEY SHARE`` row locks (a
+        sweep's DELETE waits, then fails on the foreign key of the rows this transaction inserts and looks
+        again); SQLite's write transaction (``BEGIN IMMEDIATE``) already keeps every other writer out."""
+        found: set[str] = set()
+        ordered = sorted(ids)
+        for i in range(0, len(ordered), 500):
+            q = select(m.Array.id).where(m.Array.id.in_(ordered[i:i + 500]))
+            if lock and self.store.catalog.dialect == "postgresql":
+                q = q.with_for_update(key_share=True)
+            found.update(s.scalars(q))
+        return found
+
+    def _record(self, rows: list, lost: str, then=None):
+        """Insert ``rows`` in one write transaction, and run ``then(session)`` in it (commit's status flip);
+        returns what ``then`` returns. A committed array the rows deduplicated against that a concurrent
+        rm/gc swept before this transaction locked it is written again from the data in hand
+        (:meth:`_restore_borrowed`) and the transaction retried, so the save still commits; each retry
+        restores at least one array, so this ends."""
+        while True:
+            try:
+                with self.store.catalog.write_session() as s:
+                    gone = self._insert_rows(s, rows, lost) if rows else set()
+                    if gone:
+                        raise _Swept(gone)  # rolls this transaction back
+                    return then(s) if then is not None else None
+            except _Swept as swept:
+                self._restore_borrowed(swept.gone, rows)
+                rows.extend(self._rows)  # the rows of the arrays written again
+                self._rows = []
+                self._drain()
+                self._make_durable()  # the arrays written again are durable before a row names them
 
     def flush(self) -> None:
         """Wait for in-flight writes (and, with ``defer_durability``, make them durable), then record their
@@ -771,14 +855,14 @@ class CheckpointWriter:
         if not self._rows:
             return
         rows, self._rows = self._rows, []
-        with self.store.catalog.write_session() as s:
-            self._insert_rows(s, rows, "the save is lost")
+        self._record(rows, "the save is lost")
         self._borrowed.clear()  # from here the flushed rows reference them: no sweep takes them
         killpoint("flush.after_rows")
 
     def _settle(self) -> None:
         """Every write of this writer has returned and is durable, and every committed array its rows
-        deduplicated against still exists (one swept meanwhile is written again from the data in hand)."""
+        deduplicated against still exists (one swept meanwhile is written again from the data in hand; one
+        swept after this check is caught, under lock, when the rows are inserted: :meth:`_record`)."""
         self._drain()
         self._make_durable()
         if self._rows and self._borrowed:
@@ -786,10 +870,14 @@ class CheckpointWriter:
             self._drain()
             self._make_durable()  # the arrays written again are durable before a row names them
 
-    def _insert_rows(self, s, rows: list, lost: str) -> None:
+    def _insert_rows(self, s, rows: list, lost: str) -> set[str]:
         """Insert ``rows`` (ORM rows or :func:`row_to_dict` dicts) in session ``s`` (one transaction), after
         checking the checkpoint is still pending and that the committed arrays they deduplicated against
-        still exist. One multi-row INSERT per table (no ORM unit of work: a save has hundreds of rows)."""
+        still exist, locked until the transaction ends (:meth:`_existing`). One multi-row INSERT per table
+        (no ORM unit of work: a save has hundreds of rows). Returns, inserting nothing, the arrays this
+        writer deduplicated against that a concurrent rm/gc removed (the caller writes them again and
+        retries); an array another rank's rows deduplicated against is a CommitRaceError (that rank no
+        longer holds the data)."""
         killpoint("flush.before_rows")
         ck = s.get(m.Checkpoint, self.id)
         if ck is None or ck.status != "pending":
@@ -798,22 +886,24 @@ class CheckpointWriter:
         for r in rows:
             d = r if isinstance(r, dict) else row_to_dict(r)
             by_kind[d["_table"]].append(d)
-        if by_kind["array"]:
-            s.execute(insert(m.Array), _insert_params(m.Array, by_kind["array"]))
-        killpoint("flush.mid_rows")
         # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
         new_ids = {a["id"] for a in by_kind["array"]}
         wanted = {d["array_id"] for k in ("tensor", "object") for d in by_kind[k] if d.get("array_id")} - new_ids
-        if wanted:
-            found = set(s.scalars(select(m.Array.id).where(m.Array.id.in_(wanted))))
-            if wanted - found:
-                gone = ", ".join(sorted(wanted - found))[:200]
-                raise CommitRaceError(f"checkpoint {self.id}: array(s) {gone} this "
-                                      "save deduplicated against were removed by a concurrent rm/gc; the save is "
-                                      "aborted, retry it")
+        gone = wanted - self._existing(s, wanted, lock=True) if wanted else set()
+        if gone and gone <= set(self._borrowed):
+            return gone
+        if gone:
+            names_ = ", ".join(sorted(gone - set(self._borrowed)))[:200]
+            raise CommitRaceError(f"checkpoint {self.id}: array(s) {names_} that another rank of this save "
+                                  "deduplicated against were removed by a concurrent rm/gc after that rank handed "
+                                  "its rows over; the save is aborted (nothing is listed), retry it")
+        if by_kind["array"]:
+            s.execute(insert(m.Array), _insert_params(m.Array, by_kind["array"]))
+        killpoint("flush.mid_rows")
         for kind, cls in (("tensor", m.Tensor), ("object", m.StoredObject)):
             if by_kind[kind]:
                 s.execute(insert(cls), _insert_params(cls, by_kind[kind]))
+        return set()
 
     def export_rows(self) -> list[dict]:
         """For a joined writer of a distributed save (after every rank's writes returned: a barrier first):
@@ -847,7 +937,7 @@ class CheckpointWriter:
         if not self.owner:
             raise WriterClosedError(f"only the process that began checkpoint {self.id} can commit it (this writer "
                                     "joined it: call close())")
-        label = f"checkpoint {self.id}'s step"
+        labels: list[str] = []
         try:
             if self._origin:
                 self.finish_shards(record=False)
@@ -855,30 +945,11 @@ class CheckpointWriter:
             rows, self._rows = self._rows, []
             rows.extend(check_row_dict(d) for d in extra_rows)
             # one transaction: the rows still pending (this writer's, and every joined rank's) and the commit
-            with self.store.catalog.write_session() as s:
-                if rows:
-                    self._insert_rows(s, rows, "cannot commit")
-                    s.flush()
-                ck = s.get(m.Checkpoint, self.id)
-                if ck is None or ck.status != "pending":
-                    raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); cannot commit")
-                taken = s.scalar(select(m.Checkpoint.id).where(
-                    m.Checkpoint.run_id == ck.run_id, m.Checkpoint.step == ck.step,
-                    m.Checkpoint.status == "committed"))
-                label = f"run {ck.run.name!r} step {ck.step}"
-                if taken:
-                    raise CommitRaceError(f"checkpoint {self.id}: {label} was committed meanwhile by {taken}; "
-                                          "nothing of this save is listed")
-                total = s.scalar(select(func.coalesce(func.sum(m.Tensor.nbytes), 0)).where(
-                    m.Tensor.checkpoint_id == self.id))
-                ck.nbytes = int(total)
-                ck.status = "committed"
-                ck.committed_at = _utcnow()
-                s.flush()
-                killpoint("commit.in_txn")
+            self._record(rows, "cannot commit", lambda s: self._flip_status(s, labels))
         except IntegrityError as exc:  # the partial unique index: a concurrent commit of the same step won
             self.abort()
             detail = str(getattr(exc, "orig", exc)).splitlines()[0]
+            label = labels[0] if labels else f"checkpoint {self.id}'s step"
             raise CommitRaceError(f"checkpoint {self.id}: {label} was committed meanwhile by another save; nothing "
                                   f"of this save is listed ({detail})") from None
         except BaseException:
@@ -889,6 +960,27 @@ class CheckpointWriter:
         self._borrowed.clear()
         self.checkpoint = Checkpoint(self.store, self.id) if reload else None
         return self.checkpoint
+
+    def _flip_status(self, s, labels: list[str]) -> None:
+        """In commit's transaction, after the rows: the checkpoint becomes ``committed`` (the step still free)."""
+        ck = s.get(m.Checkpoint, self.id)
+        if ck is None or ck.status != "pending":
+            raise CommitRaceError(f"checkpoint {self.id} is no longer pending (removed by gc?); cannot commit")
+        taken = s.scalar(select(m.Checkpoint.id).where(
+            m.Checkpoint.run_id == ck.run_id, m.Checkpoint.step == ck.step,
+            m.Checkpoint.status == "committed"))
+        label = f"run {ck.run.name!r} step {ck.step}"
+        labels.append(label)
+        if taken:
+            raise CommitRaceError(f"checkpoint {self.id}: {label} was committed meanwhile by {taken}; "
+                                  "nothing of this save is listed")
+        total = s.scalar(select(func.coalesce(func.sum(m.Tensor.nbytes), 0)).where(
+            m.Tensor.checkpoint_id == self.id))
+        ck.nbytes = int(total)
+        ck.status = "committed"
+        ck.committed_at = _utcnow()
+        s.flush()
+        killpoint("commit.in_txn")
 
     def abort(self) -> None:
         """Drop the pending checkpoint and every array it wrote (nothing is ever listed)."""
@@ -922,6 +1014,14 @@ class CheckpointWriter:
 
 
 _ROW_KINDS: dict[str, Any] = {"array": m.Array, "tensor": m.Tensor, "object": m.StoredObject}
+
+
+class _Swept(Exception):
+    """Arrays a pending save deduplicated against that a concurrent sweep removed (``_record`` retries)."""
+
+    def __init__(self, gone: set[str]):
+        super().__init__(", ".join(sorted(gone)))
+        self.gone = gone
 
 
 def row_to_dict(row) -> dict:
@@ -966,24 +1066,6 @@ def check_row_dict(d: Any) -> dict:
     if extra:
         raise ValidationError(f"a joined rank's {d['_table']} row has unknown columns {sorted(extra)}")
     return d
-
-
-def _digest_chunks_inside(digests: dict, layout: fmt.ArrayLayout, offset: tuple, data: np.ndarray) -> None:
-    """Digest every inner chunk of ``layout`` that lies wholly inside the box ``data`` at ``offset``."""
-    if not layout.shape:
-        digests[()] = fmt.chunk_digest(data)
-        return
-    ranges = []
-    for o, n, c, s in zip(offset, data.shape, layout.chunk_shape, layout.shape):
-        first = -(-o // c)
-        stop = (o + n) // c if o + n != s else -(-s // c)
-        if stop <= first:
-            return
-        ranges.append(range(first, stop))
-    for idx in itertools.product(*ranges):
-        sl = tuple(slice(i * c - o, min((i + 1) * c, s) - o)
-                   for i, c, s, o in zip(idx, layout.chunk_shape, layout.shape, offset))
-        digests[idx] = fmt.chunk_digest(data[sl])
 
 
 def _writer_aligned_shards(layout: fmt.ArrayLayout, source_points: Mapping[int, Iterable[int]]) -> tuple[int, ...]:

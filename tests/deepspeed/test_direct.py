@@ -136,12 +136,14 @@ def test_direct_save_is_bit_equal_to_import_of_the_files(direct, name):
         assert (x.dtype, tuple(x.shape), x.pattern) == (y.dtype, tuple(y.shape), y.pattern), key
         # the bytes of every array (the tensors are tiny)
         assert a.read(*key).view(-1).view(torch.uint8).equal(b.read(*key).view(-1).view(torch.uint8)), key
-        # the engine hashes its sharded arrays from the chunk digests it took while writing (no read-back);
-        # whole tensors written by one rank keep the importer's whole-array hash
+        # one content-hash scheme for every save path (issue 30 item 10): the engine hashes its sharded arrays
+        # from the unit digests it took while writing, the importer from whole tensors, and they agree
         schemes.add(x.content_hash.split(":")[0])
-        if x.content_hash.startswith("xxh3-128:"):
-            assert x.content_hash == y.content_hash, key
-    assert "xxh3-128-chunks" in schemes
+        assert x.content_hash == y.content_hash, key
+    assert schemes == {"xxh3-128-units"}
+    from ucp_store.checkpoint import diff
+
+    assert {r["status"] for r in diff(a, b)} == {"same"}
     # every array the engine wrote carries the zarr.json TensorStore itself would have written (the engine writes
     # it directly) and opens from it alone
     from ucp_store import format as fmt
