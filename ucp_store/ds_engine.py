@@ -416,8 +416,12 @@ class UcpCheckpointEngine(_Base):
                 lp[n] = p
         step = int(eng.global_steps)
         rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+        from . import safe_pickle as sp
+
+        # this rank's client state (JSON form, taken now): per-rank keys are recorded per rank (ds_perrank)
+        client = sp.to_jsonable(getattr(self, "_client_state", None) or {}, notes=[], where="client_state")
         return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_coord(eng), "topo": topo, "lp": lp,
-                "step": step, "rng": rng}
+                "step": step, "rng": rng, "client": client}
 
     # --- the write --------------------------------------------------------------------------------
     def _write(self, staged: dict, meta: dict, defer_commit: bool = False):
@@ -469,6 +473,7 @@ def attach(engine, store, run: str, *, background: bool = False, timeout_s: floa
         if exclude_frozen_parameters:
             raise ConfigurationError("exclude_frozen_parameters=True is not supported by the ucp engine: the stored "
                                      "version must be complete")
+        ce._client_state = client_state or {}  # every rank's: DeepSpeed writes only DP rank 0's into a file
         original(save_dir or f"ucp-store:{run}", tag=tag, client_state=client_state or {}, save_latest=False,
                  exclude_frozen_parameters=False)
         return True

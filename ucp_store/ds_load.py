@@ -50,13 +50,17 @@ def _names(engine) -> dict:
 
 
 def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         restore_rng: bool = False, progress: bool = False, topology=None) -> dict:
+         restore_rng: bool = False, progress: bool = False, topology=None, per_rank: dict | None = None) -> dict:
     """Load ``ref`` (``run@step``, ``run@tag``, ``run`` = latest, or a version id) into ``engine``.
 
     ``store``: a ``Store`` or URL; default the store the engine's ucp checkpoint engine saves into.
     ``topology``: the engine's :class:`~ucp_store.topology.Topology` when ``engine_topology`` cannot tell it
     (an AutoEP engine's ``ep``: ``ucp_store.adapters.deepspeed_autoep.load_engine`` passes it).
-    Returns the client state (what ``save_checkpoint(client_state=...)`` stored)."""
+    Returns the client state (what ``save_checkpoint(client_state=...)`` stored). Client-state keys saved per
+    rank (values that differed across ranks) give each rank its own on the saving topology; on another one
+    ``per_rank`` maps key patterns (``"client_state.sampler*"``) to policies as in ``ucp_store.dist.load``
+    (``"by-coordinate:dp"``, ``"rank0"``, ``"fresh"``, a reshard callable), and a key without one raises before
+    the engine is touched (:mod:`ucp_store.ds_perrank`)."""
     from . import open_store
     from .ds_engine import UcpCheckpointEngine, engine_topology
     from .dtypes import torch_dtype
@@ -92,6 +96,12 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
     from .ds_engine import _coords
 
     rank, _, _ = _coords(engine)
+    from .ds_perrank import restore_client
+    from .ds_perrank import topology as rank_topology
+
+    # per-rank client state first: a missing policy raises before anything of the engine changes
+    client = restore_client(objs, rank_topology(topo.tp, topo.pp, topo.dp), dist.get_rank(), per_rank,
+                            what=f"load {ref}")
     zero_groups = {}
     for g, group in enumerate(lp_groups):
         for p in group:
@@ -215,8 +225,7 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
             import numpy as np
 
             torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(rng), dtype=np.uint8).copy()))
-    client = objs.get("client_state")
-    return from_jsonable(client) if client is not None else {}
+    return from_jsonable(client)
 
 
 def _restore_scaler(scaler: Any, saved: Any) -> None:

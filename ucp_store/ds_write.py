@@ -401,7 +401,7 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
         per_file[model_name] = _file_record(model_sd, model_name, [])
     info = {"metas": metas, "steps": steps, "kinds": kinds, "lp_differs": lp_differs, "files": per_file,
             "notes": [] if tpx is None else tpx.notes,
-            "rng": meta["rng"], "rank": rank, "digests": writer.shard_digests(),
+            "rng": meta["rng"], "client": meta.get("client"), "rank": rank, "digests": writer.shard_digests(),
             "error": None if error is None else f"{type(error).__name__}: {error}"}
     gathered: list[Any] = [None] * world
     if multi:
@@ -466,6 +466,14 @@ def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False
             objs["deepspeed/rng"] = {"torch_cpu": {str(g_["rank"]): g_["rng"] for g_ in gathered},
                                      "encoding": "base64 of torch.get_rng_state() bytes, by global rank"}
             objs["deepspeed/direct"] = {"tag": ce._tag, "world": world, "engine": "UcpCheckpointEngine"}
+            from .ds_perrank import split_client
+            from .ds_perrank import topology as rank_topology
+
+            # every rank's client state (not only the model-states files'): per-rank keys recorded per rank
+            clients = {g_["rank"]: g_["client"] for g_ in gathered if g_.get("client") is not None}
+            if clients:
+                objs["client_state"], per_rank = split_client(clients, rank_topology(topo.tp, topo.pp, topo.dp))
+                objs.update(per_rank)
             for k, v in objs.items():
                 writer.write_object(k, v)
         writer._drain()  # the low-precision weights are live module state: written before returning

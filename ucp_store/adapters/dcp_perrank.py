@@ -70,8 +70,9 @@ def per_rank_keys(source: Any, patterns: Iterable[str] | None = None) -> dict[st
         else:
             info = source._bytes_info.get(key)
             files = [info.relative_path] if info is not None else []
-        ranks = {file_rank(f) for f in files}
-        if not files or None in ranks or len(ranks) != 1:
+        found = {file_rank(f) for f in files}
+        ranks = {r for r in found if r is not None}
+        if not files or None in found or len(ranks) != 1:
             # the rank in the name is all that is left (the data files were renamed or several ranks wrote it)
             named = _named_rank(path)
             if named is None:
@@ -85,14 +86,13 @@ def per_rank_keys(source: Any, patterns: Iterable[str] | None = None) -> dict[st
 
 def _world(source: Any, found: dict[str, tuple[int, str]]) -> int:
     """The ranks of the save: every rank wrote a data file (an empty one when it had nothing to write)."""
-    ranks = {file_rank(getattr(i, "relative_path", "")) for i in source.md.storage_data.values()}
+    names = [getattr(i, "relative_path", "") for i in source.md.storage_data.values()]
     try:
-        ranks |= {file_rank(n) for n in os.listdir(source.folder)}
+        names += os.listdir(source.folder)
     except OSError:
         pass
-    ranks |= {r for r, _ in found.values()}
-    ranks.discard(None)
-    return max(ranks) + 1 if ranks else 1  # type: ignore[type-var]
+    ranks = {r for r in map(file_rank, names) if r is not None} | {r for r, _ in found.values()}
+    return max(ranks) + 1 if ranks else 1
 
 
 def record(source: Any, index: dict[str, dict], found: dict[str, tuple[int, str]]) -> dict | None:

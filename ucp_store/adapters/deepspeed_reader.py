@@ -387,8 +387,15 @@ class DeepSpeedTagFolder:
                 out[k] = sp.to_jsonable(first[k], notes=notes, where=k)
         if self.uci is not None:
             out[UCI] = sp.to_jsonable(self.uci, notes=notes, where=UCI)
-        client = {k: v for k, v in first.items() if k not in DS_MODEL_KEYS}
-        out["client_state"] = sp.to_jsonable(client, notes=notes, where="client_state")
+        # every saved copy's client state: keys that differ across ranks are per-rank (issue 28), never rank 0's
+        from ..ds_perrank import file_ranks, split_client, topology
+
+        ranks = file_ranks(self)
+        clients = {ranks[f]: sp.to_jsonable({k: v for k, v in sd.items() if k not in DS_MODEL_KEYS},
+                                            notes=notes if sd is first else [], where=f"{f}:client_state")
+                   for f, sd in self.model_states.items()}
+        out["client_state"], per_rank = split_client(clients, topology(self.tp, self.pp, self.dp))
+        out.update(per_rank)
         common = out["deepspeed/optimizer_state"]
         if isinstance(common, dict):
             if "loss_scaler" in common:
