@@ -1,0 +1,187 @@
+"""Benchmark: ucp_store's DCP storage backend against DCP's FileSystemWriter / FileSystemReader (issue 29).
+
+    .venv/bin/python tools/bench_dcp_storage.py [--mb 256] [--tensors 16] [--world 2] [--repeat 3] [--dir DIR]
+
+``world`` gloo ranks (plain processes) hold the same state: ``tensors`` 2-D fp32 DTensors of ``mb`` MiB in
+all, sharded by rows (``Shard(0)``). In one run, each figure the best of ``repeat``, every rank timed
+between barriers (the slowest rank counts):
+
+- ``ceiling``: each rank writes its shard bytes to its own file with ``write`` + ``fsync``;
+- ``save``: ``dcp.save`` through ``FileSystemWriter`` and through ``UcpStorageWriter`` (a new version
+  each time), as a fraction of the ceiling;
+- ``resharded load``: into the same tensors sharded by columns (``Shard(1)``), with ``FileSystemReader``
+  and ``UcpStorageReader``: time, and read amplification = bytes the rank read (``/proc/self/io``
+  ``rchar``: every read system call, page cache included) / bytes of its shards;
+- ``async_save``: how long ``dcp.async_save`` (thread executor) blocks the caller, for both writers.
+
+Page cache: warm (each figure the best of several runs); the ceiling writes and fsyncs as the saves do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def _timed(fn, dist) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _state(spec, mesh, placement):
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    rows = 1024
+    cols = max(1, spec["mb"] * (1 << 20) // 4 // spec["tensors"] // rows)
+    out = {}
+    for i in range(spec["tensors"]):
+        g = torch.Generator().manual_seed(i)
+        full = torch.rand(rows, cols, generator=g) if placement is not None else torch.zeros(rows, cols)
+        out[f"layers.{i}.weight"] = distribute_tensor(full, mesh, [placement] if placement is not None else None)
+    return out
+
+
+def _rank(rank, spec, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(spec["world"]))
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from ucp_store.dcp_storage import UcpStorageReader, UcpStorageWriter
+
+    dist.init_process_group("gloo", rank=rank, world_size=spec["world"])
+    mesh = init_device_mesh("cpu", (spec["world"],))
+    sd = {"model": _state(spec, mesh, Shard(0))}
+    local = [t.to_local() for t in sd["model"].values()]
+    mine = sum(t.numel() * t.element_size() for t in local)
+    d = spec["dir"]
+    store = os.path.join(d, "store")
+    res: dict = {"bytes_per_rank": mine}
+    step = iter(range(1, 10_000))
+
+    def ceiling():
+        with open(os.path.join(d, f"ceil{rank}.bin"), "wb") as f:
+            for t in local:
+                f.write(memoryview(t.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def fs_save(tag="fs"):
+        path = os.path.join(d, tag)
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        dcp.save(sd, storage_writer=FileSystemWriter(path))
+
+    def ucp_save():
+        dcp.save(sd, storage_writer=UcpStorageWriter(store, run="b", step=next(step)))
+
+    def fresh(fn):  # a training step changes the state: no save is deduplicated against the last one
+        for t in local:
+            t.view(-1)[0] += 1.0
+        return fn
+
+    rep = range(spec["repeat"])
+    res["ceiling_s"] = min(_timed(ceiling, dist) for _ in rep)
+    res["dcp_save_s"] = min(_timed(fresh(fs_save), dist) for _ in rep)
+    res["ucp_save_s"] = min(_timed(fresh(ucp_save), dist) for _ in rep)
+    target = {"model": _state(spec, mesh, None)}
+    target = {"model": {k: v.redistribute(mesh, [Shard(1)]) for k, v in target["model"].items()}}
+    need = sum(t.to_local().numel() * 4 for t in target["model"].values())
+    for name, make in (("dcp", lambda: FileSystemReader(os.path.join(d, "fs"))),
+                       ("ucp", lambda: UcpStorageReader(store, "b@latest"))):
+        best, amp = None, None
+        for _ in rep:
+            r0 = _rchar()
+            t = _timed(lambda make=make: dcp.load(target, storage_reader=make()), dist)
+            if best is None or t < best:
+                best, amp = t, (_rchar() - r0) / need
+        res[f"{name}_load_s"], res[f"{name}_load_amp"] = best, amp
+    check = {k: v.full_tensor() for k, v in target["model"].items()}
+    res["load_exact"] = all(torch.equal(check[k], sd["model"][k].full_tensor()) for k in check)
+    for name in ("dcp", "ucp"):
+        blocks = []
+        for _ in rep:
+            w = (FileSystemWriter(os.path.join(d, f"async{next(step)}")) if name == "dcp"
+                 else UcpStorageWriter(store, run="a", step=next(step)))
+            for t in local:
+                t.view(-1)[0] += 1.0
+            dist.barrier()
+            t0 = time.perf_counter()
+            fut = dcp.async_save(sd, storage_writer=w, async_checkpointer_type=AsyncCheckpointerType.THREAD)
+            blocks.append(time.perf_counter() - t0)
+            fut.result()
+            dist.barrier()
+        res[f"{name}_async_block_s"] = min(blocks)
+    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        _rank(int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed)")
+    args = ap.parse_args()
+    from ucp_test_helpers import free_port
+
+    d = args.dir or tempfile.mkdtemp(prefix="ucp-bench-dcp-")
+    os.makedirs(d, exist_ok=True)
+    spec = {"mb": args.mb, "tensors": args.tensors, "world": args.world, "repeat": args.repeat, "dir": d,
+            "out": os.path.join(d, "out")}
+    os.makedirs(spec["out"], exist_ok=True)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), json.dumps(spec), str(port)])
+             for r in range(args.world)]
+    rcs = [p.wait() for p in procs]
+    if any(rcs):
+        print(f"ranks failed: {rcs}", file=sys.stderr)
+        return 1
+    ranks = [json.load(open(os.path.join(spec["out"], f"rank{r}.json"))) for r in range(args.world)]
+    worst = {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_s") or k.endswith("_amp")}
+    total = sum(r["bytes_per_rank"] for r in ranks) / (1 << 20)
+    print(f"{args.world} gloo ranks, {total:.0f} MiB of fp32 in {args.tensors} row-sharded tensors, best of "
+          f"{args.repeat}, slowest rank:")
+    print(f"  ceiling (write+fsync per rank) {worst['ceiling_s']:.3f} s")
+    for name in ("dcp", "ucp"):
+        print(f"  {name} save {worst[f'{name}_save_s']:.3f} s = {worst['ceiling_s'] / worst[f'{name}_save_s']:.2f}x "
+              "of the ceiling")
+    print(f"  resharded load (rows -> columns): dcp {worst['dcp_load_s']:.3f} s (read amplification "
+          f"{worst['dcp_load_amp']:.2f}), ucp {worst['ucp_load_s']:.3f} s ({worst['ucp_load_amp']:.2f}): "
+          f"ucp {worst['dcp_load_s'] / worst['ucp_load_s']:.2f}x DCP; bit-exact: {all(r['load_exact'] for r in ranks)}")
+    print(f"  async_save (thread) blocks: dcp {worst['dcp_async_block_s'] * 1e3:.1f} ms, ucp "
+          f"{worst['ucp_async_block_s'] * 1e3:.1f} ms")
+    if not args.dir:
+        shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
