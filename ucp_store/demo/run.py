@@ -6,7 +6,11 @@
    goes on to the end uninterrupted: it is the reference.
 2. Resume from that checkpoint on TP=2 x DP=2 again (bitwise), TP=1 x DP=4, TP=2 x DP=1 and one process
    with no process group (relative bound; `report.py` says why), each checking with `ucp_store.dist.verify`
-   that its live state is the stored one before training on.
+   that its live state is the stored one before training on. Each DP rank's data position
+   (`text.Sampler`) is per-rank state in every save: on TP=2 x DP=2 each rank gets its own back (the
+   default policy, bit for bit); on the other meshes DP changes, so the load declares
+   ``per_rank={"sampler": reshard(text.resplit)}``, which re-splits the saved positions over the new DP
+   ranks (no sample read twice or skipped). A mesh that changed only TP would use ``"by-coordinate:dp"``.
 3. Print the losses side by side with the largest differences, draw `loss_curves.png` and `plan.png`
    (which chunks each rank of TP=2 x DP=1 reads), and tour the store with the `ucp` commands a user would
    type. Exit non-zero when a resumed run diverges beyond its tolerance.
@@ -146,6 +150,9 @@ def run_demo(args) -> int:
             job = {**common, "key": ("ref" if what == "train" else key), "label": name, "tp": tp, "dp": dp,
                    "start": start, "end": steps, "load": load, "saves": {str(s): k for s, k in run_saves.items()},
                    "perturb": what == "resume" and key == perturb,
+                   # each DP rank's sampler position is per-rank state: its own back on the mesh that saved,
+                   # re-split over the new DP ranks (text.resplit, a reshard policy) on the others
+                   "per_rank": "same" if key == RUNS[0][0] else "reshard",
                    "boxes_of": PLAN_PARAM if what == "resume" and key == PLAN_KEY else None}
             task = progress.add_task(name, total=steps - start, loss="") if progress is not None else None
             t0 = time.perf_counter()
@@ -203,6 +210,10 @@ def _report_run(console, job: dict, info: dict, wall: float) -> None:
         bits.append(f"load {info['load_s']:.2f} s, {info.get('bytes_read', 0) / 1024:.0f} KiB read by rank 0")
     for s in info.get("saves", []):
         bits.append(f"{s['kind']} save at {s['step']} blocked {s['blocked_s']:.2f} s")
+    if info.get("per_rank"):  # rank 0's per-rank restore (its sampler position)
+        from rich.markup import escape
+
+        bits.append(f"sampler: {escape('; '.join(info['per_rank']))}")
     if "verify" in info:
         bits.append(f"verify: {_verify_text(info['verify'])}")
     if info.get("perturbed"):

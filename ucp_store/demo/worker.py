@@ -9,6 +9,8 @@ result queue cross the process boundary:
     load                      a reference to resume from with `ucp_store.dist.load`, then `verify`, or None
     saves                     {step: "sync" | "async"} saves through `ucp_store.dist` after that step
     store, run, cfg, seed, lr, perturb, device ("cpu" or "cuda", the same for every run: `pick_device`)
+    per_rank                  "same" (the mesh that saved) or "reshard": how the per-rank sampler state
+                              (`text.Sampler`, each DP rank's data position) is restored
 
 Rank 0 reports each step's loss (the mean of the data-parallel ranks' losses, in dp order, in float64:
 on one mesh the same arithmetic every time) and the run's timings on the queue; any rank that fails
@@ -71,24 +73,34 @@ def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
         model = M.parallelize(model, mesh, tp=tp, dp=dp)
         opt = M.build_optimizer(model, lr=job["lr"])
         info: dict[str, Any] = {"world": world, "device": device_type}
+        dp_rank = rank // tp
+        # this DP rank's data position, per-rank state saved and restored with the model (text.Sampler); a
+        # resumed run builds it at step 1 and relies on the load to move it to the step it resumes at
+        sampler = text.Sampler(cfg, seed=job["seed"], dp_rank=dp_rank, dp=dp,
+                               next_sample=(0 if job["load"] else job["start"]) * cfg.batch_size
+                               + dp_rank * (cfg.batch_size // dp))
 
         if job["load"]:
             t0 = time.perf_counter()
-            info["bytes_read"] = _load(model, opt, job)
+            info["bytes_read"], info["per_rank"] = _load(model, opt, sampler, job)
             info["load_s"] = time.perf_counter() - t0
-            info["verify"] = _verify(model, opt, job)
+            if sampler.step() != job["start"] + 1:
+                raise RuntimeError(f"rank {rank}: the loaded sampler reads step {sampler.step()} next, expected "
+                                   f"{job['start'] + 1}")
+            info["verify"] = _verify(model, opt, sampler, job)
             if job.get("boxes_of"):
                 queue.put(("boxes", job["key"], rank, _boxes(model, job["boxes_of"])))
             if job["perturb"]:
                 perturb(model)
                 info["perturbed"] = "output.weight scaled by 1.01 after the load and the verify"
 
-        dp_rank = rank // tp
         losses: dict[int, float] = {}
         pending = None
         info["saves"] = []
         for step in range(job["start"] + 1, job["end"] + 1):
-            inputs, targets = text.batch(cfg, step, seed=job["seed"], dp_rank=dp_rank, dp=dp, device=device)
+            if sampler.step() != step:
+                raise RuntimeError(f"rank {rank}: the sampler reads step {sampler.step()}, the loop is at {step}")
+            inputs, targets = sampler.next_batch(device)  # text.batch(cfg, step, ...) of this rank's rows
             local = M.train_step(model, opt, inputs, targets)
             loss = _global_loss(local, world, tp, dp, device)
             if rank == 0:
@@ -99,7 +111,7 @@ def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
                 if pending is not None:
                     pending.result()
                 t0 = time.perf_counter()
-                pending = _save(model, opt, job, step, kind)
+                pending = _save(model, opt, sampler, job, step, kind)
                 if kind == "async" and isinstance(pending, _Done):
                     kind = "sync (ucp_store.dist has no async_save yet)"
                 info["saves"].append({"step": step, "kind": kind, "blocked_s": time.perf_counter() - t0})
@@ -129,11 +141,22 @@ def _global_loss(local: float, world: int, tp: int, dp: int, device) -> float:
     return total / dp
 
 
-def _state(model, opt) -> dict:
+def _state(model, opt, sampler) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd}
+    return {"model": msd, "optim": osd, "sampler": sampler.state_dict()}
+
+
+def _policies(job: dict) -> dict | None:
+    """The per-rank restore policy of a resumed run: none on the mesh that saved (each rank gets its own
+    position back), the sampler re-split over the new DP ranks elsewhere (``text.resplit``)."""
+    from .. import dist as ucp_dist
+    from . import text
+
+    if job.get("per_rank", "same") == "same":
+        return None
+    return {"sampler": ucp_dist.reshard(text.resplit)}
 
 
 class _Done:
@@ -143,10 +166,10 @@ class _Done:
         return None
 
 
-def _save(model, opt, job: dict, step: int, kind: str):
+def _save(model, opt, sampler, job: dict, step: int, kind: str):
     from .. import dist as ucp_dist
 
-    state = _state(model, opt)
+    state = _state(model, opt, sampler)
     if kind == "async":
         async_save = getattr(ucp_dist, "async_save", None)
         if async_save is not None:
@@ -156,23 +179,26 @@ def _save(model, opt, job: dict, step: int, kind: str):
     return _Done()
 
 
-def _load(model, opt, job: dict) -> int:
-    """Load job["load"] in place through ucp_store.dist; returns the bytes this rank read."""
+def _load(model, opt, sampler, job: dict) -> tuple[int, list[str]]:
+    """Load job["load"] in place through ucp_store.dist; returns the bytes this rank read and how its per-rank
+    state was restored."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     from .. import dist as ucp_dist
 
-    state = _state(model, opt)
-    result = ucp_dist.load(state, store=job["store"], ref=job["load"], progress=False)
+    state = _state(model, opt, sampler)
+    result = ucp_dist.load(state, store=job["store"], ref=job["load"], progress=False, per_rank=_policies(job))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(getattr(result, "bytes_read", 0) or 0)
+    sampler.load_state_dict(state["sampler"])
+    return int(getattr(result, "bytes_read", 0) or 0), list(result.per_rank)
 
 
-def _verify(model, opt, job: dict) -> dict:
+def _verify(model, opt, sampler, job: dict) -> dict:
     """`ucp_store.dist.verify` of the live state (read back through get_state_dict) against the checkpoint."""
     from .. import dist as ucp_dist
 
-    report = ucp_dist.verify(_state(model, opt), job["load"], store=job["store"], progress=False)
+    report = ucp_dist.verify(_state(model, opt, sampler), job["load"], store=job["store"], progress=False,
+                             per_rank=_policies(job))
     return {"ok": bool(report.ok), "text": str(report)}
 
 
