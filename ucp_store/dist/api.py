@@ -8,9 +8,12 @@ pattern.
 Save, on every rank:
 1. flatten the dict (``statedict.py``) and, per tensor, compute the boxes its local shard covers
    (``layout.py``: ``Shard``, uneven ``Shard``, ``_StridedShard``, ``Replicate``, 2-D meshes);
-2. one ``all_gather_object`` of (key, shape, dtype, boxes) on a gloo group with a bounded timeout: the
-   ranks check they hold the same tensors, and the lowest rank proposing a box writes it, so replicas
-   (``Replicate`` mesh dims, plain tensors, the same DTensor on sibling sub-meshes) are written once;
+2. one ``all_gather_object`` of (key, shape, dtype, boxes) of the DTensors and a content digest of every
+   plain tensor and value, on a gloo group with a bounded timeout: the ranks check they hold the same
+   DTensors, and the lowest rank proposing a box writes it, so replicas (``Replicate`` mesh dims, the same
+   DTensor on sibling sub-meshes) are written once; plain tensors and values equal on every rank are
+   written once by rank 0, the others are per-rank state (``perrank.py``: stored per distinct content,
+   keyed by rank and mesh coordinates, restored on load by policy);
 3. stage the boxes it writes to host memory (device tensors are copied to host, pinned buffers when
    asynchronous) and write them with ``CheckpointWriter.write_region`` into the pending version;
 4. rank 0 commits after every rank's arrays are durable (``ucp_store.distributed``); on an error
@@ -221,12 +224,12 @@ def _describe_leaves(leaves, ctx: _Ctx, mesh) -> tuple[list[_Tensor], dict, dict
                 meshes.setdefault(repr(m.mesh.tolist()), {"shape": t.pattern["mesh"]["shape"],
                                                           "dims": list(m.mesh_dim_names or ()),
                                                           "ranks": m.mesh.tolist()})
-        elif leaf.is_tensor:
+        elif leaf.is_tensor:  # one rank alone has nothing to compare: no digest
             plain[leaf.path] = _describe(leaf)
-            digests.append((leaf.path, "tensor", perrank.digest_tensor(leaf.value)))
+            digests.append((leaf.path, "tensor", perrank.digest_tensor(leaf.value) if ctx.world > 1 else b""))
         else:
             values[leaf.path] = json_value(leaf)
-            digests.append((leaf.path, "value", perrank.digest_value(values[leaf.path])))
+            digests.append((leaf.path, "value", perrank.digest_value(values[leaf.path]) if ctx.world > 1 else b""))
     topology = perrank.live_topology(leaves, mesh, ctx, what="save")
     return dtensors, meshes, plain, digests, {"values": values, "topology": topology}
 
