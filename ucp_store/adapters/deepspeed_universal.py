@@ -262,22 +262,10 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
     step_types = objs.get("deepspeed/step_types") or {}
     warnings: list[str] = []
 
-    by_name: "OrderedDict[str, dict[str, Any]]" = OrderedDict()
-    wanted = set(plan_export(checkpoint, target)) if target is not None else None
-    for info in checkpoint.tensors():
-        if wanted is not None and (info.name, info.state) not in wanted:
-            continue
-        by_name.setdefault(info.name, {})[info.state] = info
     weight_only_fallback = style in ("zero12", "portable") and (
         not layout or (layout.get("module_in_model_states") and src_zero < 3))
     raw = style == "zero3"
-
-    jobs = []
-    for name, states in by_name.items():
-        if "fp32" not in states and "weight" in states and weight_only_fallback:
-            _check_fp32_cast(checkpoint, states["weight"])
-        d = _safe_dir(root_real, zero, name)
-        jobs.append((name, states, d))
+    by_name, jobs = _export_jobs(checkpoint, target, root_real, zero, bool(weight_only_fallback))
     made_root = not os.path.isdir(out_root)
     os.makedirs(zero)  # after every check above: a refused export writes nothing (not even out_root)
 
@@ -346,6 +334,23 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
         f.write(tag)
     os.replace(tmp, os.path.join(out_root, "latest_universal"))
     return final
+
+
+def _export_jobs(checkpoint, target: Any, root_real: str, zero: str, weight_only_fallback: bool):
+    """(name -> {state: info}, [(name, states, folder)]) of a universal export, every name's folder and every
+    fallback weight's dtype checked (nothing is written yet)."""
+    by_name: "OrderedDict[str, dict[str, Any]]" = OrderedDict()
+    wanted = set(plan_export(checkpoint, target)) if target is not None else None
+    for info in checkpoint.tensors():
+        if wanted is not None and (info.name, info.state) not in wanted:
+            continue
+        by_name.setdefault(info.name, {})[info.state] = info
+    jobs = []
+    for name, states in by_name.items():
+        if "fp32" not in states and "weight" in states and weight_only_fallback:
+            _check_fp32_cast(checkpoint, states["weight"])
+        jobs.append((name, states, _safe_dir(root_real, zero, name)))
+    return by_name, jobs
 
 
 #: stored dtypes a weight may have to become a universal ``fp32.pt`` master (``float32``, as DeepSpeed keeps it)
