@@ -100,8 +100,13 @@ def _installed_versions() -> dict[str, str]:
 
 
 def open_store(url: str | None = None, *, create: bool = False, catalog: str | None = None,
-               compression: str | None = None, chunk_target_bytes: int | None = None) -> "Store":
-    """Open (or with ``create`` make) a store. ``url`` defaults to ``$UCP_STORE`` or ``./ucp-store``."""
+               compression: str | None = None, chunk_target_bytes: int | None = None,
+               sqlite_journal: str = "auto") -> "Store":
+    """Open (or with ``create`` make) a store. ``url`` defaults to ``$UCP_STORE`` or ``./ucp-store``.
+
+    ``sqlite_journal`` (a SQLite catalog): ``'auto'`` runs WAL, or the rollback journal (DELETE) when the
+    catalog is on a network or cluster filesystem (NFS, Lustre, GPFS, CephFS, SMB, FUSE, ...: WAL needs every
+    process on one host); ``'wal'`` / ``'delete'`` force that mode (``ucp --sqlite-journal``)."""
     url = url or os.environ.get("UCP_STORE") or DEFAULT_STORE
     location = Location.parse(url, catalog)
     if not create and location.catalog_url.startswith("sqlite"):
@@ -116,7 +121,7 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
     if create:
         location.ensure_root()
     try:
-        catalog_db = open_catalog(location.catalog_url, create=create)
+        catalog_db = open_catalog(location.catalog_url, create=create, sqlite_journal=sqlite_journal)
     except BaseException:
         if fresh_root:  # an unreachable or refused catalog leaves no empty store folder behind
             for folder in (os.path.join(location.root, ARRAYS_DIR), location.root):

@@ -2,8 +2,9 @@
 
 One code path for SQLite and PostgreSQL:
 
-- SQLite: every connection gets ``busy_timeout`` (30 s), ``journal_mode=WAL``,
-  ``synchronous=FULL`` and ``foreign_keys=ON``. pysqlite's own transaction handling is switched off
+- SQLite: every connection gets ``busy_timeout`` (30 s), ``journal_mode=WAL`` (``DELETE`` on a network or
+  cluster filesystem, where WAL would be unsafe across hosts: ``catalog/fs.py``; ``sqlite_journal``
+  overrides), ``synchronous=FULL`` and ``foreign_keys=ON``. pysqlite's own transaction handling is switched off
   (``isolation_level = None``) and SQLAlchemy emits ``BEGIN`` itself (the recipe of the SQLAlchemy
   SQLite dialect documentation): ``BEGIN`` for reads, ``BEGIN IMMEDIATE`` for writes, so a writer takes
   the write lock up front and several processes writing at once queue instead of deadlocking on a
@@ -45,6 +46,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import CatalogError, SchemaVersionError
+from . import fs as _fs
 
 if TYPE_CHECKING:  # pragma: no cover - alembic loads only when a schema is created or migrated
     from alembic.config import Config
@@ -268,19 +270,19 @@ def _install_fork_guard(engine: Engine) -> None:
             )
 
 
-def _set_wal(cur, busy_timeout_ms: int) -> str:
-    """Switch to WAL unless the file is in it already. Switching upgrades a shared lock to an exclusive
-    one; when several first opens of a fresh file upgrade at once, SQLite answers all but one with
-    SQLITE_BUSY at once, without its busy handler (deadlock avoidance: seen in CI as "database is locked"
-    from ``PRAGMA journal_mode = WAL``). So the switch is retried here for up to the busy timeout."""
+def _set_journal(cur, busy_timeout_ms: int, wanted: str = "wal") -> str:
+    """Switch to the ``wanted`` journal mode unless the file is in it already. Switching upgrades a shared
+    lock to an exclusive one; when several first opens of a fresh file upgrade at once, SQLite answers all
+    but one with SQLITE_BUSY at once, without its busy handler (deadlock avoidance: seen in CI as "database
+    is locked" from ``PRAGMA journal_mode = WAL``). So the switch is retried here for up to the busy timeout."""
     deadline = time.monotonic() + busy_timeout_ms / 1000.0
     attempt = 0
     while True:
         try:
             mode = str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower()
-            if mode in ("wal", "memory"):
+            if mode in (wanted, "memory"):
                 return mode
-            return str(cur.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
+            return str(cur.execute(f"PRAGMA journal_mode = {wanted.upper()}").fetchone()[0]).lower()
         except sqlite3.OperationalError as e:
             if not _is_transient(e) or time.monotonic() > deadline:
                 raise
@@ -288,8 +290,12 @@ def _set_wal(cur, busy_timeout_ms: int) -> str:
             attempt += 1
 
 
-def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str) -> None:
+def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str,
+                           journal: _fs.JournalChoice | None = None) -> None:
     warned: list[bool] = []
+    wanted = journal.mode if journal is not None else "wal"
+    if journal is not None and journal.filesystem:
+        log.info("catalog %s: journal_mode=%s (%s)", shown, wanted.upper(), journal.reason)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, connection_record):
@@ -298,20 +304,20 @@ def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str) -> 
         cur = dbapi_connection.cursor()
         try:
             cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            mode = _set_wal(cur, busy_timeout_ms)
+            mode = _set_journal(cur, busy_timeout_ms, wanted)
             cur.execute("PRAGMA synchronous = FULL")
             cur.execute("PRAGMA foreign_keys = ON")
         finally:
             cur.close()
-        if str(mode).lower() not in ("wal", "memory") and not warned:
+        if str(mode).lower() not in (wanted, "memory") and not warned:
             warned.append(True)
-            log.warning("catalog %s: SQLite refused WAL journal mode (got %r); writers will block readers", shown, mode)
+            log.warning("catalog %s: SQLite refused %s journal mode (got %r)", shown, wanted.upper(), mode)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):
         options = conn.get_execution_options()
         if options.get(_WRITE_OPTION):
-            if options.get(_LAZY_OPTION):
+            if options.get(_LAZY_OPTION) and wanted == "wal":
                 # SQLite refuses to change the safety level inside a transaction: before BEGIN, and back
                 # to FULL when the connection returns to the pool (_on_checkin)
                 conn.exec_driver_sql("PRAGMA synchronous = NORMAL")
@@ -330,7 +336,7 @@ def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str) -> 
                 cur.close()
 
 
-def _make_engine(u: URL, busy_timeout_ms: int) -> Engine:
+def _make_engine(u: URL, busy_timeout_ms: int, journal: _fs.JournalChoice | None = None) -> Engine:
     shown = u.render_as_string(hide_password=True)
     backend = u.get_backend_name()
     kwargs: dict = {}
@@ -348,7 +354,7 @@ def _make_engine(u: URL, busy_timeout_ms: int) -> Engine:
         raise CatalogError(f"catalog {shown}: the database driver is not available{hint}: {e}") from e
     _install_fork_guard(engine)
     if backend == "sqlite":
-        _install_sqlite_events(engine, busy_timeout_ms, shown)
+        _install_sqlite_events(engine, busy_timeout_ms, shown, journal)
     return engine
 
 
@@ -548,16 +554,20 @@ def _migrate(catalog: Catalog, target: str, *, create: bool, allow_upgrade: bool
 
 
 def _connect(
-    url: str | URL, *, create: bool, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS
+    url: str | URL, *, create: bool, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS, sqlite_journal: str = "auto",
+    statfs: Callable[[str], int | None] = _fs.statfs_type,
 ) -> Catalog:
     u = _parse_url(url)
     shown = u.render_as_string(hide_password=True)
     path = _sqlite_file(u)
-    if path is not None and not path.exists():
-        if not create:
-            raise CatalogError(f"catalog {shown} does not exist (no file {path}); pass create=True to create it")
-        path.parent.mkdir(parents=True, exist_ok=True)
-    return Catalog(u.render_as_string(hide_password=False), _make_engine(u, busy_timeout_ms))
+    journal = None
+    if path is not None:
+        journal = _fs.journal_mode(path, sqlite_journal, statfs=statfs)
+        if not path.exists():
+            if not create:
+                raise CatalogError(f"catalog {shown} does not exist (no file {path}); pass create=True to create it")
+            path.parent.mkdir(parents=True, exist_ok=True)
+    return Catalog(u.render_as_string(hide_password=False), _make_engine(u, busy_timeout_ms, journal))
 
 
 def _unreadable(catalog: Catalog, e: exc.DatabaseError) -> str:
@@ -574,14 +584,21 @@ def open_catalog(
     create: bool,
     upgrade: bool = True,
     busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+    sqlite_journal: str = "auto",
+    statfs: Callable[[str], int | None] = _fs.statfs_type,
 ) -> Catalog:
     """Open the catalog at ``url`` (``sqlite:////abs/catalog.db``, ``postgresql+psycopg2://...``).
 
     - no schema yet: created at the head revision if ``create``, else ``CatalogError``;
     - an older revision: upgraded (logged as a warning) if ``upgrade``, else ``SchemaVersionError``;
     - a revision this ucp_store does not know (written by a newer one): ``SchemaVersionError``.
+
+    ``sqlite_journal`` (SQLite only): ``'auto'`` runs WAL on a local filesystem and the rollback journal
+    (DELETE) on a network or cluster one (``catalog/fs.py``); ``'wal'`` or ``'delete'`` force a mode.
+    ``statfs``: how the filesystem's ``f_type`` is asked (tests pass another).
     """
-    catalog = _connect(url, create=create, busy_timeout_ms=busy_timeout_ms)
+    catalog = _connect(url, create=create, busy_timeout_ms=busy_timeout_ms, sqlite_journal=sqlite_journal,
+                       statfs=statfs)
     try:
         with catalog.engine.connect() as conn:  # fast path: no write lock (and no alembic) when already at head
             rev = _read_revision(conn, catalog.display_url)

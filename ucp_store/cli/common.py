@@ -26,6 +26,9 @@ def add_common(p: argparse.ArgumentParser, top: bool) -> None:
                    help="store folder or URL (default: $UCP_STORE or ./ucp-store)")
     p.add_argument("--catalog", default=default, metavar="URL", help="catalog URL (default: $UCP_CATALOG or "
                    "<store>/catalog.db)")
+    p.add_argument("--sqlite-journal", default="auto" if top else argparse.SUPPRESS, choices=("auto", "wal", "delete"),
+                   help="SQLite catalog journal: auto (default) runs WAL, or DELETE on a network/cluster filesystem "
+                   "(WAL needs every process on one host); wal or delete force it")
     p.add_argument("--no-progress", action="store_true", default=False if top else argparse.SUPPRESS,
                    help="no progress bars")
 
@@ -34,7 +37,8 @@ def open_from_args(args: Any, *, create: bool = False, **settings: Any) -> Store
     """The store named by ``--store`` / ``--catalog`` (or their environment defaults)."""
     from ..store import open_store
 
-    return open_store(args.store, create=create, catalog=args.catalog, **settings)
+    return open_store(args.store, create=create, catalog=args.catalog,
+                      sqlite_journal=getattr(args, "sqlite_journal", "auto"), **settings)
 
 
 def mib_bytes(value: float | None, flag: str) -> int | None:
