@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import pickle
 import shutil
@@ -510,7 +511,36 @@ def stats_nonfinite(ctx, out):
 
 
 def diff_statuses(ctx, out):
-    return {r["name"]: r["status"] for r in strict_json(out.stdout)}
+    """name -> (status, whether the relative change is a positive number) from ``ucp diff --json``."""
+    rows = strict_json(out.stdout)
+    return {r["name"]: (r["status"], isinstance(r.get("relative_change"), float) and r["relative_change"] > 0)
+            for r in rows}
+
+
+def diff_nan(ctx, out):
+    row = next(r for r in strict_json(out.stdout) if r["name"] == "n")
+    return row["status"], math.isnan(_number(row["relative_change"]))
+
+
+def save_nan_pair(ctx):
+    s = ctx.open()
+    s.save("n", 1, {"n": torch.tensor([1.0, float("nan")])})
+    s.save("n", 2, {"n": torch.tensor([2.0, float("nan")])})
+
+
+def zstd_store(ctx):
+    """A zstd-compressed store (read through TensorStore, not localread) holding r@1 'w'."""
+    shutil.rmtree(ctx.store)
+    ucp_store.open_store(str(ctx.store), create=True, compression="zstd").save("r", 1, {"w": W})
+
+
+def fifo_in_zstd(which: str) -> Callable[[Ctx], None]:
+    def build(ctx):
+        zstd_store(ctx)
+        f = next(p for p in files_of(ctx, "r@1", "w") if ("/c/" in str(p)) == (which == "shard"))
+        f.unlink()
+        os.mkfifo(f)
+    return build
 
 
 def corrupt_w(ctx):
@@ -870,8 +900,10 @@ CASES: list[Case] = [
     exact("cli-read-json-complex-keeps-imaginary", "cli", "json", save_tensors(z=COMPLEX), lambda ctx: COMPLEX,
           cli=cli("read", "x@1", "z", "--json"), got=read_json_values(torch.complex64), issue="30.11"),
     exact("cli-diff-json-imaginary-change", "cli", "json", save_complex_pair,
-          lambda ctx: {"z": "changed", "same": "same"}, cli=cli("diff", "c@1", "c@2", "--json", "--all"),
-          got=diff_statuses, issue="30.11"),
+          lambda ctx: {"z": ("changed", True), "same": ("same", False)},
+          cli=cli("diff", "c@1", "c@2", "--json", "--all"), got=diff_statuses, issue="30.11"),
+    exact("cli-diff-json-nan-is-json", "cli", "json", save_nan_pair, lambda ctx: ("changed", True),
+          cli=cli("diff", "n@1", "n@2", "--json"), got=diff_nan, issue="30.11"),
     err("cli-export-universal-complex", "cli", "export", save_one("c", COMPLEX), EXIT_FAIL, "'c'",
         cli=cli("export", "deepspeed-universal", "u@1", "{inp}/uni"), issue="30.11"),
     err("cli-export-universal-uint64", "cli", "export", save_one("big", torch.tensor([2**64 - 1], dtype=torch.uint64)),
@@ -915,10 +947,14 @@ CASES: list[Case] = [
     err("cli-init-existing-store-other-compression", "cli", "options", init_existing, EXIT_FAIL, "{store}",
         cli=cli("init", "--compression", "zstd"), issue="30.11"),
     err("store-fifo-shard-file-verify", "store", "fifo", fifo_in("r@1", "shard"), EXIT_FAIL, "arrays/",
-        cli=cli("verify", "r@1"), report=True, subprocess=True, timeout=90, issue="30.11"),
+        cli=cli("verify", "r@1"), report=True, subprocess=True, timeout=45, issue="30.11"),
     err("store-fifo-zarr-json-verify", "store", "fifo", fifo_in("r@1", "meta"), EXIT_FAIL, "zarr.json",
-        cli=cli("verify", "r@1"), report=True, subprocess=True, timeout=90, issue="30.11"),
-    kept("store-fifo-under-arrays-gc", "store", "fifo", fifo_folder, cli=cli("gc"), subprocess=True, timeout=90,
+        cli=cli("verify", "r@1"), report=True, subprocess=True, timeout=45, issue="30.11"),
+    err("store-fifo-zarr-json-compressed-verify", "store", "fifo", fifo_in_zstd("meta"), EXIT_FAIL, "zarr.json",
+        cli=cli("verify", "r@1"), report=True, subprocess=True, timeout=45, issue="30.11"),
+    err("store-fifo-shard-file-compressed-read", "store", "fifo", fifo_in_zstd("shard"), EXIT_FAIL, "'w'",
+        cli=cli("read", "r@1", "w"), subprocess=True, timeout=45, issue="30.11"),
+    kept("store-fifo-under-arrays-gc", "store", "fifo", fifo_folder, cli=cli("gc"), subprocess=True, timeout=45,
          issue="30.11"),
     exact("cli-gc-reports-bytes-freed", "cli", "gc", orphan_array, lambda ctx: (1, True),
           cli=cli("gc", "--json"), got=gc_freed, listed=SEEDED, issue="30.11"),
