@@ -210,15 +210,15 @@ def _report_run(console, job: dict, info: dict, wall: float) -> None:
         bits.append(f"load {info['load_s']:.2f} s, {info.get('bytes_read', 0) / 1024:.0f} KiB read by rank 0")
     for s in info.get("saves", []):
         bits.append(f"{s['kind']} save at {s['step']} blocked {s['blocked_s']:.2f} s")
-    if info.get("per_rank"):  # rank 0's per-rank restore (its sampler position)
-        from rich.markup import escape
-
-        bits.append(f"sampler: {escape('; '.join(info['per_rank']))}")
     if "verify" in info:
         bits.append(f"verify: {_verify_text(info['verify'])}")
     if info.get("perturbed"):
         bits.append(f"[red]perturbed on purpose: {info['perturbed']}[/]")
     console.print("      " + "; ".join(bits))
+    if info.get("per_rank"):  # rank 0's per-rank restore (its sampler position), on a line of its own
+        from rich.markup import escape
+
+        console.print(f"      per-rank state of rank 0: {escape('; '.join(info['per_rank']))}")
 
 
 def _verify_text(report: dict) -> str:
