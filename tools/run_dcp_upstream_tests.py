@@ -155,7 +155,10 @@ def run_file(cache: Path, rel: str, work: Path, baseline: bool, pytest_args: lis
     src = (cache / rel).read_text()
     dest = work / Path(rel).name
     dest.write_text(src if baseline else SHIM_LINE + src)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(work),
+    # torch.testing's helpers need expecttest, which the project does not: `pip install --target
+    # <cache>/../deps expecttest` puts it beside the cached files instead of into the environment
+    deps = cache.parent / "deps"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(work), str(deps),
                                                         os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-n", "0",
                            str(dest), *pytest_args], cwd=work, env=env, capture_output=True,
