@@ -91,25 +91,56 @@ def _message(error: BaseException | None) -> str | None:
 
 def distributed_begin(store, run: str, step: int, *, group=None, **kwargs):
     """Rank 0 begins a pending checkpoint; every other rank joins it (one broadcast: joining reads nothing,
-    rank 0's commit checks the checkpoint is still pending). If rank 0 cannot begin, every rank raises."""
+    rank 0's commit checks the checkpoint is still pending). If rank 0 cannot begin, every rank raises.
+
+    Only rank 0 touches the catalog: ``store`` is a :class:`~ucp_store.store.Store` or a callable opening one
+    (called on rank 0 alone, so the other ranks never connect). The broadcast (JSON bytes, no pickle) carries
+    the version id, the store's location and settings; the other ranks' writers do array I/O on a store
+    without a catalog (``coord.detached_store``) and hand their rows to rank 0's commit."""
+    from . import coord
     from .writer import CheckpointWriter
 
     rank = dist.get_rank(group)
-    writer, error = None, None
+    writer, error, payload = None, None, None
     if rank == 0:
         try:
-            writer = store.begin(run, step, **kwargs)
+            st = store() if callable(store) else store
+            writer = st.begin(run, step, **kwargs)
+            payload = coord.encode({"id": writer.id, "store": coord.store_facts(st)})
         except BaseException as exc:  # noqa: BLE001 - the other ranks must learn about it
             error = exc
-    box = [writer.id if writer is not None else None, _message(error)]
-    dist.broadcast_object_list(box, src=_src(group), group=group)
+            payload = coord.encode(coord.error_payload(exc))
+    answer = coord.decode(coord.broadcast_bytes(payload, group))
     if error is not None:
         raise error
-    if box[0] is None:
-        raise UcpError(f"rank 0 could not begin the save of {run}@{step}: {box[1]}")
+    if "error" in answer:
+        coord.raise_remote(answer, f"the begin of the save of {run}@{step}")
     if writer is None:
-        writer = CheckpointWriter(store, str(box[0]), owner=False)
+        writer = CheckpointWriter(coord.detached_store(answer["store"]), str(answer["id"]), owner=False)
     return writer
+
+
+def _dedup_joined(writer, rows: list[dict]) -> list[str]:
+    """Rank 0's deduplication of the arrays the joined ranks wrote (they have no catalog to look in): an
+    array whose content a committed version (or an earlier array of this save) already holds is dropped
+    and its rows point at that one. Returns the folders of the dropped arrays (removed after the commit)."""
+    arrays = [r for r in rows if r.get("_table") == "array" and r.get("content_hash")]
+    writer._lookup_hashes([a["content_hash"] for a in arrays if a["content_hash"] not in writer._local_arrays])
+    remap: dict[str, str] = {}
+    for a in arrays:
+        existing = writer._dedup(a["content_hash"], a["dtype"], a["shape"])
+        if existing is not None and existing != a["id"]:
+            remap[a["id"]] = existing
+        else:
+            writer._local_arrays[a["content_hash"]] = a["id"]
+    if not remap:
+        return []
+    dropped = [r["path"] for r in arrays if r["id"] in remap]
+    rows[:] = [r for r in rows if not (r.get("_table") == "array" and r["id"] in remap)]
+    for r in rows:
+        if r.get("array_id") in remap:
+            r["array_id"] = remap[r["array_id"]]
+    return dropped
 
 
 def distributed_commit(writer, *, group=None, error: BaseException | None = None, synced: bool = False,
@@ -117,12 +148,15 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
     """Finish a distributed save on every rank; returns the committed checkpoint id (same on all ranks).
 
     Each rank makes everything it wrote durable; after a barrier (every rank's writes are in place), the
-    origin rank of each sharded array hashes it; one ``gather_object`` brings every rank's rows (plain dicts)
-    and outcome to rank 0, which records them all and commits in ONE catalog transaction (or aborts, when any
-    rank failed); one broadcast tells every rank the outcome. ``error``: this rank already failed (the others
-    learn it in the gather). ``synced=True``: the caller already agreed, after every rank's writes returned,
-    that all succeeded (a collective), so the barrier round is skipped (two rounds in all). ``stats``: the
-    seconds since ``t0`` at which each step ended are recorded there (``rows_s``, ``gathered_s``, ``committed_s``)."""
+    origin rank of each sharded array hashes it; one gather (JSON bytes) brings every rank's rows (plain
+    dicts) and outcome to rank 0, which deduplicates the joined ranks' arrays, records them all and commits
+    in ONE catalog transaction (or aborts, when any rank failed); one broadcast tells every rank the outcome.
+    ``error``: this rank already failed (the others learn it in the gather). ``synced=True``: the caller
+    already agreed, after every rank's writes returned, that all succeeded (a collective), so the barrier
+    round is skipped. ``stats``: the seconds since ``t0`` at which each step ended are recorded there
+    (``rows_s``, ``gathered_s``, ``committed_s``)."""
+    from . import coord
+
     rank = dist.get_rank(group)
 
     def mark(key: str) -> None:
@@ -151,26 +185,32 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
         except BaseException as exc:  # noqa: BLE001
             error = exc
     mark("rows_s")
-    mine = (_message(error), rows)
-    parts: list | None = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object(mine, parts, dst=_src(group), group=group)
+    parts = coord.gather_bytes(coord.encode([_message(error), rows]), group)
     mark("gathered_s")
     outcome: list = [None, None]
     if rank == 0:
         assert parts is not None
-        failed = [(r, p[0]) for r, p in enumerate(parts) if p[0] is not None]
+        decoded = [coord.decode(p) for p in parts]
+        failed = [(r, p[0]) for r, p in enumerate(decoded) if p[0] is not None]
         if failed:
             writer.abort()
             outcome[1] = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
         else:
             try:
-                writer.commit(extra_rows=[row for p in parts[1:] for row in p[1]], reload=False)
+                extra = [row for p in decoded[1:] for row in p[1]]
+                dropped = _dedup_joined(writer, extra)
+                writer.commit(extra_rows=extra, reload=False)
                 outcome[0] = writer.id
+                for rel in dropped:  # identical content is stored already (best effort: gc sweeps leftovers)
+                    try:
+                        writer.store.location.delete_tree(rel)
+                    except Exception:  # noqa: BLE001
+                        pass
             except BaseException as exc:  # noqa: BLE001 - commit aborted; every rank must learn about it
                 error = exc
                 outcome[1] = f"rank 0: {_message(exc)}"
     mark("committed_s")
-    dist.broadcast_object_list(outcome, src=_src(group), group=group)
+    outcome = coord.decode(coord.broadcast_bytes(coord.encode(outcome) if rank == 0 else None, group))
     if outcome[0] is None:
         if rank != 0:
             writer.abort()

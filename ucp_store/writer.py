@@ -248,6 +248,8 @@ class CheckpointWriter:
         return None
 
     def _committed_candidates(self, h: str) -> list:
+        if getattr(self.store, "detached", False):  # a non-coordinator rank: the coordinator dedups its rows
+            return []
         if self._committed_hashes is not None:
             return self._committed_hashes.get(h, [])
         if h not in self._hash_lookups:
@@ -270,7 +272,7 @@ class CheckpointWriter:
     def _lookup_hashes(self, hashes: list[str]) -> None:
         """The committed arrays with these content hashes, in one query (kept for ``_dedup``)."""
         todo = sorted({h for h in hashes if h not in self._hash_lookups})
-        if not todo or self._committed_hashes is not None:
+        if not todo or self._committed_hashes is not None or getattr(self.store, "detached", False):
             return
         self._lookups += 1
         for i in range(0, len(todo), 500):

@@ -370,6 +370,8 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
     from ..progress import track
 
     msg = message or f"ucp_store.dist.save from {ctx.world} rank(s)"
+    if ctx.dist is None and callable(store):
+        store = store()
     if ctx.dist is None:
         writer = store.begin(run, step, parent=parent, message=msg, provenance=plan.provenance)
     else:
@@ -455,21 +457,12 @@ def _set_region_hashes(writer, parts: list[dict]) -> None:
 
 
 def _open_everywhere(store, create: bool, ctx: _Ctx):
-    """Rank 0 opens (or creates) the store first, then the others open it; every rank raises on a failure."""
-    st, error = None, None
-    try:
-        st = _open(store, create=create) if ctx.rank == 0 else None
-    except BaseException as exc:  # noqa: BLE001
-        error = exc
-    ctx.raise_if_any_failed(error, "save (open store)")
-    if st is None:
-        try:
-            st = _open(store, create=False)
-        except BaseException as exc:  # noqa: BLE001
-            error = exc
-    if ctx.dist is not None:
-        ctx.raise_if_any_failed(error, "save (open store)")  # every rank, rank 0 included
-    return st
+    """The store a save writes to. One rank: the opened store. Several: an opener that only the coordinator
+    (group rank 0) calls, inside ``distributed_begin``; the other ranks never touch the catalog (they get
+    the store's location and settings in begin's one broadcast)."""
+    if ctx.dist is None:
+        return _open(store, create=create)
+    return lambda: _open(store, create=create)
 
 
 def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
@@ -528,9 +521,12 @@ class _View:
 
 
 def _catalog_view(store, ref: str) -> _View:
+    return _catalog_view_of(store.checkpoint(ref))
+
+
+def _catalog_view_of(ck) -> _View:
     from .rankstate import PerRankManifest
 
-    ck = store.checkpoint(ref)
     infos = {(i.name, i.state): i for i in ck.tensors()}
     objs = _manifest_object(ck)
     values, tensor_paths, manifest = {}, {}, None
@@ -543,6 +539,39 @@ def _catalog_view(store, ref: str) -> _View:
         if isinstance(objs.get("per_rank"), dict):
             manifest = PerRankManifest.from_json(objs["per_rank"])
     return _View(ck, infos, values, tensor_paths, manifest)
+
+
+def _view_everywhere(store, ref: str, ctx: _Ctx, what: str) -> _View:
+    """The version's view on every rank, with ONE catalog client: the coordinator (group rank 0) opens the
+    store, resolves ``ref`` and reads the rows, the manifest and every per-rank object it names; one broadcast
+    (JSON bytes) hands them to the other ranks, which read arrays through a store without a catalog. A failure
+    on the coordinator raises on every rank. Call first (before anything that may fail on one rank alone)."""
+    from .. import coord
+
+    if ctx.dist is None:
+        return _catalog_view(_open(store, create=False), ref)
+    view, error, payload = None, None, None
+    if ctx.rank == 0:
+        try:
+            view = _catalog_view(_open(store, create=False), ref)
+            names = {STATE_DICT_OBJECT}
+            if view.manifest is not None:
+                names.update(e.object for k in view.manifest.keys for e in k.entries)
+            payload = coord.encode({"store": coord.store_facts(view.ck.store), "id": view.ck.id, "run": view.ck.run,
+                                    "step": view.ck.step, "infos": [coord.info_to_json(i) for i in view.infos.values()],
+                                    "objects": coord.object_rows(view.ck, names)})
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+            error = exc
+            payload = coord.encode(coord.error_payload(exc))
+    with collective_errors(f"{what} (catalog broadcast)"):
+        answer = coord.decode(coord.broadcast_bytes(payload, ctx.group))
+    if error is not None:
+        raise error
+    if "error" in answer:
+        coord.raise_remote(answer, what)
+    if view is None:
+        view = _catalog_view_of(coord.detached_checkpoint(coord.detached_store(answer["store"]), answer))
+    return view
 
 
 def _manifest_object(ck) -> Any:
@@ -592,7 +621,8 @@ def load(state_dict: dict, *, store: Any = None, ref: str, strict: bool = True, 
     consumed: set[int] = set()
     view = None
     try:
-        view, consumed = _load_here(state_dict, ctx, store, ref, strict, progress, per_rank, mesh, result)
+        view = _view_everywhere(store, ref, ctx, f"load of {ref}")
+        view, consumed = _load_here(state_dict, ctx, view, ref, strict, progress, per_rank, mesh, result)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
     if ctx.dist is None:
@@ -627,7 +657,7 @@ def _check_consumed(view: _View, used: set[int], strict: bool, ref: str, result:
     result.unexpected += [f"{t} [per-rank]" for t in left]
 
 
-def _load_here(state_dict, ctx: _Ctx, store, ref: str, strict: bool, progress: bool, per_rank, mesh,
+def _load_here(state_dict, ctx: _Ctx, view: _View, ref: str, strict: bool, progress: bool, per_rank, mesh,
                result: LoadResult) -> tuple[_View, set[int]]:
     """This rank's part of ``load``: plan the per-rank restore, read its boxes, put everything in place."""
     from ..io import _box_sink, _Reader
@@ -636,8 +666,6 @@ def _load_here(state_dict, ctx: _Ctx, store, ref: str, strict: bool, progress: b
     from . import perrank
 
     policies = perrank.parse_policies(per_rank)
-    st = _open(store, create=False)
-    view = _catalog_view(st, ref)
     ck, infos, values = view.ck, view.infos, view.values
     result.checkpoint_id = ck.id
     leaves = flatten(state_dict)
@@ -747,8 +775,7 @@ def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progres
     checked = 0
     ck_id = ""
     try:
-        st = _open(store, create=False)
-        view = _catalog_view(st, ref)
+        view = _view_everywhere(store, ref, ctx, f"verify of {ref}")
         ck, infos = view.ck, view.infos
         ck_id = ck.id
         leaves = flatten(state_dict)

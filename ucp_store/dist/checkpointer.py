@@ -117,12 +117,9 @@ class Checkpointer:
         """Load the newest committed version into ``state_dict`` in place; returns its step (None: nothing).
         ``per_rank`` and ``mesh``: as ``ucp_store.dist.load`` takes them."""
         self._finish_pending()
-        step = self.latest_step()
         ctx = _Ctx(self.group)
-        steps = ctx.gather(step)
-        if len(set(steps)) != 1:
-            raise ConfigurationError(f"Checkpointer.load_latest: ranks see different newest steps {steps} of run "
-                                     f"{self.run!r}")
+        # the coordinator alone asks the catalog (one client per job); the others take its answer
+        step = ctx.gather(self.latest_step() if ctx.rank == 0 else None)[0]
         if step is None:
             return None
         load(state_dict, store=self.store_arg, ref=f"{self.run}@{step}", strict=strict, group=self.group,

@@ -164,16 +164,32 @@ def decide(everyone: Sequence[Sequence[tuple]], topology: RankTopology, rank: in
 def read_entries(ck, names: Iterable[str], *, required: bool = True) -> dict[str, Any]:
     """The stored objects ``names`` of checkpoint ``ck`` (JSON values, or tensors for array objects); only
     those are read. ``required``: a name the catalog lacks is an error (else left out)."""
+
+
+    wanted = sorted(set(names))
+    out: dict[str, Any] = {}
+    if not wanted:
+        return out
+    if getattr(ck, "prefetched_objects", None) is not None:  # a non-coordinator rank: rows came by broadcast
+        from ..coord import read_prefetched
+
+        out = read_prefetched(ck, wanted)
+    else:
+        out = _read_catalog_entries(ck, wanted)
+    lost = [n for n in wanted if n not in out]
+    if lost and required:
+        raise TopologyError(f"checkpoint {ck.id}: per-rank object(s) {lost[:5]} named by its manifest are missing")
+    return out
+
+
+def _read_catalog_entries(ck, wanted: list[str]) -> dict[str, Any]:
     from sqlalchemy import select
 
     from .. import dtypes, localread
     from .. import format as fmt
     from ..catalog import models as m
 
-    wanted = sorted(set(names))
     out: dict[str, Any] = {}
-    if not wanted:
-        return out
     store = ck.store
     with store.catalog.session() as s:
         rows = s.scalars(select(m.StoredObject).where(m.StoredObject.checkpoint_id == ck.id,
@@ -188,9 +204,6 @@ def read_entries(ck, names: Iterable[str], *, required: bool = True) -> dict[str
             data = fmt.read_box(h, layout, tuple((0, n) for n in a.shape), what=f"object {o.name!r}",
                                 array_url=store.array_url(a.path))
             out[o.name] = dtypes.to_torch(np.asarray(data))
-    lost = [n for n in wanted if n not in out]
-    if lost and required:
-        raise TopologyError(f"checkpoint {ck.id}: per-rank object(s) {lost[:5]} named by its manifest are missing")
     return out
 
 
