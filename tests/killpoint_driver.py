@@ -87,6 +87,7 @@ CASES = [
     ("abort.after_row", "save_fail", "none"),
     ("import.after_records", "import", "none"),
     ("dist.mid_write", "dist", "none"),
+    ("async.mid_copy", "async", "none"),
     ("gc.after_rows", "gc", "done"),
     ("sweep.mid:2", "gc", "done"),
     ("rm.after_row", "rm", "done"),
@@ -172,7 +173,7 @@ def setup(case: Case, op: str) -> dict:
 
 # --- the operations ------------------------------------------------------------------------------------
 
-OP_TARGET = {"save": "fresh@1", "save_fail": "fresh@1", "import": "imp@5", "dist": "dst@1"}
+OP_TARGET = {"save": "fresh@1", "save_fail": "fresh@1", "import": "imp@5", "dist": "dst@1", "async": "asy@1"}
 REMOVED = {"gc": ["base@1", "base@2"], "rm": ["base@1"]}
 
 
@@ -211,6 +212,11 @@ def run_op(case: Case, op: str) -> None:
 
         dist.save({"model": {"w": _t(21), "b": _t(22, (6,))}, "lr": 0.5}, store=store, run="dst", step=1,
                   progress=False)
+    elif op == "async":  # a lazy async save, killed while its background snapshot copies
+        from ucp_store import dist
+
+        dist.async_save({"model": {"w": _t(21), "b": _t(22, (6,))}, "lr": 0.5}, store=store, run="asy", step=1,
+                        lazy=True).result()
     elif op == "gc":
         store.gc()
     elif op == "rm":

@@ -21,6 +21,7 @@ The points (tests/test_killpoints.py tries every one on SQLite and PostgreSQL, f
 ``abort.after_row``         ``CheckpointWriter.abort``: pending row deleted, arrays not swept
 ``import.after_records``    ``adapters.base.import_source``: every record written, objects/commit not
 ``dist.mid_write``          ``ucp_store.dist`` save: one box written, the rest and the commit not
+``async.mid_copy``          lazy ``ucp_store.dist.async_save``: one box copied by the background snapshot
 ``gc.after_rows``           ``retention.gc``: victims' and dead pending rows deleted, no file swept
 ``rm.after_row``            ``Store.rm``: the version's rows deleted, no file swept
 ``sweep.mid``               ``retention.sweep_arrays``: one array deleted (row and files), more to go
@@ -40,7 +41,8 @@ __all__ = ["POINTS", "killpoint", "rearm"]
 
 POINTS = ("save.after_begin", "write.array_created", "write.array_written", "write.shard_box",
           "flush.before_rows", "flush.mid_rows", "flush.after_rows", "commit.in_txn", "commit.after",
-          "abort.after_row", "import.after_records", "dist.mid_write", "gc.after_rows", "rm.after_row",
+          "abort.after_row", "import.after_records", "dist.mid_write", "async.mid_copy",
+          "gc.after_rows", "rm.after_row",
           "sweep.mid", "export.torch", "export.universal", "export.dcp", "export.hf")
 
 _target: str | None = None

@@ -21,6 +21,12 @@ the first call only copies.
 A second ``async_save`` (or ``save`` / ``load``) first waits for the one in flight. ``handle.result()``
 returns the version id or raises the background error; every rank raises when any rank failed, and
 nothing is listed then.
+
+Lazy snapshot (``lazy=True``; the default once an optimizer gate is installed, see ``async_save``): the call
+copies only the buffers forward changes and returns after the plan; a background thread copies the rest
+while the caller runs its next forward and backward, and the optimizer's step pre-hook waits for the boxes
+that step changes. A version-counter guard fails the save, never storing a later state, when anything else
+changed a tensor in place before its copy. ``snapshot.py`` holds that logic.
 """
 
 from __future__ import annotations
@@ -36,8 +42,11 @@ from typing import Any
 
 import torch
 
+from .._killpoints import killpoint
 from ..errors import ConfigurationError, UcpError
+from . import snapshot as snap_mod
 from .api import _Ctx, _open_everywhere, _plan_save, _SavePlan, _write_plan
+from .statedict import path_text
 
 __all__ = ["AsyncSaveHandle", "async_save", "close", "prepare_async", "wait"]
 
@@ -58,6 +67,13 @@ class AsyncSaveHandle:
         self.blocked_s = 0.0
         #: bytes this rank staged
         self.staged_bytes = 0
+        #: the lazy snapshot (None when the call copied everything)
+        self.snapshot: snap_mod.Snapshot | None = None
+
+    @property
+    def gate_wait_s(self) -> float:
+        """Seconds optimizer steps waited for this save's lazy snapshot (0 for an eager save)."""
+        return self.snapshot.gate_wait_s if self.snapshot is not None else 0.0
 
     def _finish(self, cid: str | None, error: BaseException | None) -> None:
         self._id, self._error = cid, error
@@ -305,6 +321,7 @@ def _writer_main(requests, responses, rank: int, world: int, addr: str, port: in
             buffers = _map_arena(payload) if isinstance(payload, dict) else payload
             continue
         try:
+            _lower_writer_priority(payload.get("nice", 0))  # the trainer's processes get the CPU first
             ctx = _Ctx(None, tag="async-writer")
             plan = _SavePlan(payload["items"], [], payload["objects"], payload["provenance"], payload["per_rank"],
                              payload["rank_objects"])
@@ -341,88 +358,203 @@ def _writer_for(ctx: _Ctx) -> _WriterProcess:
     return writer
 
 
-def prepare_async(state_dict: dict, *, mode: str = "thread", group=None, mesh=None) -> None:
+def _optimizers(optimizer) -> list:
+    if optimizer is None:
+        return []
+    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+
+def prepare_async(state_dict: dict, *, mode: str = "thread", group=None, mesh=None, optimizer=None) -> None:
     """Do at setup what the first ``async_save`` of this state's layout would do on the caller's clock: make
     the staging buffers (pinned for device tensors, else memory whose pages are mapped now), the background
     group, and in ``"process"`` mode start the writer process and hand it the buffers. Call on every rank,
     with the state dict (or one of the same layout) later passed to ``async_save``, like DCP's pinned-memory
     staging set up ahead; the first ``async_save`` then only copies. Optional: without it the first call
-    does this work itself."""
+    does this work itself. ``optimizer`` (one or a list): install the pre-step gate of the lazy snapshot on
+    it (see ``async_save``), which makes later calls lazy by default."""
     if mode not in _MODES:
         raise ConfigurationError(f"prepare_async: mode={mode!r}; expected one of {', '.join(_MODES)}")
     wait()
+    for opt in _optimizers(optimizer):
+        snap_mod.install_gate(opt)
     ctx = _Ctx(group)
     plan = _plan_save(state_dict, ctx, mesh)
     _STAGER.stage(plan, shared=mode == "process", copy=False)
-    if mode == "thread":
-        _Ctx(group, tag="async")
-    else:
+    _Ctx(group, tag="async")
+    if mode == "process":
         _writer_for(ctx).share(_STAGER.shared_spec(), _STAGER.generation)
 
 
 def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
                parent: str | None = "auto", group=None, mode: str = "thread", create: bool = True,
-               mesh=None) -> AsyncSaveHandle:
-    """Like ``save``, but return once the state is staged in host memory; write and commit in the background.
+               mesh=None, lazy: bool | None = None, optimizer=None, eager: tuple[str, ...] | list[str] = (),
+               writer_nice: int = 10) -> AsyncSaveHandle:
+    """Like ``save``, but return before the data is written; write and commit in the background.
 
     ``mode`` is ``"thread"`` or ``"process"`` (see the module docstring). Call on every rank. The returned
     handle's ``result()`` gives the version id or raises; a later call waits for this one first. Per-rank
-    state is detected and stored as ``save`` does (its contents copied at the call), keyed by ``mesh``."""
+    state is detected and stored as ``save`` does (its contents copied at the call), keyed by ``mesh``.
+
+    ``lazy``: whether the parameters and optimizer state are copied after the call returns, overlapping
+    the caller's next forward and backward (the JSON values, per-rank contents and the buffers forward
+    changes are taken at the call either way). ``optimizer`` (one or a list) gets a step pre-hook that
+    waits for the boxes its step will change, so the next step never changes what is not yet copied.
+    Default (``None``): lazy exactly when such a gate is installed (here or by ``prepare_async``). Why not
+    always: without a gate, whether the copy beats the next ``step`` is a matter of timing, so a save
+    would fail now and then; with the gate, only an in-place change outside the optimizer (``p.data.mul_``,
+    an EMA written in place, a buffer forward updates that ``eager`` does not name) can fail it, and it
+    does so on every rank, naming the entry (``SnapshotChangedError``), never storing a later state.
+    ``eager``: fnmatch patterns of dotted state-dict paths copied at the call (BatchNorm's
+    ``running_mean``, ``running_var`` and ``num_batches_tracked`` always are). ``writer_nice``: the
+    scheduling niceness of the background writer's threads (hashing and writes; 0 leaves it), so the
+    training threads get the CPU first; the snapshot copy itself keeps the caller's priority."""
     global _PENDING
     if mode not in _MODES:
         raise ConfigurationError(f"async_save: mode={mode!r}; expected one of {', '.join(_MODES)}")
+    if isinstance(eager, str):
+        raise ConfigurationError(f"async_save: eager={eager!r}; expected a list of fnmatch patterns")
     store_mod = sys.modules.get("ucp_store.store")  # not imported yet: ``store`` cannot be a Store (and the
     if mode == "process" and store_mod is not None and isinstance(store, store_mod.Store):  # import stays off
         store = store.location.url  # the caller's clock: the background opens the store)
     wait()
     t0 = time.perf_counter()
+    for opt in _optimizers(optimizer):
+        snap_mod.install_gate(opt)
+    gated = snap_mod.gated_optimizers()
+    lazy = bool(gated) if lazy is None else bool(lazy)
     ctx = _Ctx(group)
     plan = _plan_save(state_dict, ctx, mesh)
-    # process mode, new layout: shared pages fault in far slower than private ones, so the caller stages
-    # into private memory and a background thread fills the shared buffers from it for the writer
-    cold_process = mode == "process" and _STAGER.signature != (plan.signature(), True)
-    buffers = _Stager().stage(plan, shared=False) if cold_process else _STAGER.stage(plan, shared=mode == "process")
     handle = AsyncSaveHandle(run, step, mode)
-    handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
-    if mode == "thread":
-        bg = _Ctx(group, tag="async")  # its own gloo group: its collectives never interleave with the caller's
-        staged = list(buffers)
-
-        def work() -> None:
-            try:
-                st = _open_everywhere(store, create, bg)
-                cid = _write_plan(st, plan, staged, bg, run=run, step=step, message=message, parent=parent,
-                                  progress=False)
-                handle._finish(cid, None)
-            except BaseException as exc:  # noqa: BLE001 - handed to result()
-                handle._finish(None, exc)
-
-        thread = threading.Thread(target=work, daemon=True, name="ucp-async-save")
+    job = {"store": store, "create": create, "run": run, "step": step, "message": message, "parent": parent,
+           "group": group, "nice": writer_nice}
+    thread: threading.Thread | None
+    if lazy:
+        thread = _start_lazy(handle, plan, ctx, job, gated, tuple(eager))
     else:
-        # started after staging (on the first call): its interpreter boots after this call returns, not
-        # beside the copy (on a busy host the import competed with the staging for the CPU)
-        writer = _writer_for(ctx)
-        job = {"items": plan.items, "objects": plan.objects, "provenance": plan.provenance,
-               "per_rank": plan.per_rank, "rank_objects": plan.rank_objects,
-               "store": store if store is None else os.fspath(store) if not isinstance(store, str) else store,
-               "run": run, "step": step, "message": message, "parent": parent}
-        thread = None
-        if cold_process:
-            private = buffers
-
-            def share() -> None:
-                try:
-                    _STAGER.stage(plan, shared=True, views=private)  # the next calls stage straight into these
-                    writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
-                except BaseException as exc:  # noqa: BLE001 - handed to result()
-                    handle._finish(None, exc)
-
-            thread = threading.Thread(target=share, daemon=True, name="ucp-async-share")
+        thread = _start_eager(handle, plan, ctx, job)
     with _LOCK:
         _PENDING = handle
     if thread is not None:
         thread.start()
-    else:  # process mode, buffers shared already: the writer was looked up or started above
-        writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, job)
     handle.blocked_s = time.perf_counter() - t0
     return handle
+
+
+def _process_job(plan: _SavePlan, job: dict) -> dict:
+    store = job["store"]
+    return {"items": plan.items, "objects": plan.objects, "provenance": plan.provenance,
+            "per_rank": plan.per_rank, "rank_objects": plan.rank_objects,
+            "store": store if store is None else os.fspath(store) if not isinstance(store, str) else store,
+            "run": job["run"], "step": job["step"], "message": job["message"], "parent": job["parent"],
+            "nice": job["nice"]}
+
+
+def _write_thread(handle: AsyncSaveHandle, plan: _SavePlan, staged: list[torch.Tensor], bg: _Ctx, job: dict) -> None:
+    """The thread mode's writer (on the background thread, at the writer's priority)."""
+    _lower_writer_priority(job["nice"])
+    st = _open_everywhere(job["store"], job["create"], bg)
+    cid = _write_plan(st, plan, staged, bg, run=job["run"], step=job["step"], message=job["message"],
+                      parent=job["parent"], progress=False)
+    handle._finish(cid, None)
+
+
+def _lower_writer_priority(nice: int) -> None:
+    from .. import _pools
+
+    threads = [t for p in _pools._all if p.prefix == "ucp-write" and p._pool is not None
+               for t in list(p._pool._threads)]
+    snap_mod.lower_priority(nice, threads)
+
+
+def _start_eager(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict) -> threading.Thread | None:
+    """Today's path: every box copied into the staging buffers before the call returns."""
+    mode = handle.mode
+    # process mode, new layout: shared pages fault in far slower than private ones, so the caller stages
+    # into private memory and a background thread fills the shared buffers from it for the writer
+    cold_process = mode == "process" and _STAGER.signature != (plan.signature(), True)
+    buffers = _Stager().stage(plan, shared=False) if cold_process else _STAGER.stage(plan, shared=mode == "process")
+    handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
+    if mode == "thread":
+        bg = _Ctx(job["group"], tag="async")  # its own gloo group: its collectives never interleave with the caller's
+        staged = list(buffers)
+
+        def work() -> None:
+            try:
+                _write_thread(handle, plan, staged, bg, job)
+            except BaseException as exc:  # noqa: BLE001 - handed to result()
+                handle._finish(None, exc)
+
+        return threading.Thread(target=work, daemon=True, name="ucp-async-save")
+    # started after staging (on the first call): its interpreter boots after this call returns, not
+    # beside the copy (on a busy host the import competed with the staging for the CPU)
+    writer = _writer_for(ctx)
+    pjob = _process_job(plan, job)
+    if not cold_process:  # buffers shared already
+        writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, pjob)
+        return None
+    private = buffers
+
+    def share() -> None:
+        try:
+            _STAGER.stage(plan, shared=True, views=private)  # the next calls stage straight into these
+            writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, pjob)
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
+            handle._finish(None, exc)
+
+    return threading.Thread(target=share, daemon=True, name="ucp-async-share")
+
+
+def _lazy_jobs(plan: _SavePlan, eager: tuple[str, ...]) -> tuple[list[snap_mod.Job], dict[int, torch.Tensor]]:
+    """The boxes the background copies (each with its owner's version now), and those copied now."""
+    paths = {tuple(o["tensor"]): path_text(tuple(o["path"])) for o in plan.objects if "tensor" in o}
+    jobs: list[snap_mod.Job] = []
+    now: dict[int, torch.Tensor] = {}
+    for i, (it, (src, sl)) in enumerate(zip(plan.items, plan.sources)):
+        path = paths.get((it.name, it.state), f"{it.name} [{it.state}]")
+        view = src[sl] if sl else src
+        if snap_mod.is_eager(path, eager):
+            # forward changes it: copied now (a device buffer synchronously: these are small)
+            now[i] = view.to("cpu", copy=True) if view.is_cuda else view.clone()
+        else:
+            jobs.append(snap_mod.Job(i, view, src, src._version, f"state dict entry {path!r}",
+                                     snap_mod.take_samples(view)))
+    return jobs, now
+
+
+def _start_lazy(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict, gated: list,
+                eager: tuple[str, ...]) -> threading.Thread:
+    """The lazy path: only the eager boxes now; a thread copies the rest (the gates wait for it), every rank
+    agrees the snapshot is sound, then it writes (thread mode) or hands the buffers to the writer process."""
+    jobs, now = _lazy_jobs(plan, eager)
+    ordered, gates = snap_mod.order_jobs(jobs, gated)
+    snap = handle.snapshot = snap_mod.Snapshot(ordered, gates, on_copy=lambda n: killpoint("async.mid_copy"))
+    snap_mod.set_current(snap)
+    bg = _Ctx(job["group"], tag="async")
+    shared = handle.mode == "process"
+    writer = _writer_for(ctx) if shared else None
+
+    def work() -> None:
+        try:
+            try:
+                buffers = _STAGER.stage(plan, shared=shared, copy=False)  # made when the layout is new
+            except BaseException as exc:
+                snap.fail(exc)
+                raise
+            handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
+            snap.run(buffers)
+            staged = list(buffers)
+            for i, t in now.items():
+                if shared:  # the writer process reads the shared buffers only
+                    buffers[i].copy_(t)
+                else:
+                    staged[i] = t
+            # every rank learns of a changed tensor before anything is begun: all raise, nothing is listed
+            bg.raise_if_any_failed(snap.error, f"async save of {job['run']}@{job['step']} (snapshot)")
+            if writer is None:
+                _write_thread(handle, plan, staged, bg, job)
+            else:
+                writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, _process_job(plan, job))
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
+            handle._finish(None, exc)
+
+    return threading.Thread(target=work, daemon=True, name="ucp-async-snapshot")
