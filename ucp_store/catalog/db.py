@@ -46,6 +46,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import CatalogError, SchemaVersionError
+from . import bulk as _bulk
 from . import fs as _fs
 
 if TYPE_CHECKING:  # pragma: no cover - alembic loads only when a schema is created or migrated
@@ -379,6 +380,8 @@ class Catalog:
         self._write_session: sessionmaker[Session] = sessionmaker(bind=self._write_engine, expire_on_commit=False)
         self._lazy_write_session: sessionmaker[Session] = sessionmaker(
             bind=engine.execution_options(**{_WRITE_OPTION: True, _LAZY_OPTION: True}), expire_on_commit=False)
+        for factory in (self.session, self._write_session, self._lazy_write_session):
+            _bulk.install(factory)  # a save's rows in one COPY / executemany per table (catalog/bulk.py)
 
     @property
     def dialect(self) -> str:
