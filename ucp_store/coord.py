@@ -155,7 +155,7 @@ def detached_store(facts: dict):
     st.created = False
     st._context = None
     st.settings = dict(facts["settings"])
-    st.detached = True
+    st.detached = True  # type: ignore[attr-defined]
     return st
 
 
@@ -187,7 +187,7 @@ def detached_checkpoint(store, facts: dict):
     infos = [info_from_json(r) for r in facts["infos"]]
     ck._infos = {(i.name, i.state): i for i in infos}
     ck._handles = {}
-    ck.prefetched_objects = facts.get("objects", {})
+    ck.prefetched_objects = facts.get("objects", {})  # type: ignore[attr-defined]
     return ck
 
 

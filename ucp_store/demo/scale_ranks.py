@@ -33,11 +33,12 @@ class Counters:
     def __init__(self) -> None:
         self.collectives: dict[str, int] = {}
         self.connects = 0
+        self.statements = 0  # catalog round trips: SQL statements sent (commits and rollbacks not counted)
         self.catalog_opens: list[str] = []
         self._depth = 0
 
     def reset(self) -> None:
-        self.collectives, self.connects, self.catalog_opens = {}, 0, []
+        self.collectives, self.connects, self.statements, self.catalog_opens = {}, 0, 0, []
 
     def install(self, catalog_file: str | None) -> None:
         import torch.distributed as dist
@@ -52,6 +53,10 @@ class Counters:
         @event.listens_for(Engine, "connect")
         def _connect(dbapi_conn, record):  # noqa: ARG001 - the event's signature
             self.connects += 1
+
+        @event.listens_for(Engine, "before_cursor_execute")
+        def _statement(*args):  # noqa: ARG001 - the event's signature
+            self.statements += 1
 
         if catalog_file:
             base = os.path.basename(catalog_file)
@@ -156,6 +161,7 @@ def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters
     out["wall_s"] = time.perf_counter() - t0
     out["collectives"] = dict(counters.collectives)
     out["connects"] = counters.connects
+    out["statements"] = counters.statements
     out["catalog_opens"] = list(counters.catalog_opens)
     out["payload"] = dict(coord.STATS)
     if app and spec.get("catalog", "").startswith("postgresql"):

@@ -1,0 +1,98 @@
+"""Real N-rank runs of issue 27 (item 4): N forked gloo ranks save twice and load once through one store
+(tiny state: ``--tensors`` uneven-sharded DTensors, a replicated one, a per-rank tensor and a value), on
+PostgreSQL (``--postgres-url``; give a server whose ``max_connections`` is low, e.g. 20, to show that a
+64-rank job needs one connection) and on SQLite. Per save and load: wall time (slowest rank), catalog
+connections (clients' connects, all ranks; and the server's count under the phase's application_name),
+catalog statements (rank 0's SQL statements: round trips; bulk COPYs not counted), collectives per rank and
+bytes broadcast (``ucp_store.coord.STATS``).
+
+    python tools/bench_scale_real.py --ranks 4 16 64 --postgres-url postgresql+psycopg2://ucp:ucp@127.0.0.1:5433/ucp_scale
+
+``tools/bench_scale.py ranks`` is meant to call :func:`run_ranks`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _launch(spec: dict, world: int) -> list[list[dict]]:
+    env = {**os.environ, "UCP_PROGRESS": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    env.pop("UCP_CATALOG", None)
+    spec = {**spec, "world": world, "launch_timeout": 1800}
+    proc = subprocess.run([sys.executable, "-m", "ucp_store.demo.scale_ranks", json.dumps(spec)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1900)
+    if proc.returncode != 0:
+        raise SystemExit(f"ucp: error: {world} ranks failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _summary(results: list[list[dict]], i: int) -> dict:
+    phase = [r[i] for r in results]
+    errors = [p["error"] for p in phase if p["error"]]
+    return {"op": phase[0]["op"], "wall_s": max(p["wall_s"] for p in phase),
+            "connections_clients": sum(p["connects"] for p in phase),
+            "connections_server": phase[0].get("server_connections"),
+            "statements_rank0": phase[0]["statements"],
+            "collectives_per_rank": sum(phase[-1]["collectives"].values()),
+            "collectives": phase[-1]["collectives"],
+            "bytes_broadcast": phase[-1]["payload"]["broadcast_bytes"],
+            "bytes_gathered_per_rank": phase[-1]["payload"]["gathered_bytes"],
+            "exact": all(p.get("exact", True) for p in phase), "errors": errors[:3]}
+
+
+def run_ranks(args: argparse.Namespace) -> dict:
+    out: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "runs": []}
+    catalogs = [("sqlite", None)] + ([("postgresql", args.postgres_url)] if args.postgres_url else [])
+    for world in args.ranks:
+        for label, url in catalogs:
+            with tempfile.TemporaryDirectory(prefix="ucp-scale-") as tmp:
+                tag = f"{os.getpid()}x{world}{label[0]}{int(time.time())}"
+                phases = [{"op": "save", "tensors": args.tensors, "step": 1, "app": f"s1{tag}"},
+                          {"op": "save", "tensors": args.tensors, "step": 2, "app": f"s2{tag}"},
+                          {"op": "load", "tensors": args.tensors, "step": 2, "app": f"l{tag}"}]
+                spec = {"store": os.path.join(tmp, "store"), "out": os.path.join(tmp, "out"), "run": f"scale{tag}",
+                        "phases": phases, "timeout": args.timeout}
+                if url:
+                    spec["catalog"] = url
+                t0 = time.perf_counter()
+                results = _launch(spec, world)
+                runs = [_summary(results, i) for i in range(len(phases))]
+                out["runs"].append({"ranks": world, "catalog": label, "launch_s": time.perf_counter() - t0,
+                                    "phases": runs})
+                for r in runs:
+                    print(f"{world:>4} ranks {label:<10} {r['op']:<5} {r['wall_s']:7.2f} s  connections "
+                          f"{r['connections_clients']} (server {r['connections_server']})  statements "
+                          f"{r['statements_rank0']}  collectives/rank {r['collectives_per_rank']}  broadcast "
+                          f"{r['bytes_broadcast']} B  exact {r['exact']} {r['errors'] or ''}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--tensors", type=int, default=10)
+    ap.add_argument("--postgres-url", default=None)
+    ap.add_argument("--timeout", type=int, default=600, help="collective timeout, seconds (default 600)")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    if any(n < 2 for n in args.ranks):
+        ap.error("--ranks must be >= 2")
+    res = run_ranks(args)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
