@@ -117,16 +117,36 @@ class _Stager:
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
         self.bytes = 0
 
-    def stage(self, obj: Any) -> Any:
-        """A copy of ``obj`` (dicts, lists, tuples) with every tensor replaced by its staged host copy."""
+    def stage(self, obj: Any, versions: dict[int, tuple[torch.Tensor, int]] | None = None) -> Any:
+        """A copy of ``obj`` (dicts, lists, tuples) with every tensor replaced by its staged host copy.
+
+        ``versions`` (``tensor_versions(obj)`` taken when the save was called): every tensor's version counter
+        must be the same before and after its copy, else ``SnapshotChangedError`` names it (something changed
+        it in place before the step the copy is gated on: the copy would not be the saved step's state)."""
         jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: dict[tuple, torch.Tensor] = {}
         used: set[tuple] = set()
         out = self._walk(obj, (), jobs, seen, used)
         for k in [k for k in self._bufs if k not in used]:  # a buffer no longer needed (the model changed)
             del self._bufs[k]
+        self._guard(obj, versions, "before its copy")
         self._copy(jobs)
+        self._guard(obj, versions, "while it was copied")
         return out
+
+    @staticmethod
+    def _guard(obj: Any, versions: dict[int, tuple[torch.Tensor, int]] | None, when: str) -> None:
+        if versions is None:
+            return
+        from .dist.snapshot import SnapshotChangedError
+
+        for path, t in _tensors(obj, ()):
+            known = versions.get(id(t))
+            if known is not None and t._version != known[1]:
+                raise SnapshotChangedError(
+                    f"background save: the tensor at {'/'.join(map(str, path))} ({tuple(t.shape)}, {t.dtype}) was "
+                    f"changed in place after save_checkpoint, {when}, before the optimizer step the copy is gated "
+                    "on; the save fails on every rank (nothing listed) instead of storing a later state")
 
     def _walk(self, obj, path, jobs, seen, used):
         if isinstance(obj, torch.Tensor):
@@ -183,6 +203,23 @@ class _Stager:
             from deepspeed.accelerator import get_accelerator
 
             get_accelerator().synchronize()  # the asynchronous device-to-host copies have landed
+
+
+def _tensors(obj: Any, path: tuple):
+    """(path, tensor) of every tensor in nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, path + (k,))
+    elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, path + (i,))
+
+
+def tensor_versions(obj: Any) -> dict[int, tuple[torch.Tensor, int]]:
+    """Every tensor's version counter now (by object id; the tensor is kept so the id stays its own)."""
+    return {id(t): (t, t._version) for _, t in _tensors(obj, ())}
 
 
 def engine_topology(engine) -> dict:
@@ -296,6 +333,7 @@ class UcpCheckpointEngine(_Base):
         self._on_write = None  # test hook: called after each array write (the harness kills a rank here)
         self._before_stage = None  # test hook: called in the save thread before staging starts
         self._stager = _Stager()
+        self.writer_nice = 10  # the background writer's niceness (0: unchanged)
         self._released = threading.Event()
         self._released.set()
 
@@ -327,7 +365,9 @@ class UcpCheckpointEngine(_Base):
         if self.background:
             self._error = None
             self._released.clear()
-            self._thread = threading.Thread(target=self._run_bg, args=(staged, meta), name="ucp-ds-save", daemon=True)
+            versions = tensor_versions((staged, meta["lp"]))  # the guard's reference: the state at the call
+            self._thread = threading.Thread(target=self._run_bg, args=(staged, meta, versions), name="ucp-ds-save",
+                                            daemon=True)
             self._thread.start()
         elif self.durability == "background":
             # every byte is written (page cache) and the ranks agreed when _write returns; the live state is not
@@ -356,23 +396,47 @@ class UcpCheckpointEngine(_Base):
         self.wait()
 
     # --- background mode --------------------------------------------------------------------------
-    def _run_bg(self, staged, meta) -> None:
+    def _run_bg(self, staged, meta, versions=None) -> None:
         """Stage every tensor into the reusable host buffers (the optimizer's next step waits for this,
-        ``wait_staged``), release the live state, then write from the staged copies."""
+        ``wait_staged``; each tensor version-checked before and after its copy), release the live state, agree
+        with the other ranks that every snapshot is sound, then write from the staged copies at a lower
+        scheduling priority (the training threads get the CPU first)."""
         try:
+            error: BaseException | None = None
             try:
                 if self._before_stage is not None:
                     self._before_stage()
                 t0 = time.perf_counter()
-                staged, lp = self._stager.stage((staged, meta["lp"]))
+                staged, lp = self._stager.stage((staged, meta["lp"]), versions)
                 meta = {**meta, "lp": lp}
                 self.stats["stage_copy_s"] = time.perf_counter() - t0
                 self.stats["staged_bytes"] = self._stager.bytes
+            except BaseException as exc:  # noqa: BLE001 - every rank must learn of it before the write begins
+                error = exc
             finally:
                 self._released.set()
+            self._agree(error)
+            from .dist.snapshot import lower_writer_priority
+
+            lower_writer_priority(self.writer_nice)
             self.last_id = self._write(staged, meta)
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             self._error = exc
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Every rank raises when any rank's snapshot failed (one gather on the save's group)."""
+        if self.group is None:
+            if error is not None:
+                raise error
+            return
+        from .distributed import gather_errors
+
+        failures = gather_errors(error, self.group)
+        if error is not None:
+            raise error
+        if failures:
+            detail = "; ".join(f"rank {r}: {m}" for r, m in failures)
+            raise UcpError(f"background save: the snapshot failed on {detail}")
 
     def _run_finish(self, finish) -> None:
         try:

@@ -321,7 +321,7 @@ def _writer_main(requests, responses, rank: int, world: int, addr: str, port: in
             buffers = _map_arena(payload) if isinstance(payload, dict) else payload
             continue
         try:
-            _lower_writer_priority(payload.get("nice", 0))  # the trainer's processes get the CPU first
+            snap_mod.lower_writer_priority(payload.get("nice", 0))  # the trainer's processes get the CPU first
             ctx = _Ctx(None, tag="async-writer")
             plan = _SavePlan(payload["items"], [], payload["objects"], payload["provenance"], payload["per_rank"],
                              payload["rank_objects"])
@@ -451,19 +451,11 @@ def _process_job(plan: _SavePlan, job: dict) -> dict:
 
 def _write_thread(handle: AsyncSaveHandle, plan: _SavePlan, staged: list[torch.Tensor], bg: _Ctx, job: dict) -> None:
     """The thread mode's writer (on the background thread, at the writer's priority)."""
-    _lower_writer_priority(job["nice"])
+    snap_mod.lower_writer_priority(job["nice"])
     st = _open_everywhere(job["store"], job["create"], bg)
     cid = _write_plan(st, plan, staged, bg, run=job["run"], step=job["step"], message=job["message"],
                       parent=job["parent"], progress=False)
     handle._finish(cid, None)
-
-
-def _lower_writer_priority(nice: int) -> None:
-    from .. import _pools
-
-    threads = [t for p in _pools._all if p.prefix == "ucp-write" and p._pool is not None
-               for t in list(p._pool._threads)]
-    snap_mod.lower_priority(nice, threads)
 
 
 def _start_eager(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict) -> threading.Thread | None:

@@ -39,7 +39,7 @@ import torch
 from ..errors import ConflictError
 
 __all__ = ["EAGER_SUFFIXES", "Job", "Snapshot", "SnapshotChangedError", "gated_optimizers", "install_gate",
-           "is_eager", "lower_priority", "order_jobs", "storage_key"]
+           "is_eager", "lower_priority", "lower_writer_priority", "order_jobs", "storage_key"]
 
 #: state dict entries forward changes in place (BatchNorm and its kin in training mode): copied at the call
 EAGER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
@@ -290,3 +290,13 @@ def lower_priority(nice: int, threads: Iterable[threading.Thread] = ()) -> bool:
         except OSError:
             ok = False
     return ok
+
+
+def lower_writer_priority(nice: int) -> bool:
+    """``lower_priority`` for the calling writer thread and the local write pool's threads (made earlier by
+    another thread, they would not inherit it)."""
+    from .. import _pools
+
+    threads = [t for p in _pools._all if p.prefix == "ucp-write" and p._pool is not None
+               for t in list(p._pool._threads)]
+    return lower_priority(nice, threads)
