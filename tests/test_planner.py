@@ -397,3 +397,27 @@ def test_plan_json_shape():
     assert doc["totals"]["bytes_needed"] == 2 * 2 * 4
     (fp32_rank1,) = [t for t in plan(recs, t, 1).tensors if t.state == "fp32"]  # dp rank 0: rows 3, 4
     assert [r.to_json() for r in fp32_rank1.reads] == [{"box": [[3, 5], [0, 2]], "flat": [0, 4]}]
+
+
+def test_plan_mesh_shares_layouts_without_changing_plans():
+    """plan_mesh plans each layout (pattern object, shape, chunks, dtype) once: rows sharing one pattern object
+    plan exactly like the same rows each with its own copy, or with the pattern as JSON text."""
+    from ucp_store.planner import plan_mesh
+
+    mesh = {"shape": [4, 2], "dims": ["dp", "tp"]}
+    col = {"kind": "dtensor", "mesh": mesh, "placements": [{"type": "strided_shard", "dim": 0, "split_factor": 2},
+                                                           {"type": "shard", "dim": 0}]}
+    row = {"kind": "dtensor", "mesh": mesh, "placements": [{"type": "shard", "dim": 0}, {"type": "shard", "dim": 1}]}
+    shared = []
+    for i in range(6):
+        for pat, shape in ((col, (16, 6)), (row, (6, 16)), (col, (10, 3)), (None, (5,))):
+            for state, dtype in (("fp32", "float32"), ("weight", "bfloat16")):
+                shared.append({"name": f"l{i}.{shape}", "state": state, "shape": shape, "dtype": dtype,
+                               "pattern": pat, "chunk_shape": (4,) * len(shape) if i % 2 else None})
+    copied = [{**r, "pattern": json.loads(json.dumps(r["pattern"]))} for r in shared]
+    as_text = [{**r, "pattern": json.dumps(r["pattern"])} for r in shared]
+    for target in ("dp=4,tp=2", "dp=2,tp=2", "dp=8"):
+        for rank in range(math.prod(int(p.split("=")[1]) for p in target.split(","))):
+            want = plan_mesh(copied, target, rank).to_json()
+            assert plan_mesh(shared, target, rank).to_json() == want
+            assert plan_mesh(as_text, target, rank).to_json() == want

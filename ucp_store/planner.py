@@ -889,24 +889,47 @@ def plan_mesh(records: Iterable[Any], mesh: Mapping[str, Any] | str, rank: int, 
     coord = pm.coord_of(rank, shape_m)
     wanted = None if states is None else frozenset(states)
     out = []
-    for rec in records:
-        name, state, shape_v, dtype, pattern, chunk_shape = _fields(rec)
-        if wanted is not None and state not in wanted:
-            continue
-        shape = tuple(int(s) for s in shape_v)
-        if isinstance(pattern, str):
-            pattern = json.loads(pattern)
-        elif pattern is not None and not isinstance(pattern, Mapping):
-            pattern = pattern.to_json()
-        what = f"tensor {name!r} state {state!r}"
-        placements = pm.target_placements(pattern, shape_m, dims_m, what=what)
-        regions = pm.local_regions(shape, shape_m, placements, coord, what=what)
-        isz = _itemsize_of(dtype, name, state)
-        reads = tuple(Read(Box(r.global_box), Box(r.local_box)) for r in regions)
-        chunks, nbytes = chunk_footprint([r.box for r in reads], shape,
-                                         None if chunk_shape is None else tuple(chunk_shape), isz)
-        needed = sum(r.box.numel for r in reads) * isz
-        out.append(TensorPlan(name, state, name, dtype, shape, pm.local_shape(shape, shape_m, placements, coord),
-                              reads, (), needed, chunks, nbytes))
+    # Tensors of one layout (same pattern object, shape, chunks, dtype: a model's experts and layers) plan
+    # alike: each layout is planned once (a 136k-row mixture-of-experts catalog has a few dozen). The memo
+    # holds each pattern object, so the id in its key is not reused while the memo lives.
+    memo: dict[tuple[Any, ...], _MeshLayout] = {}
+    with gc_paused():
+        for rec in records:
+            name, state, shape_v, dtype, pattern, chunk_shape = _fields(rec)
+            if wanted is not None and state not in wanted:
+                continue
+            shape = tuple(int(s) for s in shape_v)
+            chunk = None if chunk_shape is None else tuple(chunk_shape)
+            key = (pattern if pattern is None or isinstance(pattern, str) else id(pattern), shape, chunk, dtype)
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = _mesh_layout(name, state, shape, dtype, pattern, chunk, shape_m, dims_m, coord)
+            local_shape, reads, needed, chunks, nbytes, _held = hit
+            out.append(TensorPlan(name, state, name, dtype, shape, local_shape, reads, (), needed, chunks, nbytes))
     coords = {(d or f"dim{i}"): c for i, (d, c) in enumerate(zip(dims_m or ("",) * len(shape_m), coord))}
     return MeshPlan(shape_m, dims_m, rank, coords, tuple(out))
+
+
+# what one layout of a mesh plan shares: local shape, reads, bytes needed, chunks touched, bytes read, pattern
+_MeshLayout = tuple[tuple[int, ...], tuple[Read, ...], int, int, int, Any]
+
+
+def _mesh_layout(name: str, state: str, shape: tuple[int, ...], dtype: str, pattern: Any,
+                 chunk: tuple[int, ...] | None, shape_m: tuple[int, ...], dims_m: tuple[str, ...],
+                 coord: tuple[int, ...]) -> _MeshLayout:
+    """One layout's share of a mesh plan: (local shape, reads, bytes needed, chunks, bytes read, the pattern)."""
+    from .patterns import mesh as pm
+
+    held = pattern
+    if isinstance(pattern, str):
+        pattern = json.loads(pattern)
+    elif pattern is not None and not isinstance(pattern, Mapping):
+        pattern = pattern.to_json()
+    what = f"tensor {name!r} state {state!r}"
+    placements = pm.target_placements(pattern, shape_m, dims_m, what=what)
+    regions = pm.local_regions(shape, shape_m, placements, coord, what=what)
+    isz = _itemsize_of(dtype, name, state)
+    reads = tuple(Read(Box(r.global_box), Box(r.local_box)) for r in regions)
+    chunks, nbytes = chunk_footprint([r.box for r in reads], shape, chunk, isz)
+    needed = sum(r.box.numel for r in reads) * isz
+    return pm.local_shape(shape, shape_m, placements, coord), reads, needed, chunks, nbytes, held
