@@ -14,6 +14,7 @@ bytes broadcast (``ucp_store.coord.STATS``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -51,6 +52,24 @@ def _summary(results: list[list[dict]], i: int) -> dict:
             "exact": all(p.get("exact", True) for p in phase), "errors": errors[:3]}
 
 
+@contextlib.contextmanager
+def _schema(url: str, schema: str):
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.pool import NullPool
+
+    admin = create_engine(url, poolclass=NullPool)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield make_url(url).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(
+            hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+
+
 def run_ranks(args: argparse.Namespace) -> dict:
     out: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "runs": []}
     catalogs = [("sqlite", None)] + ([("postgresql", args.postgres_url)] if args.postgres_url else [])
@@ -63,10 +82,12 @@ def run_ranks(args: argparse.Namespace) -> dict:
                           {"op": "load", "tensors": args.tensors, "step": 2, "app": f"l{tag}"}]
                 spec = {"store": os.path.join(tmp, "store"), "out": os.path.join(tmp, "out"), "run": f"scale{tag}",
                         "phases": phases, "timeout": args.timeout}
-                if url:
-                    spec["catalog"] = url
                 t0 = time.perf_counter()
-                results = _launch(spec, world)
+                if url:  # a fresh schema per run: a catalog belongs to one store root (its rows name relative paths)
+                    with _schema(url, f"scale_{tag}") as spec["catalog"]:
+                        results = _launch(spec, world)
+                else:
+                    results = _launch(spec, world)
                 runs = [_summary(results, i) for i in range(len(phases))]
                 out["runs"].append({"ranks": world, "catalog": label, "launch_s": time.perf_counter() - t0,
                                     "phases": runs})
