@@ -258,8 +258,11 @@ class Location:
     # --- folder stores: walks that never leave the root ----------------------------------------------
     def _open_parent(self, rel: str, doing: str) -> int | None:
         """The folder holding ``rel`` opened from the root one component at a time, never through a link
-        (None when a folder on the way is missing)."""
-        fd = os.open(self.root, _DIR_FLAGS)
+        (None when a folder on the way, the root included, is missing)."""
+        try:
+            fd = os.open(self.root, _DIR_FLAGS)
+        except FileNotFoundError:
+            return None
         done = []
         try:
             for part in rel.split("/")[:-1]:
@@ -285,7 +288,10 @@ class Location:
     def _open_dir(self, rel: str, doing: str) -> int | None:
         """``rel`` opened as a folder without following links; None when it is missing or not a real folder."""
         if not rel or rel == ".":
-            return os.open(self.root, _DIR_FLAGS)
+            try:
+                return os.open(self.root, _DIR_FLAGS)
+            except FileNotFoundError:
+                return None
         parent = self._open_parent(rel, doing)
         if parent is None:
             return None
