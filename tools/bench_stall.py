@@ -86,8 +86,9 @@ def _saver(method, args, store, model, opt):
             return time.perf_counter() - t0, lambda: (0.0, 0.0)
         if method.startswith("dcp"):
             kind = AsyncCheckpointerType.THREAD if method == "dcp_thread" else AsyncCheckpointerType.PROCESS
+            # its own gloo group: DCP's background collectives must not interleave with FSDP's on the default one
             fut = dcp.async_save(sd, checkpoint_id=os.path.join(args.dir, f"{method}-{step}"),
-                                 async_checkpointer_type=kind)
+                                 async_checkpointer_type=kind, process_group=dcp_group)
             blocked = time.perf_counter() - t0
 
             def dcp_wait():
@@ -106,6 +107,11 @@ def _saver(method, args, store, model, opt):
             return h.gate_wait_s, time.perf_counter() - t1
         return blocked, ucp_wait
 
+    dcp_group = None
+    if method.startswith("dcp"):
+        import torch.distributed as dist
+
+        dcp_group = dist.new_group(backend="gloo")
     if method.startswith("ucp"):
         ucpd.prepare_async(_sd(model, opt), optimizer=opt if method.startswith("ucp_lazy") else None)
     return call
