@@ -327,30 +327,33 @@ FIFO_DRIVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("which", ["c/0", "zarr.json"])
-def test_a_fifo_in_the_store_never_blocks_a_command(store, store_path, which):
-    """verify, read, stats, ls and gc with a FIFO in place of a shard file or a zarr.json: each returns (a clear
-    error naming the path where the file is needed) instead of waiting for a writer forever. Run in a
-    subprocess with a timeout, so a regression fails instead of hanging."""
-    store.save("r", 1, {"a": torch.ones(16)})
-    folder = next((store_path / "arrays").glob("*/*.zarr"))
-    (folder / which).unlink()
-    os.mkfifo(folder / which)
-    stray = store_path / "arrays" / "deadbeefdeadbeef"
-    stray.mkdir()
-    os.mkfifo(stray / "pipe")
-    cmds = [["--store", str(store_path), *argv] for argv in (["verify", "r@1"], ["read", "r@1", "a"], ["ls", "r"],
-                                                             ["gc"])]
+def test_a_fifo_in_the_store_never_blocks_a_command(tmp_path):
+    """verify, read, ls and gc with a FIFO in place of a shard file (one store) or a zarr.json (another), and
+    a FIFO where gc sweeps: each returns (a clear error naming the path where the file is needed) instead of
+    waiting for a writer forever. One subprocess with a timeout, so a regression fails instead of hanging."""
+    cmds, folders = [], {}
+    for which in ("c/0", "zarr.json"):
+        root = tmp_path / which.replace("/", "-")
+        ucp_store.open_store(str(root), create=True).save("r", 1, {"a": torch.ones(16)})
+        folder = folders[which] = next((root / "arrays").glob("*/*.zarr"))
+        (folder / which).unlink()
+        os.mkfifo(folder / which)
+        (root / "arrays" / "deadbeefdeadbeef").mkdir()
+        os.mkfifo(root / "arrays" / "deadbeefdeadbeef" / "pipe")
+        cmds += [["--store", str(root), *argv] for argv in (["verify", "r@1"], ["read", "r@1", "a"], ["ls", "r"],
+                                                            ["gc"])]
     proc = run_python(["-c", FIFO_DRIVER, json.dumps(cmds)], timeout=120)
     rcs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "Traceback" not in proc.stderr, proc.stderr
-    assert rcs[f"--store {store_path} verify r@1"] == 1
-    assert rcs[f"--store {store_path} ls r"] == 0 and rcs[f"--store {store_path} gc"] == 0
-    assert "not a regular file" in proc.stderr and str(folder) in proc.stderr
-    if which == "c/0":
-        assert rcs[f"--store {store_path} read r@1 a"] == 1
-    assert not stray.exists()  # gc removed the stray FIFO without opening it
-    assert os.path.exists(folder / which)  # a live version's file: left for the user to repair
+    for which, folder in folders.items():
+        root = folder.parent.parent.parent
+        assert rcs[f"--store {root} verify r@1"] == 1
+        assert rcs[f"--store {root} ls r"] == 0 and rcs[f"--store {root} gc"] == 0
+        assert f"{folder}/{which} is not a regular file" in proc.stderr or (
+            f"shard file {which} of {folder} is corrupt: not a regular file" in proc.stderr)
+        assert not (root / "arrays" / "deadbeefdeadbeef").exists()  # gc removed the stray FIFO, unopened
+        assert os.path.exists(folder / which)  # a live version's file: left for the user to repair
+    assert rcs[f"--store {folders['c/0'].parent.parent.parent} read r@1 a"] == 1
 
 
 # --- ucp query: dangerous functions refused by name ------------------------------------------------------------
