@@ -224,7 +224,7 @@ def test_single_process_round_trip(tmp_path, tie):
     infos = {(i.name, i.state): i for i in st.checkpoint("gpt@2").tensors()}
     assert ("layers.0.attention.wq.weight", "exp_avg_sq") in infos and infos[("norm.weight", "weight")].pattern is None
     # hashed from the writers' unit digests in the one scheme of every save path; `ucp verify` recomputes and agrees
-    assert all(i.content_hash.startswith("xxh3-128-units:") for i in infos.values())
+    assert all(i.content_hash.startswith("xxh3-128-tiles:") for i in infos.values())
     assert st.checkpoint("gpt@2").verify() == []
     # the same state saved again deduplicates against the first version's arrays
     ucpd.save(_sd(model, opt), store=tmp_path / "s", run="gpt", step=3, progress=False)

@@ -22,6 +22,7 @@ through :func:`create_array` / :func:`open_array` and validate settings through
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import re
@@ -47,12 +48,13 @@ __all__ = [
     "make_context", "array_spec", "create_array", "open_array", "metadata_mismatch", "read_metadata", "box_index",
     "is_corruption", "locate_bad_chunks", "read_box", "ContentHasher", "content_hash", "slabs", "VerifyReport",
     "verify_array", "UNIT_BYTES", "WHOLE_HASH_PREFIX", "CHUNK_HASH_PREFIX", "LEGACY_HASH_PREFIXES", "hash_scheme",
-    "units_hash", "missing_units", "box_unit_digests", "WholeHasher", "chunk_digest", "chunk_tree_hash",
+    "units_hash", "missing_units", "read_missing_units", "box_unit_digests", "tile_shape", "WholeHasher",
+    "chunk_digest", "chunk_tree_hash",
     "legacy_chunk_tree_hash",
 ]
 
 COMPRESSIONS = ("none", "zstd", "blosc")
-HASH_PREFIX = "xxh3-128-units:"  # the content-hash scheme of every save path (see "content hashes")
+HASH_PREFIX = "xxh3-128-tiles:"  # the content-hash scheme of every save path (see "content hashes")
 
 #: a box as raw ranges, one half-open ``(start, stop)`` per dim (``geometry.Ranges``)
 Box = Ranges
@@ -370,25 +372,36 @@ def read_box(handle: Any, layout: ArrayLayout, box: Box, *, what: str, array_url
 
 # --- content hashes ------------------------------------------------------------------------------
 #
-# One scheme for every save path (``HASH_PREFIX``, "units"): the array's C-order bytes are cut into units
-# that depend only on its dtype and shape, never on the storage chunk grid (two save paths may choose
-# different grids for one tensor: a whole-tensor write and a per-rank write with declared topologies):
+# One scheme for every save path (``HASH_PREFIX``, "tiles"): the array is cut into units that are the tiles of
+# an N-d grid that depends only on its dtype and shape (``tile_shape``), never on the storage chunk grid or on
+# a pattern (two save paths may choose different chunk grids for one tensor):
 #
-# - a row is the last dimension (a 0-d array is one row of one element);
-# - rows of at most ``UNIT_BYTES`` are grouped, ``UNIT_BYTES // row_bytes`` consecutive rows per unit (the
-#   last unit shorter); a longer row is cut into pieces of ``UNIT_BYTES // itemsize`` elements (each row's
-#   last piece shorter);
-# - the hash is xxh3-128 over ``"<dtype>:<shape>;"`` and every unit's xxh3-128 digest, in C order.
+# - along each dim of size ``n`` the tile extent divides ``n / 2**k`` for the largest ``k <= 6`` with
+#   ``2**k | n``, so every even power-of-two split <= 64 of any dim (ZeRO/FSDP row splits, TP column splits,
+#   EP expert splits) falls on tile edges and every such box holds whole tiles;
+# - tiles are cut towards ``UNIT_BYTES`` (leading dims first) and grown back (doubling the dim with the most
+#   tiles; dim 0 last, then the last dim) to at least ``_TILE_FLOOR`` bytes and ``1 / _MAX_UNITS`` of the
+#   array, so small arrays are a few units and huge ones never more than about ``_MAX_UNITS``;
+# - a unit's digest is xxh3-128 over its elements in C order (a tile is not contiguous in the array: it is
+#   gathered first); the hash is xxh3-128 over ``"<dtype>:<shape>;"`` and every unit's digest, in C order of
+#   the tile grid. A 0-d array is one unit (its element).
 #
-# Every unit is contiguous in C order, so a writer holding the whole tensor hashes it in one pass, and a
-# writer holding a box (a ZeRO fragment, a DTensor shard, a shard file) digests the units that lie wholly
-# inside it from memory; only units that no single writer held whole are read back (``missing_units``).
-# Arrays saved before this scheme keep their hashes: ``WHOLE_HASH_PREFIX`` (xxh3-128 over the whole byte
-# stream) and ``CHUNK_HASH_PREFIX`` (per storage chunk); ``verify_array`` recomputes either, and ``diff``
-# compares the data when two hashes are of different schemes.
+# A writer holding the whole tensor hashes it in one pass (``ContentHasher``: blocks of whole tiles, in
+# stream order); a writer holding a box (a ZeRO fragment, a DTensor shard, a shard file) digests the tiles that
+# lie wholly inside it from memory (``box_unit_digests``); only tiles that no single writer held whole are
+# read back (``missing_units``, ``read_missing_units``): none for aligned splits, the tiles an uneven split
+# cuts otherwise. Arrays saved before this scheme keep their hashes: ``WHOLE_HASH_PREFIX`` (xxh3-128 over the
+# whole byte stream) and ``CHUNK_HASH_PREFIX`` (per storage chunk); ``verify_array`` recomputes either, and
+# ``diff`` compares the data when two hashes are of different schemes. (``xxh3-128-units:``, contiguous units
+# of whole rows, was never released: it was replaced by tiles the day it landed, and no store holds it.)
 
-#: bytes per unit of the content hash; part of the scheme's definition (changing it changes every hash)
+#: bytes a tile of the content hash is cut towards; part of the scheme's definition, like every constant below
+#: (changing one changes hashes)
 UNIT_BYTES = 256 << 10
+_TILE_FLOOR = 16 << 10  # tiles grow back to at least this many bytes (or the whole array)
+_MAX_UNITS = 1 << 14  # ... and to at least 1/_MAX_UNITS of the array: huge tensors get few, larger tiles
+_MAX_SPLIT_LOG2 = 6  # every even power-of-two split up to 2**6 = 64 of each dim falls on tile edges
+_GATHER_BYTES = 4 << 20  # tiles are gathered (copied contiguous) at most this many bytes at a time
 WHOLE_HASH_PREFIX = "xxh3-128:"
 CHUNK_HASH_PREFIX = "xxh3-128-chunks:"
 LEGACY_HASH_PREFIXES = (WHOLE_HASH_PREFIX, CHUNK_HASH_PREFIX)
@@ -402,52 +415,110 @@ def hash_scheme(h: str | None) -> str:
     return ""
 
 
-@dataclass(frozen=True)
-class _Units:
-    """The unit cut of one (dtype, shape): ``span`` bytes of whole rows per unit, or (``span`` == 0) pieces of
-    ``piece`` bytes within each row of ``row_bytes``."""
+def _smallest_factor(n: int) -> int:
+    for p in range(2, math.isqrt(n) + 1):
+        if n % p == 0:
+            return p
+    return n
 
-    total: int
+
+@functools.lru_cache(maxsize=4096)
+def tile_shape(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The tile (unit) shape of the content hash of an array of ``shape`` and ``itemsize`` (see "content
+    hashes"); a 0-d array is tiled as shape ``(1,)``."""
+    n = [int(s) for s in shape] or [1]
+    if 0 in n:
+        return tuple(max(s, 1) for s in n)
+    m = len(n)
+    nbytes = math.prod(n) * itemsize
+    lo = max(_TILE_FLOOR, -(-nbytes // _MAX_UNITS))
+    hi = max(UNIT_BYTES, 4 * lo)
+    even = []  # the extent that divides every even power-of-two split <= 64 of each dim (n itself when odd)
+    for s in n:
+        k = 0
+        while k < _MAX_SPLIT_LOG2 and s % (2 << k) == 0:
+            k += 1
+        even.append(k)
+    t = [s >> k for s, k in zip(n, even)]
+
+    def size() -> int:
+        return math.prod(t) * itemsize
+
+    for d in range(m):  # cut towards hi, leading dims first (a tile-row of the stream stays small)
+        while size() > hi and t[d] > 1:
+            if not even[d]:  # an odd dim has no even split to keep: cut straight to what fits
+                t[d] = max(1, hi // (size() // t[d]))
+                continue
+            p = _smallest_factor(t[d])
+            if size() // p < lo:  # only a large prime factor left: cutting it would make tiny tiles
+                break
+            t[d] //= p
+    for d in range(m):  # only large prime factors left anywhere: cut evenly (that dim's splits cut tiles)
+        if size() > hi and t[d] > 1:
+            t[d] = max(1, hi // (size() // t[d]))
+    while size() < lo:  # grow back: the dim with the most tiles; middle dims first, then the last, dim 0 last
+        grow = [d for d in range(m) if t[d] < n[d]]
+        if not grow:
+            break
+        d = max(grow, key=lambda i: (-(-n[i] // t[i]), 0 if i == 0 else 2 if i < m - 1 else 1, i))
+        t[d] = t[d] * 2 if n[d] % (2 * t[d]) == 0 else n[d]
+    return tuple(t)
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """The tile grid of one (dtype, shape): ``tile`` (elements per dim; a 0-d array as shape ``(1,)``),
+    ``grid`` (tiles per dim), ``count`` units (0 for an empty array), and the stream's blocks: a block is
+    ``tile[j]`` indices of dim ``j`` (the first dim whose tile extent is not 1) with every later dim whole,
+    so every tile of a block lies wholly in it and the blocks are the whole-tile pieces of the C-order stream."""
+
+    shape: tuple[int, ...]
     itemsize: int
-    row_bytes: int
-    rows: int
-    span: int
-    piece: int
+    tile: tuple[int, ...]
+    grid: tuple[int, ...]
+    count: int
+    j: int
 
     @classmethod
-    def of(cls, dtype: str, shape: Sequence[int]) -> "_Units":
-        itemsize = dtypes.itemsize(dtype)
-        cols = int(shape[-1]) if len(shape) else 1
-        rows = math.prod(int(s) for s in shape[:-1]) if len(shape) else 1
-        row_bytes = cols * itemsize
-        if row_bytes <= UNIT_BYTES:
-            per_unit = UNIT_BYTES // max(row_bytes, 1)  # whole rows per unit
-            return cls(rows * row_bytes, itemsize, row_bytes, rows, per_unit * row_bytes, 0)
-        return cls(rows * row_bytes, itemsize, row_bytes, rows, 0, UNIT_BYTES // itemsize * itemsize)
+    def of(cls, dtype: str, shape: Sequence[int]) -> "_Tiles":
+        return _tiles_of(dtypes.itemsize(dtype), tuple(int(s) for s in shape) or (1,))
 
     @property
-    def per_row(self) -> int:
-        return -(-self.row_bytes // self.piece) if self.piece else 0
+    def total(self) -> int:
+        return math.prod(self.shape) * self.itemsize
 
     @property
-    def count(self) -> int:
-        if not self.total:
-            return 0
-        return -(-self.total // self.span) if self.span else self.rows * self.per_row
+    def strides(self) -> tuple[int, ...]:
+        """C-order strides of the tile grid (unit index = sum of tile index * stride)."""
+        return tuple(math.prod(self.grid[d + 1:]) for d in range(len(self.grid)))
 
-    def byte_range(self, u: int) -> tuple[int, int]:
-        """Unit ``u``'s bytes ``[start, stop)`` in the C-order stream."""
-        if self.span:
-            return u * self.span, min((u + 1) * self.span, self.total)
-        r, j = divmod(u, self.per_row)
-        return r * self.row_bytes + j * self.piece, r * self.row_bytes + min((j + 1) * self.piece, self.row_bytes)
+    def box(self, u: int) -> tuple[tuple[int, int], ...]:
+        """Unit ``u``'s box, ``(start, stop)`` per dim of the tiled shape."""
+        out = []
+        for s, t, st, g in zip(self.shape, self.tile, self.strides, self.grid):
+            i = u // st % g
+            out.append((i * t, min((i + 1) * t, s)))
+        return tuple(out)
 
-    def end_of(self, pos: int) -> int:
-        """The end of the unit holding stream byte ``pos``."""
-        if self.span:
-            return min((pos // self.span + 1) * self.span, self.total)
-        r, w = divmod(pos, self.row_bytes)
-        return r * self.row_bytes + min((w // self.piece + 1) * self.piece, self.row_bytes)
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one index of the block dim (every later dim whole)."""
+        return math.prod(self.shape[self.j + 1:]) * self.itemsize
+
+    def byte_shape(self, rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(shape, tile)`` in bytes (the last dim times the itemsize) of a block of ``rows`` indices."""
+        shape = (rows,) + self.shape[self.j + 1:]
+        tile = self.tile[self.j:]
+        return shape[:-1] + (shape[-1] * self.itemsize,), tile[:-1] + (tile[-1] * self.itemsize,)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tiles_of(itemsize: int, shape: tuple[int, ...]) -> _Tiles:
+    tile = tile_shape(shape, itemsize)
+    grid = tuple(-(-s // t) for s, t in zip(shape, tile))
+    count = 0 if 0 in shape else math.prod(grid)
+    j = next((d for d, t in enumerate(tile) if t > 1), len(shape) - 1)
+    return _Tiles(shape, itemsize, tile, grid, count, j)
 
 
 def _header(dtype: str, shape: Sequence[int]) -> bytes:
@@ -459,36 +530,141 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return np.require(array, requirements="C").reshape(-1).view(np.uint8).data
 
 
+def _as_bytes(array: np.ndarray) -> np.ndarray:
+    """``array`` as uint8, its last dim in bytes (a view when the last dim is contiguous, else a copy)."""
+    a = array.reshape(1) if array.ndim == 0 else array
+    if a.strides[-1] != a.itemsize:
+        a = np.ascontiguousarray(a)
+    return a.view(np.uint8)
+
+
+_scratch = threading.local()  # each thread's gather buffer (the write pool digests shard files in parallel)
+
+
+def _gather_buffer(nbytes: int) -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _scratch.buf = np.empty(max(nbytes, 1 << 16), np.uint8)
+    return buf
+
+
+def _digest_tiles(v: np.ndarray, tb: Sequence[int], out: Any, first: Sequence[int], strides: Sequence[int]) -> None:
+    """Digest every tile of ``v`` (uint8, its last dim in bytes) cut by tile ``tb`` (bytes on the last dim) from
+    its origin; ``v`` ends at tile edges or at the array's end. The digest of ``v``'s tile ``i`` goes to
+    ``out[sum((first[d] + i[d]) * strides[d])]``."""
+    s, m = v.shape, v.ndim
+    k = next((d for d in range(m) if tb[d] < s[d] and s[d] > 1), m - 1)
+    if v.flags.c_contiguous and all(tb[d] >= s[d] for d in range(k + 1, m)) and all(
+            tb[d] == 1 or s[d] == 1 for d in range(k)):
+        # tiles are contiguous runs of the buffer: digest them in place
+        b, inner, per = v.reshape(-1).data, math.prod(s[k + 1:]), tb[k]
+        rest = sum(f * st for f, st in zip(first[k + 1:], strides[k + 1:]))  # one tile along each later dim
+        for o, idx in enumerate(itertools.product(*(range(x) for x in s[:k]))):
+            base = rest + sum((f + i) * st for f, i, st in zip(first, idx, strides))
+            row = o * s[k] * inner
+            for i in range(-(-s[k] // per)):
+                lo, hi = row + i * per * inner, row + min((i + 1) * per, s[k]) * inner
+                out[base + (first[k] + i) * strides[k]] = xxhash.xxh3_128_digest(b[lo:hi])
+        return
+    runs = []  # per dim: (first tile, tiles, extent) of the whole tiles, then of the edge tile if shorter
+    for x, t in zip(s, tb):
+        runs.append([r for r in ((0, x // t, t), (x // t, 1, x % t)) if r[1] and r[2]])
+    for combo in itertools.product(*runs):
+        _digest_regular(v, tb, combo, out, [f + c[0] for f, c in zip(first, combo)], strides)
+
+
+def _digest_regular(v: np.ndarray, tb: Sequence[int], combo, out: Any, first: Sequence[int],
+                    strides: Sequence[int]) -> None:
+    """Digest a regular grid of equal tiles of ``v``: per dim ``(first tile, tiles, extent)`` in ``combo``;
+    ``first`` is the grid index of the region's first tile. Gathers a group of tiles at a time."""
+    m = v.ndim
+    nt, ext = [c[1] for c in combo], [c[2] for c in combo]
+    region = v[tuple(slice(c[0] * t, c[0] * t + c[1] * c[2]) for c, t in zip(combo, tb))]
+    split = np.lib.stride_tricks.as_strided(
+        region, shape=[x for d in range(m) for x in (nt[d], ext[d])],
+        strides=[x for d in range(m) for x in (ext[d] * region.strides[d], region.strides[d])], writeable=False)
+    tiles = split.transpose([2 * d for d in range(m)] + [2 * d + 1 for d in range(m)])
+    tile_bytes = math.prod(ext)
+    a = next((d for d in range(m) if math.prod(nt[d + 1:]) * tile_bytes <= _GATHER_BYTES), m - 1)
+    group = max(1, _GATHER_BYTES // (math.prod(nt[a + 1:]) * tile_bytes))
+    inner = [sum(i * st for i, st in zip(idx, strides[a + 1:]))
+             for idx in itertools.product(*(range(x) for x in nt[a + 1:]))]
+    rest = sum(f * st for f, st in zip(first[a + 1:], strides[a + 1:]))
+    for outer in itertools.product(*(range(x) for x in nt[:a])):
+        base = rest + sum((f + i) * st for f, i, st in zip(first, outer, strides))
+        for i0 in range(0, nt[a], group):
+            sub = tiles[outer + (slice(i0, i0 + group),)]
+            buf = _gather_buffer(sub.size)
+            np.copyto(buf[:sub.size].reshape(sub.shape), sub)
+            b = buf.data
+            q = 0
+            for ia in range(i0, i0 + sub.shape[0]):
+                at = base + (first[a] + ia) * strides[a]
+                for off in inner:
+                    out[at + off] = xxhash.xxh3_128_digest(b[q:q + tile_bytes])
+                    q += tile_bytes
+
+
 class ContentHasher:
-    """The content hash (``HASH_PREFIX``) of an array fed in C order, in pieces of any size (slab by slab)."""
+    """The content hash (``HASH_PREFIX``) of an array fed in C order, in pieces of any size (slab by slab).
+
+    Whole blocks of tiles (``_Tiles``) in a piece are digested in place; a block split across pieces is
+    gathered in a buffer of one block (``piece`` gives piece sizes that never split one)."""
 
     def __init__(self, dtype: str, shape: Sequence[int]):
-        self._u = _Units.of(dtype, shape)
+        self._t = _Tiles.of(dtype, shape)
         self._h = xxhash.xxh3_128(_header(dtype, shape))
-        self._pos = 0
-        self._cur: Any = None  # the unit begun in an earlier piece
+        self._pos = 0  # bytes fed
+        self._block = 0  # the current block's index along dim j
+        self._buf: np.ndarray | None = None
+        self._fill = 0
+
+    def piece(self, hint: int) -> int:
+        """A piece size in elements near ``hint`` that is a whole number of blocks (so nothing is buffered)."""
+        t = self._t
+        block = t.tile[t.j] * t.row_bytes // t.itemsize
+        return max(block, hint // block * block)
+
+    def _block_bytes(self) -> int:
+        t = self._t
+        return min(t.tile[t.j], t.shape[t.j] - self._block * t.tile[t.j]) * t.row_bytes
+
+    def _digest_block(self, raw: np.ndarray) -> None:
+        t = self._t
+        rows = raw.size // t.row_bytes
+        shape, tb = t.byte_shape(rows)
+        out: list = [None] * math.prod(-(-x // y) for x, y in zip(shape, tb))
+        strides = [math.prod(-(-x // y) for x, y in zip(shape[d + 1:], tb[d + 1:])) for d in range(len(shape))]
+        _digest_tiles(raw.reshape(shape), tb, out, (0,) * len(shape), strides)
+        self._h.update(b"".join(out))
+        self._block = (self._block + 1) % t.grid[t.j]
 
     def update(self, array: np.ndarray) -> None:
-        b = _bytes_of(array)
-        i, n, u = 0, len(b), self._u
+        if not self._t.count:
+            self._pos += array.nbytes
+            return
+        b = np.frombuffer(_bytes_of(array), np.uint8)
+        i, n = 0, b.size
         while i < n:
-            end = u.end_of(self._pos)
-            take = min(end - self._pos, n - i)
-            if self._cur is None and self._pos + take == end:
-                self._h.update(xxhash.xxh3_128_digest(b[i:i + take]))  # a whole unit inside this piece
+            size = self._block_bytes()
+            if self._fill or n - i < size:
+                if self._buf is None:
+                    self._buf = np.empty(self._t.tile[self._t.j] * self._t.row_bytes, np.uint8)
+                take = min(size - self._fill, n - i)
+                self._buf[self._fill:self._fill + take] = b[i:i + take]
+                self._fill += take
+                if self._fill == size:
+                    self._digest_block(self._buf[:size])
+                    self._fill = 0
             else:
-                if self._cur is None:
-                    self._cur = xxhash.xxh3_128()
-                self._cur.update(b[i:i + take])
-                if self._pos + take == end:
-                    self._h.update(self._cur.digest())
-                    self._cur = None
+                take = size
+                self._digest_block(b[i:i + size])
             i += take
-            self._pos += take
+        self._pos += n
 
     def hexdigest(self) -> str:
-        if self._pos != self._u.total:
-            raise ValueError(f"content hash fed {self._pos} of {self._u.total} bytes")
+        if self._pos != self._t.total or self._fill:
+            raise ValueError(f"content hash fed {self._pos} of {self._t.total} bytes")
         return HASH_PREFIX + self._h.hexdigest()
 
 
@@ -503,7 +679,7 @@ def units_hash(dtype: str, shape: Sequence[int], digests: dict) -> str | None:
     """The content hash from every unit's digest (``box_unit_digests``, merged over writers); None when a
     unit's digest is missing (``missing_units`` says which)."""
     h = xxhash.xxh3_128(_header(dtype, shape))
-    for k in range(_Units.of(dtype, shape).count):
+    for k in range(_Tiles.of(dtype, shape).count):
         d = digests.get(k)
         if d is None:
             return None
@@ -511,77 +687,60 @@ def units_hash(dtype: str, shape: Sequence[int], digests: dict) -> str | None:
     return HASH_PREFIX + h.hexdigest()
 
 
-def missing_units(dtype: str, shape: Sequence[int], digests: dict) -> list[tuple[int, int, int]]:
-    """``(unit, first element, stop element)`` of every unit without a digest, in C order."""
-    u = _Units.of(dtype, shape)
-    out = []
-    for k in range(u.count):
-        if k not in digests:
-            a, b = u.byte_range(k)
-            out.append((k, a // u.itemsize, b // u.itemsize))
-    return out
+def missing_units(dtype: str, shape: Sequence[int], digests: dict) -> list[tuple[int, Box]]:
+    """``(unit, box)`` of every unit without a digest, in C order (a 0-d array's one unit has box ``()``)."""
+    t = _Tiles.of(dtype, shape)
+    return [(k, t.box(k) if len(shape) else ()) for k in range(t.count) if k not in digests]
 
 
-def _row_runs(shape: Sequence[int], offset: Sequence[int], extent: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """The rows (index of every dim but the last) of a box as runs contiguous in C order: ``(first row, stop
-    row, the run's first row counted in the box)``."""
-    lead, off, ext = list(shape[:-1]), list(offset[:-1]), list(extent[:-1])
-    if not lead:
-        yield 0, 1, 0
-        return
-    t = len(lead) - 1
-    while t > 0 and off[t] == 0 and ext[t] == lead[t]:
-        t -= 1  # dims after t are whole in the box: a run spans dim t's range
-    inner = math.prod(lead[t + 1:])
-    strides = [math.prod(lead[d + 1:]) for d in range(len(lead))]
-    q = 0
-    import itertools
-
-    for head in itertools.product(*(range(o, o + e) for o, e in zip(off[:t], ext[:t]))):
-        first = sum(i * s for i, s in zip(head, strides)) + off[t] * strides[t]
-        n = ext[t] * inner
-        yield first, first + n, q
-        q += n
+def read_missing_units(dtype: str, shape: Sequence[int], digests: dict, read) -> int:
+    """Digest into ``digests`` every unit without one, reading ``read(box) -> ndarray`` once per run of missing
+    units along the grid's last dim; returns how many units were read."""
+    t = _Tiles.of(dtype, shape)
+    missing = [k for k in range(t.count) if k not in digests]
+    last = t.grid[-1]
+    i = 0
+    while i < len(missing):
+        k = missing[i]
+        r = i + 1  # a run: consecutive units of one row of the grid
+        while r < len(missing) and missing[r] == missing[r - 1] + 1 and missing[r] % last:
+            r += 1
+        if not len(shape):
+            digests[0] = xxhash.xxh3_128_digest(_bytes_of(read(())))
+        else:
+            lo, hi = t.box(k), t.box(missing[r - 1])
+            box = tuple(lo[:-1]) + ((lo[-1][0], hi[-1][1]),)
+            box_unit_digests(dtype, shape, tuple(a for a, _ in box), read(box), digests)
+        i = r
+    return len(missing)
 
 
 def box_unit_digests(dtype: str, shape: Sequence[int], offset: Sequence[int], data: np.ndarray, out: dict) -> None:
     """Digest into ``out`` (unit -> digest) every unit of the content hash that lies wholly inside the box
     ``data`` at ``offset`` of an array of ``shape``; units the box cuts are left to other writers (or to a
     read-back). ``data`` is read, never kept."""
-    u = _Units.of(dtype, shape)
-    if not u.total or not data.size:
+    t = _Tiles.of(dtype, shape)
+    if not t.count or not data.size:
         return
     if not len(shape):
         out[0] = xxhash.xxh3_128_digest(_bytes_of(data))
         return
-    cols, c0 = int(shape[-1]), int(offset[-1])
-    c1 = c0 + int(data.shape[-1])
-    if u.span:  # units of whole rows: a box that cuts the rows holds none
-        if c0 or c1 != cols:
+    first, sl = [], []
+    for s, tl, g, o, e in zip(t.shape, t.tile, t.grid, offset, data.shape):
+        f, stop = -(-int(o) // tl), int(o) + int(e)
+        last = g if stop == s else stop // tl
+        if f >= last:
             return
-        k = u.span // u.row_bytes
-        b = None
-        for ra, rb, q in _row_runs(shape, offset, data.shape):
-            first, stop = -(-ra // k), (rb // k if rb != u.rows else -(-rb // k))
-            if first >= stop:
-                continue
-            if b is None:
-                b = _bytes_of(data)
-            for j in range(first, stop):
-                lo, hi = j * k, min((j + 1) * k, u.rows)
-                out[j] = xxhash.xxh3_128_digest(b[(q + lo - ra) * u.row_bytes:(q + hi - ra) * u.row_bytes])
-        return
-    per, pe = u.per_row, u.piece // u.itemsize  # pieces of a row, elements per piece
-    j0, j1 = -(-c0 // pe), (c1 // pe if c1 != cols else per)
-    if j0 >= j1:
-        return
-    b, w = _bytes_of(data), (c1 - c0) * u.itemsize
-    for ra, rb, q in _row_runs(shape, offset, data.shape):
-        for r in range(ra, rb):
-            base = (q + r - ra) * w - c0 * u.itemsize
-            for j in range(j0, j1):
-                lo, hi = j * u.piece, min((j + 1) * u.piece, u.row_bytes)
-                out[r * per + j] = xxhash.xxh3_128_digest(b[base + lo:base + hi])
+        first.append(f)
+        sl.append(slice(f * tl - int(o), min(last * tl, s) - int(o)))
+    v = data[tuple(sl)]
+    tb = t.tile[:-1] + (t.tile[-1] * t.itemsize,)
+    strides = t.strides
+    # one tile-row of dim 0 at a time: a box that is not contiguous in its last dim is copied a row at a time
+    for r in range(0, v.shape[0], t.tile[0]):
+        rows = v[r:r + t.tile[0]]
+        first0 = [first[0] + r // t.tile[0]] + first[1:]
+        _digest_tiles(_as_bytes(rows), tb, out, first0, strides)
 
 
 # --- the schemes of versions saved before "units" (verify recomputes them; nothing writes them) ---------

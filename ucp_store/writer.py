@@ -34,7 +34,6 @@ from ._killpoints import killpoint
 from ._window import FutureWindow
 from .catalog import models as m
 from .errors import CommitRaceError, DuplicateEntryError, ShapeMismatch, ValidationError, WriteError, WriterClosedError
-from .geometry import flat_range_to_boxes
 from .location import array_path
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -311,7 +310,7 @@ class CheckpointWriter:
         hasher = fmt.ContentHasher(dtype, array.shape)
         if array.flags.c_contiguous and array.ndim and array.size:
             src, dst = array.reshape(-1), copy.reshape(-1)
-            step = max(1, _SNAPSHOT_PIECE // array.itemsize)
+            step = hasher.piece(_SNAPSHOT_PIECE // array.itemsize)  # whole blocks of the hash's tiles
             for lo in range(0, src.size, step):
                 np.copyto(dst[lo:lo + step], src[lo:lo + step])
                 hasher.update(dst[lo:lo + step])
@@ -755,10 +754,8 @@ class CheckpointWriter:
         if 2 * len(missing) > max(1, len(digests) + len(missing)):
             return self._read_back_hash(handle, layout, rel, what)
         url = self.store.array_url(rel)
-        for unit, lo, hi in missing:
-            boxes = [b.ranges for b in flat_range_to_boxes(layout.shape, lo, hi)] if layout.shape else [()]
-            parts = [fmt.read_box(handle, layout, box, what=what, array_url=url).reshape(-1) for box in boxes]
-            digests[unit] = fmt.chunk_digest(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        fmt.read_missing_units(layout.dtype, layout.shape, digests,
+                               lambda box: fmt.read_box(handle, layout, box, what=what, array_url=url))
         h = fmt.units_hash(layout.dtype, layout.shape, digests)
         assert h is not None  # every unit has a digest now
         return h

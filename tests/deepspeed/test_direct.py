@@ -140,7 +140,7 @@ def test_direct_save_is_bit_equal_to_import_of_the_files(direct, name):
         # from the unit digests it took while writing, the importer from whole tensors, and they agree
         schemes.add(x.content_hash.split(":")[0])
         assert x.content_hash == y.content_hash, key
-    assert schemes == {"xxh3-128-units"}
+    assert schemes == {"xxh3-128-tiles"}
     from ucp_store.checkpoint import diff
 
     assert {r["status"] for r in diff(a, b)} == {"same"}
