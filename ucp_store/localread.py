@@ -307,6 +307,7 @@ def open_reader(location: Location, rel: str, layout: fmt.ArrayLayout, context, 
             local = hit[1]
         if local:
             return LocalArray(os.path.join(location.root, _safe_rel(rel)), layout)
+        location.check_regular_tree(rel)
     return fmt.open_array(location, rel, layout, context)
 
 

@@ -217,6 +217,27 @@ class Location:
             raise ReadError(f"{self.display(rel)} is not a regular file (mode {stat.filemode(st.st_mode)}); a store "
                             "holds only regular files, so it is refused unread")
 
+    def check_regular_tree(self, rel: str) -> None:
+        """:meth:`check_regular` for every file under folder ``rel`` (links not followed): the reader that is
+        not ours (TensorStore, for compressed or foreign chains) opens shard files itself, and a FIFO among
+        them would block it forever."""
+        rel = _safe_rel(rel)
+        if self.kind != "file":
+            return
+        top = os.path.join(self.root, rel)
+        stack = [top]
+        while stack:
+            folder = stack.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # missing: the reader says so
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif not e.is_file(follow_symlinks=False):
+                    self.check_regular(posixpath.relpath(e.path, self.root).replace(os.sep, "/"))
+
     def tree_bytes(self, rel: str) -> int | None:
         """Bytes of the regular files under ``rel`` (a file or folder; links count 0 and are not followed);
         None on a bucket (not listed with sizes)."""
