@@ -64,31 +64,31 @@ def _columns(table: Table, keys: Sequence[str]) -> list | None:
     return [c for c in table.columns if c.key in keys]  # the table's order: the order compile() lists them in
 
 
-def _processed(columns: list, rows: list[dict], dialect: Dialect) -> list[list]:
+def _processed(columns: list, rows: list[dict], dialect: Dialect) -> list[tuple]:
     """Each row's values through its column's bind processor, column by column. A list or dict value met
     again (one object shared by many rows: a shape, a pattern) is processed once."""
-    out: list[list] = [[] for _ in rows]
+    values: list[list] = []
     for c in columns:
         proc: Callable[[Any], Any] | None = c.type._cached_bind_processor(dialect)
-        key = c.key
-        if proc is None:
-            for o, d in zip(out, rows):
-                o.append(d[key])
-            continue
-        keep_none = not getattr(c.type, "should_evaluate_none", False)  # None stays NULL, unless JSON 'null'
-        memo: dict[int, Any] = {}
-        for o, d in zip(out, rows):
-            v = d[key]
-            if v is None and keep_none:
-                o.append(None)
-            elif isinstance(v, (list, dict)):
-                got = memo.get(id(v))
-                if got is None:
-                    got = memo[id(v)] = proc(v)  # the rows keep v alive: its id is not reused meanwhile
-                o.append(got)
-            else:
-                o.append(proc(v))
-    return out
+        column = [d[c.key] for d in rows]
+        if proc is not None:
+            keep_none = not getattr(c.type, "should_evaluate_none", False)  # None stays NULL, unless JSON 'null'
+            memo: dict[int, Any] = {}
+
+            def one(v: Any, proc: Callable[[Any], Any] = proc, keep_none: bool = keep_none,
+                    memo: dict[int, Any] = memo) -> Any:
+                if v is None and keep_none:
+                    return None
+                if isinstance(v, (list, dict)):
+                    got = memo.get(id(v))
+                    if got is None:
+                        got = memo[id(v)] = proc(v)  # the rows keep v alive: its id is not reused meanwhile
+                    return got
+                return proc(v)
+
+            column = list(map(one, column))
+        values.append(column)
+    return list(zip(*values))
 
 
 def _copy_value(v: Any) -> str:
