@@ -449,7 +449,7 @@ def _machine() -> str:
 def run_synthetic(args: argparse.Namespace) -> dict:
     results: dict[str, Any] = {"machine": _machine(), "models": {}}
     for model in args.models:
-        params = MODELS[model]()
+        params = MODELS[model]()[:args.tensors]
         print(f"\n## {model}: {len(params):,} tensors x {len(STATES)} states", flush=True)
         figures: dict[str, Any] = {"tensors": len(params), "catalogs": []}
         infos = None
@@ -488,6 +488,48 @@ def run_synthetic(args: argparse.Namespace) -> dict:
     return results
 
 
+def _tree(n: int, nbytes: float, latency_s: float, gbps: float) -> float:
+    """Seconds for a binomial-tree broadcast (or gather) of ``nbytes`` over ``n`` ranks, not pipelined: every
+    one of the ceil(log2 n) rounds pays the latency and the whole payload at the link's rate."""
+    return math.ceil(math.log2(max(n, 2))) * (latency_s + nbytes / (gbps * 1e9))
+
+
+def model_rows(figures: dict, ranks: int, latency_s: float, gbps: float) -> dict:
+    """The control path of one load and one save at ``ranks`` ranks, from one model's measured figures (see
+    docs/scale.md): coordinator fetch + encode + one broadcast + per-rank decode + per-rank plan; per-rank
+    plan + one gather of every rank's rows + one commit of every row + one broadcast of the outcome."""
+    pg = next((c for c in figures["catalogs"] if c["catalog"] == "PostgreSQL"), figures["catalogs"][0])
+    enc = figures["encoding"]
+    world = 1024 if ranks <= 1024 else 8192
+    plans = [r["plan_s"] for r in figures["planning"] if f"({world:,} ranks)" in r["target"]]
+    plan_s = max(plans)
+    bcast = _tree(ranks, enc["broadcast_bytes"], latency_s, gbps)
+    gather = _tree(ranks, 0, latency_s, gbps) + enc["json_per_row_bytes"] * 2 / (gbps * 1e9)
+    load = pg["fetch_all_s"] + enc["encode_s"] + bcast + enc["decode_s"] + plan_s
+    save = plan_s + gather + pg["commit_s"] + _tree(ranks, 64, latency_s, gbps)
+    return {"ranks": ranks, "catalog": pg["catalog"], "fetch_s": pg["fetch_all_s"], "encode_s": enc["encode_s"],
+            "broadcast_s": bcast, "decode_s": enc["decode_s"], "plan_s": plan_s, "load_s": load,
+            "gather_s": gather, "commit_s": pg["commit_s"], "save_s": save}
+
+
+def run_model(args: argparse.Namespace) -> dict:
+    with open(args.figures) as f:
+        measured = json.load(f)
+    out: dict[str, Any] = {"machine": measured["machine"], "from": measured.get("command"), "rows": []}
+    print(f"model from {args.figures} ({measured.get('command')}); links: {args.latency_us:g} us, "
+          f"{args.gbps:g} GB/s per round of a binomial tree")
+    print(f"{'model':18} {'ranks':>6} {'fetch':>6} {'encode':>6} {'bcast':>6} {'decode':>6} {'plan':>6} {'LOAD':>6} | "
+          f"{'gather':>6} {'commit':>6} {'SAVE':>6}   (seconds)")
+    for name, figures in measured["models"].items():
+        for ranks in args.ranks:
+            r = {"model": name, **model_rows(figures, ranks, args.latency_us * 1e-6, args.gbps)}
+            out["rows"].append(r)
+            print(f"{name:18} {ranks:>6,} {r['fetch_s']:>6.2f} {r['encode_s']:>6.2f} {r['broadcast_s']:>6.2f} "
+                  f"{r['decode_s']:>6.2f} {r['plan_s']:>6.2f} {r['load_s']:>6.2f} | {r['gather_s']:>6.2f} "
+                  f"{r['commit_s']:>6.2f} {r['save_s']:>6.2f}")
+    return out
+
+
 def run_ranks(args: argparse.Namespace) -> dict:
     """Real N-rank runs: N processes saving and loading one store (PostgreSQL with max_connections lowered,
     and SQLite), per save and load: wall time, catalog connections, round trips, collectives, bytes
@@ -505,14 +547,24 @@ def main(argv: list[str] | None = None) -> None:
     syn.add_argument("--repeats", type=int, default=3, help="timed repeats; the best is reported (default 3)")
     syn.add_argument("--postgres-url", default=None,
                      help="also commit and fetch on this PostgreSQL catalog (rows deleted after)")
+    syn.add_argument("--tensors", type=int, default=None,
+                     help="keep only each model's first N tensors (e.g. 25000 of DeepSeek-V3: 150k catalog rows)")
     syn.add_argument("--json-out", default=None, help="also write every figure to this JSON file")
+    mod = sub.add_parser("model", help="the control path of a load and a save at N ranks from synthetic's figures")
+    mod.add_argument("figures", help="the --json-out file of a synthetic run")
+    mod.add_argument("--ranks", type=int, nargs="+", default=[1000, 8192])
+    mod.add_argument("--latency-us", type=float, default=100.0, help="per-round latency (default 100 us)")
+    mod.add_argument("--gbps", type=float, default=1.0, help="per-link rate, GB/s (default 1: gloo over TCP)")
+    mod.add_argument("--json-out", default=None)
     ranks = sub.add_parser("ranks", help="real N-rank save and load runs (issue 27 items 1, 2, 5)")
     ranks.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
     args = ap.parse_args(argv)
     if args.command == "synthetic" and args.repeats < 1:
         ap.error("--repeats must be >= 1")
     t0 = time.perf_counter()
-    results = run_synthetic(args) if args.command == "synthetic" else run_ranks(args)
+    run = {"synthetic": run_synthetic, "model": run_model, "ranks": run_ranks}[args.command]
+    results = run(args)
+    results.setdefault("machine", _machine())
     results["command"] = "tools/bench_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
     results["total_s"] = time.perf_counter() - t0
     if getattr(args, "json_out", None):
