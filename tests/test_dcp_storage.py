@@ -195,3 +195,25 @@ def test_global_plan_keeps_replicas_once_and_checks_tiling():
     with pytest.raises(ShapeMismatch, match=r"'model.w': rank 1 saves it as torch.float16\[4, 4\]"):
         _plan_keys([SavePlan([_item("model.w", [0, 0], [2, 4], [4, 4])]),
                     SavePlan([_item("model.w", [2, 0], [2, 4], [4, 4], torch.float16)])])
+
+
+@pytest.mark.parametrize("split", [0, 1])
+def test_chunks_follow_row_and_column_splits(tmp_path, split):
+    """An FSDP Shard(0) save loaded by TP Shard(1), and the reverse: a half of either dim is whole chunks
+    (read amplification 1), and the chunks are not cut below the store's target for it."""
+    import math
+
+    shape = [1024, 2048]
+    half = [n // 2 if d == split else n for d, n in enumerate(shape)]
+    second = [n // 2 if d == split else 0 for d, n in enumerate(shape)]
+    plans = [SavePlan([_item("model.w", [0, 0], half, shape)]), SavePlan([_item("model.w", second, half, shape)])]
+    st = _store(tmp_path)
+    keys, _, _ = _plan_keys(plans, st.settings["chunk_target_bytes"])
+    w = st.begin("r", 1)
+    try:
+        w.open_regions([keys["model.w"].region()])
+        chunk = w._sharded[(keys["model.w"].name, keys["model.w"].state)][2].chunk_shape
+    finally:
+        w.abort()
+    assert all((n // 2) % c == 0 for n, c in zip(shape, chunk)), chunk
+    assert math.prod(chunk) * 4 == st.settings["chunk_target_bytes"], chunk

@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import dtypes, names
+from .coord import detached_store, store_facts
 from .errors import ConfigurationError, ShapeMismatch, UcpError, ValidationError
 
 __all__ = ["UcpStorageReader", "UcpStorageWriter", "dcp_keys"]
@@ -93,22 +94,30 @@ def _open(store: Any, *, create: bool):
 
 class _StoreRef:
     """A store that survives pickling (``async_save`` with the process executor sends the writer to a
-    spawned process): the URL and catalog URL travel, the open Store is made again on the other side."""
+    spawned process): the URL and catalog URL travel, the open Store is made again on the other side.
 
-    def __init__(self, store: Any, *, create: bool):
-        self._store = _open(store, create=create)
-        self.url = self._store.location.url
-        self.catalog = self._store.location.catalog_url
+    ``lazy``: a folder or URL is opened on first use, so that a writer's non-coordinator ranks, which get a
+    detached store (array I/O, no catalog) from the coordinator's plan, never open the catalog."""
+
+    def __init__(self, store: Any, *, create: bool, lazy: bool = False):
+        from .store import Store
+
+        if not isinstance(store, (Store, str, os.PathLike)):
+            raise ConfigurationError(f"store: expected a Store, a folder or a store URL, got {type(store).__name__}")
+        self.create = create
+        self._store = None if lazy and not isinstance(store, Store) else _open(store, create=create)
+        self.url = self._store.location.url if self._store is not None else os.fspath(store)
+        self.catalog = self._store.location.catalog_url if self._store is not None else None
 
     def get(self):
         if self._store is None:
             from .store import open_store
 
-            self._store = open_store(self.url, catalog=self.catalog)
+            self._store = open_store(self.url, catalog=self.catalog, create=self.create)
         return self._store
 
     def __getstate__(self) -> dict:
-        return {"url": self.url, "catalog": self.catalog, "_store": None}
+        return {"url": self.url, "catalog": self.catalog, "create": self.create, "_store": None}
 
 
 def _parse_run_step(checkpoint_id: Any) -> tuple[str, int]:
@@ -143,9 +152,35 @@ class _Key:
     dtype: str | None = None
     shape: tuple[int, ...] = ()
     boundaries: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    units: tuple[tuple[int, int], ...] = ()  # the chunk extent per dim (``_chunk_units``); empty: the default
 
     def points(self) -> dict[int, list[int]]:
         return {d: list(p) for d, p in self.boundaries}
+
+    def region(self) -> tuple:
+        """``CheckpointWriter.open_regions``' spec of this tensor-state (the same on every rank)."""
+        return (self.name, self.state, self.dtype, self.shape, None, self.points(), dict(self.units) or None)
+
+
+# DCP saves DTensors: a later load may shard any of rows and columns (FSDP dim 0, TP colwise dim 0 or
+# rowwise dim 1), whatever the saving ranks split. The chunk policy of ``ucp_store.dist``'s DTensor saves
+# (a ``dtensor`` pattern: both dims aligned to every power-of-two split <= 64, tiles grown to the chunk
+# target, the saving ranks' edges kept) gives chunks that such loads read whole. The pattern is used for the
+# layout only: DCP does not say which mesh saved, so none is recorded.
+_ANY_SPLIT = {"kind": "dtensor", "mesh": {"shape": [1]}, "placements": [{"type": "replicate"}]}
+
+
+def _chunk_units(shape: tuple[int, ...], dtype: str, points: dict[int, set[int]], target_bytes: int) -> tuple:
+    """The chunk shape (as ``units`` per dim) of a tensor-state of ``shape`` cut at the saving ranks' box edges
+    ``points``: rows and columns both follow the power-of-two splits (see ``_ANY_SPLIT``). 1-D tensors keep the
+    default policy (rows)."""
+    from .chunking import choose_chunking
+
+    if len(shape) < 2 or not all(shape):
+        return ()
+    c = choose_chunking(shape, dtypes.itemsize(dtype), pattern=_ANY_SPLIT, boundaries=points,
+                        target_bytes=target_bytes)
+    return tuple(enumerate(c.chunk_shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +189,7 @@ class _PlanData:
 
     checkpoint_id: str
     keys: dict[str, _Key]
+    store: dict  # coord.store_facts: the other ranks write through a detached store, never the catalog
 
 
 def _stand_in_metadata(plans: list[SavePlan]) -> Any:
@@ -222,10 +258,12 @@ def _check_tiling(key: str, entries: list) -> tuple[tuple[int, ...], torch.dtype
     return size, dtype
 
 
-def _plan_keys(plans: list[SavePlan]) -> tuple[dict[str, _Key], dict[tuple[int, int], bool], Any]:
+def _plan_keys(plans: list[SavePlan], target_bytes: int | None = None
+               ) -> tuple[dict[str, _Key], dict[tuple[int, int], bool], Any]:
     """Every DCP key -> what it becomes (checked: names, shapes, tiling), which items each rank keeps, and
-    the stand-in metadata (for the key paths)."""
+    the stand-in metadata (for the key paths). ``target_bytes``: the store's chunk target."""
     from .adapters.dcp import _classify
+    from .chunking import DEFAULT_TARGET
 
     md = _stand_in_metadata(plans)
     classes = _classify(md, None, None)
@@ -256,8 +294,9 @@ def _plan_keys(plans: list[SavePlan]) -> tuple[dict[str, _Key], dict[tuple[int, 
                     if 0 < p < size[d]:
                         points.setdefault(d, set()).add(p)
         kind = "whole" if not size else "tensor"
+        units = _chunk_units(size, zarr, points, target_bytes or DEFAULT_TARGET) if kind == "tensor" else ()
         keys[key] = _Key(kind, e.name, e.state, zarr, size, tuple((d, tuple(sorted(v))) for d, v in
-                                                                  sorted(points.items())))
+                                                                  sorted(points.items())), units)
     return keys, keep, md
 
 
@@ -275,7 +314,7 @@ def _catalog_commit(writer, keys: dict[str, _Key], paths: dict[str, Any], result
     from .dist.api import _set_region_hashes
 
     tensor_keys = {k: v for k, v in keys.items() if v.kind == "tensor"}
-    writer.open_regions([(v.name, v.state, v.dtype, v.shape, None, v.points()) for v in tensor_keys.values()])
+    writer.open_regions([v.region() for v in tensor_keys.values()])
     for v in tensor_keys.values():  # an empty box at the origin: this writer hashes and records the array
         assert v.name is not None and v.state is not None and v.dtype is not None
         empty = np.empty((0,) * len(v.shape), dtype=dtypes.numpy_dtype(v.dtype))
@@ -350,7 +389,7 @@ class UcpStorageWriter(StorageWriter):
 
     def __init__(self, store: Any, run: str | None = None, step: int | None = None, *, message: str | None = None,
                  create: bool = True):
-        self._store = _StoreRef(store, create=create)
+        self._store = _StoreRef(store, create=create, lazy=True)
         if run is not None:
             names.run_name(run)
         self.run = run
@@ -405,7 +444,7 @@ class UcpStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        keys, keep, md = _plan_keys(plans)
+        keys, keep, md = _plan_keys(plans, self.store.settings["chunk_target_bytes"])
         assert self.run is not None and self.step is not None
         writer = _catalog_begin(self.store, self.run, self.step,
                                 self.message or f"dcp.save from {len(plans)} rank(s) through {_SAVED_BY}")
@@ -414,10 +453,11 @@ class UcpStorageWriter(StorageWriter):
         with _PENDING_LOCK:
             _PENDING.add(self)
         out = []
+        facts = store_facts(self.store)
         for rank, plan in enumerate(plans):
             items = [it for i, it in enumerate(plan.items) if keep[(rank, i)]]
             mine = {it.index.fqn: keys[it.index.fqn] for it in items}
-            out.append(dataclasses.replace(plan, items=items, storage_data=_PlanData(writer.id, mine)))
+            out.append(dataclasses.replace(plan, items=items, storage_data=_PlanData(writer.id, mine, facts)))
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -435,11 +475,11 @@ class UcpStorageWriter(StorageWriter):
         if not isinstance(data, _PlanData):
             raise UcpError("UcpStorageWriter.write_data: the plan lacks the coordinator's storage data (was "
                            "prepare_global_plan of this writer run?)")
-        writer = self._writer if self.is_coordinator else CheckpointWriter(self.store, data.checkpoint_id,
-                                                                           owner=False)
+        writer = self._writer if self.is_coordinator else CheckpointWriter(detached_store(data.store),
+                                                                           data.checkpoint_id, owner=False)
         writer.defer_durability()
         regions = {k: v for k, v in data.keys.items() if v.kind == "tensor"}
-        writer.open_regions([(v.name, v.state, v.dtype, v.shape, None, v.points()) for v in regions.values()])
+        writer.open_regions([v.region() for v in regions.values()])
         results: list[WriteResult] = []
         for item in plan.items:
             key = item.index.fqn

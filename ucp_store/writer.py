@@ -563,12 +563,14 @@ class CheckpointWriter:
     def open_regions(self, specs: Iterable[tuple]) -> None:
         """Create (or open, when another rank did) the arrays that ``write_region`` boxes will go to, all at
         once: ``specs`` are ``(name, state, dtype, shape, pattern, boundaries)`` as ``write_region`` takes
-        them (dtype as a store dtype name). Arrays already open are skipped; creating them concurrently
-        saves one metadata round trip per tensor-state on the caller's clock."""
+        them (dtype as a store dtype name), optionally with a seventh ``units`` (``chunking.choose_chunking``'s
+        aligned extent per dim, for a caller that knows the likely splits better than the pattern says).
+        Arrays already open are skipped; creating them concurrently saves one metadata round trip per
+        tensor-state on the caller's clock."""
         import xxhash
 
         pending: list[tuple] = []
-        for name, state, dtype, shape, pattern, boundaries in specs:
+        for name, state, dtype, shape, pattern, boundaries, *units in specs:
             key = (name, state)
             if key in self._sharded or any(k == key for k, *_ in pending):
                 continue
@@ -576,7 +578,7 @@ class CheckpointWriter:
             if pattern is not None:
                 self._validate_pattern(name, pattern, shape)
             points = {int(d): [int(p) for p in v] for d, v in (boundaries or {}).items()}
-            layout = self._layout(shape, dtype, pattern, boundaries=points or None)
+            layout = self._layout(shape, dtype, pattern, boundaries=points or None, units=units[0] if units else None)
             layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape,
                                      _writer_aligned_shards(layout, points), layout.compression)
             aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
