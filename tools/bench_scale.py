@@ -374,7 +374,8 @@ def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[float, Any]:
     return best, out
 
 
-def measure_catalog(model: str, params, root: str, catalog: str | None, label: str, repeats: int) -> dict:
+def measure_catalog(model: str, params, root: str, catalog: str | None, label: str, repeats: int,
+                    sqlalchemy_insert: bool = False) -> dict:
     """Commit the model's rows on one catalog, then time the coordinator's fetches; returns the figures and
     (under ``infos``) the fetched rows."""
     import ucp_store
@@ -382,6 +383,13 @@ def measure_catalog(model: str, params, root: str, catalog: str | None, label: s
     from ucp_store.catalog.models import new_id
 
     store = ucp_store.open_store(root, create=True, catalog=catalog)
+    if sqlalchemy_insert:  # the insert path before catalog/bulk.py, for comparison
+        from sqlalchemy import event
+
+        from ucp_store.catalog import bulk
+
+        for factory in (store.catalog.session, store.catalog._write_session, store.catalog._lazy_write_session):
+            event.remove(factory, "do_orm_execute", bulk._on_execute)
     run = f"bench-scale-{new_id()}"
     c = commit_rows(store, run, params, int(store.settings["chunk_target_bytes"]))
     ck_id = c.pop("id")
@@ -456,7 +464,7 @@ def run_synthetic(args: argparse.Namespace) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             catalogs = [(None, "SQLite")] + ([(args.postgres_url, "PostgreSQL")] if args.postgres_url else [])
             for url, label in catalogs:
-                c = measure_catalog(model, params, f"{tmp}/{label}", url, label, args.repeats)
+                c = measure_catalog(model, params, f"{tmp}/{label}", url, label, args.repeats, args.sqlalchemy_insert)
                 fetched = c.pop("infos")
                 infos = fetched if infos is None else infos
                 figures["catalogs"].append(c)
@@ -549,6 +557,8 @@ def main(argv: list[str] | None = None) -> None:
                      help="also commit and fetch on this PostgreSQL catalog (rows deleted after)")
     syn.add_argument("--tensors", type=int, default=None,
                      help="keep only each model's first N tensors (e.g. 25000 of DeepSeek-V3: 150k catalog rows)")
+    syn.add_argument("--sqlalchemy-insert", action="store_true",
+                     help="commit through SQLAlchemy's own insert (without catalog/bulk.py), for comparison")
     syn.add_argument("--json-out", default=None, help="also write every figure to this JSON file")
     mod = sub.add_parser("model", help="the control path of a load and a save at N ranks from synthetic's figures")
     mod.add_argument("figures", help="the --json-out file of a synthetic run")
