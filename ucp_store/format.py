@@ -401,7 +401,9 @@ UNIT_BYTES = 256 << 10
 _TILE_FLOOR = 16 << 10  # tiles grow back to at least this many bytes (or the whole array)
 _MAX_UNITS = 1 << 14  # ... and to at least 1/_MAX_UNITS of the array: huge tensors get few, larger tiles
 _MAX_SPLIT_LOG2 = 6  # every even power-of-two split up to 2**6 = 64 of each dim falls on tile edges
+_MAX_BLOCK = 64 << 20  # the stream's block (``_Tiles``) is cut below this where the floors allow
 _GATHER_BYTES = 4 << 20  # tiles are gathered (copied contiguous) at most this many bytes at a time
+_COPY_BYTES = 128 << 10  # ... in copies of about this many bytes of the source (tools/bench_hash.py)
 WHOLE_HASH_PREFIX = "xxh3-128:"
 CHUNK_HASH_PREFIX = "xxh3-128-chunks:"
 LEGACY_HASH_PREFIXES = (WHOLE_HASH_PREFIX, CHUNK_HASH_PREFIX)
@@ -444,23 +446,26 @@ def tile_shape(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     def size() -> int:
         return math.prod(t) * itemsize
 
-    for d in range(m):  # cut towards hi, leading dims first (a tile-row of the stream stays small)
-        while size() > hi and t[d] > 1:
-            if not even[d]:  # an odd dim has no even split to keep: cut straight to what fits
-                t[d] = max(1, hi // (size() // t[d]))
+    lead = True  # every dim before d has tile extent 1: d is the stream's block dim (``_Tiles``)
+    for d in range(m):  # cut towards hi, leading dims first; and the block (a few MiB of the stream) to its cap
+        while t[d] > 1 and (size() > hi or lead and t[d] * math.prod(n[d + 1:]) * itemsize > _MAX_BLOCK):
+            if not even[d]:  # an odd dim has no even split to keep: cut straight to what fits (the block: to
+                t[d] = max(1, hi // (size() // t[d])) if size() > hi else 1  # 1; tiles grow back on other dims)
                 continue
             p = _smallest_factor(t[d])
             if size() // p < lo:  # only a large prime factor left: cutting it would make tiny tiles
                 break
             t[d] //= p
+        lead = lead and t[d] == 1
     for d in range(m):  # only large prime factors left anywhere: cut evenly (that dim's splits cut tiles)
         if size() > hi and t[d] > 1:
             t[d] = max(1, hi // (size() // t[d]))
-    while size() < lo:  # grow back: the dim with the most tiles; middle dims first, then the last, dim 0 last
-        grow = [d for d in range(m) if t[d] < n[d]]
+    while size() < lo:  # grow back the dim with the most tiles, dim 0 (EP, ZeRO/FSDP rows) keeping 8x more;
+        grow = [d for d in range(m) if t[d] < n[d]]  # on a tie the middle dims first, then the last, dim 0 last
         if not grow:
             break
-        d = max(grow, key=lambda i: (-(-n[i] // t[i]), 0 if i == 0 else 2 if i < m - 1 else 1, i))
+        d = max(grow, key=lambda i: (-(-n[i] // t[i]) >> (3 if i == 0 and m > 1 else 0),
+                                     0 if i == 0 else 2 if i < m - 1 else 1, i))
         t[d] = t[d] * 2 if n[d] % (2 * t[d]) == 0 else n[d]
     return tuple(t)
 
@@ -580,10 +585,13 @@ def _digest_regular(v: np.ndarray, tb: Sequence[int], combo, out: Any, first: Se
     m = v.ndim
     nt, ext = [c[1] for c in combo], [c[2] for c in combo]
     region = v[tuple(slice(c[0] * t, c[0] * t + c[1] * c[2]) for c, t in zip(combo, tb))]
+    # the source's order: (tiles of dim 0, extent of dim 0, tiles of dim 1, ...); the tiles' order puts every
+    # extent last, so that each tile is contiguous once gathered
     split = np.lib.stride_tricks.as_strided(
         region, shape=[x for d in range(m) for x in (nt[d], ext[d])],
         strides=[x for d in range(m) for x in (ext[d] * region.strides[d], region.strides[d])], writeable=False)
-    tiles = split.transpose([2 * d for d in range(m)] + [2 * d + 1 for d in range(m)])
+    to_tiles = [2 * d for d in range(m)] + [2 * d + 1 for d in range(m)]
+    to_source = sorted(range(2 * m), key=to_tiles.__getitem__)
     tile_bytes = math.prod(ext)
     a = next((d for d in range(m) if math.prod(nt[d + 1:]) * tile_bytes <= _GATHER_BYTES), m - 1)
     group = max(1, _GATHER_BYTES // (math.prod(nt[a + 1:]) * tile_bytes))
@@ -593,16 +601,33 @@ def _digest_regular(v: np.ndarray, tb: Sequence[int], combo, out: Any, first: Se
     for outer in itertools.product(*(range(x) for x in nt[:a])):
         base = rest + sum((f + i) * st for f, i, st in zip(first, outer, strides))
         for i0 in range(0, nt[a], group):
-            sub = tiles[outer + (slice(i0, i0 + group),)]
-            buf = _gather_buffer(sub.size)
-            np.copyto(buf[:sub.size].reshape(sub.shape), sub)
+            at: list = [slice(None)] * 2 * m
+            for d, o in enumerate(outer):
+                at[2 * d] = slice(o, o + 1)
+            at[2 * a] = slice(i0, i0 + group)
+            src = split[tuple(at)]
+            buf = _gather_buffer(src.size)
+            # copied in the source's order (the destination seen through the inverse transpose), a few rows at a
+            # time: sequential reads, and the scattered writes stay in cache (about twice one strided copyto)
+            _copy_in_chunks(buf[:src.size].reshape(src.transpose(to_tiles).shape).transpose(to_source), src)
             b = buf.data
             q = 0
-            for ia in range(i0, i0 + sub.shape[0]):
-                at = base + (first[a] + ia) * strides[a]
+            for ia in range(i0, i0 + src.shape[2 * a]):
+                at0 = base + (first[a] + ia) * strides[a]
                 for off in inner:
-                    out[at + off] = xxhash.xxh3_128_digest(b[q:q + tile_bytes])
+                    out[at0 + off] = xxhash.xxh3_128_digest(b[q:q + tile_bytes])
                     q += tile_bytes
+
+
+def _copy_in_chunks(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` in pieces of about ``_COPY_BYTES`` along the leading axes."""
+    shape = src.shape
+    b = next((d for d in range(len(shape)) if math.prod(shape[d + 1:]) <= _COPY_BYTES), len(shape) - 1)
+    g = max(1, _COPY_BYTES // max(1, math.prod(shape[b + 1:])))
+    for outer in itertools.product(*(range(x) for x in shape[:b])):
+        for i in range(0, shape[b], g):
+            at = outer + (slice(i, i + g),)
+            np.copyto(dst[at], src[at])
 
 
 class ContentHasher:
