@@ -23,7 +23,7 @@ import torch
 
 from .errors import ConfigurationError, ReferenceNotFound, UcpError
 
-__all__ = ["load"]
+__all__ = ["load", "rng_state"]
 
 _FLAT_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -60,7 +60,9 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
     rank (values that differed across ranks) give each rank its own on the saving topology; on another one
     ``per_rank`` maps key patterns (``"client_state.sampler*"``) to policies as in ``ucp_store.dist.load``
     (``"by-coordinate:dp"``, ``"rank0"``, ``"fresh"``, a reshard callable), and a key without one raises before
-    the engine is touched (:mod:`ucp_store.ds_perrank`)."""
+    the engine is touched (:mod:`ucp_store.ds_perrank`). ``restore_rng=True`` restores the CPU RNG state the ucp
+    engine saved per rank by the same rules (key ``rng``: each rank its own on the saving topology, else the
+    ``per_rank`` policy matching ``rng``, else an error; see :func:`rng_state`)."""
     from . import open_store
     from .ds_engine import UcpCheckpointEngine, engine_topology
     from .dtypes import torch_dtype
@@ -100,8 +102,9 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
     from .ds_perrank import topology as rank_topology
 
     # per-rank client state first: a missing policy raises before anything of the engine changes
-    client = restore_client(objs, rank_topology(topo.tp, topo.pp, topo.dp), dist.get_rank(), per_rank,
-                            what=f"load {ref}")
+    live = rank_topology(topo.tp, topo.pp, topo.dp)
+    client = restore_client(objs, live, dist.get_rank(), per_rank, what=f"load {ref}")
+    rng = rng_state(objs, live, dist.get_rank(), per_rank, what=f"load {ref}") if restore_rng else None
     zero_groups = {}
     for g, group in enumerate(lp_groups):
         for p in group:
@@ -217,15 +220,53 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
             setattr(engine, k, int(objs[k]))
     if hasattr(engine, "loaded_checkpoint_dp_world_size"):
         engine.loaded_checkpoint_dp_world_size = int(layout.get("dp", 1))
-    if restore_rng:
-        rng = (objs.get("deepspeed/rng") or {}).get("torch_cpu", {}).get(str(dist.get_rank()))
-        if rng is not None:
-            import base64
-
-            import numpy as np
-
-            torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(rng), dtype=np.uint8).copy()))
+    if rng is not None:
+        torch.set_rng_state(rng)
     return from_jsonable(client)
+
+
+def rng_state(objs, live, rank: int, per_rank: dict | None, *, what: str):
+    """The CPU RNG state (a uint8 tensor) loading rank ``rank`` of topology ``live`` restores, or None under
+    a ``fresh`` policy. The engine saved one state per global rank (``deepspeed/rng``) on the topology of
+    ``deepspeed/layout``; they are chosen like any per-rank key (path ``rng``): on the saving topology each
+    rank its own, on another the ``per_rank`` policy matching ``rng``. Raises ``ConfigurationError`` naming
+    the key and both topologies when none fits, and when the version holds no RNG state at all."""
+    import base64
+
+    import numpy as np
+
+    from .dist.perrank import parse_policies
+    from .dist.rankstate import PerRankEntry, PerRankKey, RankTarget, SavedRankState, choose_source, policy_for, same
+    from .ds_perrank import topology as rank_topology
+
+    saved_states = (objs.get("deepspeed/rng") or {}).get("torch_cpu") or {}
+    layout = objs.get("deepspeed/layout") or {}
+    if not saved_states:
+        raise ConfigurationError(f"{what}: restore_rng=True, but the version holds no RNG state (deepspeed/rng; "
+                                 "only the ucp checkpoint engine records it); pass restore_rng=False")
+    saved = rank_topology(int(layout.get("tp", 1)), int(layout.get("pp", 1)), int(layout.get("dp", 1)))
+    key = PerRankKey(("rng",), tuple(PerRankEntry(int(r), "value", str(r)) for r in sorted(saved_states, key=int)))
+    found = policy_for(key.path, parse_policies(per_rank))
+    policy = found[1] if found is not None else same()
+
+    def decode(b64: str):
+        return torch.from_numpy(np.frombuffer(base64.b64decode(b64), dtype=np.uint8).copy())
+
+    if policy.kind == "fresh":
+        return None
+    if policy.kind == "reshard":
+        assert policy.fn is not None
+        states = [SavedRankState(e.rank, saved.coords(e.rank), key.path, decode(saved_states[e.object]))
+                  for e in key.entries]
+        out = policy.fn(states, RankTarget(rank, live.coords(rank), key.path, live.world, live, saved))
+        return out if isinstance(out, torch.Tensor) else torch.as_tensor(out, dtype=torch.uint8)
+    try:
+        src = choose_source(policy, key, saved, live, rank)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{what}: the RNG state (per-rank key 'rng') saved on {saved.describe()} cannot be "
+                                 f"restored on {live.describe()} (rank {rank}): {exc}; pass per_rank={{'rng': "
+                                 "'by-coordinate:<dims>' | 'rank0' | 'fresh' | fn}} or restore_rng=False") from None
+    return decode(saved_states[str(src)])
 
 
 def _restore_scaler(scaler: Any, saved: Any) -> None:
