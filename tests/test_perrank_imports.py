@@ -61,3 +61,55 @@ def test_restore_rng_follows_per_rank_policies():
         rng_state(partial, saved, 1, None, what="t")
     with pytest.raises(ConfigurationError, match=r"no RNG state"):
         rng_state({"deepspeed/layout": {"tp": 1, "pp": 1, "dp": 1}}, saved, 0, None, what="t")
+
+
+def _universal_folder(root, clients: list[dict]) -> str:
+    """A small ds_to_universal folder saved at TP=len(clients): one parameter, and one model-states file per
+    model-parallel rank carrying that rank's client state."""
+    import os
+
+    tp = len(clients)
+    os.makedirs(root / "zero" / "w")
+    w = torch.arange(8.0).reshape(2, 4)
+    for st, t in (("fp32", w), ("exp_avg", w / 10), ("exp_avg_sq", w / 100)):
+        torch.save({"param": t}, root / "zero" / "w" / f"{st}.pt")
+    torch.save(torch.tensor(3), root / "zero" / "w" / "step.pt")
+    torch.save({"zero_stage": 1, "optimizer_state_dict": {"state": {}, "param_groups": [{"lr": 0.1}]}},
+               root / "zero" / "optimizer_state.pt")
+    for mp, client in enumerate(clients):
+        torch.save({"module": None, "param_shapes": [{"w": torch.Size([2, 4])}], "buffer_names": [],
+                    "dp_world_size": 1, "mp_world_size": tp, "global_steps": 3, "ds_version": "0.16.0",
+                    "checkpoint_parallel_dimensions": {"tp_degree": tp, "pp_degree": 1, "dp_degree": 1},
+                    **client}, root / f"mp_rank_{mp:02d}_model_states.pt")
+    return str(root)
+
+
+def test_universal_import_keeps_every_rank_client_state(tmp_path):
+    import ucp_store
+    from ucp_store.adapters.deepspeed_universal import import_universal
+    from ucp_store.ds_perrank import restore_client, topology
+    from ucp_store.rank_record import RECORD_OBJECT, read_record, show_lines
+
+    folder = _universal_folder(tmp_path / "uni", [{"epoch": 2, "sampler": {"pos": 100}, "only0": 1},
+                                                  {"epoch": 2, "sampler": {"pos": 101}}])
+    store = ucp_store.open_store(str(tmp_path / "store"), create=True)
+    ck = store.checkpoint(import_universal(store, folder, "u", progress=False))
+    objs = ck.objects()
+    # the key equal on both files once; the differing one (and the one only rank 0 holds) per rank, never
+    # rank 0's alone
+    assert objs["client_state"] == {"epoch": 2}
+    rec = objs[RECORD_OBJECT]
+    assert rec["source"] == "deepspeed"
+    keys = {k["text"]: [(e["rank"], objs[e["object"]]) for e in k["entries"]] for k in rec["keys"]}
+    assert keys == {"client_state.sampler": [(0, {"pos": 100}), (1, {"pos": 101})], "client_state.only0": [(0, 1)]}
+    assert read_record(ck)["topology"]["world"] == 2
+    assert any("client_state.sampler [value]: ranks 0 (pp=0, dp=0, tp=0), 1 (pp=0, dp=0, tp=1)" in line
+               for line in show_lines(read_record(ck)))
+    saved = topology(tp=2, pp=1, dp=1)
+    assert restore_client(objs, saved, 0, None, what="t") == {"epoch": 2, "sampler": {"pos": 100}, "only0": 1}
+    assert restore_client(objs, saved, 1, {"client_state.only0": "fresh"}, what="t") == {"epoch": 2,
+                                                                                         "sampler": {"pos": 101}}
+    # equal client state on every file: stored once, no per-rank record
+    same = _universal_folder(tmp_path / "same", [{"epoch": 2, "sampler": {"pos": 5}}] * 2)
+    objs = store.checkpoint(import_universal(store, same, "s", progress=False)).objects()
+    assert objs["client_state"] == {"epoch": 2, "sampler": {"pos": 5}} and RECORD_OBJECT not in objs

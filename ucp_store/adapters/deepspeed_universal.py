@@ -594,6 +594,19 @@ class UniversalFolderReader:
                      [f"zero/{n}/{f}" for n in dirs for f in sorted(os.listdir(os.path.join(zero, n)))
                       if f.endswith(".pt")]}
 
+    def _file_rank(self, fname: str) -> int:
+        """The global rank that wrote model-states file ``fname`` (Megatron's order, tp fastest: ``mp_rank_XX``
+        is DP rank 0 of model-parallel rank XX, ``zero_pp_rank_D_mp_rank_XX`` DP rank D of it)."""
+        m = UNIVERSAL_MODEL_FILE_RE.match(fname)
+        assert m is not None  # model_files were selected by this pattern
+        tp, dp = max(self.tp, 1), int(self.layout["dp"])
+        mp, d = (int(m.group(1)), 0) if m.group(1) is not None else (int(m.group(3)), int(m.group(2)))
+        rank = ((mp // tp) * dp + d) * tp + mp % tp
+        if d >= dp or rank >= tp * self.pp * dp:
+            raise SourceFormatError(f"{os.path.join(self.folder, fname)}: names DP rank {d} / model-parallel rank "
+                                    f"{mp}, outside the folder's topology (tp={tp}, pp={self.pp}, dp={dp})")
+        return rank
+
     def __iter__(self):
         """``records, objects, info = read_universal(folder)``: the old tuple form still unpacks."""
         return iter((self.records, self.objects, self.info))
@@ -689,7 +702,14 @@ class UniversalFolderReader:
                 objs[k] = sp.to_jsonable(first[k], notes=notes, where=k)
         if self.uci is not None:
             objs[UCI] = sp.to_jsonable(self.uci, notes=notes, where=UCI)
-        objs["client_state"] = sp.to_jsonable({k: v for k, v in first.items() if k not in DS_MODEL_KEYS}, notes=notes)
+        # every model-states file's client state: keys that differ across ranks are per-rank (issue 28)
+        from ..ds_perrank import split_client, topology
+
+        clients = {self._file_rank(f): sp.to_jsonable({k: v for k, v in sd.items() if k not in DS_MODEL_KEYS},
+                                                      notes=notes if sd is first else [], where=f"{f}:client_state")
+                   for f, sd in self.model_states.items()}
+        objs["client_state"], per_rank = split_client(clients, topology(self.tp, self.pp, int(self.layout["dp"])))
+        objs.update(per_rank)
         if "param_groups" in opt:
             objs["param_groups"] = sp.to_jsonable(opt["param_groups"], notes=notes)
         if "loss_scaler" in opt:
