@@ -577,9 +577,10 @@ class UniversalFolderReader:
             st0 = (opt["optimizer_state_dict"].get("state") or {}).get(0, {})
             self.step_common = st0.get("step")
         self.dirs = dirs = find_param_dirs(zero)
+        self.dp = int(first.get("dp_world_size", 1) or 1)
         self.layout = {
             "format": "deepspeed_universal", "zero_stage": zero_stage, "tp": tp, "pp": self.pp,
-            "dp": int(first.get("dp_world_size", 1) or 1), "model_files": model_files,
+            "dp": self.dp, "model_files": model_files,
             "module_in_model_states": all(sd.get("module") is not None for sd in self.model_states.values()),
             "lp_dtype": sp._dtype_name(next((t.dtype for n, t in self.module.items() if n in self.shapes),
                                             torch.float32))}
@@ -599,7 +600,7 @@ class UniversalFolderReader:
         is DP rank 0 of model-parallel rank XX, ``zero_pp_rank_D_mp_rank_XX`` DP rank D of it)."""
         m = UNIVERSAL_MODEL_FILE_RE.match(fname)
         assert m is not None  # model_files were selected by this pattern
-        tp, dp = max(self.tp, 1), int(self.layout["dp"])
+        tp, dp = max(self.tp, 1), self.dp
         mp, d = (int(m.group(1)), 0) if m.group(1) is not None else (int(m.group(3)), int(m.group(2)))
         rank = ((mp // tp) * dp + d) * tp + mp % tp
         if d >= dp or rank >= tp * self.pp * dp:
@@ -708,7 +709,7 @@ class UniversalFolderReader:
         clients = {self._file_rank(f): sp.to_jsonable({k: v for k, v in sd.items() if k not in DS_MODEL_KEYS},
                                                       notes=notes if sd is first else [], where=f"{f}:client_state")
                    for f, sd in self.model_states.items()}
-        objs["client_state"], per_rank = split_client(clients, topology(self.tp, self.pp, int(self.layout["dp"])))
+        objs["client_state"], per_rank = split_client(clients, topology(self.tp, self.pp, self.dp))
         objs.update(per_rank)
         if "param_groups" in opt:
             objs["param_groups"] = sp.to_jsonable(opt["param_groups"], notes=notes)
