@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import insert, select, text
 from sqlalchemy.orm import sessionmaker
 
-from ucp_store.catalog import Array, Checkpoint, Run, Tensor, bulk, open_catalog, sqlite_url
+from ucp_store.catalog import Array, Checkpoint, Run, Tensor, bulk, open_catalog, sqlite_url, utcnow
 
 from ucp_test_helpers import postgres_schema_url
 
@@ -120,3 +120,25 @@ def test_what_bulk_cannot_do_goes_through_sqlalchemy(catalog):
         s.execute(insert(Array), arrays)
     with catalog.session() as s:
         assert set(s.scalars(select(Array.status).where(Array.path.like(f"arrays/{ck}/%")))) == {"pending"}
+
+
+def test_rows_beyond_one_copy_piece(catalog):
+    """More COPY text than one piece handed to the server (1 MiB): every row arrives, in order."""
+    ck, _ = _checkpoints(catalog)
+    n = 3000
+    arrays, tensors = [], []
+    codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c", "pad": "x" * 300}]
+    for i in range(n):
+        aid = f"m{i:031x}"
+        arrays.append({"id": aid, "path": f"arrays/{ck}/{aid}.zarr", "dtype": "float32", "shape": [i + 1],
+                       "chunk_shape": [1], "shard_shape": [i + 1], "codecs": codecs, "nbytes": 4 * (i + 1),
+                       "content_hash": None, "created_at": utcnow(), "status": "ready"})
+        tensors.append({"checkpoint_id": ck, "name": f"t{i}", "state": "fp32", "array_id": aid, "shape": [i + 1],
+                        "dtype": "float32", "pattern": None, "nbytes": 4 * (i + 1), "content_hash": "c",
+                        "position": i, "layer": None})
+    with catalog.write_session() as s:
+        s.execute(insert(Array), arrays)
+        s.execute(insert(Tensor), tensors)
+    got = _stored(catalog, ck)
+    assert [r[0] for r in got] == [f"t{i}" for i in range(n)]
+    assert [r[2].replace(" ", "") for r in got] == [f"[{i + 1}]" for i in range(n)]

@@ -18,9 +18,8 @@ code stays plain SQLAlchemy.
 
 from __future__ import annotations
 
-import io
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from sqlalchemy import event, insert
@@ -32,7 +31,7 @@ from sqlalchemy.sql.schema import Table
 
 from . import models as m
 
-__all__ = ["BULK_TABLES", "install", "bulk_insert", "copy_text"]
+__all__ = ["BULK_TABLES", "install", "bulk_insert", "copy_lines"]
 
 #: the tables a save fills row by row in bulk
 BULK_TABLES = frozenset({m.Array.__tablename__, m.Tensor.__tablename__, m.StoredObject.__tablename__})
@@ -101,10 +100,55 @@ def _copy_value(v: Any) -> str:
     return (v.isoformat() if hasattr(v, "isoformat") else str(v)).translate(_COPY_ESCAPES)
 
 
-def copy_text(rows: Iterable[Sequence[Any]]) -> str:
-    """``rows`` in PostgreSQL's COPY text format (tab-separated, ``\\N`` for NULL, backslash escapes)."""
-    conv = _copy_value
-    return "".join("\t".join(map(conv, row)) + "\n" for row in rows)
+def _copy_converter(column: Any, dialect: Dialect) -> Callable[[Any], str]:
+    """A value of ``column`` -> its COPY text field, through the column's bind processor (a list or dict value
+    met again, one object shared by many rows, is converted once)."""
+    proc: Callable[[Any], Any] | None = column.type._cached_bind_processor(dialect)
+    keep_none = not getattr(column.type, "should_evaluate_none", False)  # None stays NULL, unless JSON 'null'
+    memo: dict[int, str] = {}
+
+    def conv(v: Any) -> str:
+        if v is None and keep_none:
+            return "\\N"
+        if proc is None:
+            return _copy_value(v)
+        if isinstance(v, (list, dict)):
+            got = memo.get(id(v))
+            if got is None:
+                got = memo[id(v)] = _copy_value(proc(v))  # the rows keep v alive: its id is not reused meanwhile
+            return got
+        return _copy_value(proc(v))
+
+    return conv
+
+
+def copy_lines(columns: list, rows: Iterable[dict], dialect: Dialect) -> Iterator[str]:
+    """``rows`` as lines of PostgreSQL's COPY text format (tab-separated, ``\\N`` for NULL, backslash escapes)."""
+    convs = [(c.key, _copy_converter(c, dialect)) for c in columns]
+    for d in rows:
+        yield "\t".join([conv(d[k]) for k, conv in convs]) + "\n"
+
+
+class _LineReader:
+    """A file-like ``read(size)`` over an iterator of lines, for ``copy_expert``: the lines are made while
+    the server copies the ones before (the client's serialising and the server's COPY overlap)."""
+
+    def __init__(self, lines: Iterator[str]):
+        self._lines = lines
+
+    def read(self, size: int = -1) -> str:
+        parts: list[str] = []
+        n = 0
+        for line in self._lines:
+            parts.append(line)
+            n += len(line)
+            if 0 <= size <= n:
+                break
+        return "".join(parts)
+
+
+
+_COPY_PIECE = 1 << 20  # characters per piece handed to the server
 
 
 def bulk_insert(connection: Any, table: Table, rows: list[dict]) -> bool:
@@ -123,11 +167,10 @@ def bulk_insert(connection: Any, table: Table, rows: list[dict]) -> bool:
         return False  # SQLAlchemy leaves such a None out, and the column's default fills it
     dialect = connection.dialect
     if dialect.name == "postgresql" and dialect.driver == "psycopg2":
-        values = _processed(columns, rows, dialect)
         names = ", ".join(dialect.identifier_preparer.quote(c.name) for c in columns)
         sql = f"COPY {dialect.identifier_preparer.format_table(table)} ({names}) FROM STDIN"
         with connection.connection.driver_connection.cursor() as cur:
-            cur.copy_expert(sql, io.StringIO(copy_text(values)))
+            cur.copy_expert(sql, _LineReader(copy_lines(columns, rows, dialect)), size=_COPY_PIECE)
         return True
     if dialect.name == "sqlite" and dialect.driver == "pysqlite":
         values = _processed(columns, rows, dialect)
