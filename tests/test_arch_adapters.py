@@ -99,10 +99,14 @@ def test_write_records_never_flushes_inside_a_group():
                      ("l2.w", "fp32"), ("l2.w", "exp_avg"), "flush"]
 
 
-def test_merge_objects_keeps_rank_order_and_first_wins():
-    merged = merge_objects([{"meta": {"a": 1, "b": 2}, "cfg": 1}, {"meta": {"c": 3, "a": 9}, "cfg": 2, "x": 5}])
+def test_merge_objects_merges_shares_in_rank_order_and_never_picks_a_rank():
+    # a partitioned source's dict shares merge in rank order; an entry that differs is no share (per rank)
+    merged = merge_objects([{"meta": {"a": 1, "b": 2}, "cfg": 1}, {"meta": {"c": 3, "a": 1}, "cfg": 1, "x": 5}],
+                           partitioned=True)
     assert merged == {"meta": {"a": 1, "b": 2, "c": 3}, "cfg": 1, "x": 5}
     assert list(merged["meta"]) == ["a", "b", "c"]
+    clash = merge_objects([{"meta": {"a": 1}}, {"meta": {"a": 9}}], partitioned=True)
+    assert "meta" not in clash and clash["ucp/per_rank"]["keys"][0]["text"] == "meta"
 
 
 def test_pipeline_placement_one_home():

@@ -112,3 +112,74 @@ def test_universal_import_keeps_every_rank_client_state(tmp_path):
     same = _universal_folder(tmp_path / "same", [{"epoch": 2, "sampler": {"pos": 5}}] * 2)
     objs = store.checkpoint(import_universal(store, same, "s", progress=False)).objects()
     assert objs["client_state"] == {"epoch": 2, "sampler": {"pos": 5}} and RECORD_OBJECT not in objs
+
+
+IMPORT_JOB = r'''
+import sys
+import numpy as np
+import torch, torch.distributed as dist
+import ucp_store
+from ucp_store.adapters.base import TensorRecord, import_source
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+class Share:
+    """A user's source under torchrun: each rank its share of the tensors and its own objects."""
+    kind = "user"
+
+    def describe(self):
+        return "two-rank source"
+
+    def provenance(self):
+        return {"source_kind": self.kind}
+
+    def records(self):
+        yield TensorRecord(f"p{rank}", "weight", torch.full((4,), float(rank)))
+
+    def objects(self):
+        objs = {"cfg": {"lr": 0.1}, "sampler": {"pos": 100 + rank}, "rng": np.full(3, rank, dtype=np.uint8),
+                "seed": 7, f"dataloader.dp_rank_{rank}": {"pos": 10 + rank}}
+        if rank == 1:
+            objs["only1"] = [1, 2]
+        return objs
+
+
+store = ucp_store.open_store(sys.argv[1], create=rank == 0) if rank == 0 else None
+dist.barrier()
+if store is None:
+    store = ucp_store.open_store(sys.argv[1])
+import_source(store, Share(), "u", 1, progress=False)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_torchrun_import_keeps_objects_that_differ_per_rank(tmp_path):
+    import ucp_store
+    from ucp_store.rank_record import RECORD_OBJECT, read_record, show_lines
+
+    from ucp_test_helpers import torchrun
+
+    script = tmp_path / "job.py"
+    script.write_text(IMPORT_JOB)
+    torchrun([str(script), str(tmp_path / "store")], 2, timeout=300)
+    ck = ucp_store.open_store(str(tmp_path / "store")).checkpoint("u@1")
+    objs = ck.objects()
+    # equal on both ranks: once, as before
+    assert objs["cfg"] == {"lr": 0.1} and objs["seed"] == 7
+    # different (or held by one rank): never rank 0's alone -- every rank's content, with its rank
+    for k in ("sampler", "rng", "only1", "dataloader.dp_rank_0", "dataloader.dp_rank_1"):
+        assert k not in objs, k
+    rec = objs[RECORD_OBJECT]
+    assert rec["source"] == "import" and rec["topology"]["world"] == 2
+    keys = {k["text"]: k["entries"] for k in rec["keys"]}
+    assert set(keys) == {"sampler", "rng", "only1", "dataloader.dp_rank_0", "dataloader.dp_rank_1"}
+    assert [(e["rank"], objs[e["object"]]) for e in keys["sampler"]] == [(0, {"pos": 100}), (1, {"pos": 101})]
+    assert [(e["rank"], e["kind"], objs[e["object"]].tolist()) for e in keys["rng"]] == [
+        (0, "tensor", [0, 0, 0]), (1, "tensor", [1, 1, 1])]
+    assert [(e["rank"], objs[e["object"]]) for e in keys["only1"]] == [(1, [1, 2])]
+    assert [(e["rank"], objs[e["object"]]) for e in keys["dataloader.dp_rank_1"]] == [(1, {"pos": 11})]
+    assert "per-rank keys: 5, saved on 2 ranks, no mesh (source import)" in show_lines(read_record(ck))[0]
+    assert {(n, s) for n, s in ((t.name, t.state) for t in ck.tensors())} >= {("p0", "weight"), ("p1", "weight")}

@@ -12,7 +12,8 @@ plus JSON objects and provenance. :func:`import_source` owns everything else, on
    counts as one step and a flush never splits; with ``prefetch`` the records are produced in a background
    thread (``_window.prefetch``, bounded bytes ahead) while the caller's thread writes;
 3. ``source.objects()`` (called only after ``records()`` is exhausted, so a source may collect what it
-   saw), merged over ranks and written by rank 0;
+   saw), merged over ranks (:func:`merge_objects`: equal content once, content that differs across ranks
+   per rank with the importing topology, never one rank's alone) and written by rank 0;
 4. commit (rank 0, after every rank's arrays are durable) or abort everywhere on any error.
 
 Nothing is listed before step 4 succeeds. Under ``torch.distributed`` each rank's source yields its own
@@ -172,7 +173,9 @@ class Source(Protocol):
         """Every tensor-state this rank contributes (records, or tuples of records written together).
 
         Optional attributes ``import_source`` reads: ``total`` (number of items ``records`` yields, for
-        the progress bar) and ``prefetch`` (True: produce records in a background thread)."""
+        the progress bar), ``prefetch`` (True: produce records in a background thread) and
+        ``objects_partitioned`` (True: under torch.distributed the ranks' ``objects`` are shares of one set,
+        see :func:`merge_objects`)."""
         ...
 
     def objects(self) -> Mapping[str, Any]:
@@ -190,20 +193,88 @@ class Sink(Protocol):
         ...
 
 
-def merge_objects(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Objects from several ranks, merged key by key: dict values one level deep (ranks contribute
-    disjoint entries; on a clash the first rank wins, and entries keep rank order), anything else from the
-    first rank that has it."""
-    out: dict[str, Any] = {}
+def _content(value: Any) -> Any:
+    """A comparable stand-in for an object's content: canonical JSON, or dtype, shape and bytes of an array."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
+        value = value.detach().cpu().contiguous().numpy()
+    if type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
+        import hashlib
+
+        return ("array", str(value.dtype), tuple(value.shape), hashlib.blake2b(value.tobytes()).hexdigest())
+    try:
+        return json.dumps(value, sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError):  # keys of mixed types, or not JSON at all: compared by their repr
+        return repr(value)
+
+
+def _shares(values: list[Any]) -> dict | None:
+    """Several ranks' dict shares of one object merged (entries in rank order), or None when two ranks hold
+    different content under one entry (then nothing may be merged away)."""
+    merged: dict = {}
+    for v in values:
+        for kk, vv in v.items():
+            if kk in merged and _content(merged[kk]) != _content(vv):
+                return None
+            merged.setdefault(kk, vv)
+    return merged
+
+
+def merge_objects(parts: Sequence[Mapping[str, Any]], *, partitioned: bool = False,
+                  global_ranks: Sequence[int] | None = None, kind: str | None = None) -> dict[str, Any]:
+    """Objects from the ranks of one import (``parts[r]``: rank r's), merged without losing any rank's content.
+
+    An object every rank holds with equal content is stored once. With ``partitioned`` (the source splits
+    its objects over the ranks: rank 0 reads the shared ones, the others add what only they saw), an object
+    only some ranks hold is stored once too, and dict objects several ranks hold are merged entry by entry
+    when no entry differs. Any other object -- content that differs across ranks, or (without
+    ``partitioned``) held by only some ranks -- is per-rank state (issue 28): each distinct content is
+    stored once under ``rank_record.object_name(owner, i)`` and the per-rank record
+    (``rank_record.RECORD_OBJECT``, source ``import``) lists every holding rank's entry with the importing
+    ranks' topology (``global_ranks``, default ``0..world-1``), as ``ucp_store.dist.save`` does."""
+    from ..rank_record import RECORD_OBJECT, object_name
+
+    world = len(parts)
+    order: dict[str, None] = {}
     for part in parts:
-        for k, v in part.items():
-            if k in out and isinstance(out[k], dict) and isinstance(v, dict):
-                merged = dict(out[k])
-                for kk, vv in v.items():
-                    merged.setdefault(kk, vv)
+        order.update(dict.fromkeys(part))
+    out: dict[str, Any] = {}
+    per_rank: list[str] = []
+    for k in order:
+        holders = [r for r in range(world) if k in parts[r]]
+        values = [parts[r][k] for r in holders]
+        if len({_content(v) for v in values}) == 1 and (partitioned or len(holders) == world):
+            out[k] = values[0]
+            continue
+        if partitioned and all(isinstance(v, dict) for v in values):
+            merged = _shares(values)
+            if merged is not None:
                 out[k] = merged
-            else:
-                out.setdefault(k, v)
+                continue
+        per_rank.append(k)
+    if not per_rank:
+        return out
+    clash = sorted(k for k in order if k == RECORD_OBJECT or k.startswith(RECORD_OBJECT + "/"))
+    if clash:
+        raise UcpError(f"import ({kind or 'source'}): object(s) {per_rank[:5]} differ across the importing ranks and "
+                       f"must be stored per rank, but the source writes its own per-rank record ({clash[:3]})")
+    from ..dist.rankstate import PerRankEntry, PerRankKey, PerRankManifest, RankTopology, key_order
+
+    keys = []
+    for i, k in enumerate(sorted(per_rank, key=lambda k: key_order((k,)))):
+        owners: dict[Any, int] = {}
+        entries = []
+        for r in range(world):
+            if k not in parts[r]:
+                continue
+            v = parts[r][k]
+            owner = owners.setdefault(_content(v), r)
+            if owner == r:
+                out[object_name(owner, i)] = v
+            is_array = isinstance(_content(v), tuple)
+            entries.append(PerRankEntry(r, "tensor" if is_array else "value", object_name(owner, i)))
+        keys.append(PerRankKey((k,), tuple(entries)))
+    topo = RankTopology.flat(world, None if global_ranks is None else tuple(global_ranks))
+    out[RECORD_OBJECT] = {"source": "import", "import_kind": kind, **PerRankManifest(topo, tuple(keys)).to_json()}
     return out
 
 
@@ -325,7 +396,10 @@ def import_source(store: "Store", source: Source, run: str, step: int, *, messag
     dist.all_gather_object(parts, dict(objs), group=group)
     if rank == 0:
         try:
-            for k, v in merge_objects(parts).items():
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+            merged = merge_objects(parts, partitioned=bool(getattr(source, "objects_partitioned", False)),
+                                   global_ranks=ranks, kind=source.kind)
+            for k, v in merged.items():
                 writer.write_object(k, v)
         except BaseException as exc:  # noqa: BLE001
             error = exc

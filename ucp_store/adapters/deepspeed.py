@@ -139,6 +139,8 @@ class DeepSpeedSource:
 
     kind = "deepspeed"
     prefetch = True
+    #: rank 0 reads the folder's shared objects, the other ranks add the notes of their share only
+    objects_partitioned = True
 
     def __init__(self, tag_dir: str | os.PathLike, *, lp_weights: str = "auto", hash_sources: bool = True,
                  workers: int | None = None, rank: int = 0, world: int = 1, group: Any = None,
