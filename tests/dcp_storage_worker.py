@@ -168,6 +168,86 @@ def sc_async_thread(spec, rank, state):
     return {"wrong": wrong}
 
 
+def sc_async_process(spec, rank, state):
+    """``dcp.async_save`` with DCP's process executor: the writer is pickled into a spawned checkpoint process
+    (its own gloo group), which opens the store from its URL; the version holds the state at the call."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from ucp_store import open_store
+    from ucp_store.dcp_storage import UcpStorageWriter
+
+    cfg, model, opt = _model("dp", 0)
+    _train(model, opt, cfg, "dp", rank, 0, 1)
+    sd = _sd(model, opt, {"note": {"rank0": "only"}})
+    expect = {k: v.to_local().clone() for k, v in sd["model"].items()}
+    fut = dcp.async_save(sd, storage_writer=UcpStorageWriter(spec["store"], run="aproc", step=1),
+                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(1.0)  # after the call: the checkpoint must not see it
+    fut.result(timeout=180)
+    torch.distributed.barrier()
+    ck = open_store(spec["store"]).checkpoint("aproc@1")
+    wrong = []
+    for k, local in expect.items():
+        full = ck.read(k, "weight")
+        if not torch.equal(full[tuple(slice(o, o + n) for o, n in zip(_offsets(sd["model"][k]), local.shape))], local):
+            wrong.append(k)
+    return {"wrong": wrong, "objects": sorted(n for n in ck.objects() if n.startswith("extras."))}
+
+
+def sc_dead_rank(spec, rank, state):
+    """The last rank stops answering inside ``write_data`` (``hang``: blocked until the others are done;
+    ``exit``: the process ends). The others must get an error from ``dcp.save`` within the writer's
+    ``timeout`` (the process group's own is far longer), and nothing may be listed."""
+    import time
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from ucp_store import open_store
+    from ucp_store.dcp_storage import UcpStorageWriter
+
+    world, out = spec["world"], spec["out"]
+    dead = world - 1
+    released = os.path.join(out, "released")
+
+    class Stuck(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            if rank == dead:
+                if spec["dead_mode"] == "exit":
+                    os._exit(0)
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and not all(
+                        os.path.exists(os.path.join(out, f"survivor{r}")) for r in range(dead)):
+                    time.sleep(0.05)
+                with open(released, "w"):
+                    pass
+                raise RuntimeError("the stuck rank gives up")
+            return super().resolve_data(write_item)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"model": {"w": distribute_tensor(torch.arange(world * 64.0).reshape(world * 8, 8), mesh, [Shard(0)])}}
+    w = UcpStorageWriter(spec["store"], run="dead", step=1, timeout=spec["writer_timeout"])
+    error = None
+    try:
+        dcp.save(sd, storage_writer=w, planner=Stuck())
+    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+    stuck_released = os.path.exists(released)
+    with open(os.path.join(out, f"survivor{rank}"), "w"):
+        pass
+    w.reset()  # the coordinator drops its pending version (as the next save would)
+    listed = sorted(f"{c['run']}@{c['step']}" for c in open_store(spec["store"]).list_checkpoints())
+    return {"error": error, "stuck_released_first": stuck_released, "listed": listed}
+
+
 def _offsets(dt):
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -230,7 +310,9 @@ def _pending(st) -> int:
 
 
 SCENARIOS = {"save": sc_save, "load_same": sc_load_same, "load_tp": sc_load_tp, "async_thread": sc_async_thread,
-             "bad": sc_bad}
+             "async_process": sc_async_process, "bad": sc_bad, "dead_rank": sc_dead_rank}
+# scenarios after which the process group is broken: the rank writes its results and ends
+BREAKS_GROUP = {"dead_rank"}
 
 
 def _rank_main(rank, spec, port):
@@ -252,11 +334,16 @@ def _rank_main(rank, spec, port):
                 results[name] = SCENARIOS[name](spec, rank, state)
             except BaseException:  # noqa: BLE001 - recorded (DCP raises a BaseException); the test names it
                 results[name] = {"error": traceback.format_exc()[-3000:]}
+            if name in BREAKS_GROUP:
+                break
             dist.barrier()
     finally:
         with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
-        dist.destroy_process_group()
+        if BREAKS_GROUP.isdisjoint(spec["scenarios"]):
+            dist.destroy_process_group()
+        else:
+            os._exit(0)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from ucp_test_helpers import REPO, run_python
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-SCENARIOS = ["save", "load_same", "load_tp", "async_thread", "bad"]
+SCENARIOS = ["save", "load_same", "load_tp", "async_thread", "async_process", "bad"]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,29 @@ def test_bad_inputs_name_the_problem_and_list_nothing(ranks):
         assert "Size mismatch" in r["shape"] and "model.tok_embeddings.weight" in r["shape"]
         assert "model.nope.weight" in r["missing_key"]
         assert "rank 1 cannot stage its shard" in r["rank_fails"]
-        assert r["listed"] == ["async@1", "r@2"] and r["pending_left"] == 0
+        assert r["listed"] == ["aproc@1", "async@1", "r@2"] and r["pending_left"] == 0
+
+
+def test_async_save_process_executor_holds_the_state_at_the_call(ranks):
+    _, results = ranks
+    for r in _ok(results, "async_process"):
+        assert r["wrong"] == [] and r["objects"] == ["extras.note.rank0"]
+
+
+@pytest.mark.parametrize("mode", ["hang", "exit"])
+def test_a_dead_rank_fails_every_other_rank_within_the_writer_timeout(tmp_path, mode):
+    """3 gloo ranks whose process group waits 10 minutes; the writer's timeout is 3 s. The last rank stops in
+    write_data: the other two (the coordinator and a plain rank) get an error from dcp.save while it is still
+    stuck (a hang would run into the harness's limit), and nothing is listed."""
+    spec = {"world": 3, "out": str(tmp_path / "out"), "store": str(tmp_path / "store"), "scenarios": ["dead_rank"],
+            "timeout": 120, "pg_timeout": 600, "writer_timeout": 3, "dead_mode": mode}
+    proc = run_python([str(REPO / "tests" / "dcp_storage_worker.py"), json.dumps(spec)], timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        res = json.loads((tmp_path / "out" / f"rank{r}.json").read_text())["dead_rank"]
+        assert res["error"] is not None, res
+        assert not res["stuck_released_first"], res  # the error came while the stuck rank was still stuck
+        assert res["listed"] == [], res
 
 
 # ------------------------------------------------------------------------------------------ one process

@@ -105,9 +105,14 @@ class _StoreRef:
         if not isinstance(store, (Store, str, os.PathLike)):
             raise ConfigurationError(f"store: expected a Store, a folder or a store URL, got {type(store).__name__}")
         self.create = create
-        self._store = None if lazy and not isinstance(store, Store) else _open(store, create=create)
-        self.url = self._store.location.url if self._store is not None else os.fspath(store)
-        self.catalog = self._store.location.catalog_url if self._store is not None else None
+        self._store: Any = None
+        self.url: str = ""
+        self.catalog: str | None = None
+        if lazy and not isinstance(store, Store):
+            self.url = os.fspath(store)
+        else:
+            self._store = _open(store, create=create)
+            self.url, self.catalog = self._store.location.url, self._store.location.catalog_url
 
     def get(self):
         if self._store is None:
@@ -178,8 +183,8 @@ def _chunk_units(shape: tuple[int, ...], dtype: str, points: dict[int, set[int]]
 
     if len(shape) < 2 or not all(shape):
         return ()
-    c = choose_chunking(shape, dtypes.itemsize(dtype), pattern=_ANY_SPLIT, boundaries=points,
-                        target_bytes=target_bytes)
+    edges: dict[int, Any] = {d: sorted(v) for d, v in points.items()}
+    c = choose_chunking(shape, dtypes.itemsize(dtype), pattern=_ANY_SPLIT, boundaries=edges, target_bytes=target_bytes)
     return tuple(enumerate(c.chunk_shape))
 
 
@@ -365,6 +370,70 @@ def _merge_digests(parts: list[dict]) -> list[dict]:
     return [merged]
 
 
+# ------------------------------------------------------------------------------- bounded collectives
+class _Bound:
+    """DCP's collectives of one save bounded by the writer's ``timeout``: the process group's timeout is
+    lowered to it (never raised) while a writer holds a lease, and put back when the last lease ends.
+
+    DCP runs its plan and result exchanges on the caller's process group, which the writer cannot replace; a
+    rank that dies (or hangs) leaves the others waiting there for the group's timeout (30 minutes for gloo
+    by default). A lease starts in ``set_up_storage_writer`` and ends when the writer is garbage (right after
+    ``dcp.save`` returns when the writer was made for the call), is set up or reset again, or at exit; the
+    coordinator's ends in ``finish``. A non-coordinator has no later hook: its lease must outlive DCP's last
+    broadcast."""
+
+    _lock = threading.Lock()
+    _held: dict[int, list] = {}  # id(group) -> [group, original timeout, leases]
+
+    @classmethod
+    def _current(cls, group) -> Any:
+        try:
+            return group._get_backend(torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without readable options: left alone
+            return None
+
+    @classmethod
+    def acquire(cls, group, seconds: float) -> bool:
+        import datetime
+
+        with cls._lock:
+            held = cls._held.get(id(group))
+            if held is not None:
+                held[2] += 1
+                return True
+            old = cls._current(group)
+            if old is None:
+                return False
+            new = datetime.timedelta(seconds=seconds)
+            if old > new:
+                group.set_timeout(new)
+            cls._held[id(group)] = [group, old, 1]
+            return True
+
+    @classmethod
+    def release(cls, group) -> None:
+        with cls._lock:
+            held = cls._held.get(id(group))
+            if held is None:
+                return
+            held[2] -= 1
+            if held[2] <= 0:
+                del cls._held[id(group)]
+                try:
+                    group.set_timeout(held[1])
+                except (RuntimeError, ValueError):  # the group was destroyed meanwhile: nothing to put back
+                    pass
+
+
+def _save_group(group) -> Any:
+    """The process group DCP's collectives of this save run on (None: not distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return group if group is not None else dist.group.WORLD
+
+
 # -------------------------------------------------------------------------------------------- writer
 _PENDING: weakref.WeakSet = weakref.WeakSet()
 _PENDING_LOCK = threading.Lock()
@@ -385,10 +454,26 @@ class UcpStorageWriter(StorageWriter):
 
     ``store``: a :class:`~ucp_store.store.Store`, a folder or a store URL (created when missing unless
     ``create=False``). ``run``/``step`` name the version; ``dcp.save(..., checkpoint_id="RUN@STEP")``
-    sets them per call instead. Pass the same arguments on every rank."""
+    sets them per call instead. Pass the same arguments on every rank.
+
+    ``timeout`` (seconds, default ``ucp_store.distributed.default_timeout()``: ``$UCP_DIST_TIMEOUT`` or 300)
+    bounds every collective of the save: a rank that dies or hangs gives every other rank an error within
+    about twice that, never a hang, and nothing is listed. The writer lowers the timeout of
+    ``process_group`` (the group passed to ``dcp.save``; default the world) to it for the save (see
+    :class:`_Bound`), never raises it."""
 
     def __init__(self, store: Any, run: str | None = None, step: int | None = None, *, message: str | None = None,
-                 create: bool = True):
+                 create: bool = True, timeout: float | None = None, process_group: Any = None):
+        from .distributed import default_timeout
+
+        seconds = default_timeout() if timeout is None else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ConfigurationError(f"UcpStorageWriter timeout: expected a positive number of seconds, got "
+                                     f"{timeout!r}")
+        self.timeout = float(seconds)
+        self.process_group = process_group
+        self._lease: Any = None  # the group whose timeout this writer holds lowered (_Bound)
+        self._lease_end: Any = None
         self._store = _StoreRef(store, create=create, lazy=True)
         if run is not None:
             names.run_name(run)
@@ -401,11 +486,25 @@ class UcpStorageWriter(StorageWriter):
         self._keys: dict[str, _Key] = {}
         self._paths: dict[str, Any] = {}
 
-    # pickling for async_save's process executor: no open writer or store crosses
+    # pickling for async_save's process executor: no open writer, store or process group crosses (the
+    # checkpoint process saves on its own group, the default one there)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_writer"] = None
+        state.update(_writer=None, process_group=None, _lease=None, _lease_end=None)
         return state
+
+    def _bound(self) -> None:
+        """Hold a lease on the save's group (``_Bound``) until the writer is released or set up again."""
+        self._unbound()
+        group = _save_group(self.process_group)
+        if group is not None and _Bound.acquire(group, self.timeout):
+            self._lease = group
+            self._lease_end = weakref.finalize(self, _Bound.release, group)
+
+    def _unbound(self) -> None:
+        end, self._lease, self._lease_end = self._lease_end, None, None
+        if end is not None:
+            end()
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -417,6 +516,7 @@ class UcpStorageWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self._drop_pending()
+        self._unbound()
         if checkpoint_id is not None:
             self.run, self.step = _parse_run_step(checkpoint_id)
 
@@ -439,6 +539,7 @@ class UcpStorageWriter(StorageWriter):
         _check_run_step(self.run, self.step)
         self.is_coordinator = bool(is_coordinator)
         self.rank = int(kwargs.get("rank", 0))
+        self._bound()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -521,6 +622,8 @@ class UcpStorageWriter(StorageWriter):
         except BaseException:
             writer.abort()
             raise
+        finally:
+            self._unbound()  # DCP's last collective here is this rank's broadcast of the outcome
 
     def _drop_pending(self) -> None:
         writer, self._writer = self._writer, None
