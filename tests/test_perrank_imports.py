@@ -9,11 +9,14 @@
 from __future__ import annotations
 
 import base64
+import json
 
 import pytest
 import torch
 
 from ucp_store.errors import ConfigurationError
+
+from ucp_test_helpers import torchrun
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -160,7 +163,6 @@ def test_torchrun_import_keeps_objects_that_differ_per_rank(tmp_path):
     import ucp_store
     from ucp_store.rank_record import RECORD_OBJECT, read_record, show_lines
 
-    from ucp_test_helpers import torchrun
 
     script = tmp_path / "job.py"
     script.write_text(IMPORT_JOB)
@@ -183,3 +185,66 @@ def test_torchrun_import_keeps_objects_that_differ_per_rank(tmp_path):
     assert [(e["rank"], objs[e["object"]]) for e in keys["dataloader.dp_rank_1"]] == [(1, {"pos": 11})]
     assert "per-rank keys: 5, saved on 2 ranks, no mesh (source import)" in show_lines(read_record(ck))[0]
     assert {(n, s) for n, s in ((t.name, t.state) for t in ck.tensors())} >= {("p0", "weight"), ("p1", "weight")}
+
+
+DS_JOB = r'''
+import json, sys
+import torch, deepspeed, deepspeed.comm as dist
+import ucp_store
+import ucp_store.deepspeed_direct as ucpds
+from ucp_store.adapters.deepspeed_universal import import_universal
+from ucp_store.demo.ds_autoep import convert_universal
+
+deepspeed.init_distributed(dist_backend="gloo")
+rank = dist.get_rank()
+out = sys.argv[1]
+store = f"{out}/store"
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9,
+       "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+engine.backward(engine(torch.randn(2, 8)).square().mean())
+engine.step()
+client = {"sampler": {"pos": 100 + rank}, "epoch": 3}
+engine.save_checkpoint(f"{out}/ds", tag="t", client_state=client)  # ZeRO-3: one model-states file per rank
+torch.manual_seed(100 + rank)
+ucpds.attach(engine, store=store, run="eng")
+saved = torch.get_rng_state().clone()
+engine.save_checkpoint(client_state=client)
+dist.barrier()
+res = {}
+torch.rand(16)  # the stream moves on after the save
+ucpds.load(engine, "eng@1", store=store, restore_rng=True)
+res["own"] = torch.equal(torch.get_rng_state(), saved)
+ucpds.load(engine, "eng@1", store=store, restore_rng=True, per_rank={"rng": "rank0"})
+res["rank0"] = torch.rand(4).tolist()
+if rank == 0:
+    conv = convert_universal(f"{out}/ds/t", f"{out}/uni")
+    assert conv["returncode"] == 0, conv
+    import_universal(ucp_store.open_store(store), f"{out}/uni", "uni", step=1, progress=False)
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(res, f)
+'''
+
+
+@pytest.mark.slow
+def test_deepspeed_rng_policy_and_universal_client_state(tmp_path):
+    """A real ZeRO-3 run on 2 ranks: ``restore_rng`` gives each rank its own RNG state on the saving topology
+    and follows ``per_rank={"rng": "rank0"}``; DeepSpeed's own folder, converted by ``ds_to_universal``,
+    imports with each rank's client state (``sampler`` per rank, ``epoch`` once)."""
+    pytest.importorskip("deepspeed")
+    import ucp_store
+    from ucp_store.rank_record import RECORD_OBJECT
+
+    script = tmp_path / "job.py"
+    script.write_text(DS_JOB)
+    torchrun([str(script), str(tmp_path)], 2, timeout=400)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert res[0]["own"] and res[1]["own"]
+    assert res[0]["rank0"] == res[1]["rank0"]  # both ranks draw rank 0's stream
+    objs = ucp_store.open_store(str(tmp_path / "store")).checkpoint("uni@1").objects()
+    assert objs["client_state"] == {"epoch": 3}
+    keys = {k["text"]: [(e["rank"], objs[e["object"]]) for e in k["entries"]] for k in objs[RECORD_OBJECT]["keys"]}
+    assert keys == {"client_state.sampler": [(0, {"pos": 100}), (1, {"pos": 101})]}
