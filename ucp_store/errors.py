@@ -11,7 +11,7 @@ __all__ = [
     "ValidationError", "InvalidNameError", "ReferenceNotFound", "DTypeError", "ShapeMismatch", "ChecksumError",
     "UnsafePickleError", "SourceFormatError", "ConfigurationError", "ConflictError", "StepCommittedError",
     "TagInUseError", "CommitRaceError", "WriterClosedError", "DuplicateEntryError", "TaggedCheckpointError",
-    "ReadError", "WriteError", "QueryError", "ImportFailedError",
+    "ReadError", "WriteError", "QueryError", "ImportFailedError", "StalePlanError",
 ]
 
 
@@ -118,3 +118,8 @@ class QueryError(UcpError):
 class ImportFailedError(UcpError):
     """A distributed import or save failed on some rank; every rank raises it and nothing is listed.
     The rank that failed first chains the original error (``__cause__``)."""
+
+
+class StalePlanError(UcpError):
+    """A multi-rank save's cached plan no longer fits the state dict (its layout, or which entries are equal
+    on every rank, changed): every rank aborted the attempt; ``ucp_store.dist.save`` plans afresh."""

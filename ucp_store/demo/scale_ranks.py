@@ -8,7 +8,9 @@ The harness of tests/test_scale.py (4 ranks) and ``tools/bench_scale.py real`` (
 times). Each rank writes ``<out>/rank<r>.json``: per phase, its counters and outcome.
 
 Phases (``spec["phases"]``), each run by every rank in order: ``{"op": "save" | "load" | "verify",
-"tensors": T, "step": S, "app": NAME}``; ``app`` sets PostgreSQL's ``application_name`` on the catalog URL
+"tensors": T, "step": S, "app": NAME, "kind": "ddp", "change": "key" | "shape"}``; ``kind: ddp`` saves a
+DDP-style state (every tensor replicated on every rank, ``_ddp_state``), ``change`` alters its layout;
+``app`` sets PostgreSQL's ``application_name`` on the catalog URL
 (rank 0 then counts the server's connections under that name while every rank still holds its pools).
 """
 
@@ -103,6 +105,56 @@ def _state(tensors: int, rank: int, world: int, mesh, step: int):
     return sd
 
 
+def _ddp_state(tensors: int, rank: int, world: int, mesh, step: int, change: str | None = None):
+    """A DDP-style state: every tensor replicated on every rank (equal contents; sizes from 1 to about 20
+    thousand elements), a quarter of them as ``Replicate`` DTensors, the rest plain tensors; a shared value.
+    ``change``: ``"key"`` adds an entry, ``"shape"`` grows one tensor (a layout change), ``"diverge"`` makes
+    the ``rng`` entry differ across ranks (the same layout, another content decision)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    del world
+    sd: dict = {"model": {}, "step": step,  # "diverge": an RNG-like entry differs across ranks (same layout)
+                "rng": torch.full((4,), float(rank) if change == "diverge" else 0.0)}
+    for i in range(tensors):
+        n = ((i * 7919) % 97 + 1) * 200 + (1 if change == "shape" and i == 0 else 0)
+        t = torch.arange(n, dtype=torch.float32) * 0.5 + i + step
+        sd["model"][f"p{i}"] = DTensor.from_local(t, mesh, [Replicate()], run_check=False) if i % 4 == 3 else t
+    if change == "key":
+        sd["model"]["extra"] = torch.full((300,), float(step))
+    return sd
+
+
+def _equal_states(a, b) -> bool:
+    import torch
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal_states(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        la = a.to_local() if hasattr(a, "to_local") else a
+        lb = b.to_local() if hasattr(b, "to_local") else b
+        return torch.equal(la, lb)
+    return a == b
+
+
+class _Written:
+    """Bytes this rank hands to its writer (boxes and per-rank objects), counted at ``CheckpointWriter``."""
+
+    total = 0
+
+    @classmethod
+    def install(cls) -> None:
+        from ucp_store.writer import CheckpointWriter
+
+        region = CheckpointWriter.write_region
+
+        def write_region(self, name, state, data, *args, **kwargs):
+            cls.total += int(data.numel()) * int(data.element_size())
+            return region(self, name, state, data, *args, **kwargs)
+
+        CheckpointWriter.write_region = write_region  # type: ignore[method-assign]
+
+
 def _catalog_url(spec: dict, app: str | None) -> str | None:
     url = spec.get("catalog")
     if url and app:
@@ -120,7 +172,6 @@ def _server_connections(spec: dict, app: str) -> int:
 
 
 def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters) -> dict:
-    import torch
     import torch.distributed as dist
 
     import ucp_store
@@ -133,8 +184,14 @@ def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters
     # a Store per phase on rank 0 only would hide a second connection: pass the URL, as a training job does
     if url:
         os.environ["UCP_CATALOG"] = url
-    sd = _state(ph["tensors"], rank, world, mesh, ph.get("step", 0))
+    def make(step: int):
+        if ph.get("kind") == "ddp":
+            return _ddp_state(ph["tensors"], rank, world, mesh, step, ph.get("change"))
+        return _state(ph["tensors"], rank, world, mesh, step)
+
+    sd = make(ph.get("step", 0))
     counters.reset()
+    _Written.total = 0
     for k in coord.STATS:
         coord.STATS[k] = 0
     t0 = time.perf_counter()
@@ -144,13 +201,11 @@ def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters
             out["id"] = ucpd.save(sd, store=store_url, run=spec.get("run", "scale"), step=ph.get("step", 0),
                                   progress=False)
         else:
-            fresh = _state(ph["tensors"], rank, world, mesh, -1)
+            fresh = make(-1)
             if ph["op"] == "load":
                 ucpd.load(fresh, store=store_url, ref=f"{spec.get('run', 'scale')}@{ph.get('step', 0)}",
                           progress=False)
-                same = all(torch.equal(fresh["model"][k].to_local(), sd["model"][k].to_local())
-                           for k in sd["model"]) and torch.equal(fresh["rng"], sd["rng"])
-                out["exact"] = bool(same and fresh["step"] == sd["step"])
+                out["exact"] = _equal_states(fresh, sd)
             else:
                 rep = ucpd.verify(sd, f"{spec.get('run', 'scale')}@{ph.get('step', 0)}", store=store_url,
                                   progress=False)
@@ -164,6 +219,7 @@ def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters
     out["statements"] = counters.statements
     out["catalog_opens"] = list(counters.catalog_opens)
     out["payload"] = dict(coord.STATS)
+    out["bytes_written"] = _Written.total
     if app and spec.get("catalog", "").startswith("postgresql"):
         dist.barrier()  # every rank still holds whatever pools it opened
         if rank == 0:
@@ -188,6 +244,7 @@ def rank_main(spec: dict, rank: int, world: int, port: int) -> int:
                             timeout=_dt.timedelta(seconds=spec.get("timeout", 300)))
     mesh = init_device_mesh("cpu", (world,))
     counters.install(catalog_file)
+    _Written.install()
     results = []
     for ph in spec["phases"]:
         results.append(_phase(ph, spec, rank, world, mesh, counters))

@@ -44,6 +44,7 @@ from ..errors import (
     ConfigurationError,
     ReferenceNotFound,
     ShapeMismatch,
+    StalePlanError,
     TopologyError,
     UcpError,
 )
@@ -200,6 +201,8 @@ class _SavePlan:
     per_rank: dict | None = None
     #: (object name, value) of the per-rank contents this rank stores (tensors as host copies)
     rank_objects: list[tuple[str, Any]] = field(default_factory=list)
+    #: a cached plan's check (this rank's layout held, its digests), sent with the commit's digest gather
+    check: dict | None = None
 
     def signature(self) -> tuple:
         """What the staging buffers depend on: the items and their dtypes."""
@@ -234,123 +237,294 @@ def _describe_leaves(leaves, ctx: _Ctx, mesh) -> tuple[list[_Tensor], dict, dict
     return dtensors, meshes, plain, digests, {"values": values, "topology": topology}
 
 
-def _check_dtensors(everyone: list, mine: dict, rank: int) -> tuple[dict, dict]:
-    """Every rank holds the same DTensors with the same shapes; (winning rank per box, first holder per key)."""
-    winners: dict[tuple, int] = {}
-    holders: dict[tuple, int] = {}
-    for r, part in enumerate(everyone):
-        props = part["dtensors"]
-        keys = {p[0] for p in props}
-        if keys != set(mine):
-            missing, extra = sorted(set(mine) - keys)[:5], sorted(keys - set(mine))[:5]
-            raise ConfigurationError(f"save: rank {r} holds different DTensors than rank {rank} (rank {r} lacks "
-                                     f"{missing or 'none'}, has extra {extra or 'none'}); every rank must pass the "
-                                     "same DTensors (plain tensors and values may differ: they are stored per rank)")
-        for key, shape, dtype, boxes in props:
-            _, my_shape, my_dtype, _ = mine[key]
-            if tuple(shape) != tuple(my_shape) or dtype != my_dtype:
-                raise ShapeMismatch(f"save: tensor {key[0]!r} state {key[1]!r} is {dtype}{list(shape)} on rank {r} "
-                                    f"but {my_dtype}{list(my_shape)} on rank {rank}")
-            holders.setdefault(key, r)
-            for box in boxes:
-                winners.setdefault((key, tuple(box)), r)
-    return winners, holders
+def _plan_save(state_dict: Any, ctx: _Ctx, mesh=None, *, cache: bool = False) -> _SavePlan:
+    """Flatten, describe, and decide who writes what.
 
-
-def _plan_save(state_dict: Any, ctx: _Ctx, mesh=None) -> _SavePlan:
-    """Flatten, describe, gather and decide who writes what (one all_gather_object).
-
-    The gather carries the DTensors' boxes and a content digest of every plain tensor and value: one that
-    differs across ranks, or that some rank lacks, is stored per rank (``perrank.decide``), never as rank 0's."""
-    from . import perrank
-    from .rankstate import RankTopology
-
+    First save of a layout (or after any change of it): every rank sends its proposal (the boxes of its
+    DTensors, its plain tensors and a content digest of every plain tensor and value: JSON bytes) to the
+    coordinator, which checks them, decides (a leaf whose digest differs across ranks, or that some rank
+    lacks, is stored per rank: ``perrank.decide``), spreads every box over the ranks holding it by bytes,
+    and scatters to each rank only its share. The plan is cached per layout (``_layout_key``): a later save
+    of the same layout runs no planning collective; its digests ride the commit's digest gather, where a
+    changed decision (or a rank whose layout changed) makes every rank abort and plan afresh
+    (``StalePlanError`` on every rank, retried by ``save``). ``cache=False`` (async_save's callers, which
+    neither retry nor carry the check to a writer process) always plans, and leaves the plan cached for
+    ``save``."""
     error: BaseException | None = None
-    proposal: dict = {"dtensors": [], "digests": [], "topology": None}
+    proposal: dict = {"error": None}
     leaves: list[Leaf] = []
     dtensors: list[_Tensor] = []
     plain: dict[tuple, _Tensor] = {}
     meshes: dict = {}
     extra: dict = {"values": {}}
+    digests: list = []
+    key = ""
     try:
         leaves = flatten(state_dict)
         dtensors, meshes, plain, digests, extra = _describe_leaves(leaves, ctx, mesh)
-        proposal = {"dtensors": [(t.key, t.shape, t.dtype, [r.global_box for r in t.regions] if t.candidate else [])
-                                 for t in dtensors],
-                    "digests": digests, "topology": extra["topology"].to_json()}
+        key = _layout_key(leaves, dtensors, plain, extra["topology"].to_json(), ctx.world)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
-    ctx.raise_if_any_failed(error, "save (planning)")
-    everyone = ctx.gather(proposal)
-    # every rank checks the same facts and raises the same error, so none waits for another
+    cached = _PLANS.get(_group_key(ctx)) if ctx.dist is not None and cache else None
+    if cached is not None:  # every rank of the group holds one: the same collectives on every rank
+        hex_digests = [[list(p), k, d.hex()] for p, k, d in digests]
+        if error is not None or cached["key"] != key:  # every rank aborts; the fresh planning reports errors
+            return _SavePlan([], [], [], {}, None, [], check={"key_ok": False, "digests": hex_digests,
+                                                                  "cache": cached})
+        plan = _build_plan(leaves, dtensors, plain, extra, meshes, cached["share"], cached.get("coord"), ctx)
+        plan.check = {"key_ok": True, "digests": hex_digests, "cache": cached}
+        return plan
+    if error is None:
+        proposal = {"error": None, "topology": extra["topology"].to_json(),
+                    "dtensors": [[list(t.key), list(t.shape), t.dtype, t.local.element_size(),
+                                  [[list(b) for b in r.global_box] for r in t.regions]] for t in dtensors],
+                    "plain": [[list(p), list(t.key), list(t.shape), t.local.element_size()] for p, t in plain.items()],
+                    "digests": [[list(p), k, d.hex()] for p, k, d in digests]}
+    else:
+        proposal = {"error": f"{type(error).__name__}: {error}"}
+    share, coord_info = _exchange(proposal, ctx)
+    if error is not None:
+        raise error
+    if "error" in share:
+        from ..coord import raise_remote
+
+        raise_remote(share["error"], "save (planning)")
+    plan = _build_plan(leaves, dtensors, plain, extra, meshes, share, coord_info, ctx)
+    if ctx.dist is not None:
+        _PLANS[_group_key(ctx)] = {"key": key, "share": share, "coord": coord_info,
+                                   "topology": extra["topology"].to_json()}
+    return plan
+
+
+#: the last plan per control group (issue 27 2b), reused while the state dict's layout holds
+_PLANS: dict[Any, dict] = {}
+
+
+def _group_key(ctx: _Ctx) -> Any:
+    try:
+        hash(ctx.group)
+        return ctx.group
+    except TypeError:
+        return id(ctx.group)
+
+
+def _layout_key(leaves, dtensors: list[_Tensor], plain: dict, topology: dict, world: int) -> str:
+    """What a plan depends on besides contents: keys, paths, shapes, dtypes, placements, meshes, world."""
+    import hashlib
+    import json
+
+    by_path = {t.leaf.path: t for t in dtensors}
+    parts: list = [world, topology]
+    for leaf in leaves:
+        t = by_path.get(leaf.path) or plain.get(leaf.path)
+        if t is None:
+            parts.append([list(leaf.path)])
+            continue
+        mesh_ranks = t.leaf.value.device_mesh.mesh.tolist() if t.pattern is not None else None
+        parts.append([list(leaf.path), list(t.key), list(t.shape), t.dtype, t.pattern, mesh_ranks,
+                      [[list(b) for b in r.global_box] for r in t.regions]])
+    return hashlib.blake2b(json.dumps(parts, default=str).encode(), digest_size=16).hexdigest()
+
+
+def _exchange(proposal: dict, ctx: _Ctx) -> tuple[dict, dict | None]:
+    """Proposals to the coordinator, each rank's share back (JSON bytes, length first; no pickle)."""
+    if ctx.dist is None:
+        shares, info = _coordinate([proposal], ctx.world)
+        return shares[0], info
+    from .. import coord
+
+    with collective_errors("save (planning)"):
+        parts = coord.gather_bytes(coord.encode(proposal), ctx.group)
+        encoded: list[bytes] | None = None
+        info = None
+        if parts is not None:
+            decided, info = _coordinate([coord.decode(p) for p in parts], ctx.world)
+            encoded = [coord.encode(s) for s in decided]
+        mine = coord.decode(coord.scatter_bytes(encoded, ctx.group))
+    return mine, info
+
+
+def _coordinate(everyone: list[dict], world: int) -> tuple[list[dict], dict | None]:
+    """The coordinator's decision from every rank's proposal: each rank's share (its boxes, the empty arrays
+    it records, the per-rank objects it stores) and, for itself, the manifest. A failure on any rank, or
+    a check that fails here, becomes an error share for every rank."""
+    from ..coord import error_payload
+
+    failed = [(r, p["error"]) for r, p in enumerate(everyone) if p.get("error")]
+    if failed:
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+        err = {"error": f"save (planning) failed on {len(failed)} rank(s): {detail}", "kind": "UcpError",
+               "message": f"save (planning) failed on {len(failed)} rank(s): {detail}"}
+        return [{"error": err} for _ in everyone], None
+    try:
+        return _decide_all(everyone, world)
+    except UcpError as exc:
+        if world == 1:
+            raise
+        return [{"error": error_payload(exc)} for _ in everyone], None
+
+
+def _decide_all(everyone: list[dict], world: int) -> tuple[list[dict], dict]:
+    """Check every rank's proposal, decide per-rank state, and spread every box over its holders by bytes."""
+    from . import perrank
+    from .rankstate import RankTopology, object_name
+
     topos = [p["topology"] for p in everyone]
     if any(t != topos[0] for t in topos):
         raise TopologyError(f"save: the ranks see different topologies ({', '.join(map(str, topos[:4]))}); pass the "
                             "same mesh= on every rank")
-    mine = {p[0]: p for p in proposal["dtensors"]}
-    winners, holders = _check_dtensors(everyone, mine, ctx.rank)
-    decision = perrank.decide([p["digests"] for p in everyone], RankTopology.from_json(topos[0]), ctx.rank)
-    for path in decision.replicated:  # equal on every rank: stored once, by rank 0, as before
-        t = plain.get(path)
-        if t is not None:
-            holders.setdefault(t.key, 0)
-            if t.regions:
-                winners.setdefault((t.key, t.regions[0].global_box), 0)
+    holders, sizes, empty = _dtensor_holders(everyone)
+    decision = perrank.decide([[(tuple(p), k, bytes.fromhex(d)) for p, k, d in part["digests"]] for part in everyone],
+                              RankTopology.from_json(topos[0]), 0)
+    dkeys = {tuple(d[0]) for d in everyone[0]["dtensors"]}
+    for part in everyone:
+        for path, key, _, _ in part["plain"]:
+            if tuple(path) in decision.index and tuple(key) in dkeys:
+                raise ConfigurationError(f"save: state dict entry {path_text(tuple(path))!r} (tensor {key[0]!r} state "
+                                         f"{key[1]!r}) collides with a DTensor's catalog key on another rank")
+    for path, key, shape, itemsize in everyone[0]["plain"]:
+        if tuple(path) not in decision.replicated:
+            continue
+        numel = int(np.prod(shape)) if shape else 1
+        if not numel:
+            empty.setdefault(tuple(key), 0)
+            continue
+        kb = (tuple(key), tuple((0, int(n)) for n in shape))
+        holders[kb] = list(range(world))  # equal on every rank: any of them may write it
+        sizes[kb] = numel * int(itemsize)
+    shares: list[dict] = [{"boxes": [], "empty": [], "writes": []} for _ in range(world)]
+    load = [0] * world
+    for kb in sorted(holders, key=lambda kb: (-sizes[kb], repr(kb))):  # largest first, onto the least-loaded
+        r = min(holders[kb], key=lambda h: (load[h], h))
+        load[r] += sizes[kb]
+        shares[r]["boxes"].append([list(kb[0]), [list(b) for b in kb[1]]])
+    for key, r in empty.items():
+        shares[r]["empty"].append(list(key))
+    for i, k in enumerate(decision.manifest.keys):
+        for e in k.entries:
+            if e.object == object_name(e.rank, i):  # the lowest holder of each distinct content stores it
+                shares[e.rank]["writes"].append([e.object, list(k.path)])
+    sig = _decision_sig(decision.replicated, decision.manifest.to_json())
+    for s in shares:
+        s["sig"] = sig
+    return shares, {"index": [[list(p), i] for p, i in decision.index.items()],
+                    "manifest": decision.manifest.to_json()}
+
+
+def _decision_sig(replicated, manifest: dict) -> str:
+    import hashlib
+    import json
+
+    text = json.dumps([sorted(json.dumps(list(p)) for p in replicated), manifest], sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _dtensor_holders(everyone: list[dict]) -> tuple[dict, dict, dict]:
+    """Every rank holds the same DTensors with the same shapes; the ranks holding each box (rank order),
+    each box's bytes, and the first holder of each empty DTensor."""
+    ref = {tuple(d[0]): d for d in everyone[0]["dtensors"]}
+    holders: dict[tuple, list[int]] = {}
+    sizes: dict[tuple, int] = {}
+    empty: dict[tuple, int] = {}
+    for r, part in enumerate(everyone):
+        keys = {tuple(d[0]) for d in part["dtensors"]}
+        if keys != set(ref):
+            missing, extra = sorted(set(ref) - keys)[:5], sorted(keys - set(ref))[:5]
+            raise ConfigurationError(f"save: rank {r} holds different DTensors than rank 0 (rank {r} lacks "
+                                     f"{missing or 'none'}, has extra {extra or 'none'}); every rank must pass the "
+                                     "same DTensors (plain tensors and values may differ: they are stored per rank)")
+        for key, shape, dtype, itemsize, boxes in part["dtensors"]:
+            key = tuple(key)
+            _, ref_shape, ref_dtype, _, _ = ref[key]
+            if list(shape) != list(ref_shape) or dtype != ref_dtype:
+                raise ShapeMismatch(f"save: tensor {key[0]!r} state {key[1]!r} is {dtype}{list(shape)} on rank {r} "
+                                    f"but {ref_dtype}{list(ref_shape)} on rank 0")
+            numel = int(np.prod(shape)) if shape else 1
+            if not numel:
+                empty.setdefault(key, r)
+                continue
+            for box in boxes:
+                kb = (key, tuple(tuple(b) for b in box))
+                holders.setdefault(kb, []).append(r)
+                sizes[kb] = int(np.prod([hi - lo for lo, hi in kb[1]])) * int(itemsize)
+    covered: dict[tuple, int] = {}
+    for key, box in holders:
+        covered[key] = covered.get(key, 0) + int(np.prod([hi - lo for lo, hi in box]))
+    for key, (_, shape, _, _, _) in ref.items():
+        numel = int(np.prod(shape)) if shape else 1
+        if numel and covered.get(key, 0) != numel:
+            raise TopologyError(f"save: tensor {key[0]!r} state {key[1]!r}: the ranks' shards cover "
+                                f"{covered.get(key, 0)} of {numel} elements of shape {list(shape)}; the placements "
+                                "do not tile the tensor")
+    return holders, sizes, empty
+
+
+def _build_plan(leaves, dtensors: list[_Tensor], plain: dict, extra: dict, meshes: dict, share: dict,
+                coord_info: dict | None, ctx: _Ctx) -> _SavePlan:
+    """This rank's plan from its share: the boxes it writes (in the state dict's order), the empty arrays it
+    records, its per-rank objects; on the coordinator also the manifest (values are this save's)."""
+    from .rankstate import PerRankManifest
+
+    mine = {(tuple(k), tuple(tuple(b) for b in box)) for k, box in share["boxes"]}
+    empty = {tuple(k) for k in share["empty"]}
+    items: list[WriteItem] = []
+    sources: list[tuple[torch.Tensor, tuple]] = []
     by_path = {t.leaf.path: t for t in dtensors}
-    by_path.update((p, t) for p, t in plain.items() if p in decision.replicated)
-    tensors = [by_path[leaf.path] for leaf in leaves if leaf.path in by_path]  # in the state dict's order
-    for path in decision.index:  # a plain tensor's key now names a per-rank object, never an array of rank 0's
-        t = plain.get(path)
-        if t is not None and t.key in mine:
-            raise ConfigurationError(f"save: {t.what} collides with a DTensor's catalog key on another rank")
-    items, sources = _write_items(tensors, winners, holders, ctx.rank)
-    objects: list[dict] = []
+    by_path.update(plain)
     for leaf in leaves:
-        i = decision.index.get(leaf.path)
+        t = by_path.get(leaf.path)
+        if t is None:
+            continue
+        if t.key in empty:
+            items.append(WriteItem(*t.key, t.shape, (0,) * len(t.shape), t.pattern, t.boundaries, True))
+            sources.append((t.local, tuple(slice(0, 0) for _ in t.shape)))
+            empty.discard(t.key)
+            continue
+        for region in t.regions:
+            if (t.key, region.global_box) in mine:
+                origin = all(lo == 0 for lo, _ in region.global_box)
+                items.append(WriteItem(*t.key, t.shape, region.offset, t.pattern, t.boundaries, origin))
+                sources.append((t.local, region.local_slices()))
+    rank_objects = []
+    for name, path in share["writes"]:
+        path = tuple(path)
+        rank_objects.append((name, _host(plain[path].local).clone() if path in plain else extra["values"][path]))
+    objects: list[dict] = []
+    per_rank: dict | None = None
+    provenance: dict = {}
+    # elsewhere than on the coordinator (which writes the manifest) no per-rank index is known: the entries
+    # then only name each tensor's path (async_save's eager patterns match them)
+    index = {tuple(p): i for p, i in coord_info["index"]} if coord_info is not None else {}
+    for leaf in leaves:
+        i = index.get(leaf.path)
         if i is not None:
             objects.append({"path": list(leaf.path), "per_rank": i})
         elif leaf.is_tensor:
             objects.append({"path": list(leaf.path), "tensor": list(leaf.key)})  # type: ignore[arg-type]
         else:
             objects.append({"path": list(leaf.path), "value": extra["values"][leaf.path]})
-    rank_objects = [(name, _host(plain[path].local).clone() if path in plain else extra["values"][path])
-                    for name, path in decision.writes]
-    per_rank = decision.manifest.to_json()
-    provenance = {"source_kind": "dist", "source_path": None,
-                  "extra": {"dist": {"world_size": ctx.world, "meshes": list(meshes.values()),
-                                     "topology": per_rank["topology"],
-                                     "per_rank_keys": [k["text"] for k in per_rank["keys"]]}}}
+    if coord_info is not None:
+        per_rank = PerRankManifest.from_json(coord_info["manifest"]).to_json()
+        provenance = {"source_kind": "dist", "source_path": None,
+                      "extra": {"dist": {"world_size": ctx.world, "meshes": list(meshes.values()),
+                                         "topology": per_rank["topology"],
+                                         "per_rank_keys": [k["text"] for k in per_rank["keys"]]}}}
     return _SavePlan(items, sources, objects, provenance, per_rank, rank_objects)
 
 
-def _write_items(tensors: list[_Tensor], winners: dict, holders: dict, rank: int) -> tuple[list, list]:
-    """The boxes this rank writes: those it won, and the empty arrays it first held."""
-    covered: dict[tuple, int] = {}
-    for (key, box) in winners:
-        n = 1
-        for lo, hi in box:
-            n *= hi - lo
-        covered[key] = covered.get(key, 0) + n
-    items: list[WriteItem] = []
-    sources: list[tuple[torch.Tensor, tuple]] = []
-    for t in tensors:
-        numel = int(np.prod(t.shape)) if t.shape else 1
-        if numel and covered.get(t.key, 0) != numel:
-            raise TopologyError(f"save: {t.what}: the ranks' shards cover {covered.get(t.key, 0)} of {numel} elements "
-                                f"of shape {list(t.shape)}; the placements do not tile the tensor")
-        if not numel:  # nothing to write, but one rank records the (empty) array
-            if holders[t.key] == rank:
-                items.append(WriteItem(*t.key, t.shape, (0,) * len(t.shape), t.pattern, t.boundaries, True))
-                sources.append((t.local, tuple(slice(0, 0) for _ in t.shape)))
-            continue
-        if not t.candidate:
-            continue
-        for region in t.regions:
-            if winners.get((t.key, region.global_box)) == rank:
-                origin = all(lo == 0 for lo, _ in region.global_box)
-                items.append(WriteItem(*t.key, t.shape, region.offset, t.pattern, t.boundaries, origin))
-                sources.append((t.local, region.local_slices()))
-    return items, sources
+def _plan_still_holds(check: dict, checks: list[dict]) -> bool:
+    """After a cached plan's writes, from every rank's check: did every rank's layout hold, and does this
+    save's content decision (which leaves are equal on every rank, and which ranks share contents) equal
+    the cached one? The same answer on every rank (the same inputs)."""
+    from . import perrank
+    from .rankstate import RankTopology
+
+    if not all(c["key_ok"] for c in checks):
+        return False
+    cached = check["cache"]
+    decision = perrank.decide([[(tuple(p), k, bytes.fromhex(d)) for p, k, d in c["digests"]] for c in checks],
+                              RankTopology.from_json(cached["topology"]), 0)
+    return _decision_sig(decision.replicated, decision.manifest.to_json()) == cached["share"]["sig"]
 
 
 # ----------------------------------------------------------------------------------------- save
@@ -426,7 +600,15 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
         raise UcpError(f"save of {run}@{step} failed on another rank; aborted (nothing listed)")
     try:
         with collective_errors(f"save of {run}@{step} (commit)"):
-            _set_region_hashes(writer, ctx.gather(writer.region_digests()))
+            if plan.check is None:
+                _set_region_hashes(writer, ctx.gather(writer.region_digests()))
+            else:  # a cached plan: its check rides this gather (no planning collective of its own)
+                parts = ctx.gather((writer.region_digests(), {k: plan.check[k] for k in ("key_ok", "digests")}))
+                if not _plan_still_holds(plan.check, [p[1] for p in parts]):
+                    _PLANS.pop(_group_key(ctx), None)
+                    raise StalePlanError(f"save of {run}@{step}: the state dict's layout or which entries are equal "
+                                       "on every rank changed since the cached plan; aborted to plan afresh")
+                _set_region_hashes(writer, [p[0] for p in parts])
             return distributed_commit(writer, group=ctx.group)
     except UcpError:
         writer.abort()
@@ -465,6 +647,11 @@ def _open_everywhere(store, create: bool, ctx: _Ctx):
     return lambda: _open(store, create=create)
 
 
+def _stale_opener():
+    raise StalePlanError("save: the state dict's layout changed on the coordinator since the cached plan; "
+                         "planning afresh")
+
+
 def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
          parent: str | None = "auto", group=None, progress: bool = True, create: bool = True, mesh=None) -> str:
     """Save a (sharded) training state dict as ``run@step``; call on every rank. Returns the version id.
@@ -482,10 +669,19 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
 
     wait()  # an async save in flight commits first
     ctx = _Ctx(group)
-    plan = _plan_save(state_dict, ctx, mesh)
-    st = _open_everywhere(store, create, ctx)
-    staged = [_host(src[sl] if sl else src) for src, sl in plan.sources]
-    return _write_plan(st, plan, staged, ctx, run=run, step=step, message=message, parent=parent, progress=progress)
+    for _ in range(2):  # a cached plan that no longer holds is dropped on every rank: the second plans afresh
+        plan = _plan_save(state_dict, ctx, mesh, cache=True)
+        st = _open_everywhere(store, create, ctx)
+        if plan.check is not None and not plan.check["key_ok"] and ctx.rank == 0:
+            st = _stale_opener  # begin's broadcast tells every rank, before anyone writes
+        staged = [_host(src[sl] if sl else src) for src, sl in plan.sources]
+        try:
+            return _write_plan(st, plan, staged, ctx, run=run, step=step, message=message, parent=parent,
+                               progress=progress)
+        except StalePlanError:  # every rank raised it (the commit's check, or begin's broadcast)
+            _PLANS.pop(_group_key(ctx), None)
+            continue
+    raise UcpError(f"save of {run}@{step}: planning did not settle")  # unreachable: a fresh plan is never checked
 
 
 # ----------------------------------------------------------------------------------------- load
