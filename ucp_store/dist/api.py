@@ -8,12 +8,14 @@ pattern.
 Save, on every rank:
 1. flatten the dict (``statedict.py``) and, per tensor, compute the boxes its local shard covers
    (``layout.py``: ``Shard``, uneven ``Shard``, ``_StridedShard``, ``Replicate``, 2-D meshes);
-2. one ``all_gather_object`` of (key, shape, dtype, boxes) of the DTensors and a content digest of every
-   plain tensor and value, on a gloo group with a bounded timeout: the ranks check they hold the same
-   DTensors, and the lowest rank proposing a box writes it, so replicas (``Replicate`` mesh dims, the same
-   DTensor on sibling sub-meshes) are written once; plain tensors and values equal on every rank are
-   written once by rank 0, the others are per-rank state (``perrank.py``: stored per distinct content,
-   keyed by rank and mesh coordinates, restored on load by policy);
+2. planning, on a gloo group with a bounded timeout: every rank's (key, shape, dtype, boxes) of its
+   DTensors and a content digest of every plain tensor and value go to the coordinator (JSON bytes), which
+   checks the ranks hold the same DTensors, spreads every box over the ranks holding it by bytes (replicas:
+   ``Replicate`` mesh dims, the same DTensor on sibling sub-meshes, plain tensors equal on every rank),
+   and scatters to each rank only its share; plain tensors and values that differ across ranks are
+   per-rank state (``perrank.py``: stored per distinct content, keyed by rank and mesh coordinates,
+   restored on load by policy). The plan is cached per layout: a save of the same layout runs no planning
+   collective (its digests are checked at the commit's digest gather);
 3. stage the boxes it writes to host memory (device tensors are copied to host, pinned buffers when
    asynchronous) and write them with ``CheckpointWriter.write_region`` into the pending version;
 4. rank 0 commits after every rank's arrays are durable (``ucp_store.distributed``); on an error
