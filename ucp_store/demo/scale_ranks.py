@@ -152,7 +152,7 @@ class _Written:
             cls.total += int(data.numel()) * int(data.element_size())
             return region(self, name, state, data, *args, **kwargs)
 
-        CheckpointWriter.write_region = write_region  # type: ignore[method-assign]
+        CheckpointWriter.write_region = write_region  # type: ignore[method-assign,assignment]
 
 
 def _catalog_url(spec: dict, app: str | None) -> str | None:
