@@ -487,3 +487,5 @@ def test_box_digests_and_read_back_give_the_whole_tensor_hash(case):
     if not flat.size:
         h.update(a)
     assert h.hexdigest() == want
+    t = fmt._Tiles.of(dtype, shape)  # one pass, holding at most one block of the stream
+    assert h._buf is None or h._buf.size == t.tile[t.j] * t.row_bytes

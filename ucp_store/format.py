@@ -376,12 +376,14 @@ def read_box(handle: Any, layout: ArrayLayout, box: Box, *, what: str, array_url
 # an N-d grid that depends only on its dtype and shape (``tile_shape``), never on the storage chunk grid or on
 # a pattern (two save paths may choose different chunk grids for one tensor):
 #
-# - along each dim of size ``n`` the tile extent divides ``n / 2**k`` for the largest ``k <= 6`` with
+# - along each dim of size ``n`` the tile extent starts at ``n / 2**k`` for the largest ``k <= 6`` with
 #   ``2**k | n``, so every even power-of-two split <= 64 of any dim (ZeRO/FSDP row splits, TP column splits,
 #   EP expert splits) falls on tile edges and every such box holds whole tiles;
-# - tiles are cut towards ``UNIT_BYTES`` (leading dims first) and grown back (doubling the dim with the most
-#   tiles; dim 0 last, then the last dim) to at least ``_TILE_FLOOR`` bytes and ``1 / _MAX_UNITS`` of the
-#   array, so small arrays are a few units and huge ones never more than about ``_MAX_UNITS``;
+# - tiles are cut towards ``UNIT_BYTES`` by factors of that extent (leading dims first: the splits stay on
+#   edges), and where they are too small, grown back by doubling to at least ``_TILE_FLOOR`` bytes and
+#   ``1 / _MAX_UNITS`` of the array (the dim with the most tiles first, dim 0 keeping 8x the splits of the
+#   others: it is what EP and ZeRO/FSDP cut 64 ways; each doubling gives up that dim's largest split), so
+#   small arrays are a few units and huge ones never more than about ``_MAX_UNITS``;
 # - a unit's digest is xxh3-128 over its elements in C order (a tile is not contiguous in the array: it is
 #   gathered first); the hash is xxh3-128 over ``"<dtype>:<shape>;"`` and every unit's digest, in C order of
 #   the tile grid. A 0-d array is one unit (its element).
@@ -424,18 +426,22 @@ def _smallest_factor(n: int) -> int:
     return n
 
 
-@functools.lru_cache(maxsize=4096)
-def tile_shape(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+def tile_shape(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
     """The tile (unit) shape of the content hash of an array of ``shape`` and ``itemsize`` (see "content
     hashes"); a 0-d array is tiled as shape ``(1,)``."""
-    n = [int(s) for s in shape] or [1]
+    return _tile_shape(tuple(int(s) for s in shape), int(itemsize))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tile_shape(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    n = list(shape) or [1]
     if 0 in n:
         return tuple(max(s, 1) for s in n)
     m = len(n)
     nbytes = math.prod(n) * itemsize
     lo = max(_TILE_FLOOR, -(-nbytes // _MAX_UNITS))
     hi = max(UNIT_BYTES, 4 * lo)
-    even = []  # the extent that divides every even power-of-two split <= 64 of each dim (n itself when odd)
+    even = []  # per dim the k of its largest even split 2**k <= 64 (0: an odd dim)
     for s in n:
         k = 0
         while k < _MAX_SPLIT_LOG2 and s % (2 << k) == 0:
@@ -558,9 +564,8 @@ def _digest_tiles(v: np.ndarray, tb: Sequence[int], out: Any, first: Sequence[in
     its origin; ``v`` ends at tile edges or at the array's end. The digest of ``v``'s tile ``i`` goes to
     ``out[sum((first[d] + i[d]) * strides[d])]``."""
     s, m = v.shape, v.ndim
-    k = next((d for d in range(m) if tb[d] < s[d] and s[d] > 1), m - 1)
-    if v.flags.c_contiguous and all(tb[d] >= s[d] for d in range(k + 1, m)) and all(
-            tb[d] == 1 or s[d] == 1 for d in range(k)):
+    k = next((d for d in range(m) if tb[d] > 1 and s[d] > 1), m - 1)  # dims before: a tile per index
+    if v.flags.c_contiguous and all(tb[d] >= s[d] for d in range(k + 1, m)):
         # tiles are contiguous runs of the buffer: digest them in place
         b, inner, per = v.reshape(-1).data, math.prod(s[k + 1:]), tb[k]
         rest = sum(f * st for f, st in zip(first[k + 1:], strides[k + 1:]))  # one tile along each later dim
