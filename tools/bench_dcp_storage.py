@@ -11,7 +11,8 @@ between barriers (the slowest rank counts):
   each time), as a fraction of the ceiling;
 - ``resharded load``: into the same tensors sharded by columns (``Shard(1)``), with ``FileSystemReader``
   and ``UcpStorageReader``: time, and read amplification = bytes the rank read (``/proc/self/io``
-  ``rchar``: every read system call, page cache included) / bytes of its shards;
+  ``rchar``: every read system call, page cache included) / bytes of its shards; and the reverse (a save
+  sharded by columns, loaded by rows): read amplification of both readers;
 - ``async_save``: how long ``dcp.async_save`` (thread executor) blocks the caller, for both writers.
 
 Page cache: warm (each figure the best of several runs); the ceiling writes and fsyncs as the saves do.
@@ -120,6 +121,16 @@ def _rank(rank, spec, port):
         res[f"{name}_load_s"], res[f"{name}_load_amp"] = best, amp
     check = {k: v.full_tensor() for k, v in target["model"].items()}
     res["load_exact"] = all(torch.equal(check[k], sd["model"][k].full_tensor()) for k in check)
+    # the reverse: saved by columns (TP Shard(1)), loaded by rows (FSDP Shard(0))
+    cols = {"model": {k: v.redistribute(mesh, [Shard(1)]) for k, v in sd["model"].items()}}
+    fs_cols = os.path.join(d, "fs_cols")
+    dcp.save(cols, storage_writer=FileSystemWriter(fs_cols))
+    dcp.save(cols, storage_writer=UcpStorageWriter(store, run="c", step=1))
+    rows = {"model": {k: v.redistribute(mesh, [Shard(0)]) for k, v in target["model"].items()}}
+    for name, make in (("dcp", lambda: FileSystemReader(fs_cols)), ("ucp", lambda: UcpStorageReader(store, "c@1"))):
+        r0 = _rchar()
+        dcp.load(rows, storage_reader=make())
+        res[f"{name}_reverse_amp"] = (_rchar() - r0) / need
     for name in ("dcp", "ucp"):
         blocks = []
         for _ in rep:
@@ -176,6 +187,8 @@ def main() -> int:
     print(f"  resharded load (rows -> columns): dcp {worst['dcp_load_s']:.3f} s (read amplification "
           f"{worst['dcp_load_amp']:.2f}), ucp {worst['ucp_load_s']:.3f} s ({worst['ucp_load_amp']:.2f}): "
           f"ucp {worst['dcp_load_s'] / worst['ucp_load_s']:.2f}x DCP; bit-exact: {all(r['load_exact'] for r in ranks)}")
+    print(f"  reverse (columns -> rows) read amplification: dcp {worst['dcp_reverse_amp']:.2f}, "
+          f"ucp {worst['ucp_reverse_amp']:.2f}")
     print(f"  async_save (thread) blocks: dcp {worst['dcp_async_block_s'] * 1e3:.1f} ms, ucp "
           f"{worst['ucp_async_block_s'] * 1e3:.1f} ms")
     if not args.dir:

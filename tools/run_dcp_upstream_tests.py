@@ -19,8 +19,11 @@ load reads ``dcp@latest``. Filesystem-only options (``thread_count``, ``sync_fil
 spawned rank processes of ``MultiProcessTestCase`` run it too.
 
 ``--baseline`` runs the same files unpatched (DCP's own filesystem storage), to tell a failure of the
-backend from a test that fails on this torch anyway. The script prints pass/skip/fail counts per file
-and each failure's last error line; docs/dcp-backend.md records a run.
+backend from a test that fails on this torch anyway. ``--allow-cpu`` lifts upstream's GPU gates
+(``skip_if_lt_x_gpu(n)`` becomes ``skip_if_lt_x_gpu(n, allow_cpu=True)``, with or without ``--baseline``):
+most DTensor tests are gated on 2 or 4 GPUs although they use ``self.device_type`` (``cpu`` here, gloo),
+so without it they skip on a CPU host. Tests that call ``.cuda()`` then fail on both sides. The script
+prints pass/skip/fail counts per file and each failure's last error line; docs/dcp-backend.md records a run.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ FILES = [
     "test/distributed/checkpoint/e2e/test_e2e_save_and_load.py",
     "test/distributed/checkpoint/test_save_load_api.py",
 ]
-SHIM_LINE = "import run_dcp_upstream_tests; run_dcp_upstream_tests.install()  # ucp_store shim\n"
+SHIM_LINE = "import run_dcp_upstream_tests; run_dcp_upstream_tests.install({args})  # ucp_store shim\n"
 RUN = "dcp"
 
 
@@ -110,11 +113,30 @@ def _shim_classes():
     return ShimWriter, ShimReader
 
 
-def install() -> None:
-    """Substitute the ucp backend for DCP's filesystem storage in this process (see the module doc)."""
+def _allow_cpu() -> None:
+    """``skip_if_lt_x_gpu(n)`` -> ``skip_if_lt_x_gpu(n, allow_cpu=True)`` for the test modules imported later."""
+    from torch.testing._internal import common_distributed
+    from torch.testing._internal.distributed._tensor import common_dtensor
+
+    gate = common_distributed.skip_if_lt_x_gpu
+
+    def lifted(x, **kwargs):
+        return gate(x, **{**kwargs, "allow_cpu": True})
+
+    common_distributed.skip_if_lt_x_gpu = lifted  # type: ignore[assignment]
+    common_dtensor.skip_if_lt_x_gpu = lifted  # type: ignore[attr-defined]
+
+
+def install(backend: bool = True, allow_cpu: bool = False) -> None:
+    """Substitute the ucp backend for DCP's filesystem storage in this process (see the module doc);
+    ``allow_cpu``: lift the GPU gates (``--allow-cpu``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import _storage_utils
 
+    if allow_cpu:
+        _allow_cpu()
+    if not backend:
+        return
     writer, reader = _shim_classes()
     for mod in (dcp, _storage_utils):
         mod.FileSystemWriter = writer  # type: ignore[attr-defined,misc]
@@ -151,10 +173,14 @@ def fetch(cache: Path, tag: str, files: list[str]) -> None:
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|error|errors|xfailed|xpassed)")
 
 
-def run_file(cache: Path, rel: str, work: Path, baseline: bool, pytest_args: list[str]) -> dict:
+def run_file(cache: Path, rel: str, work: Path, baseline: bool, pytest_args: list[str],
+             allow_cpu: bool = False) -> dict:
     src = (cache / rel).read_text()
     dest = work / Path(rel).name
-    dest.write_text(src if baseline else SHIM_LINE + src)
+    if baseline and not allow_cpu:
+        dest.write_text(src)
+    else:
+        dest.write_text(SHIM_LINE.format(args=f"backend={not baseline}, allow_cpu={allow_cpu}") + src)
     # torch.testing's helpers need expecttest, which the project does not: `pip install --target
     # <cache>/../deps expecttest` puts it beside the cached files instead of into the environment
     deps = cache.parent / "deps"
@@ -177,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=None, help="a test file path (repeatable)")
     ap.add_argument("--baseline", action="store_true", help="run unpatched (DCP's own filesystem storage)")
     ap.add_argument("--verbose", action="store_true", help="print each file's pytest output tail")
+    ap.add_argument("--allow-cpu", action="store_true", help="lift upstream's GPU gates (skip_if_lt_x_gpu)")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args(argv)
     tag = _tag()
@@ -187,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     total: dict[str, int] = {}
     try:
         for rel in files:
-            r = run_file(cache, rel, work, args.baseline, args.pytest_args)
+            r = run_file(cache, rel, work, args.baseline, args.pytest_args, args.allow_cpu)
             for k, n in r["counts"].items():
                 total[k] = total.get(k, 0) + n
             print(f"{rel}: {r['counts']} (rc {r['rc']})")
