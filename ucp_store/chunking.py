@@ -129,11 +129,16 @@ def choose_chunking(
         chunk[d] = unit
     # Several split dims each cut to their 64-way unit can make a chunk tiny (an [E, out, in] expert
     # tensor): give back factors of two, innermost split dim first, until the chunk reaches the floor.
+    # The edges named in ``boundaries`` (the writers' box edges) stay chunk edges: a shard is a whole number
+    # of chunks, so only then can every shard file lie inside one writer's box (one writer per object).
+    named = {int(d): [int(e) for e in edges if 0 < int(e) < shape[int(d)]] for d, edges in (boundaries or {}).items()
+             if int(d) < len(shape)}
     grown = True
     while grown and math.prod(chunk) * itemsize < MIN_CHUNK_BYTES:
         grown = False
         for d in sorted(split, reverse=True):
-            if d < len(shape) and chunk[d] * 2 <= shape[d] and shape[d] % (chunk[d] * 2) == 0:
+            if d < len(shape) and chunk[d] * 2 <= shape[d] and shape[d] % (chunk[d] * 2) == 0 and all(
+                    e % (chunk[d] * 2) == 0 for e in named.get(d, ())):
                 chunk[d] *= 2
                 grown = True
                 break

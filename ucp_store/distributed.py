@@ -117,6 +117,8 @@ def distributed_begin(store, run: str, step: int, *, group=None, **kwargs):
         coord.raise_remote(answer, f"the begin of the save of {run}@{step}")
     if writer is None:
         writer = CheckpointWriter(coord.detached_store(answer["store"]), str(answer["id"]), owner=False)
+    if dist.get_world_size(group) > 1:
+        writer.origin_writes_metadata()  # each zarr.json written by one rank (issue 27 item 0)
     return writer
 
 

@@ -47,9 +47,55 @@ from ._pools import LazyPool
 from .localread import _PAGE, _bad_distance, _copy, is_local_chain
 from .location import Location, _safe_rel
 
-__all__ = ["local_folder", "whole_shards", "shard_boxes", "write_shard_file", "sync_dirs", "submit"]
+__all__ = ["local_folder", "whole_shards", "shard_boxes", "write_shard_file", "sync_dirs", "submit", "WriteLog",
+           "record_writes", "log_object", "log_box"]
 
 _MISSING = (1 << 64) - 1
+
+
+class WriteLog:
+    """The objects this process wrote to array folders (store-relative keys: ``<array>/zarr.json`` and each
+    shard file ``<array>/c/i/j``), each with this process's ``label`` (its rank).
+
+    Why: a multi-rank save must give every shard object and every ``zarr.json`` exactly one writer (two
+    writers of one object rely on conditional read-modify-write, which S3 and NFS do not make atomic).
+    Merging the ranks' logs shows who wrote what; :func:`record_writes` turns it on for a process."""
+
+    def __init__(self, label: Any) -> None:
+        self.label = label
+        self.entries: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self.entries.append(key)
+
+
+_write_log: WriteLog | None = None
+
+
+def record_writes(label: Any) -> WriteLog | None:
+    """Start logging this process's array-object writes under ``label`` (``None``: stop); returns the log."""
+    global _write_log
+    _write_log = None if label is None else WriteLog(label)
+    return _write_log
+
+
+def log_object(rel: str, key: str) -> None:
+    """Record a write of object ``key`` of the array at ``rel`` (no-op unless :func:`record_writes` is on)."""
+    if _write_log is not None:
+        _write_log.add(f"{rel}/{key}")
+
+
+def log_box(rel: str, layout: fmt.ArrayLayout, offset: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    """Record the shard objects a box write touches (whole or in part: a part is a read-modify-write)."""
+    if _write_log is None or not all(shape):
+        return
+    per = [sh // c for sh, c in zip(layout.shard_shape, layout.chunk_shape)]
+    for idx in itertools.product(*(range(o // sh, -(-(o + n) // sh))
+                                   for o, n, sh in zip(offset, shape, layout.shard_shape))):
+        first = tuple(i * p for i, p in zip(idx, per))
+        _write_log.add(f"{rel}/{layout.shard_key(first)}")
 
 
 def local_folder(location: Location, rel: str, layout: fmt.ArrayLayout) -> str | None:

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -118,6 +118,10 @@ class CheckpointWriter:
         self._shard_digests: dict[tuple[str, str], dict] = {}
         self._chunk_digests: dict[tuple[str, str], dict] = {}  # set_chunk_digests: every rank's, merged
         self._opened: dict[tuple[str, str], tuple] = {}  # open_shards: (layout, path, array id) before any write
+        # arrays opened without writing their zarr.json (another rank, or this one as origin in finish_shards,
+        # writes it: one writer per object)
+        self._uncreated: set[tuple[str, str]] = set()
+        self._origin_metadata = False  # origin_writes_metadata()
         # defer_durability: the context arrays are written with, and the array folders not yet made durable
         self._context: Any = None
         self._unsynced: set[str] | None = None
@@ -325,6 +329,8 @@ class CheckpointWriter:
         rel = array_path(self.id, aid)
         self._touch(rel)
         handle = fmt.create_array(self.store.location, rel, layout, self._array_context(), what=what)
+        localwrite.log_object(rel, "zarr.json")
+        localwrite.log_box(rel, layout, (0,) * array.ndim, tuple(array.shape))
         killpoint("write.array_created")
         self._rows.append(m.Array(id=aid, path=rel, dtype=dtype, shape=list(layout.shape),
                                   chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
@@ -469,6 +475,7 @@ class CheckpointWriter:
         folder = None if self._unsynced is None else self._local_folder((name, state), rel, layout)
         for box, data in copies:
             offset = tuple(lo for lo, _ in box.ranges)
+            localwrite.log_box(rel, layout, offset, tuple(data.shape))
             if folder is not None and localwrite.whole_shards(layout, offset, tuple(data.shape)):
                 # whole shards of a local store with deferred durability: their files straight from memory; the
                 # write pool digests each chunk from the copy it writes (not this thread, one more pass over it)
@@ -527,6 +534,7 @@ class CheckpointWriter:
             self.open_regions([(name, state, dtype, shape, pattern, boundaries)])
         handle, layout, rel, aid = self._known_array(key, dtype, shape, f"{what}: box", "boxes")
         if array.size:
+            localwrite.log_box(rel, layout, offset, tuple(array.shape))
             folder = self._local_folder(key, rel, layout)
             if folder is not None and localwrite.whole_shards(layout, offset, tuple(array.shape)):
                 # this rank owns whole shard files: written here, each chunk copied once (crc, digest, writev)
@@ -560,13 +568,16 @@ class CheckpointWriter:
             self._window.submit(future, min(array.nbytes, math.prod(layout.shard_shape) * array.itemsize),
                                 (array, what))
 
-    def open_regions(self, specs: Iterable[tuple]) -> None:
+    def open_regions(self, specs: Iterable[tuple], *, create: Container | None = None) -> None:
         """Create (or open, when another rank did) the arrays that ``write_region`` boxes will go to, all at
         once: ``specs`` are ``(name, state, dtype, shape, pattern, boundaries)`` as ``write_region`` takes
         them (dtype as a store dtype name), optionally with a seventh ``units`` (``chunking.choose_chunking``'s
         aligned extent per dim, for a caller that knows the likely splits better than the pattern says).
         Arrays already open are skipped; creating them concurrently saves one metadata round trip per
-        tensor-state on the caller's clock."""
+        tensor-state on the caller's clock.
+        ``create``: the ``(name, state)`` keys this writer creates (writes ``zarr.json`` of); the others are
+        opened on the layout alone, with no I/O, for a multi-rank save that gives each ``zarr.json`` one
+        writer (the origin's). ``None``: create every array, or open it when another writer did."""
         import xxhash
 
         pending: list[tuple] = []
@@ -584,11 +595,19 @@ class CheckpointWriter:
             aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
             rel = array_path(self.id, aid)
             self._touch(rel)
-            pending.append((key, aid, rel, layout, pattern,
-                            fmt.create_array(self.store.location, rel, layout, self._array_context(), shared=True,
-                                             wait=False)))
+            if (create is None and self._origin_metadata) or (create is not None and key not in create):
+                future = None
+            else:
+                future = fmt.create_array(self.store.location, rel, layout, self._array_context(), shared=True,
+                                          wait=False)
+                localwrite.log_object(rel, "zarr.json")
+            pending.append((key, aid, rel, layout, pattern, future))
         for key, aid, rel, layout, pattern, future in pending:
-            self._handles[key] = fmt.created(future, self.store.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
+            if future is None:  # another rank creates it: the layout stands in for its zarr.json
+                self._handles[key] = self._uncreated_array(key, rel, layout)
+            else:
+                self._handles[key] = fmt.created(future, self.store.location, rel,
+                                                 f"tensor {key[0]!r} state {key[1]!r}")
             self._sharded[key] = (aid, rel, layout, pattern)
 
     def _digest_region(self, key, layout: fmt.ArrayLayout, offset, array: np.ndarray) -> None:
@@ -636,11 +655,15 @@ class CheckpointWriter:
                                 f"{layout.dtype}{list(layout.shape)}")
         return self._handles[key], layout, rel, aid
 
-    def open_shards(self, specs: Iterable[tuple], *, topology, targets: Iterable = ()) -> None:
+    def open_shards(self, specs: Iterable[tuple], *, topology, targets: Iterable = (),
+                    create: Container | None = None) -> None:
         """Create (or open) the arrays of many tensor-states at once, ahead of their ``write_shard`` calls:
         ``specs`` are ``(name, state, shape, dtype, pattern)`` (dtype a torch or numpy dtype or store name).
         One array open is a metadata write made durable; waited for one by one they dominate a save of
-        many parameters, so their futures run together here."""
+        many parameters, so their futures run together here.
+        ``create``: the keys whose ``zarr.json`` this writer writes now; the others are opened on the layout
+        alone and the array's origin (the writer of element 0) writes it in ``finish_shards``, so a
+        multi-rank save passes ``create=()`` and each ``zarr.json`` has one writer. ``None``: all now."""
         from .topology import as_topology
 
         self._check_open()
@@ -657,6 +680,10 @@ class CheckpointWriter:
             dt = dtypes.zarr_name(dtype, what=f"tensor {name!r} state {state!r}")
             layout, rel, aid = self._shard_layout(name, state, shape, dt, pattern, topology, targets)
             self._touch(rel)
+            if (create is None and self._origin_metadata) or (create is not None and key not in create):
+                self._handles[key] = self._uncreated_array(key, rel, layout)
+                self._opened[key] = (layout, rel, aid)
+                continue
             pending.append((key, layout, rel, aid))
         if self._unsynced is not None:
             # deferred durability on a local store: every zarr.json written directly (by each rank that writes to
@@ -669,6 +696,7 @@ class CheckpointWriter:
             handles = [fmt.created(f, self.store.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
                        for f, (key, _, rel, _) in zip(futures, pending)]
         for (key, layout, rel, aid), handle in zip(pending, handles):
+            localwrite.log_object(rel, "zarr.json")
             self._handles[key] = handle
             self._opened[key] = (layout, rel, aid)
 
@@ -684,8 +712,12 @@ class CheckpointWriter:
             return self._handles[key], layout, rel, aid
         layout, rel, aid = self._shard_layout(name, state, shape, dtype, pattern, topology, targets)
         self._touch(rel)
-        handle = fmt.create_array(self.store.location, rel, layout, self._array_context(), shared=True,
-                                  what=f"tensor {name!r} state {state!r}")
+        if self._origin_metadata:  # the origin writes its zarr.json in finish_shards
+            handle = self._uncreated_array(key, rel, layout)
+        else:
+            handle = fmt.create_array(self.store.location, rel, layout, self._array_context(), shared=True,
+                                      what=f"tensor {name!r} state {state!r}")
+            localwrite.log_object(rel, "zarr.json")
         self._handles[key] = handle
         return handle, layout, rel, aid
 
@@ -709,10 +741,42 @@ class CheckpointWriter:
         aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
         return layout, array_path(self.id, aid), aid
 
+    def origin_writes_metadata(self) -> None:
+        """For one rank of a multi-rank save (``distributed.distributed_begin`` calls it): the arrays of
+        ``write_shard`` and ``write_region`` are opened on their layout alone (no I/O) and only the array's
+        origin (the rank writing element 0) writes its ``zarr.json``, in ``finish_shards``; ``open_regions``
+        and ``open_shards`` called with an explicit ``create`` still create those keys at once. Then no
+        ``zarr.json`` has two writers (a conditional create-or-open that S3 and NFS do not make atomic)."""
+        self._origin_metadata = True
+
+    def _uncreated_array(self, key: tuple[str, str], rel: str, layout: fmt.ArrayLayout) -> Any:
+        """A handle of an array whose zarr.json this writer does not write now (no I/O: the layout stands in)."""
+        self._uncreated.add(key)
+        return fmt.LazyArray(lambda: fmt.open_array(self.store.location, rel, layout, self._array_context()))
+
+    def _create_uncreated(self, keys: list[tuple[str, str]]) -> None:
+        """Write the zarr.json of the arrays among ``keys`` (this writer is their origin) opened uncreated."""
+        todo = [(key, self._sharded[key][1], self._sharded[key][2]) for key in keys if key in self._uncreated]
+        if not todo:
+            return
+        if self._unsynced is not None:
+            fmt.create_local_arrays(self.store.location, [(rel, layout) for _, rel, layout in todo],
+                                    self._array_context())
+        else:
+            futures = [fmt.create_array(self.store.location, rel, layout, self._array_context(), shared=True,
+                                        wait=False) for _, rel, layout in todo]
+            for f, (key, rel, _) in zip(futures, todo):
+                fmt.created(f, self.store.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
+        for key, rel, _ in todo:
+            self._touch(rel)  # an fsync pass that ran since the array was opened did not see this file
+            localwrite.log_object(rel, "zarr.json")
+            self._uncreated.discard(key)
+
     def finish_shards(self, *, record: bool = True) -> None:
         """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of.
         ``record=False``: their rows stay with the writer (for :meth:`commit` or :meth:`export_rows`)."""
         self._drain()
+        self._create_uncreated(sorted(self._origin))
         hashes: dict[tuple[str, str], str] = {}
         for key in sorted(self._origin):
             aid, rel, layout, pattern = self._sharded[key]
@@ -1084,7 +1148,10 @@ def _writer_aligned_shards(layout: fmt.ArrayLayout, source_points: Mapping[int, 
             g = math.gcd(g, p)
         c = layout.chunk_shape[d]
         if g % c == 0:
-            shard[d] = min(shard[d], g)
+            # the largest whole number of chunks that divides every split point and fits the planned shard,
+            # so no shard straddles a split point (``min(shard, g)`` did when g was over the shard target)
+            k, cap = g // c, max(1, shard[d] // c)
+            shard[d] = c * max(n for i in range(1, math.isqrt(k) + 1) if k % i == 0 for n in (i, k // i) if n <= cap)
     return tuple(shard)
 
 
