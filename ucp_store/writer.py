@@ -423,7 +423,8 @@ class CheckpointWriter:
         that ``patterns.is_writer`` picks for each element writes it. Inner-chunk boundaries follow the
         split points of the source and ``targets`` topologies, and shard files follow the source split so
         that two ranks never write one shard where the layout allows it; where they must (ZeRO flat
-        fragments straddling rows), TensorStore's conditional read-modify-write merges them safely.
+        fragments straddling rows), TensorStore's conditional read-modify-write merges them: sound on a local
+        filesystem, not on S3 or NFS (issue 27 item 0: routing those pieces to one writer is still open).
         After every rank has written, each calls ``finish_shards`` (after a barrier) and rank 0 commits.
         ``position`` orders the tensor-state like ``write``'s (every rank passes the same global order);
         by default the order in which the origin rank records it.
