@@ -144,3 +144,26 @@ def _file_mode(path) -> str:
 
     with sqlite3.connect(path) as conn:
         return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+
+
+def test_switch_refused_while_another_process_holds_wal(tmp_path):
+    """A catalog another process holds open in WAL cannot be switched to the rollback journal: a clear error
+    naming the mode and the filesystem, never a WAL catalog on a shared filesystem."""
+    import sqlite3
+
+    from ucp_store.errors import CatalogError
+
+    url = sqlite_url(tmp_path / "catalog.db")
+    open_catalog(url, create=True, statfs=_answer(LOCAL["ext4"])).close()
+    holder = sqlite3.connect(tmp_path / "catalog.db")  # WAL, as the file says
+    try:
+        holder.execute("SELECT count(*) FROM runs").fetchall()
+        with pytest.raises(CatalogError, match=r"journal_mode=DELETE.*on nfs"):
+            open_catalog(url, create=False, busy_timeout_ms=200, statfs=_answer(SHARED["nfs"]))
+    finally:
+        holder.close()
+    catalog = open_catalog(url, create=False, statfs=_answer(SHARED["nfs"]))  # nobody holds it: switched
+    try:
+        assert _journal(catalog) == "delete"
+    finally:
+        catalog.close()

@@ -305,7 +305,16 @@ def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str,
         cur = dbapi_connection.cursor()
         try:
             cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            mode = _set_journal(cur, busy_timeout_ms, wanted)
+            try:
+                mode = _set_journal(cur, busy_timeout_ms, wanted)
+            except sqlite3.OperationalError as e:
+                if not _is_transient(e):
+                    raise
+                why = f" ({journal.reason})" if journal is not None else ""
+                raise CatalogError(
+                    f"catalog {shown}: cannot switch it to journal_mode={wanted.upper()}{why}: another process has it "
+                    f"open in another journal mode ({e}); close that process, or open the catalog with its mode "
+                    "(sqlite_journal=, ucp --sqlite-journal)") from e
             cur.execute("PRAGMA synchronous = FULL")
             cur.execute("PRAGMA foreign_keys = ON")
         finally:
