@@ -440,9 +440,9 @@ def _hash_cases(draw):
 @given(case=_hash_cases())
 def test_box_digests_and_read_back_give_the_whole_tensor_hash(case):
     """For random shapes, dtypes and tilings of the array into boxes (a grid, ZeRO-like flat fragments, or an
-    even power-of-two split of one dim), each box digesting its whole tiles from memory (a strided view or a
-    contiguous copy) plus a read-back of the missing tiles gives the whole-tensor hash, as does the hasher fed
-    in pieces of any size; an even power-of-two split <= 64 leaves no tile missing."""
+    even power-of-two split of one dim), each box digesting its whole tiles from memory (a strided view, a
+    contiguous copy or a Fortran-order one) plus a read-back of the missing tiles gives the whole-tensor hash,
+    as does the hasher fed in pieces of any size; a split that falls on tile edges leaves no tile missing."""
     from ucp_store.geometry import flat_range_to_boxes
 
     shape, dtype, kind, data = case
@@ -469,7 +469,7 @@ def test_box_digests_and_read_back_give_the_whole_tensor_hash(case):
     digests: dict = {}
     for box in boxes:
         view = a[tuple(slice(lo, hi) for lo, hi in box)]
-        local = view if data.draw(st.booleans()) else np.ascontiguousarray(view)
+        local = data.draw(st.sampled_from([lambda x: x, np.ascontiguousarray, np.asfortranarray]))(view)
         fmt.box_unit_digests(dtype, shape, tuple(lo for lo, _ in box), local, digests)
     if kind == "pow2" and (d is None or (shape[d] // parts) % fmt.tile_shape(shape, a.itemsize)[d] == 0):
         # the split falls on tile edges (a small array grown to the 16 KiB floor keeps fewer splits)

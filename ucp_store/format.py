@@ -765,12 +765,12 @@ def box_unit_digests(dtype: str, shape: Sequence[int], offset: Sequence[int], da
         sl.append(slice(f * tl - int(o), min(last * tl, s) - int(o)))
     v = data[tuple(sl)]
     tb = t.tile[:-1] + (t.tile[-1] * t.itemsize,)
-    strides = t.strides
-    # one tile-row of dim 0 at a time: a box that is not contiguous in its last dim is copied a row at a time
-    for r in range(0, v.shape[0], t.tile[0]):
-        rows = v[r:r + t.tile[0]]
+    if v.strides[-1] == v.itemsize:  # gathered straight from the box, a group of tiles at a time
+        _digest_tiles(v.view(np.uint8), tb, out, first, t.strides)
+        return
+    for r in range(0, v.shape[0], t.tile[0]):  # a box not contiguous in its last dim: copied a tile-row at a time
         first0 = [first[0] + r // t.tile[0]] + first[1:]
-        _digest_tiles(_as_bytes(rows), tb, out, first0, strides)
+        _digest_tiles(_as_bytes(v[r:r + t.tile[0]]), tb, out, first0, t.strides)
 
 
 # --- the schemes of versions saved before "units" (verify recomputes them; nothing writes them) ---------
