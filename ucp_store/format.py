@@ -377,8 +377,9 @@ def read_box(handle: Any, layout: ArrayLayout, box: Box, *, what: str, array_url
 # a pattern (two save paths may choose different chunk grids for one tensor):
 #
 # - along each dim of size ``n`` the tile extent starts at ``n / 2**k`` for the largest ``k <= 6`` with
-#   ``2**k | n``, so every even power-of-two split <= 64 of any dim (ZeRO/FSDP row splits, TP column splits,
-#   EP expert splits) falls on tile edges and every such box holds whole tiles;
+#   ``2**k | n`` (on the last dim, of an N-d array, also ``n / 2**k >= 256 B``: the tile's contiguous runs), so
+#   every even power-of-two split <= 64 of any dim (ZeRO/FSDP row splits, TP column splits, EP expert splits)
+#   falls on tile edges and every such box holds whole tiles;
 # - tiles are cut towards ``UNIT_BYTES`` by factors of that extent (leading dims first: the splits stay on
 #   edges), and where they are too small, grown back by doubling to at least ``_TILE_FLOOR`` bytes and
 #   ``1 / _MAX_UNITS`` of the array (the dim with the most tiles first, dim 0 keeping 8x the splits of the
@@ -403,6 +404,8 @@ UNIT_BYTES = 256 << 10
 _TILE_FLOOR = 16 << 10  # tiles grow back to at least this many bytes (or the whole array)
 _MAX_UNITS = 1 << 14  # ... and to at least 1/_MAX_UNITS of the array: huge tensors get few, larger tiles
 _MAX_SPLIT_LOG2 = 6  # every even power-of-two split up to 2**6 = 64 of each dim falls on tile edges
+_MIN_RUN = 256  # ... but of the last dim only those that leave a tile row of this many bytes: below it, gathering
+                # a tile costs several times more per byte (tools/bench_hash.py: 4 B runs hash at 0.8 GB/s)
 _MAX_BLOCK = 64 << 20  # the stream's block (``_Tiles``) is cut below this where the floors allow
 _GATHER_BYTES = 4 << 20  # tiles are gathered (copied contiguous) at most this many bytes at a time
 _COPY_BYTES = 128 << 10  # ... in copies of about this many bytes of the source (tools/bench_hash.py)
@@ -441,10 +444,11 @@ def _tile_shape(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     nbytes = math.prod(n) * itemsize
     lo = max(_TILE_FLOOR, -(-nbytes // _MAX_UNITS))
     hi = max(UNIT_BYTES, 4 * lo)
-    even = []  # per dim the k of its largest even split 2**k <= 64 (0: an odd dim)
-    for s in n:
+    even = []  # per dim the k of its largest even split 2**k <= 64 kept on tile edges (0: an odd dim)
+    for d, s in enumerate(n):
+        run = _MIN_RUN if d == m - 1 and m > 1 else 0
         k = 0
-        while k < _MAX_SPLIT_LOG2 and s % (2 << k) == 0:
+        while k < _MAX_SPLIT_LOG2 and s % (2 << k) == 0 and (s >> k + 1) * itemsize >= run:
             k += 1
         even.append(k)
     t = [s >> k for s, k in zip(n, even)]
@@ -455,7 +459,7 @@ def _tile_shape(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     lead = True  # every dim before d has tile extent 1: d is the stream's block dim (``_Tiles``)
     for d in range(m):  # cut towards hi, leading dims first; and the block (a few MiB of the stream) to its cap
         while t[d] > 1 and (size() > hi or lead and t[d] * math.prod(n[d + 1:]) * itemsize > _MAX_BLOCK):
-            if not even[d]:  # an odd dim has no even split to keep: cut straight to what fits (the block: to
+            if not even[d]:  # a dim with no even split to keep: cut straight to what fits (the block: to
                 t[d] = max(1, hi // (size() // t[d])) if size() > hi else 1  # 1; tiles grow back on other dims)
                 continue
             p = _smallest_factor(t[d])
