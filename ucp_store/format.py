@@ -405,7 +405,7 @@ _TILE_FLOOR = 16 << 10  # tiles grow back to at least this many bytes (or the wh
 _MAX_UNITS = 1 << 14  # ... and to at least 1/_MAX_UNITS of the array: huge tensors get few, larger tiles
 _MAX_SPLIT_LOG2 = 6  # every even power-of-two split up to 2**6 = 64 of each dim falls on tile edges
 _MIN_RUN = 256  # ... but of the last dim only those that leave a tile row of this many bytes: below it, gathering
-                # a tile costs several times more per byte (tools/bench_hash.py: 4 B runs hash at 0.8 GB/s)
+                # a tile costs several times more per byte (tools/bench_hash.py --shape 4194304,16)
 _MAX_BLOCK = 64 << 20  # the stream's block (``_Tiles``) is cut below this where the floors allow
 _GATHER_BYTES = 4 << 20  # tiles are gathered (copied contiguous) at most this many bytes at a time
 _COPY_BYTES = 128 << 10  # ... in copies of about this many bytes of the source (tools/bench_hash.py)
