@@ -19,11 +19,13 @@ load reads ``dcp@latest``. Filesystem-only options (``thread_count``, ``sync_fil
 spawned rank processes of ``MultiProcessTestCase`` run it too.
 
 ``--baseline`` runs the same files unpatched (DCP's own filesystem storage), to tell a failure of the
-backend from a test that fails on this torch anyway. ``--allow-cpu`` lifts upstream's GPU gates
-(``skip_if_lt_x_gpu(n)`` becomes ``skip_if_lt_x_gpu(n, allow_cpu=True)``, with or without ``--baseline``):
-most DTensor tests are gated on 2 or 4 GPUs although they use ``self.device_type`` (``cpu`` here, gloo),
-so without it they skip on a CPU host. Tests that call ``.cuda()`` then fail on both sides. The script
-prints pass/skip/fail counts per file and each failure's last error line; docs/dcp-backend.md records a run.
+backend from a test that fails on this torch anyway (the line is prepended there too, with ``backend=False``:
+it then only adds the test helpers a newer test file imports and this torch lacks). ``--allow-cpu`` lifts
+upstream's GPU gates (``skip_if_lt_x_gpu(n)`` becomes ``skip_if_lt_x_gpu(n, allow_cpu=True)``, with or
+without ``--baseline``): most DTensor tests are gated on 2 or 4 GPUs although they use ``self.device_type``
+(``cpu`` here, gloo), so without it they skip on a CPU host. Tests that call ``.cuda()`` then fail on both
+sides. The script prints pass/skip/fail counts per file and each failure's last error line;
+docs/dcp-backend.md records a run.
 """
 
 from __future__ import annotations
@@ -127,12 +129,28 @@ def _allow_cpu() -> None:
     common_dtensor.skip_if_lt_x_gpu = lifted  # type: ignore[attr-defined]
 
 
+def _compat() -> None:
+    """Helpers newer test files import from ``torch.testing._internal`` that the installed torch lacks, added
+    with the meaning they have upstream (the stored test files are not all of the installed release)."""
+    import torch
+    from torch.testing._internal.distributed._tensor import common_dtensor
+
+    if not hasattr(common_dtensor, "_get_device_type"):
+        def _get_device_type(world_size: int) -> str:  # upstream: the accelerator when it has enough devices
+            acc = torch.accelerator.current_accelerator()
+            return acc.type if acc is not None and torch.accelerator.device_count() >= world_size else "cpu"
+
+        common_dtensor._get_device_type = _get_device_type  # type: ignore[attr-defined]
+
+
 def install(backend: bool = True, allow_cpu: bool = False) -> None:
     """Substitute the ucp backend for DCP's filesystem storage in this process (see the module doc);
-    ``allow_cpu``: lift the GPU gates (``--allow-cpu``)."""
+    ``backend=False`` (``--baseline``) leaves DCP's storage; ``allow_cpu``: lift the GPU gates (``--allow-cpu``).
+    Both add the test helpers the installed torch lacks (:func:`_compat`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import _storage_utils
 
+    _compat()
     if allow_cpu:
         _allow_cpu()
     if not backend:
@@ -177,10 +195,7 @@ def run_file(cache: Path, rel: str, work: Path, baseline: bool, pytest_args: lis
              allow_cpu: bool = False) -> dict:
     src = (cache / rel).read_text()
     dest = work / Path(rel).name
-    if baseline and not allow_cpu:
-        dest.write_text(src)
-    else:
-        dest.write_text(SHIM_LINE.format(args=f"backend={not baseline}, allow_cpu={allow_cpu}") + src)
+    dest.write_text(SHIM_LINE.format(args=f"backend={not baseline}, allow_cpu={allow_cpu}") + src)
     # torch.testing's helpers need expecttest, which the project does not: `pip install --target
     # <cache>/../deps expecttest` puts it beside the cached files instead of into the environment
     deps = cache.parent / "deps"
