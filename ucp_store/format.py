@@ -663,7 +663,15 @@ class ContentHasher:
         t = self._t
         return min(t.tile[t.j], t.shape[t.j] - self._block * t.tile[t.j]) * t.row_bytes
 
-    def _digest_block(self, raw: np.ndarray) -> None:
+    def _whole_blocks(self, avail: int) -> int:
+        """Bytes of the whole blocks, from the current one on, in ``avail`` bytes (up to the end of dim j)."""
+        t = self._t
+        left = t.shape[t.j] - self._block * t.tile[t.j]  # rows of dim j left
+        rows = min(avail // t.row_bytes, left)
+        return (rows if rows == left else rows // t.tile[t.j] * t.tile[t.j]) * t.row_bytes
+
+    def _digest_blocks(self, raw: np.ndarray) -> None:
+        """Digest consecutive whole blocks in one pass (fewer calls: a block may be a fraction of a MiB)."""
         t = self._t
         rows = raw.size // t.row_bytes
         shape, tb = t.byte_shape(rows)
@@ -671,7 +679,7 @@ class ContentHasher:
         strides = [math.prod(-(-x // y) for x, y in zip(shape[d + 1:], tb[d + 1:])) for d in range(len(shape))]
         _digest_tiles(raw.reshape(shape), tb, out, (0,) * len(shape), strides)
         self._h.update(b"".join(out))
-        self._block = (self._block + 1) % t.grid[t.j]
+        self._block = (self._block + -(-rows // t.tile[t.j])) % t.grid[t.j]
 
     def update(self, array: np.ndarray) -> None:
         if not self._t.count:
@@ -688,11 +696,11 @@ class ContentHasher:
                 self._buf[self._fill:self._fill + take] = b[i:i + take]
                 self._fill += take
                 if self._fill == size:
-                    self._digest_block(self._buf[:size])
+                    self._digest_blocks(self._buf[:size])
                     self._fill = 0
             else:
-                take = size
-                self._digest_block(b[i:i + size])
+                take = self._whole_blocks(n - i)
+                self._digest_blocks(b[i:i + take])
             i += take
         self._pos += n
 
