@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
 
-from ucp_test_helpers import free_port
+from ucp_test_helpers import rank_main_or_launch
 
 STEPS = 2
 
@@ -347,32 +346,7 @@ def _rank_main(rank, spec, port):
 
 
 def main() -> None:
-    import subprocess
-    import time
-
-    if sys.argv[1] == "--rank":
-        _rank_main(int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]))
-        return
-    spec = json.loads(sys.argv[1])
-    os.makedirs(spec["out"], exist_ok=True)
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), json.dumps(spec), str(port)])
-             for r in range(spec["world"])]
-    deadline = time.monotonic() + spec.get("timeout", 240)
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    hung = [r for r, p in enumerate(procs) if p.poll() is None]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    if hung:
-        print(f"ranks {hung} did not finish in time", file=sys.stderr)
-        sys.exit(4)
-    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
-    if bad:
-        print(f"ranks exited with {bad}", file=sys.stderr)
-        sys.exit(1)
+    rank_main_or_launch(__file__, _rank_main)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import os
 import sys
 import traceback
 
-from ucp_test_helpers import free_port
+from ucp_test_helpers import rank_main_or_launch
 
 
 def _model(spec, seed):
@@ -293,36 +293,7 @@ def _rank_main(rank, spec, port):
 
 
 def main() -> None:
-    """Parent: start ``world`` rank processes (plain subprocesses, so a rank that dies leaves the others
-    running to report their errors) and wait for all of them."""
-    import subprocess
-    import time
-
-    if sys.argv[1] == "--rank":
-        rank, spec, port = int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
-        _rank_main(rank, spec, port)
-        return
-    spec = json.loads(sys.argv[1])
-    os.makedirs(spec["out"], exist_ok=True)
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), json.dumps(spec), str(port)])
-             for r in range(spec["world"])]
-    deadline = time.monotonic() + spec.get("timeout", 240)
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    hung = [r for r, p in enumerate(procs) if p.poll() is None]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    if hung:
-        print(f"ranks {hung} did not finish in time", file=sys.stderr)
-        sys.exit(4)
-    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
-    if bad:  # a rank killed by a signal has a negative code, which max() over the ranks would hide
-        print(f"ranks exited with {', '.join(f'rank {r}: {c}' for r, c in bad)}", file=sys.stderr)
-        sys.exit(bad[0][1] if bad[0][1] > 0 else 128 - bad[0][1])
-    sys.exit(0)
+    rank_main_or_launch(__file__, _rank_main)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import ucp_store
 from ucp_store.adapters.torch_file import import_torch_file
 from ucp_store.errors import SourceFormatError, ValidationError
 
-from ucp_test_helpers import postgres_schema_url
+from ucp_test_helpers import store_on
 
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                                          HealthCheck.data_too_large])
@@ -83,13 +83,8 @@ _EXAMPLES = [1.0, -0.0, 2**64 - 1, 2**63, -(2**64), math.nan, math.inf, -math.in
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store(request, tmp_path):
-    if request.param == "sqlite":
-        yield ucp_store.open_store(str(tmp_path / "s"), create=True)
-        return
-    with postgres_schema_url() as url:
-        st_ = ucp_store.open_store(str(tmp_path / "s"), create=True, catalog=url)
-        yield st_
-        st_.catalog.close()
+    with store_on(request.param, tmp_path / "s") as st:
+        yield st
 
 
 def test_scalars_keep_their_type_and_sign(store):

@@ -27,7 +27,7 @@ from ucp_store.checkpoint import diff
 from ucp_store.topology import Topology
 from ucp_store.writer import CheckpointWriter
 
-from ucp_test_helpers import postgres_schema_url
+from ucp_test_helpers import store_on
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -36,13 +36,8 @@ def _gen(seed: int) -> torch.Generator:
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store(request, tmp_path):
-    if request.param == "sqlite":
-        yield ucp_store.open_store(str(tmp_path / "s"), create=True)
-        return
-    with postgres_schema_url() as url:
-        st = ucp_store.open_store(str(tmp_path / "s"), create=True, catalog=url)
+    with store_on(request.param, tmp_path / "s") as st:
         yield st
-        st.catalog.close()
 
 
 @pytest.fixture

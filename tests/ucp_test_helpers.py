@@ -172,3 +172,54 @@ def wait_for(predicate, *, timeout: float = 180, what: str = "condition", procs=
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def rank_main_or_launch(script: str, rank_main) -> None:
+    """The ``main`` of a gloo worker script: as ``script --rank R SPEC PORT``, run ``rank_main(R, spec, port)``;
+    as ``script SPEC``, start ``spec["world"]`` ranks of ``script`` (plain subprocesses, so a rank that dies
+    leaves the others running to report their errors), wait up to ``spec["timeout"]`` (240 s) and exit with
+    4 when ranks hung, the first failing rank's code (a signal as 128 + its number) or 0."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    if sys.argv[1] == "--rank":
+        rank_main(int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]))
+        return
+    spec = json.loads(sys.argv[1])
+    os.makedirs(spec["out"], exist_ok=True)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, script, "--rank", str(r), json.dumps(spec), str(port)])
+             for r in range(spec["world"])]
+    deadline = time.monotonic() + spec.get("timeout", 240)
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    hung = [r for r, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if hung:
+        print(f"ranks {hung} did not finish in time", file=sys.stderr)
+        sys.exit(4)
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
+    if bad:  # a rank killed by a signal has a negative code, which max() over the ranks would hide
+        print(f"ranks exited with {', '.join(f'rank {r}: {c}' for r, c in bad)}", file=sys.stderr)
+        sys.exit(bad[0][1] if bad[0][1] > 0 else 128 - bad[0][1])
+    sys.exit(0)
+
+
+@contextmanager
+def store_on(catalog: str, folder):
+    """An open store in ``folder``, its catalog on SQLite (``"sqlite"``, inside the folder) or on a fresh
+    PostgreSQL schema (``"postgres"``; skips without a server), closed before the schema is dropped."""
+    import ucp_store
+
+    if catalog == "sqlite":
+        yield ucp_store.open_store(str(folder), create=True)
+        return
+    with postgres_schema_url() as url:
+        store = ucp_store.open_store(str(folder), create=True, catalog=url)
+        yield store
+        store.catalog.close()
