@@ -11,8 +11,8 @@ import pytest
 
 import ucp_store
 from ucp_store import cli
-from ucp_store import format as fmt
-from ucp_store.store import CheckpointWriter
+from ucp_store.io import format as fmt
+from ucp_store.save.writer import CheckpointWriter
 
 # Re-exported for modules that still write ``from conftest import ...`` (e.g. tests/test_distributed.py);
 # that form is ambiguous once tests/deepspeed/conftest.py exists: import from ucp_test_helpers instead.

@@ -97,7 +97,7 @@ def _bits_equal(a, b) -> list[str]:
 def sc_save(spec, rank, state):
     import torch.distributed.checkpoint as dcp
 
-    from ucp_store.dcp_storage import UcpStorageWriter
+    from ucp_store.formats.dcp.storage import UcpStorageWriter
 
     cfg, model, opt = _model("dp", 0)
     losses = _train(model, opt, cfg, "dp", rank, 0, STEPS)
@@ -112,7 +112,7 @@ def sc_save(spec, rank, state):
 def _resume(spec, rank, mesh_kind, state):
     import torch.distributed.checkpoint as dcp
 
-    from ucp_store.dcp_storage import UcpStorageReader
+    from ucp_store.formats.dcp.storage import UcpStorageReader
 
     cfg, mu, ou = _model(mesh_kind, 123)
     _, md, od = _model(mesh_kind, 456)
@@ -144,7 +144,7 @@ def sc_async_thread(spec, rank, state):
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from ucp_store import open_store
-    from ucp_store.dcp_storage import UcpStorageWriter
+    from ucp_store.formats.dcp.storage import UcpStorageWriter
 
     cfg, model, opt = _model("dp", 0)
     _train(model, opt, cfg, "dp", rank, 0, 1)
@@ -175,7 +175,7 @@ def sc_async_process(spec, rank, state):
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from ucp_store import open_store
-    from ucp_store.dcp_storage import UcpStorageWriter
+    from ucp_store.formats.dcp.storage import UcpStorageWriter
 
     cfg, model, opt = _model("dp", 0)
     _train(model, opt, cfg, "dp", rank, 0, 1)
@@ -208,7 +208,7 @@ def sc_dead_rank(spec, rank, state):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from ucp_store import open_store
-    from ucp_store.dcp_storage import UcpStorageWriter
+    from ucp_store.formats.dcp.storage import UcpStorageWriter
 
     world, out = spec["world"], spec["out"]
     dead = world - 1
@@ -259,7 +259,7 @@ def sc_bad(spec, rank, state):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from ucp_store import open_store
-    from ucp_store.dcp_storage import UcpStorageReader, UcpStorageWriter
+    from ucp_store.formats.dcp.storage import UcpStorageReader, UcpStorageWriter
 
     out = {}
 

@@ -1,4 +1,4 @@
-"""Device check of ucp_store.dist: real ranks on CPU (gloo) or CUDA (NCCL), one verdict.
+"""Device check of ucp_store.distributed: real ranks on CPU (gloo) or CUDA (NCCL), one verdict.
 
 Run as::
 
@@ -110,7 +110,7 @@ def _clone(obj):
 
 
 def _tensor_leaves(sd) -> list:
-    from ucp_store.dist.statedict import flatten
+    from ucp_store.distributed.statedict import flatten
 
     return [leaf for leaf in flatten(sd) if leaf.is_tensor]
 
@@ -135,7 +135,7 @@ def _compare(live, want, *, host: bool) -> list[str]:
     """Leaves where two state dicts of one structure differ: placements, mesh, device, local bytes."""
     import numpy as np
 
-    from ucp_store.dist.statedict import flatten, path_text
+    from ucp_store.distributed.statedict import flatten, path_text
 
     la, lb = flatten(live), flatten(want)
     if [x.path for x in la] != [x.path for x in lb]:
@@ -225,7 +225,7 @@ def role_main(spec, rank, out, checks: Checks):
     import torch
 
     import ucp_store
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
     from ucp_store.demo.model import batch, train_step
 
     device, cuda = spec["device"], spec["device"] == "cuda"
@@ -345,7 +345,7 @@ def role_cross(spec, rank, out, checks: Checks):
     """Load the first phase's checkpoint on another device and mesh; compare with its logical tensors."""
     import torch
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     device = spec["device"]
     _cfg, _mesh, model, opt = _build(spec, device, 123, rank)
@@ -386,7 +386,7 @@ def _control_group_check(checks: Checks) -> None:
     ``new_group`` path every multi-rank save and load takes), made even for one rank, and a vote on it."""
     import torch.distributed as dist
 
-    from ucp_store.distributed import all_ok, control_group, gather_errors
+    from ucp_store.distributed.commit import all_ok, control_group, gather_errors
 
     try:
         group = control_group(tag="device-check")
@@ -460,7 +460,7 @@ def _rank_main(rank: int, spec: dict, port: int) -> int:
     if code == 3:
         os._exit(code)  # no teardown collectives after a crash: the others must not wait for this rank
     try:
-        import ucp_store.dist as ucpd
+        import ucp_store.distributed as ucpd
 
         ucpd.close()  # stop the async writer processes
         if dist is not None and dist.is_initialized():

@@ -5,9 +5,9 @@ port; plain subprocesses so that one rank dying leaves the others to report) tha
 ``spec["role"]`` (of ``spec["module"]`` when given, e.g. tests/perrank_worker.py) and write
 ``<out>/rank<r>.json``. Roles:
 
-- ``source``: train ``steps`` steps on the mesh, save with ``ucp_store.dist.save`` and with DCP;
+- ``source``: train ``steps`` steps on the mesh, save with ``ucp_store.distributed.save`` and with DCP;
 - ``resume``: build a differently initialised model on the target mesh, load one copy with
-  ``ucp_store.dist.load`` and one with ``dcp.load``, compare every model and optimizer tensor bit for bit,
+  ``ucp_store.distributed.load`` and one with ``dcp.load``, compare every model and optimizer tensor bit for bit,
   then train one step on both and record the two losses;
 - ``verify``: load, check ``verify`` is clean, change one element of one rank's shard, verify again;
 - ``async``: ``async_save`` then keep training (mutating the tensors) and compare the committed version
@@ -27,13 +27,7 @@ from ucp_test_helpers import rank_main_or_launch
 
 
 def _model(spec, seed):
-    from ucp_store.demo.model import (
-        ModelConfig,
-        build_model,
-        build_optimizer,
-        make_mesh,
-        parallelize,
-    )
+    from ucp_store.demo.model import ModelConfig, build_model, build_optimizer, make_mesh, parallelize
 
     cfg = ModelConfig(**spec.get("cfg", {}))
     tp, dp, rep = spec.get("tp", 1), spec.get("dp", 1), spec.get("rep", 1)
@@ -70,7 +64,7 @@ def _compare(a, b) -> list[str]:
     """Every leaf where two state dicts differ (tensors bit for bit, placements too)."""
     import torch
 
-    from ucp_store.dist.statedict import flatten, path_text
+    from ucp_store.distributed.statedict import flatten, path_text
 
     la, lb = flatten(a), flatten(b)
     out = []
@@ -100,7 +94,7 @@ def _train(spec, model, opt, cfg, rank, start, n):
 def role_source(spec, rank):
     import torch.distributed.checkpoint as dcp
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     cfg, model, opt = _model(spec, 0)
     losses = _train(spec, model, opt, cfg, rank, 0, spec["steps"])
@@ -113,7 +107,7 @@ def role_source(spec, rank):
 def role_resume(spec, rank):
     import torch.distributed.checkpoint as dcp
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     cfg, mu, ou = _model(spec, 123)
     _, md, od = _model(spec, 456)
@@ -134,7 +128,7 @@ def role_resume(spec, rank):
 def role_verify(spec, rank):
     import torch
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     cfg, model, opt = _model(spec, 0)
     _train(spec, model, opt, cfg, rank, 0, 1)
@@ -153,7 +147,7 @@ def role_verify(spec, rank):
 def role_async(spec, rank):
     import torch
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     cfg, model, opt = _model(spec, 0)
     _train(spec, model, opt, cfg, rank, 0, 1)
@@ -182,7 +176,7 @@ def role_async(spec, rank):
 
 
 def role_bad(spec, rank):
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     _cfg, model, opt = _model(spec, 0)
     ucpd.save(_sd(model, opt), store=spec["store"], run=spec["run"], step=1, progress=False)
@@ -192,7 +186,7 @@ def role_bad(spec, rank):
 def _bad_case(spec, rank):
     import torch
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     case = spec["case"]
     _cfg, model, opt = _model(spec, 0)
@@ -230,8 +224,8 @@ def _bad_case(spec, rank):
 
 
 def role_kill(spec, rank):
-    import ucp_store.dist as ucpd
-    from ucp_store import store as store_mod
+    import ucp_store.distributed as ucpd
+    from ucp_store.save import writer as store_mod
 
     _cfg, model, opt = _model(spec, 0)
     sd = _sd(model, opt)
@@ -279,7 +273,7 @@ def _rank_main(rank, spec, port):
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     if "crash" not in out:
-        import ucp_store.dist as ucpd
+        import ucp_store.distributed as ucpd
 
         ucpd.close()  # the async writer processes, before the process group goes
         if dist.is_initialized():

@@ -44,21 +44,21 @@ os.environ.pop("UCP_KILL_AT", None)
 import tensorstore as ts  # noqa: E402,F401  (loaded before the forks)
 import torch  # noqa: E402
 
-import ucp_store  # noqa: E402
-from ucp_store import _killpoints  # noqa: E402
-from ucp_store import checkpoint as _ck  # noqa: E402,F401
-from ucp_store import format as _fmt  # noqa: E402,F401
-from ucp_store import writer as _writer  # noqa: E402,F401
-from ucp_store.adapters import torch_file as _tf  # noqa: E402,F401
+import ucp_store
+from ucp_store import _killpoints
+from ucp_store.formats import torch_file as _tf
+from ucp_store.io import format as _fmt
+from ucp_store.registry import checkpoint as _ck
+from ucp_store.save import writer as _writer
 
 
 def _prewarm() -> None:
     """Import and build, once in the driver, what every forked child would otherwise redo (no threads)."""
     import importlib
 
-    for mod in ("ucp_store.patterns", "ucp_store.topology", "ucp_store.retention", "ucp_store.io",
-                "ucp_store.localread", "ucp_store.cli", "ucp_store.cli.maintenance", "ucp_store.dist",
-                "ucp_store.adapters.dcp", "ucp_store.adapters.hf", "ucp_store.adapters.deepspeed_universal",
+    for mod in ("ucp_store.patterns", "ucp_store.topology", "ucp_store.registry.retention", "ucp_store.io.read",
+                "ucp_store.io.localread", "ucp_store.cli", "ucp_store.cli.maintenance", "ucp_store.distributed",
+                "ucp_store.formats.dcp.adapter", "ucp_store.formats.hf.adapter", "ucp_store.deepspeed.universal",
                 "ucp_store.catalog.db", "torch.distributed.checkpoint", "safetensors.torch",
                 "sqlalchemy.dialects.sqlite"):
         importlib.import_module(mod)
@@ -204,16 +204,16 @@ def run_op(case: Case, op: str) -> None:
             raise AssertionError("a duplicate write was accepted")
         w.commit()
     elif op == "import":
-        from ucp_store.adapters.torch_file import import_torch_file
+        from ucp_store.formats.torch_file import import_torch_file
 
         import_torch_file(store, os.path.join(case.dir, "src.pt"), "imp", 5, progress=False)
     elif op == "dist":
-        from ucp_store import dist
+        from ucp_store import distributed as dist
 
         dist.save({"model": {"w": _t(21), "b": _t(22, (6,))}, "lr": 0.5}, store=store, run="dst", step=1,
                   progress=False)
     elif op == "async":  # a lazy async save, killed while its background snapshot copies
-        from ucp_store import dist
+        from ucp_store import distributed as dist
 
         dist.async_save({"model": {"w": _t(21), "b": _t(22, (6,))}, "lr": 0.5}, store=store, run="asy", step=1,
                         lazy=True).result()
@@ -222,19 +222,19 @@ def run_op(case: Case, op: str) -> None:
     elif op == "rm":
         store.rm("base@1")
     elif op == "export_torch":
-        from ucp_store.adapters.torch_file import export_torch_file
+        from ucp_store.formats.torch_file import export_torch_file
 
         export_torch_file(store.checkpoint("base@2"), case.dest, state="fp32", progress=False)
     elif op == "export_universal":
-        from ucp_store.adapters.deepspeed_universal import export_universal
+        from ucp_store.deepspeed.universal import export_universal
 
         export_universal(store.checkpoint("base@2"), case.dest, tag="t", progress=False, workers=1)
     elif op == "export_dcp":
-        from ucp_store.adapters.dcp import export_dcp
+        from ucp_store.formats.dcp.adapter import export_dcp
 
         export_dcp(store.checkpoint("base@2"), case.dest, progress=False)
     elif op == "export_hf":
-        from ucp_store.adapters.hf import export_hf
+        from ucp_store.formats.hf.adapter import export_hf
 
         export_hf(store.checkpoint("base@1"), case.dest, config={"architectures": ["Tiny"], "model_type": "tiny"},
                   progress=False)

@@ -21,7 +21,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    import ucp_store.deepspeed_direct as ucpds
+    import ucp_store.deepspeed as ucpds
     from ucp_store.demo import ds_train
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -30,7 +30,7 @@ def _dump(spec, rank, out):
 
 def _held():
     """Hold the next lazy snapshot back until the returned event is set (deterministic overlap)."""
-    from ucp_store.dist import snapshot
+    from ucp_store.distributed import snapshot
 
     ev = threading.Event()
     snapshot._before_run = ev.wait
@@ -40,10 +40,10 @@ def _held():
 def role_inflight(spec, rank):
     import torch
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
     from ucp_store import open_store
     from ucp_store.demo.model import batch
-    from ucp_store.dist import snapshot
+    from ucp_store.distributed import snapshot
 
     cfg, model, opt = _model(spec, 0)
     _train(spec, model, opt, cfg, rank, 0, 1)
@@ -90,9 +90,9 @@ def role_inflight(spec, rank):
 def role_mutate(spec, rank):
     import torch
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
     from ucp_store import open_store
-    from ucp_store.dist import snapshot
+    from ucp_store.distributed import snapshot
 
     cfg, model, opt = _model(spec, 0)
     _train(spec, model, opt, cfg, rank, 0, 1)
@@ -124,7 +124,7 @@ def role_mutate(spec, rank):
 
 
 def role_kill(spec, rank):
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
     from ucp_store import _killpoints
 
     cfg, model, opt = _model(spec, 0)

@@ -48,8 +48,8 @@ def rank_main(spec: dict, rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import ucp_store.dist as ucpd
-    from ucp_store import localwrite
+    import ucp_store.distributed as ucpd
+    from ucp_store.io import localwrite
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -74,7 +74,7 @@ def launch(spec: dict) -> list[dict]:
     import torch  # noqa: F401 - loaded once, before the forks
     import torch.distributed.tensor  # noqa: F401
 
-    import ucp_store.dist  # noqa: F401
+    import ucp_store.distributed
 
     world = spec["world"]
     with socket.socket() as s:

@@ -114,7 +114,7 @@ def _restore(sd: dict, sampler: PositionSampler, gen: torch.Generator) -> None:
 
 
 def role_save(spec, rank):
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     mesh = _mesh(2, 2)
     dp_rank = rank // 2
@@ -133,7 +133,7 @@ def role_save(spec, rank):
 
 
 def role_same(spec, rank):
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     mesh = _mesh(2, 2)
     dp_rank = rank // 2
@@ -152,7 +152,7 @@ def role_same(spec, rank):
 
 
 def role_reshard(spec, rank):
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     mesh = _mesh(4, 1)
     sd, sampler, gen = _state(mesh, 4, rank, seed=9)
@@ -165,7 +165,7 @@ def role_reshard(spec, rank):
 
 
 def role_nopolicy(spec, rank):
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     out = {}
     mesh = _mesh(4, 1)
@@ -184,7 +184,7 @@ def role_nopolicy(spec, rank):
 
 
 def role_bycoord(spec, rank):
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     mesh = _mesh(2, 1)
     sd, sampler, gen = _state(mesh, 2, rank, seed=11)
@@ -199,7 +199,7 @@ def role_bycoord(spec, rank):
 
 
 def role_repro(spec, rank):
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     sd = {"model": {"w": torch.ones(4)}, "rng": torch.full((8,), rank, dtype=torch.uint8),
           "dataloader": {"pos": 100 + rank}}

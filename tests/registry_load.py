@@ -193,7 +193,7 @@ def run(store_url: str, catalog: str | None, workdir: str, timeout: float = 600.
     import multiprocessing as mp
 
     import ucp_store
-    import ucp_store.writer  # noqa: F401 (torch, TensorStore: imported once, before the fork)
+    import ucp_store.save.writer
 
     ucp_store.open_store(store_url, catalog=catalog, create=True).catalog.engine.dispose()
     ctx = mp.get_context("fork")

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import ucp_store
-from ucp_store.adapters.base import Sink, Source, TensorRecord, import_source, merge_objects, write_records
-from ucp_store.adapters.deepspeed_files import pipeline_placement
-from ucp_store.adapters.deepspeed_merge import with_placement
-from ucp_store.adapters.deepspeed_universal import UniversalSink
-from ucp_store.adapters.torch_file import TorchFileSink, TorchFileSource
+from ucp_store.deepspeed.files import pipeline_placement
+from ucp_store.deepspeed.merge import with_placement
+from ucp_store.deepspeed.universal import UniversalSink
+from ucp_store.formats.base import Sink, Source, TensorRecord, import_source, merge_objects, write_records
+from ucp_store.formats.torch_file import TorchFileSink, TorchFileSource
 from ucp_store.patterns import Partitioned, parse_pattern
 
 

@@ -25,13 +25,15 @@ def filled(store, store_path):
     return str(store_path)
 
 
-def test_old_import_paths_still_work():
-    from ucp_store import cli, plan_cli
+def test_cli_import_paths():
+    from ucp_store import cli
     from ucp_store.cli import build_parser, main
+    from ucp_store.cli import plan as plan_cli
+    from ucp_store.cli.plot import draw_plan
 
     assert callable(main) and build_parser().prog == "ucp"
     assert cli.EXIT_OK == 0 and cli.EXIT_FAIL == 1
-    assert callable(plan_cli.run_plan) and callable(plan_cli.draw_plan) and callable(plan_cli.topology_from_args)
+    assert callable(plan_cli.run_plan) and callable(draw_plan) and callable(plan_cli.topology_from_args)
     assert cli._fmt_bytes(1536) == "1.5 KiB"
     p = run_python(["-m", "ucp_store.cli", "--help"])
     assert p.returncode == 0 and "read plan of a version" in p.stdout and p.stderr == ""

@@ -14,7 +14,7 @@ from ucp_store import dtype_table, dtypes
 from ucp_store.errors import DTypeError, PlanError
 from ucp_store.geometry import Box, FlatRange, uncovered
 from ucp_store.patterns import zero_group_layout
-from ucp_store.planner import itemsize, plan
+from ucp_store.plan.planner import itemsize, plan
 from ucp_store.topology import Topology
 
 
@@ -51,7 +51,7 @@ def test_unknown_dtype_names_a_near_match():
 
 
 def test_dtype_table_is_torch_free():
-    code = ("import sys; import ucp_store.dtype_table, ucp_store.planner, ucp_store.geometry, ucp_store.patterns;"
+    code = ("import sys; import ucp_store.dtype_table, ucp_store.plan.planner, ucp_store.geometry, ucp_store.patterns;"
             "bad = [m for m in ('torch', 'numpy', 'tensorstore', 'zarr', 'ml_dtypes') if m in sys.modules];"
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

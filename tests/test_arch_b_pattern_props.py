@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ucp_store.chunking import choose_chunking, split_dims_for_pattern
+from ucp_store.io.chunking import choose_chunking, split_dims_for_pattern
 from ucp_store.patterns import Expert, Fused, Partitioned, Placement, Replicated, Vocab, parse_pattern
 
 
@@ -59,7 +59,7 @@ def test_chunking_same_for_dict_and_class():
 def test_infer_layers_reads_pattern_layer():
     from types import SimpleNamespace
 
-    from ucp_store.plan_cli import _infer_layers
+    from ucp_store.cli.plan import infer_layers as _infer_layers
 
     infos = [SimpleNamespace(pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": 5}}),
              SimpleNamespace(pattern={"kind": "replicated", "placement": {"stages": ["first", "last"]}}),

@@ -21,8 +21,8 @@ import torch
 
 import ucp_store
 from ucp_store import errors as E
-from ucp_store._window import FutureWindow, prefetch
-from ucp_store.location import array_checkpoint, array_path
+from ucp_store.io.location import array_checkpoint, array_path
+from ucp_store.io.window import FutureWindow, prefetch
 
 HEAVY = ("torch", "tensorstore", "zarr", "ml_dtypes", "numcodecs", "matplotlib")
 
@@ -72,7 +72,7 @@ def test_import_ucp_store_loads_names_lazily():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
     assert ucp_store.Topology is __import__("ucp_store.topology", fromlist=["Topology"]).Topology
-    assert ucp_store.load_shard is __import__("ucp_store.io", fromlist=["load_shard"]).load_shard
+    assert ucp_store.load_shard is __import__("ucp_store.io.read", fromlist=["load_shard"]).load_shard
 
 
 def test_zarr_learns_bfloat16_after_a_lazy_import(filled):
@@ -83,12 +83,13 @@ def test_zarr_learns_bfloat16_after_a_lazy_import(filled):
     assert "bfloat16" in res.stdout
 
 
-def test_old_import_paths_still_work():
+def test_public_import_paths():
     from ucp_store.catalog import read_only_query as q2
-    from ucp_store.store import CheckpointWriter, GcReport, _layer_of, open_store, read_only_query
-    from ucp_store.writer import CheckpointWriter as W
+    from ucp_store.registry.retention import GcReport
+    from ucp_store.save.writer import layer_of as _layer_of
+    from ucp_store.store import open_store, read_only_query
 
-    assert CheckpointWriter is W and read_only_query is q2 and callable(open_store)
+    assert read_only_query is q2 and callable(open_store)
     assert GcReport().to_json()["dry_run"] is False
     assert _layer_of({"kind": "replicated", "placement": {"layer": 3}}) == 3
     assert _layer_of(None) is None

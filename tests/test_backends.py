@@ -23,7 +23,7 @@ import torch
 import ucp_store
 from ucp_store.catalog import new_id
 from ucp_store.errors import InvalidNameError, UcpError
-from ucp_store.location import Location
+from ucp_store.io.location import Location
 from ucp_store.topology import Topology
 
 from ucp_test_helpers import REPO, bits, postgres_schema_url, python_env

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import ucp_store
-from ucp_store import format as fmt
 from ucp_store.errors import ChecksumError, UcpError
-from ucp_store.store import CheckpointWriter
+from ucp_store.io import format as fmt
+from ucp_store.save.writer import CheckpointWriter
 
 from ucp_test_helpers import flip_byte, shard_file_and_range
 
@@ -135,7 +135,7 @@ def _reads(handle) -> list:
 
 def _check_reads(kind: str, store, cid: str, local: bool) -> None:
     """Every read fails naming the array and a bad chunk, or returns exactly the saved bytes."""
-    from ucp_store import localread
+    from ucp_store.io import localread
 
     handle = store.checkpoint(cid).tensor("x")
     reader = localread.open_reader(store.location, handle.info.array, handle.layout, store.context)

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.filesystem import (
 
 import ucp_store
 from ucp_store import cli
-from ucp_store.adapters.dcp import DcpSource, export_dcp, import_dcp, opaque_entries
 from ucp_store.errors import SourceFormatError, UcpError
+from ucp_store.formats.dcp.adapter import DcpSource, export_dcp, import_dcp, opaque_entries
 
 
 def _save(folder, sd, *, fmt=SerializationFormat.TORCH_SAVE):
@@ -317,7 +317,7 @@ def test_step_is_required(tmp_path, folder, capsys):
                                     torch.tensor(7.0), torch.zeros(0, 3), torch.arange(6, dtype=torch.int64)])
 def test_chunks_are_read_in_place(tensor):
     """The zero-copy reader of a torch.save chunk rebuilds the tensor exactly (strides, dtype, 0-dim)."""
-    from ucp_store.adapters.dcp import _torch_chunk_in_place
+    from ucp_store.formats.dcp.adapter import _torch_chunk_in_place
 
     buf = io.BytesIO()
     torch.save(tensor, buf)
@@ -327,7 +327,7 @@ def test_chunks_are_read_in_place(tensor):
 
 
 def test_chunk_reader_refuses_unsafe_globals():
-    from ucp_store.adapters.dcp import _torch_chunk_in_place
+    from ucp_store.formats.dcp.adapter import _torch_chunk_in_place
 
     buf = io.BytesIO()
     torch.save({"t": torch.ones(2), "d": datetime.date(2026, 1, 1)}, buf)
@@ -396,7 +396,7 @@ def test_chunk_assembly_copies_in_pieces_exactly(monkeypatch, piece, shape):
     """A saved chunk goes into its box of the assembled tensor in pieces (whole rows, or row by row when a
     row alone exceeds the piece), each small enough for torch to copy on the calling thread: every element
     lands where one ``copy_`` would put it, also from a transposed (non-contiguous) chunk."""
-    from ucp_store.adapters import dcp as dcp_mod
+    from ucp_store.formats.dcp import adapter as dcp_mod
 
     monkeypatch.setattr(dcp_mod, "_PIECE", piece)
     gen = torch.Generator().manual_seed(len(shape) * 31 + piece)

@@ -27,7 +27,7 @@ import torch
 
 import ucp_store
 from ucp_store import cli
-from ucp_store.adapters.dcp import opaque_entries
+from ucp_store.formats.dcp.adapter import opaque_entries
 
 from ucp_test_helpers import run_python
 

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from ucp_store import open_store
-from ucp_store.dcp_storage import UcpStorageReader, UcpStorageWriter, _plan_keys
 from ucp_store.errors import ConfigurationError, InvalidNameError, ReferenceNotFound, ShapeMismatch
+from ucp_store.formats.dcp.storage import UcpStorageReader, UcpStorageWriter, _plan_keys
 
 from ucp_test_helpers import REPO, run_python
 
@@ -153,7 +153,7 @@ def test_reader_serves_versions_saved_elsewhere_under_dcp_keys(tmp_path):
 def test_round_trip_one_process_and_import_dcp_agree(tmp_path):
     """A single-process save through the backend, and the same state saved by DCP and imported with
     ``ucp import dcp``, give the same tensor-states and load back the same."""
-    from ucp_store.adapters.dcp import import_dcp
+    from ucp_store.formats.dcp.adapter import import_dcp
 
     st = _store(tmp_path)
     sd = {"model": {"a.weight": torch.randn(5, 3), "b.bias": torch.randn(7)},

@@ -1,7 +1,7 @@
 """`ucp demo` end to end in real processes, its failure on a perturbed resume, and the pieces it judges with.
 
 The two demo tests run the real command (`python -m ucp_store.cli demo`), which spawns real gloo
-processes (TP=2 x DP=2, then 2x2, 1x4, 2x1 and one process) and saves and loads through ucp_store.dist,
+processes (TP=2 x DP=2, then 2x2, 1x4, 2x1 and one process) and saves and loads through ucp_store.distributed,
 with fewer steps than the default. They check the exit code, the loss table and both pictures; the second
 scales one tensor of one resumed run after its load and checks that the demo exits non-zero and says why.
 """

@@ -1,9 +1,9 @@
-"""ucp_store.dist: DTensor / FSDP2 / TP state dicts saved from every rank and resumed on other meshes.
+"""ucp_store.distributed: DTensor / FSDP2 / TP state dicts saved from every rank and resumed on other meshes.
 
 Fast tests (one process, no process group): the placement arithmetic against torch's own splitting,
 the state-dict keys, a save / load / verify / async_save / Checkpointer round trip with the demo model,
 and the bad-input errors. Slow tests (real gloo processes, tests/dist_worker.py): the demo transformer
-trained on a mesh, saved with ucp_store.dist.save and DCP, resumed on other meshes with both; model and
+trained on a mesh, saved with ucp_store.distributed.save and DCP, resumed on other meshes with both; model and
 optimizer state must be bit-identical to DCP's resume and the next-step losses equal.
 """
 
@@ -17,17 +17,10 @@ import pytest
 import torch
 
 import ucp_store
-import ucp_store.dist as ucpd
-from ucp_store import planner
-from ucp_store.demo.model import (
-    ModelConfig,
-    batch,
-    build_model,
-    build_optimizer,
-    train_step,
-)
-from ucp_store.dist import layout as lay
-from ucp_store.dist.statedict import flatten
+import ucp_store.distributed as ucpd
+from ucp_store.demo.model import ModelConfig, batch, build_model, build_optimizer, train_step
+from ucp_store.distributed import layout as lay
+from ucp_store.distributed.statedict import flatten
 from ucp_store.errors import (
     ConfigurationError,
     InvalidNameError,
@@ -38,6 +31,7 @@ from ucp_store.errors import (
     TopologyError,
     UcpError,
 )
+from ucp_store.plan import planner
 from ucp_store.topology import Topology
 
 from ucp_test_helpers import REPO, run_python
@@ -296,7 +290,7 @@ def test_async_save_thread_is_the_state_at_the_call(tmp_path):
 
 def test_async_save_staging_buffers_are_reused_and_exact(tmp_path):
     # tensors over 1 MiB stage into prefaulted anonymous mappings; the second call reuses them
-    from ucp_store.dist import asyncsave
+    from ucp_store.distributed import asyncsave
 
     g = torch.Generator().manual_seed(5)
     sd = {"w": torch.randn(512, 1024, generator=g), "h": torch.randn(700, 1024, generator=g).to(torch.bfloat16),
@@ -322,7 +316,7 @@ def test_async_save_staging_buffers_are_reused_and_exact(tmp_path):
 def test_prepare_async_makes_the_buffers_the_first_call_uses(tmp_path):
     """prepare_async at setup makes the staging buffers (and the background group): the first async_save of
     that layout only copies into them, and saves the state at the call, not the zeros of a fresh buffer."""
-    from ucp_store.dist import asyncsave
+    from ucp_store.distributed import asyncsave
 
     g = torch.Generator().manual_seed(6)
     sd = {"w": torch.randn(600, 1024, generator=g), "b": torch.randn(7, generator=g)}
@@ -396,7 +390,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """Every source mesh trained STEPS steps and saved with ucp_store.dist and with DCP."""
+    """Every source mesh trained STEPS steps and saved with ucp_store.distributed and with DCP."""
     base = tmp_path_factory.mktemp("dist")
     store = str(base / "store")
     for world in sorted({w for w, _ in SOURCES.values()}, reverse=True):

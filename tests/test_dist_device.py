@@ -1,4 +1,4 @@
-"""ucp_store.dist on real ranks of a device mesh: tests/dist_device_check.py run as a subprocess.
+"""ucp_store.distributed on real ranks of a device mesh: tests/dist_device_check.py run as a subprocess.
 
 The same script runs on CPU ranks (gloo) everywhere and on CUDA ranks (NCCL) where there are GPUs: DTensor
 parameters (FSDP2, TP from 4 ranks) trained 2 AdamW steps on the device, then ``save``, ``async_save``

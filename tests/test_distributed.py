@@ -19,7 +19,7 @@ WORKER = r'''
 import os, sys, torch, torch.distributed as dist
 import ucp_store
 from ucp_store import patterns as pat
-from ucp_store.distributed import distributed_begin, distributed_commit
+from ucp_store.distributed.commit import distributed_begin, distributed_commit
 from ucp_store.topology import Topology
 
 store_url, case, fail_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])

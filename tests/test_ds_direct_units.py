@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import ucp_store
-from ucp_store import format as fmt
 from ucp_store import patterns as pat
-from ucp_store.io import execute
-from ucp_store.planner import plan
+from ucp_store.io import format as fmt
+from ucp_store.io.read import execute
+from ucp_store.plan.planner import plan
 from ucp_store.topology import Topology
 
 SHAPES = {"big": (384, 1024), "odd": (7, 13), "bias": (1024,)}
@@ -97,7 +97,7 @@ def test_execute_reads_group_buffers_into_given_tensors(saved):
 def test_zero3_tp_and_moe_engines_are_refused_with_the_reason():
     from types import SimpleNamespace
 
-    from ucp_store.ds_engine import engine_topology
+    from ucp_store.deepspeed.engine import engine_topology
     from ucp_store.errors import ConfigurationError
 
     base = {"module": SimpleNamespace(), "zero_optimization": lambda: True, "zero_optimization_stage": lambda: 2,
@@ -115,7 +115,7 @@ def test_zero3_tp_and_moe_engines_are_refused_with_the_reason():
 def test_step_scalars_keep_their_parameters_pipeline_placement():
     # the optimizer step of a pipeline parameter is loaded by the stage that owns the parameter: its 0-d array
     # carries the parameter's placement (no layout), both in `ucp import deepspeed` and in the direct engine
-    from ucp_store.adapters.deepspeed_merge import ParamRecord, with_placement
+    from ucp_store.deepspeed.merge import ParamRecord, with_placement
 
     states = {"fp32": torch.zeros(4), "step": torch.tensor(3.0)}
     piped = ParamRecord("2.weight", states, pattern=with_placement(None, {"layer": 2}))
@@ -146,7 +146,7 @@ def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_pat
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
     seen_at_rows: list[set] = []
-    from ucp_store import localwrite
+    from ucp_store.io import localwrite
 
     local_files: list[str] = []
     real_submit = localwrite.submit
@@ -192,7 +192,7 @@ def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_pat
                                  tuple(meta["codecs"][0]["configuration"]["chunk_shape"]),
                                  tuple(meta["chunk_grid"]["configuration"]["chunk_shape"]), "none")
         ref = tmp_path / "ref" / os.path.basename(os.path.dirname(path))
-        ts.open(fmt.array_spec(ucp_store.location.Location.parse(str(ref)), "", layout), create=True).result()
+        ts.open(fmt.array_spec(ucp_store.io.location.Location.parse(str(ref)), "", layout), create=True).result()
         assert raw == (ref / "zarr.json").read_bytes()
     # the arrays were written through a context without TensorStore's own fsync per file (the pass replaces it)
     assert store.unsynced_context.spec.to_json()["file_io_sync"] is False
@@ -205,7 +205,7 @@ def test_background_staging_keeps_shapes_as_torch_size():
     from collections import OrderedDict
 
     from ucp_store import safe_pickle as sp
-    from ucp_store.ds_engine import _Stager
+    from ucp_store.deepspeed.engine import _Stager
 
     sd = {"param_shapes": [OrderedDict([("w", torch.Size([2, 3]))])], "pair": (1, 2), "t": torch.arange(4.0)}
     staged = _Stager(workers=1).stage(sd)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ucp_store.errors import TopologyError
 from ucp_store.patterns import holds, writer_copies
-from ucp_store.planner import EXPERT_GROUP, plan
+from ucp_store.plan.planner import EXPERT_GROUP, plan
 from ucp_store.topology import Topology
 
 from test_patterns import SENTINEL, pattern_and_shape, ref_local, ref_zero_partition

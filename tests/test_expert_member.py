@@ -21,7 +21,7 @@ from ucp_store.patterns import (
     validate_pattern_record,
     writer_copies,
 )
-from ucp_store.planner import EXPERT_GROUP, plan
+from ucp_store.plan.planner import EXPERT_GROUP, plan
 from ucp_store.records import TensorInfo
 
 from test_patterns import (

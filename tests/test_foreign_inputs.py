@@ -23,8 +23,8 @@ import torch
 
 import ucp_store
 from ucp_store import cli
-from ucp_store.adapters.dcp import import_dcp, tiling_problem
 from ucp_store.errors import DTypeError, SourceFormatError
+from ucp_store.formats.dcp.adapter import import_dcp, tiling_problem
 
 DEEP = "[" * 100_000 + "]" * 100_000
 
@@ -272,7 +272,7 @@ def test_conjugate_view_in_a_torch_file_is_stored_by_value(tmp_path, store):
 def test_the_top_level_net_names_the_input_and_keeps_programming_errors(tmp_path, store, monkeypatch):
     """An unforeseen parse failure is still one line naming the command and input (and where it was raised,
     for a report); a TypeError (a bug, not bad input) is not swallowed."""
-    from ucp_store.adapters import torch_file
+    from ucp_store.formats import torch_file
 
     def deep(*a, **k):
         raise RecursionError("maximum recursion depth exceeded")
@@ -301,7 +301,7 @@ def odd_store(tmp_path):
 
 @pytest.mark.parametrize("name, dtype", [("c", "complex64"), ("u", "uint64"), ("b", "bool")])
 def test_universal_export_refuses_what_float32_cannot_hold(tmp_path, odd_store, name, dtype):
-    from ucp_store.adapters.deepspeed_universal import export_universal
+    from ucp_store.deepspeed.universal import export_universal
 
     s = ucp_store.open_store(str(odd_store))
     s.save("one", 1, {name: s.checkpoint("r@1").read(name, "weight"), "a": torch.ones(2)})

@@ -18,10 +18,10 @@ from hypothesis.extra.numpy import basic_indices
 
 import ucp_store
 from ucp_store import dtypes
-from ucp_store import format as fmt
-from ucp_store.chunking import MIN_CHUNK_BYTES, _pow2_unit, choose_chunking
 from ucp_store.errors import ChecksumError, DTypeError, UcpError
-from ucp_store.store import CheckpointWriter
+from ucp_store.io import format as fmt
+from ucp_store.io.chunking import MIN_CHUNK_BYTES, _pow2_unit, choose_chunking
+from ucp_store.save.writer import CheckpointWriter
 
 from ucp_test_helpers import array_folders, bits, flip_byte, flip_chunk_byte, random_bits, shard_file_and_range
 

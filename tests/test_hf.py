@@ -19,9 +19,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from ucp_store.adapters.hf import HfSource, export_hf, import_hf, parse_size, read_header  # noqa: E402
-from ucp_store.adapters.hf_map import NameMap, load_map  # noqa: E402
-from ucp_store.errors import ConfigurationError, DTypeError, SourceFormatError, UcpError  # noqa: E402
+from ucp_store.errors import ConfigurationError, DTypeError, SourceFormatError, UcpError
+from ucp_store.formats.hf.adapter import HfSource, export_hf, import_hf, parse_size, read_header
+from ucp_store.formats.hf.names import NameMap, load_map
 
 SHARD = "40KB"  # small enough that the tiny models below need several shards
 
@@ -142,7 +142,7 @@ def test_export_is_byte_identical_to_save_pretrained(tmp_path, store, small_chun
     """The export writes the very bytes ``save_pretrained`` writes (header layout, ``{"format":"pt"}``, data),
     also when every tensor spans many stored chunks and shard files and is written in many blocks by many
     threads, and when ``--dtype`` casts on the way out."""
-    from ucp_store.adapters import hf
+    from ucp_store.formats.hf import adapter as hf
 
     small_chunks(lambda shape: ((2,) + shape[1:], (6,) + shape[1:]))  # a shard file ends mid-block
     monkeypatch.setattr(hf, "_TASK_BYTES", 300)  # blocks of a few chunk rows: offsets inside every tensor
@@ -340,7 +340,7 @@ def test_failure_while_writing_leaves_nothing_listed(tmp_path, store, monkeypatc
     source = HfSource(src)
     path = src / "model.safetensors"
     path.write_bytes(path.read_bytes()[:4096])
-    from ucp_store.adapters.base import import_source
+    from ucp_store.formats.base import import_source
 
     with pytest.raises(SourceFormatError, match="shrank"):
         import_source(store, source, "r", 0, progress=False, distributed=False)

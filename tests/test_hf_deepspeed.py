@@ -201,7 +201,7 @@ def split_like_hf(sd: dict) -> dict:
 def test_deepspeed_fused_qkv_model_exports_to_hf_llama(tmp_path, store, store_path, ucp):
     pytest.importorskip("deepspeed")
     transformers = pytest.importorskip("transformers")
-    from ucp_store.adapters.deepspeed import import_deepspeed
+    from ucp_store.deepspeed.source import import_deepspeed
 
     run_dir = tmp_path / "ds"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", UCP_PROGRESS="0", PYTHONWARNINGS="ignore",

@@ -126,7 +126,7 @@ def test_kill_matrix(catalog, backend, tmp_path, request):
 def test_overwriting_export_swaps_folders_in_one_step(tmp_path, monkeypatch):
     """``export_universal(overwrite=True)`` puts the new folder in place with one exchange: the old content is
     gone, the new is there, and no ``.old`` or partial sibling is left (no moment without a folder)."""
-    from ucp_store.adapters.deepspeed_universal import replace_dir
+    from ucp_store.deepspeed.universal import replace_dir
 
     final, new = tmp_path / "t", tmp_path / ".t.partial-1"
     final.mkdir()
@@ -134,7 +134,7 @@ def test_overwriting_export_swaps_folders_in_one_step(tmp_path, monkeypatch):
     new.mkdir()
     (new / "new.pt").write_text("new")
     if sys.platform == "linux":  # renameat2(RENAME_EXCHANGE): the two-rename fallback must not run
-        import ucp_store.adapters.deepspeed_universal as du
+        import ucp_store.deepspeed.universal as du
 
         monkeypatch.setattr(du.os, "replace", lambda *a: pytest.fail("fell back to two renames"))
     replace_dir(str(new), str(final))

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import ucp_store
-import ucp_store.dist as ucpd
-from ucp_store.dist import snapshot
-from ucp_store.dist.snapshot import Job, SnapshotChangedError, order_jobs
+import ucp_store.distributed as ucpd
+from ucp_store.distributed import snapshot
+from ucp_store.distributed.snapshot import Job, SnapshotChangedError, order_jobs
 
 from ucp_test_helpers import REPO, run_python
 

@@ -12,7 +12,7 @@ from test_planner import execute
 from test_transformer_grid import PARAMS, TOPOLOGIES
 
 import ucp_store
-from ucp_store.planner import plan
+from ucp_store.plan.planner import plan
 from ucp_store.topology import Topology
 
 OPT = ("fp32", "exp_avg", "exp_avg_sq")
@@ -151,7 +151,7 @@ def test_catalog_json_decoder_equals_json_loads(text):
     json.loads', and text it does not take (leading or trailing space) still goes through json.loads."""
     import json
 
-    from ucp_store.checkpoint import _json_value
+    from ucp_store.registry.checkpoint import _json_value
 
     assert _json_value(text) == json.loads(text)
     assert _json_value(text.encode()) == json.loads(text)  # a driver handing bytes
@@ -161,7 +161,7 @@ def test_catalog_json_decoder_equals_json_loads(text):
 def test_catalog_json_decoder_refuses_what_json_loads_refuses(text):
     import json
 
-    from ucp_store.checkpoint import _json_value
+    from ucp_store.registry.checkpoint import _json_value
 
     with pytest.raises(json.JSONDecodeError):
         _json_value(text)

@@ -1,4 +1,4 @@
-"""The local read path (ucp_store/localread.py) against TensorStore: identical bytes, identical errors.
+"""The local read path (ucp_store/io/localread.py) against TensorStore: identical bytes, identical errors.
 
 Arrays are written by TensorStore itself (``format.create_array``), then read by both paths: every dtype
 the store keeps (bf16, fp16, fp32, ints, bool, 0-d), random shapes, chunkings, shard groupings and boxes.
@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 
 import ucp_store
 from ucp_store import dtypes
-from ucp_store import format as fmt
 from ucp_store.dtypes import numpy_view
 from ucp_store.errors import ChecksumError
-from ucp_store.localread import LocalArray, LocalReadError, is_local_chain, open_reader
-from ucp_store.location import Location
+from ucp_store.io import format as fmt
+from ucp_store.io.localread import LocalArray, LocalReadError, is_local_chain, open_reader
+from ucp_store.io.location import Location
 
 from ucp_test_helpers import flip_byte, random_bits
 
@@ -50,7 +50,7 @@ def where(tmp_path_factory):
 def single_path(request, monkeypatch):
     """Single-chunk reads by ``pread`` into scratch, or through the held mapping of the shard file (the
     path of chunks of at least ``MAP_MIN_CHUNK_BYTES``), whatever the chunk size."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     monkeypatch.setattr(lr, "MAP_MIN_CHUNK_BYTES", 0 if request.param == "mapped" else 1 << 62)
     return request.param
@@ -94,7 +94,7 @@ def test_identical_bytes_to_tensorstore(where, case, scratch, mapped):
     (the path for destinations at a slow copy distance), else in place wherever the destination allows.
     ``mapped``: single-chunk reads go through the held mapping of the shard file (``_read_single_mapped``,
     the path of large chunks) whatever the chunk size."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     saved, saved_map = lr._BAD_DISTANCE, lr.MAP_MIN_CHUNK_BYTES
     lr._BAD_DISTANCE = lr._PAGE + 1 if scratch else saved
@@ -127,7 +127,7 @@ def _identical(where, case):
 
 
 def test_large_read_uses_threads_and_matches(where, monkeypatch):
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 16)
     monkeypatch.setattr(lr, "RUN_BYTES", 1 << 15)
@@ -153,7 +153,7 @@ def test_large_read_uses_threads_and_matches(where, monkeypatch):
 def test_large_read_split_modes_match(where, monkeypatch, split):
     """Both ways of splitting a large read (contiguous segments per file, each through its own open file;
     or every run its own task) return TensorStore's bytes, and a corrupt chunk is caught either way."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 16)
     monkeypatch.setattr(lr, "RUN_BYTES", 1 << 14)
@@ -181,7 +181,7 @@ def test_large_read_split_modes_match(where, monkeypatch, split):
 
 
 def test_segments_cut_each_file_in_order():
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     runs = [(fd, "k", [(off, None)], 1 << 20) for fd in (3, 4) for off in range(0, 16 << 20, 1 << 20)]
     runs += [(5, "k", [(0, None)], 1 << 20)]
@@ -440,8 +440,8 @@ def test_state_dict_streams_whole_reads(tmp_path, monkeypatch, streams):
     """state_dict's large reads run several at once, each shard file one stream (a file over STREAM_BYTES
     in several, each through its own open file), or one after another: the same bytes either way, and a
     corrupt chunk is named with its tensor."""
-    import ucp_store.io as uio
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
+    import ucp_store.io.read as uio
 
     monkeypatch.setattr(uio, "PARALLEL_BYTES", 1 << 15)
     monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 15)
@@ -484,7 +484,7 @@ def test_held_handle_row_reads_go_through_the_mapping(tmp_path, monkeypatch):
     chunks take this path; here the size threshold is lowered): one chunk through the held mapping of its
     shard file (crc32c in place, only the row copied), the same bytes as written, and a flipped byte in
     that chunk still a ChecksumError naming the array and the chunk."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     monkeypatch.setattr(lr, "MAP_MIN_CHUNK_BYTES", 1)
     store = ucp_store.open_store(str(tmp_path / "s"), create=True)
@@ -518,8 +518,8 @@ def test_held_handle_row_reads_go_through_the_mapping(tmp_path, monkeypatch):
 def test_default_policy_cuts_a_large_parameter_into_mapped_row_chunks():
     """The default policy gives a 256 MiB fp32 parameter 256 KiB chunks of whole rows: a row read touches
     one chunk, large enough for the mapped single-chunk path."""
-    import ucp_store.localread as lr
-    from ucp_store.chunking import DEFAULT_TARGET, choose_chunking
+    import ucp_store.io.localread as lr
+    from ucp_store.io.chunking import DEFAULT_TARGET, choose_chunking
 
     c = choose_chunking((8192, 8192), 4)
     assert c.chunk_shape == (8, 8192) and math.prod(c.chunk_shape) * 4 == DEFAULT_TARGET == 256 << 10
@@ -584,7 +584,7 @@ def test_whole_row_reads_match_tensorstore(where, monkeypatch, scratch_all, per_
     """Boxes of whole rows take the per-shard vectorized path (``_read_rows``): every start/stop against
     the chunk edges, the array's edge chunk, shards whose grid also spans trailing dims, and every chunk
     read through scratch (the slow-distance fallback) or in place."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     if scratch_all:
         monkeypatch.setattr(lr, "_BAD_DISTANCE", lr._PAGE + 1)  # every in-place chunk counts as slow
@@ -606,7 +606,7 @@ def test_whole_row_reads_match_tensorstore(where, monkeypatch, scratch_all, per_
 
 
 def test_scratch_placement_and_copy_match_the_file_offset():
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     buf, addr = lr._scratch_buffer(8 * (100 + lr._PAGE))
     pos = 0
@@ -688,7 +688,7 @@ def _layer_store(tmp_path, n: int, shape: tuple, *, dim: int, seed: int, **store
 def test_load_shard_batches_small_reads_and_holds_readers(tmp_path, monkeypatch):
     """Small local reads go to the pool in batches; a read failing mid-batch is named (ChecksumError for
     its tensor), the reads before it still land; readers are held per process and see a repaired file."""
-    from ucp_store import io
+    from ucp_store.io import read as io
     from ucp_store.topology import Topology
 
     monkeypatch.setattr(io, "_BATCH_READS", 3)
@@ -719,8 +719,8 @@ def test_load_shard_batches_small_reads_and_holds_readers(tmp_path, monkeypatch)
 def test_new_store_records_the_default_chunk_target(tmp_path):
     """A new store records the default inner-chunk target in its catalog; an explicit or earlier recorded
     target is kept on reopening; one outside the policy's range is refused naming the range."""
-    from ucp_store.chunking import DEFAULT_TARGET, MIN_TARGET
     from ucp_store.errors import ConfigurationError
+    from ucp_store.io.chunking import DEFAULT_TARGET, MIN_TARGET
 
     store = ucp_store.open_store(str(tmp_path / "a"), create=True)
     assert store.settings["chunk_target_bytes"] == DEFAULT_TARGET
@@ -775,7 +775,7 @@ def test_rows_in_one_chunk_catch_every_flipped_byte(where, monkeypatch, where_in
     """A flipped byte anywhere in the chunk (the bytes read into scratch before or after the rows, the rows
     read into place, the stored crc32c) fails the read with TensorStore's ChecksumError naming the chunk;
     the read went through the one-preadv path (not the scratch fallback)."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     loc, _ = where
     x = random_bits(ONE_SHAPE, torch.float32, torch.Generator().manual_seed(22))
@@ -815,8 +815,8 @@ def _spy_reads(monkeypatch, method: str, forced=lambda i: None) -> tuple[list, l
     """Record every answer of ``LocalArray.<method>`` (``rows_cached`` / ``box_cached``; ``forced(i)``: the
     i-th call's answer in place of the real one, None for the real one) and the size of every batch the
     small-read pool gets."""
-    from ucp_store import io
-    from ucp_store import localread as lr
+    from ucp_store.io import localread as lr
+    from ucp_store.io import read as io
 
     answers: list = []
     batches: list = []
@@ -838,7 +838,7 @@ def test_load_shard_rows_in_place_when_cached_else_on_the_pool(tmp_path, monkeyp
     go to the pool in small batches, and after one such read the next ones go there untried
     (``io._COLD_SKIP``). Both give the same tensors (ZeRO-3 fragments and TP row boxes), and a flipped byte
     is a ChecksumError naming the tensor and chunk either way."""
-    from ucp_store import io
+    from ucp_store.io import read as io
     from ucp_store.topology import Topology
 
     store, ws = _layer_store(tmp_path, 6, (16, 8), dim=0, seed=31)
@@ -871,7 +871,7 @@ def test_box_cached_reads_every_box_like_tensorstore(where, case, mapped):
     """``box_cached`` reads any box of cached shard files as TensorStore does (every dtype, strided
     destinations included; a box inside one chunk of a mapped array by ``pread``, as the mapping's page
     faults cannot be told not to wait) and declines (None, the destination untouched) only a 0-d array."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     dtype, shape, chunk, per_shard, box, seed = case
     saved = lr.MAP_MIN_CHUNK_BYTES
@@ -940,7 +940,7 @@ def _evicted(path: Path) -> bool:
 def test_box_cached_declines_what_the_page_cache_lacks(where):
     """Neither the shard index nor the chunk cached: False, the destination untouched; the blocking read
     brings both in and box_cached then reads; the index held and the chunk evicted again: False again."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     if not lr._NOWAIT or not hasattr(os, "posix_fadvise"):
         pytest.skip("no RWF_NOWAIT or posix_fadvise on this platform")
@@ -976,7 +976,7 @@ def test_box_cached_declines_what_the_page_cache_lacks(where):
 def test_rows_cached_reads_a_mapped_arrays_chunk_by_pread(where, monkeypatch):
     """A mapped array's rows inside one chunk (large chunks: blocking reads go through the mapping) are
     read by ``rows_cached`` with a ``pread``, as the mapping's page faults cannot be told not to wait."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     if not lr._NOWAIT:
         pytest.skip("no RWF_NOWAIT on this platform")
@@ -994,7 +994,7 @@ def test_rows_cached_reads_a_mapped_arrays_chunk_by_pread(where, monkeypatch):
 def test_rows_cached_over_several_chunks(where):
     """Rows over several chunks and shard files: read at once when cached (and equal to TensorStore's),
     False when a shard file is not in the page cache, read at once again after the blocking read."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     if not lr._NOWAIT or not hasattr(os, "posix_fadvise"):
         pytest.skip("no RWF_NOWAIT or posix_fadvise on this platform")
@@ -1022,7 +1022,7 @@ def test_box_cached_raises_what_the_blocking_read_raises(where, case, box):
     """Every corruption of a chunk's shard file fails ``box_cached`` (a reader holding no index yet) with
     the error ``read_into`` gives, for a box in that chunk and one over several chunks; nothing is read as
     zeros."""
-    import ucp_store.localread as lr
+    import ucp_store.io.localread as lr
 
     if not lr._NOWAIT:
         pytest.skip("no RWF_NOWAIT on this platform: box_cached never reads")
@@ -1052,8 +1052,8 @@ def test_load_shard_column_boxes_in_place_when_cached_else_on_the_pool(tmp_path,
     holds are read in the calling thread (``box_cached``), the rest on the pool (after one read the cache
     lacked, untried); the same tensors either way, and a flipped byte is a ChecksumError naming the tensor
     and chunk either way."""
-    from ucp_store import localread as lr
-    from ucp_store.chunking import MIN_TARGET
+    from ucp_store.io import localread as lr
+    from ucp_store.io.chunking import MIN_TARGET
     from ucp_store.topology import Topology
 
     shape = (16, 8) if chunks == "one" else (256, 256)  # 256 KiB: chunks of columns, a TP half covers several
@@ -1085,8 +1085,8 @@ def test_a_read_the_cache_lacked_sends_the_next_ones_to_the_pool_untried(tmp_pat
     """After a small read that would wait for the disk, the next ``io._COLD_SKIP`` go to the pool without
     a try in the calling thread (a cold load's reads, opens included, then wait in parallel); the one after
     is tried again, so a load that meets a warm cache again reads in place again."""
-    from ucp_store import io
-    from ucp_store import localread as lr
+    from ucp_store.io import localread as lr
+    from ucp_store.io import read as io
     from ucp_store.topology import Topology
 
     if not lr._NOWAIT:
@@ -1104,7 +1104,7 @@ def test_small_whole_reads_and_casts_in_place_when_cached_else_on_the_pool(tmp_p
     """Reads through sinks (``state_dict``'s small tensors into fresh memory, a ``load_shard`` cast to bf16)
     that the page cache holds are done in the calling thread (``box_cached``), the rest on the pool; the
     same tensors either way, and a flipped byte is a ChecksumError naming the tensor either way."""
-    from ucp_store import localread as lr
+    from ucp_store.io import localread as lr
     from ucp_store.topology import Topology
 
     store = ucp_store.open_store(str(tmp_path / "s"), create=True)
@@ -1177,7 +1177,7 @@ def test_read_pools_work_in_a_forked_child(tmp_path):
 def test_crc_library_agrees_with_google_crc32c(size):
     """The local paths' CRC32C (``_crc.value``, the crc32c package where it is hardware-based) gives
     google_crc32c's value (zarr's, TensorStore's) over whole buffers and continued over pieces."""
-    from ucp_store import _crc
+    from ucp_store.io import crc as _crc
 
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     want = google_crc32c.value(data.tobytes())
@@ -1193,6 +1193,6 @@ def test_crc_library_is_the_fast_one_here():
     one used, not the fallback."""
     import crc32c
 
-    from ucp_store import _crc
+    from ucp_store.io import crc as _crc
 
     assert _crc.LIBRARY == ("crc32c" if crc32c.hardware_based else "google_crc32c")

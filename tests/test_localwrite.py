@@ -1,4 +1,4 @@
-"""The local write path (ucp_store/localwrite.py): whole shard files written without TensorStore.
+"""The local write path (ucp_store/io/localwrite.py): whole shard files written without TensorStore.
 
 The files must be the bytes TensorStore writes for the same array (the one format every reader knows),
 the digests of the content hash's units must be of the bytes written, and a save through it must commit
@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import ucp_store
-from ucp_store import dtypes, localwrite
-from ucp_store import format as fmt
+from ucp_store import dtypes
 from ucp_store.errors import WriteError
-from ucp_store.location import Location
+from ucp_store.io import format as fmt
+from ucp_store.io import localwrite
+from ucp_store.io.location import Location
 
 # (shape, chunk, shard, dtype): column-cut chunks, edge chunks and overhanging edge shards, 1-D, 3-D
 LAYOUTS = [
@@ -101,7 +102,7 @@ def test_a_failed_shard_write_is_a_write_error_naming_the_tensor(tmp_path, monke
 def test_save_through_either_path_commits_one_hash(tmp_path, monkeypatch):
     """A save through the local path and one through TensorStore (``UCP_LOCAL_WRITE=0``) commit the same
     content hash, verify clean and read back exactly."""
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     t = torch.randn(128, 96)
     hashes = {}

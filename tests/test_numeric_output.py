@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ucp_store.checkpoint import compute_stats, diff
+from ucp_store.registry.checkpoint import compute_stats, diff
 
 
 def strict(text: str):

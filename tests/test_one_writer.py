@@ -66,8 +66,8 @@ def test_writer_aligned_shards_divide_split_points_over_the_shard_target():
     """A split point (600 rows) beyond the planned shard (256 rows of 8-row chunks): the shard extent divides
     it (200 rows), so no shard file straddles two ranks' boxes (``min(shard, 600)`` kept 256: 512..768
     straddled 600)."""
-    from ucp_store import format as fmt
-    from ucp_store.writer import _writer_aligned_shards
+    from ucp_store.io import format as fmt
+    from ucp_store.save.writer import _writer_aligned_shards
 
     layout = fmt.ArrayLayout("float32", (1200, 4), (8, 4), (256, 4), "none")
     assert _writer_aligned_shards(layout, {0: [600]}) == (200, 4)
@@ -89,8 +89,8 @@ def test_zero_fragments_zarr_json_has_one_writer(tmp_path, deferred, flag):
     import torch
 
     import ucp_store
-    from ucp_store import localwrite
     from ucp_store import patterns as pat
+    from ucp_store.io import localwrite
     from ucp_store.topology import Topology
 
     store = ucp_store.open_store(str(tmp_path / "s"), create=True)

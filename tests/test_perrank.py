@@ -1,7 +1,7 @@
-"""Per-rank state in ucp_store.dist (issue 28): detected by content at save, stored per rank with its
+"""Per-rank state in ucp_store.distributed (issue 28): detected by content at save, stored per rank with its
 coordinates, restored by a declared policy on load.
 
-Pure parts (``ucp_store.dist.rankstate``, ``perrank.decide``) are property-tested; the rest runs on real
+Pure parts (``ucp_store.distributed.rankstate``, ``perrank.decide``) are property-tested; the rest runs on real
 gloo ranks (tests/perrank_worker.py through tests/dist_worker.py): per-rank RNG states and a stateful
 sampler saved on TP=2 x DP=2, resumed on the same mesh, on DP=4 with ``reshard``, on TP=1 x DP=2 with
 ``by-coordinate``, and without a policy; and the issue's two-rank case.
@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ucp_store
-import ucp_store.dist as ucpd
-from ucp_store.dist import perrank
-from ucp_store.dist.rankstate import (
+import ucp_store.distributed as ucpd
+from ucp_store.distributed import perrank
+from ucp_store.distributed.rankstate import (
     PerRankKey,
     PerRankManifest,
     RankTopology,

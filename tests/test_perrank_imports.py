@@ -16,7 +16,7 @@ import torch
 
 from ucp_store.errors import ConfigurationError
 
-from ucp_test_helpers import torchrun
+from ucp_test_helpers import TOOLS, torchrun
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -32,8 +32,8 @@ def _rng_objs(tp: int, pp: int, dp: int, ranks=None) -> dict:
 
 
 def test_restore_rng_follows_per_rank_policies():
-    from ucp_store.ds_load import rng_state
-    from ucp_store.ds_perrank import topology
+    from ucp_store.deepspeed.load import rng_state
+    from ucp_store.deepspeed.perrank import topology
 
     objs = _rng_objs(tp=1, pp=1, dp=2)
     saved = topology(tp=1, pp=1, dp=2)
@@ -88,9 +88,9 @@ def _universal_folder(root, clients: list[dict]) -> str:
 
 def test_universal_import_keeps_every_rank_client_state(tmp_path):
     import ucp_store
-    from ucp_store.adapters.deepspeed_universal import import_universal
-    from ucp_store.ds_perrank import restore_client, topology
-    from ucp_store.rank_record import RECORD_OBJECT, read_record, show_lines
+    from ucp_store.catalog.rank_record import RECORD_OBJECT, read_record, show_lines
+    from ucp_store.deepspeed.perrank import restore_client, topology
+    from ucp_store.deepspeed.universal import import_universal
 
     folder = _universal_folder(tmp_path / "uni", [{"epoch": 2, "sampler": {"pos": 100}, "only0": 1},
                                                   {"epoch": 2, "sampler": {"pos": 101}}])
@@ -122,7 +122,7 @@ import sys
 import numpy as np
 import torch, torch.distributed as dist
 import ucp_store
-from ucp_store.adapters.base import TensorRecord, import_source
+from ucp_store.formats.base import TensorRecord, import_source
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -161,7 +161,7 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_torchrun_import_keeps_objects_that_differ_per_rank(tmp_path):
     import ucp_store
-    from ucp_store.rank_record import RECORD_OBJECT, read_record, show_lines
+    from ucp_store.catalog.rank_record import RECORD_OBJECT, read_record, show_lines
 
 
     script = tmp_path / "job.py"
@@ -191,9 +191,10 @@ DS_JOB = r'''
 import json, sys
 import torch, deepspeed, deepspeed.comm as dist
 import ucp_store
-import ucp_store.deepspeed_direct as ucpds
-from ucp_store.adapters.deepspeed_universal import import_universal
-from ucp_store.demo.ds_autoep import convert_universal
+import ucp_store.deepspeed as ucpds
+from ucp_store.deepspeed.universal import import_universal
+sys.path.insert(0, sys.argv[2])
+from ds_autoep import convert_universal
 
 deepspeed.init_distributed(dist_backend="gloo")
 rank = dist.get_rank()
@@ -236,11 +237,11 @@ def test_deepspeed_rng_policy_and_universal_client_state(tmp_path):
     imports with each rank's client state (``sampler`` per rank, ``epoch`` once)."""
     pytest.importorskip("deepspeed")
     import ucp_store
-    from ucp_store.rank_record import RECORD_OBJECT
+    from ucp_store.catalog.rank_record import RECORD_OBJECT
 
     script = tmp_path / "job.py"
     script.write_text(DS_JOB)
-    torchrun([str(script), str(tmp_path)], 2, timeout=400)
+    torchrun([str(script), str(tmp_path), str(TOOLS)], 2, timeout=400)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert res[0]["own"] and res[1]["own"]
     assert res[0]["rank0"] == res[1]["rank0"]  # both ranks draw rank 0's stream

@@ -1,6 +1,6 @@
-"""Per-rank state on every path besides ``ucp_store.dist`` itself (issue 28 item 4): ``ucp import dcp`` /
+"""Per-rank state on every path besides ``ucp_store.distributed`` itself (issue 28 item 4): ``ucp import dcp`` /
 ``ucp export dcp`` keep DCP's per-rank entries (torchtitan's ``dataloader.dp_rank_<i>``) with their saving
-rank and topology, ``ucp export dcp`` of a ``ucp_store.dist`` save writes every rank's entry, the DeepSpeed
+rank and topology, ``ucp export dcp`` of a ``ucp_store.distributed`` save writes every rank's entry, the DeepSpeed
 import keeps each model-states file's client state, and ``ucp show`` lists the per-rank keys with the
 saving topology (text and ``--json``).
 
@@ -16,7 +16,7 @@ import pytest
 
 import ucp_store
 from ucp_store import cli
-from ucp_store.rank_record import read_record
+from ucp_store.catalog.rank_record import read_record
 
 from ucp_test_helpers import torchrun
 
@@ -24,7 +24,7 @@ JOB = r'''
 import json, os, pickle, sys
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from ucp_store import cli
-import ucp_store.dist as ucpd
+import ucp_store.distributed as ucpd
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -52,7 +52,7 @@ dcp.load(got, checkpoint_id=f"{out}/exp")
 res = {"loader": pickle.loads(got["dataloader"][f"dp_rank_{rank}"]), "rng": got["rng"][f"rank_{rank}"].tolist(),
        "step": got["train_state"]["step"]}
 
-# a ucp_store.dist save whose per-rank values share one key: the export names each rank's entry
+# a ucp_store.distributed save whose per-rank values share one key: the export names each rank's entry
 ucpd.save({"w": torch.ones(2), "pos": 100 + rank, "rng": torch.full((3,), rank, dtype=torch.uint8)}, store=store,
           run="d", step=1, progress=False)
 dist.barrier()
@@ -98,7 +98,7 @@ def test_dcp_per_rank_entries_round_trip_on_two_ranks(tmp_path, capsys):
     assert "dataloader.dp_rank_1 [opaque]: rank 1; 1 distinct content" in text
     assert cli.main(["show", "d@1", "--store", str(tmp_path / "store"), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["per_rank"]
-    assert shown["saved_on"] == "2 ranks, no mesh" and shown["source"] == "ucp_store.dist"
+    assert shown["saved_on"] == "2 ranks, no mesh" and shown["source"] == "ucp_store.distributed"
     assert [(k["text"], [e["rank"] for e in k["entries"]]) for k in shown["keys"]] == [("pos", [0, 1]),
                                                                                      ("rng", [0, 1])]
 
@@ -107,8 +107,8 @@ DS_JOB = r'''
 import json, sys
 import torch, deepspeed, deepspeed.comm as dist
 import ucp_store
-import ucp_store.deepspeed_direct as ucpds
-from ucp_store.adapters.deepspeed import import_deepspeed
+import ucp_store.deepspeed as ucpds
+from ucp_store.deepspeed.source import import_deepspeed
 
 deepspeed.init_distributed(dist_backend="gloo")
 rank = dist.get_rank()
@@ -174,7 +174,7 @@ def test_deepspeed_per_rank_client_state_kept_per_rank(tmp_path, capsys):
 def test_deepspeed_client_state_policies():
     """``ds_perrank``: the saving topology gives each rank its own; another topology needs a policy (error
     naming the key and both topologies without one); by-coordinate, rank0, fresh and reshard."""
-    from ucp_store.ds_perrank import restore_client, split_client, topology
+    from ucp_store.deepspeed.perrank import restore_client, split_client, topology
     from ucp_store.errors import ConfigurationError
 
     saved = topology(tp=1, pp=1, dp=2)
@@ -201,7 +201,7 @@ def test_demo_sampler_resplit_repeats_and_skips_nothing():
     sample stream where it stopped, every sample read once; saved ranks at different steps are refused."""
     from ucp_store.demo import text
     from ucp_store.demo.model import ModelConfig
-    from ucp_store.dist import RankTarget, RankTopology, SavedRankState
+    from ucp_store.distributed import RankTarget, RankTopology, SavedRankState
     from ucp_store.errors import ConfigurationError
 
     cfg = ModelConfig(seq=8)

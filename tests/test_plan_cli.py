@@ -5,7 +5,7 @@ import json
 import torch
 
 import ucp_store
-from ucp_store.planner import plan
+from ucp_store.plan.planner import plan
 
 
 def _store(tmp_path):

@@ -13,14 +13,7 @@ from hypothesis import strategies as st
 
 from ucp_store.errors import PlanError
 from ucp_store.patterns import Box, FlatRange, is_writer, placement_stages
-from ucp_store.planner import (
-    Read,
-    chunk_alignment,
-    chunk_footprint,
-    coalesce_reads,
-    plan,
-    split_points,
-)
+from ucp_store.plan.planner import Read, chunk_alignment, chunk_footprint, coalesce_reads, plan, split_points
 from ucp_store.topology import Topology
 
 from test_patterns import (  # the independent reference and the strategies live there
@@ -402,7 +395,7 @@ def test_plan_json_shape():
 def test_plan_mesh_shares_layouts_without_changing_plans():
     """plan_mesh plans each layout (pattern object, shape, chunks, dtype) once: rows sharing one pattern object
     plan exactly like the same rows each with its own copy, or with the pattern as JSON text."""
-    from ucp_store.planner import plan_mesh
+    from ucp_store.plan.planner import plan_mesh
 
     mesh = {"shape": [4, 2], "dims": ["dp", "tp"]}
     col = {"kind": "dtensor", "mesh": mesh, "placements": [{"type": "strided_shard", "dim": 0, "split_factor": 2},

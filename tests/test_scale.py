@@ -1,4 +1,4 @@
-"""Issue 27 on 4 real gloo ranks (ucp_store.demo.scale_ranks: forked from one interpreter, one launch per
+"""Issue 27 on 4 real gloo ranks (tools/scale_ranks.py: forked from one interpreter, one launch per
 catalog running several phases): one catalog client per job, and a collective budget independent of the
 tensor count.
 
@@ -26,7 +26,7 @@ def _launch(tmp_path, spec: dict) -> list[list[dict]]:
     env = {**os.environ, "UCP_PROGRESS": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "TORCH_CPP_LOG_LEVEL": "ERROR"}
     env.pop("UCP_CATALOG", None)
-    proc = subprocess.run([sys.executable, "-m", "ucp_store.demo.scale_ranks", json.dumps(spec)], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "scale_ranks.py"), json.dumps(spec)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])

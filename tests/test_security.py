@@ -13,9 +13,9 @@ import torch
 
 import ucp_store
 from ucp_store import names
-from ucp_store.adapters.torch_file import import_torch_file, load_weights_only
 from ucp_store.errors import InvalidNameError, SourceFormatError, UnsafePickleError
-from ucp_store.location import Location
+from ucp_store.formats.torch_file import import_torch_file, load_weights_only
+from ucp_store.io.location import Location
 
 from ucp_test_helpers import array_folders, python_env
 

@@ -13,8 +13,8 @@ from sqlalchemy import func, select, update
 
 import ucp_store
 from ucp_store.catalog import models as m
-from ucp_store.checkpoint import diff
 from ucp_store.errors import CatalogError, ReferenceNotFound, ShapeMismatch, UcpError
+from ucp_store.registry.checkpoint import diff
 
 from ucp_test_helpers import array_folders, bits, tree_digest
 
@@ -435,7 +435,7 @@ def test_dedup_looks_up_only_the_hashes_a_save_writes(tmp_path):
     many lookups reads them all once instead of querying per write."""
     from sqlalchemy import event
 
-    from ucp_store import writer as writer_mod
+    from ucp_store.save import writer as writer_mod
 
     store = ucp_store.open_store(str(tmp_path / "store"), create=True)
     store.save("a", 1, {f"t{i}": torch.full((4,), float(i)) for i in range(20)})

@@ -21,7 +21,7 @@ import ucp_store
 from ucp_store.catalog import models as m
 from ucp_store.catalog.query import DENIED_FUNCTIONS, _sqlite_read_authorizer
 from ucp_store.errors import CatalogError, ConfigurationError, InvalidNameError, QueryError
-from ucp_store.retention import RetentionPolicy
+from ucp_store.registry.retention import RetentionPolicy
 
 from ucp_test_helpers import run_python, tree_digest
 
@@ -116,7 +116,7 @@ def test_linked_arrays_folder_is_refused_before_any_row_changes(store, store_pat
 
 
 def test_location_deletes_a_link_and_never_its_target(tmp_path):
-    from ucp_store.location import Location
+    from ucp_store.io.location import Location
 
     out = _outside(tmp_path)
     loc = Location.parse(str(tmp_path / "root"))
@@ -277,7 +277,7 @@ def test_gc_reports_the_bytes_it_really_freed(store, store_path, ucp):
 
 
 def test_init_never_changes_an_existing_stores_settings(store_path):
-    from ucp_store.chunking import MAX_TARGET, MIN_TARGET
+    from ucp_store.io.chunking import MAX_TARGET, MIN_TARGET
 
     made = ucp_store.open_store(str(store_path), create=True, chunk_target_bytes=MIN_TARGET, compression="zstd")
     assert made.created

@@ -21,7 +21,7 @@ import pytest
 from test_planner import execute, reassemble, reference_rank
 
 from ucp_store.patterns import stage_local_name
-from ucp_store.planner import chunk_alignment, plan
+from ucp_store.plan.planner import chunk_alignment, plan
 from ucp_store.topology import Topology
 
 V, H, Q, KV, F, E, FE, LAYERS = 50, 24, 24, 8, 24, 4, 12, 4

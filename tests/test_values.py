@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ucp_store
-from ucp_store.adapters.torch_file import import_torch_file
 from ucp_store.errors import SourceFormatError, ValidationError
+from ucp_store.formats.torch_file import import_torch_file
 
 from ucp_test_helpers import store_on
 
@@ -199,7 +199,7 @@ def test_any_json_value_round_trips_through_dcp(tmp_path, data):
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint._traverse import set_element
 
-    from ucp_store.adapters.dcp import export_dcp, import_dcp
+    from ucp_store.formats.dcp.adapter import export_dcp, import_dcp
     from ucp_store.safe_pickle import from_jsonable
 
     step = next(_steps)
@@ -230,7 +230,7 @@ def test_any_json_value_round_trips_through_dcp(tmp_path, data):
 def test_dist_state_dict_keeps_colliding_paths_apart(tmp_path):
     """The state dict API stores each value by its path (element types kept), so a ``cfg.lr`` key beside a
     nested ``cfg -> lr`` is two values, both restored exactly."""
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     sd = {"model": {"w": torch.arange(3.0)}, "cfg": {"lr": 1.0, 2: 2**64 - 1}, "cfg.lr": -0.0, "cfg.2": 1e16}
     ucpd.save(sd, store=tmp_path / "s", run="d", step=1, progress=False)

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from sqlalchemy import update
 
 import ucp_store
-from ucp_store import format as fmt
 from ucp_store import patterns as pat
 from ucp_store.catalog import models as m
-from ucp_store.checkpoint import diff
+from ucp_store.io import format as fmt
+from ucp_store.registry.checkpoint import diff
+from ucp_store.save.writer import CheckpointWriter
 from ucp_store.topology import Topology
-from ucp_store.writer import CheckpointWriter
 
 from ucp_test_helpers import store_on
 
@@ -203,7 +203,7 @@ def test_identical_bits_hash_alike_on_every_save_path(local):
     one hash, diff "same", and every later path deduplicates onto the first path's array."""
     t = torch.randn(200, 3000, generator=_gen(4))  # tiles of [25, 375]: cut by dp=3 fragments, not by tp=2
     local.save("whole", 1, {"w": {"fp32": t.clone()}})
-    local.save("whole", 2, {"w": t.clone()})  # state "weight", as ucp_store.dist saves it
+    local.save("whole", 2, {"w": t.clone()})  # state "weight", as ucp_store.distributed saves it
     w = local.begin("zero", 1)
     _fragments(w, "w", t, Topology(dp=3, zero_stage=1))
     w.commit()
@@ -218,7 +218,7 @@ def test_identical_bits_hash_alike_on_every_save_path(local):
     for key, d in w.shard_digests().items():
         w.set_chunk_digests(key[0], key[1], d)
     w.commit()
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     ucpd.save({"w": t.clone()}, store=local, run="dist", step=1, progress=False)
     infos = {r: local.checkpoint(f"{r}@1").tensors()[0] for r in ("whole", "zero", "tp", "dist")}

@@ -19,6 +19,14 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+#: the DeepSpeed and rank harnesses that tests and benchmarks share (not part of the wheel)
+TOOLS = REPO / "tools"
+
+
+def tools_on_path() -> None:
+    """Make ``tools/`` importable (``fork_ranks``, ``ds_moe``, ``ds_autoep``, ``scale_ranks``)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
 PG_ENV = "UCP_TEST_POSTGRES_URL"
 
 

@@ -91,7 +91,7 @@ def make_source(folder: str, gib: float) -> int:
     if res.returncode != 0:
         raise RuntimeError(f"writing the DCP source failed:\n{res.stderr[-3000:]}")
     fsync_tree(folder)
-    from ucp_store.adapters.dcp import read_dcp_metadata
+    from ucp_store.formats.dcp.adapter import read_dcp_metadata
 
     md = read_dcp_metadata(folder)
     return sum(v.size.numel() * 4 for v in md.state_dict_metadata.values() if hasattr(v, "size"))

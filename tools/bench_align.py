@@ -16,7 +16,7 @@ import timeit
 import numpy as np
 import torch
 
-from ucp_store.localread import _copy
+from ucp_store.io.localread import _copy
 
 N = 1 << 20
 DISTANCES = (0, 4, 8, 16, 24, 28, 31, 32, 48, 63, 64, 256, 2048, 4064, 4092)

@@ -37,10 +37,10 @@ os.environ.setdefault("UCP_PROGRESS", "0")
 
 import bench_store  # noqa: E402
 
-import ucp_store  # noqa: E402
-from ucp_store import io as ucp_io  # noqa: E402
-from ucp_store import localread  # noqa: E402
-from ucp_store._crc import value as _crc  # noqa: E402
+import ucp_store
+from ucp_store.io import localread
+from ucp_store.io import read as ucp_io
+from ucp_store.io.crc import value as _crc
 
 
 def _diskstats() -> tuple[int, int]:

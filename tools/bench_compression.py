@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import ucp_store  # noqa: E402
+import ucp_store
 
 
 def du(path: str) -> int:

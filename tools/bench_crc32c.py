@@ -1,4 +1,4 @@
-"""crc32c libraries on this machine: numcodecs CRC32C vs google_crc32c vs crc32c (ucp_store/_crc.py uses the
+"""crc32c libraries on this machine: numcodecs CRC32C vs google_crc32c vs crc32c (ucp_store/io/crc.py uses the
 last where it is hardware-based: the fastest out of cache here, and it releases the GIL).
 
     python tools/bench_crc32c.py

@@ -69,7 +69,7 @@ def _rank(rank, spec, port):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    from ucp_store.dcp_storage import UcpStorageReader, UcpStorageWriter
+    from ucp_store.formats.dcp.storage import UcpStorageReader, UcpStorageWriter
 
     dist.init_process_group("gloo", rank=rank, world_size=spec["world"])
     mesh = init_device_mesh("cpu", (spec["world"],))

@@ -3,12 +3,12 @@
 
 1. Builds (or reuses, with the same --workdir) a real DeepSpeed checkpoint: a stack of big Linear
    layers (default 36 x 2048^2 = 151M parameters), bf16, ZeRO-2, DP=2, trained 1 step on CPU under
-   torchrun (tools/ds_train.py).
+   torchrun (ucp_store/demo/ds_train.py).
 2. Runs, each in its own subprocess with wall time and peak RSS measured (the whole process tree,
    polled with psutil, plus ``ru_maxrss`` of the largest process):
    - ``python -m deepspeed.checkpoint.ds_to_universal --input_folder TAG --output_folder OUT``
      (its default worker counts);
-   - ``python -m ucp_store.adapters.deepspeed STORE TAG --run bench`` (our import, source hashing on);
+   - ``python -m ucp_store.deepspeed.source STORE TAG --run bench`` (our import, source hashing on);
    - our export of that checkpoint to a universal folder (for the full round trip).
 3. Measures the raw rate of the same bytes: copy every input file into one scratch file, without and with
    fsync (the durable rate; ds_to_universal never fsyncs, so it is also run followed by `sync`).
@@ -23,8 +23,8 @@ same files right after the previous one); nothing drops caches, the machine is s
 
 - today: ``save_checkpoint`` to files (DeepSpeed's torch.save engine), ``ds_to_universal``, ``load_checkpoint``
   with ``load_universal`` on the new topology;
-- direct: ``save_checkpoint`` through the ucp engine (``ucp_store.deepspeed_direct.attach``), then
-  ``ucp_store.deepspeed_direct.load``; plus the same save in background mode (time training is blocked:
+- direct: ``save_checkpoint`` through the ucp engine (``ucp_store.deepspeed.attach``), then
+  ``ucp_store.deepspeed.load``; plus the same save in background mode (time training is blocked:
   the ``save_checkpoint`` call plus what the next training step's optimizer step waited for the staging).
 
 Each engine saves once before the measured saves (a warm-up: imports, thread pools, the store's first open,
@@ -146,7 +146,7 @@ def build_checkpoint(workdir: Path, width: int, layers: int) -> Path:
     job = {"kind": "train", "model": "big", "width": width, "layers": layers, "zero": 2, "dtype": "bf16",
            "steps": 1, "save_dir": str(save), "tag": "global_step1", "out": str(workdir / "train.json")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_port()}",
-           str(REPO / "tools" / "ds_train.py"), "--job", json.dumps(job)]
+           "-m", "ucp_store.demo.ds_train", "--job", json.dumps(job)]
     t0 = time.time()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -240,9 +240,9 @@ def main(argv=None) -> int:
     store = outdir / "store"
     # every row starts with no dirty pages of an earlier row still being written back
     fresh = lambda: (shutil.rmtree(store, ignore_errors=True), os.sync())  # noqa: E731
-    rows.append(measure([sys.executable, "-m", "ucp_store.adapters.deepspeed", str(store), str(tag), "--run", "bench"],
+    rows.append(measure([sys.executable, "-m", "ucp_store.deepspeed.source", str(store), str(tag), "--run", "bench"],
                         "ucp import", before_each=fresh))
-    rows.append(measure([sys.executable, "-m", "ucp_store.adapters.deepspeed", str(store), str(tag), "--run", "bench",
+    rows.append(measure([sys.executable, "-m", "ucp_store.deepspeed.source", str(store), str(tag), "--run", "bench",
                          "--no-hash"], "ucp import, no source hashing", before_each=fresh))
     # the ceiling: the store writing the same tensor-states from memory (no DeepSpeed files involved)
     ceil_store = outdir / "store_ceiling"
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     shutil.rmtree(ceil_store, ignore_errors=True)
     if not args.no_export:
         exp = outdir / "ucp_universal"
-        code = ("import sys; from ucp_store import open_store; from ucp_store.adapters.deepspeed_universal import "
+        code = ("import sys; from ucp_store import open_store; from ucp_store.deepspeed.universal import "
                 "export_universal; s=open_store(sys.argv[1]); print(export_universal(s.checkpoint('bench@1'), "
                 "sys.argv[2], progress=False))")
         rows.append(measure([sys.executable, "-c", code, str(store), str(exp)], "ucp export (universal folder)",

@@ -1,4 +1,4 @@
-"""Benchmark: ucp_store.dist against torch.distributed.checkpoint (DCP) on the same sharded state, in one run.
+"""Benchmark: ucp_store.distributed against torch.distributed.checkpoint (DCP) on the same sharded state, in one run.
 
     python tools/bench_dist.py --gib 1.0 --ranks 2 --dir /tmp/bench_dist
 
@@ -54,7 +54,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.distributed.tensor import DTensor, Shard
     parts = set(args.parts.split(","))
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
     from ucp_store import open_store
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks))

@@ -34,7 +34,7 @@ import xxhash
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from ucp_store import format as fmt  # noqa: E402
+from ucp_store.io import format as fmt
 
 _CARRIERS = {1: np.uint8, 2: np.uint16, 4: np.float32, 8: np.float64}
 

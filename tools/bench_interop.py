@@ -49,8 +49,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_store import fsync_tree  # noqa: E402  (one copy, beside the store benchmark)
 
-import ucp_store  # noqa: E402
-from ucp_store import cli  # noqa: E402
+import ucp_store
+from ucp_store import cli
 
 
 def build_model(gib: float):

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(HERE, "tools"))
 CHILD = r'''
 import sys, os, time, json
 sys.path.insert(0, os.environ["T"]); os.environ["UCP_PROGRESS"] = "0"
-import torch, ucp_store, ucp_store.io
+import torch, ucp_store, ucp_store.io.read
 from ucp_store.topology import Topology
 sys.path.insert(0, os.path.join(os.environ["H"], "tools"))
 from bench_planner import _topologies

@@ -1,4 +1,4 @@
-"""Benchmark: what the per-rank content check (issue 28) adds to a ``ucp_store.dist.save`` of the demo's state.
+"""Benchmark: what the per-rank content check (issue 28) adds to a ``ucp_store.distributed.save`` of the demo's state.
 
     python tools/bench_perrank.py --ranks 4 --reps 5 --dir /tmp/bench_perrank
 
@@ -40,9 +40,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
     from ucp_store.demo import model as M
-    from ucp_store.dist import perrank
+    from ucp_store.distributed import perrank
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

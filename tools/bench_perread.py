@@ -12,7 +12,7 @@ _here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_here, "..")); sys.path.insert(0, _here)
 import bench_planner
 
-from ucp_store import io
+from ucp_store.io import read as io
 
 res = {}
 real_per_read = bench_planner.per_read_seconds

@@ -41,7 +41,7 @@ os.environ["UCP_PROGRESS"] = "0"
 import ucp_store
 from ucp_store.topology import Topology
 from ucp_store import io
-from ucp_store.planner import plan as make_plan
+from ucp_store.plan.planner import plan as make_plan
 store = ucp_store.open_store(os.environ["S"])
 topo = Topology(dp=4, zero_stage=3, layers=1000)
 best = {}
@@ -70,7 +70,7 @@ raw_child = r'''
 import os, sys, time, json, glob
 import numpy as np, google_crc32c
 try:
-    import crc32c                   # the store's CRC32C library (ucp_store/_crc.py) where installed
+    import crc32c                   # the store's CRC32C library (ucp_store/io/crc.py) where installed
     crcv = crc32c.crc32c
     crce = lambda c, d: crc32c.crc32c(d, c)
 except ImportError:
@@ -130,7 +130,7 @@ os.environ["UCP_PROGRESS"] = "0"
 import numpy as np
 from sqlalchemy import Text, cast, select
 import ucp_store
-from ucp_store._crc import value as crc
+from ucp_store.io.crc import value as crc
 from ucp_store.catalog import models as m
 store = ucp_store.open_store(os.environ["S"])
 ck = store.checkpoint("r@1")

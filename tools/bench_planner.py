@@ -26,7 +26,7 @@ import math
 import time
 
 from ucp_store import patterns
-from ucp_store.planner import chunk_alignment, plan
+from ucp_store.plan.planner import chunk_alignment, plan
 from ucp_store.topology import Topology
 
 STATES = ("weight", "fp32", "exp_avg", "exp_avg_sq")
@@ -146,7 +146,7 @@ def catalog_store(root: str, recs: list[dict], catalog: str | None = None):
 
     import ucp_store
     from ucp_store.catalog import models as m
-    from ucp_store.store import _layer_of
+    from ucp_store.save.writer import layer_of as _layer_of
 
     store = ucp_store.open_store(root, create=True, catalog=catalog)
     now = dt.datetime.now(dt.UTC)
@@ -205,7 +205,7 @@ def per_read_seconds(arrays: int = 1000, fresh: bool = False) -> float:
         for _ in range(3):
             ck = store.checkpoint("r@1")
             if fresh:
-                from ucp_store import io
+                from ucp_store.io import read as io
                 io._held.clear()
             t0 = time.perf_counter()
             shard = ck.load_shard(topo, 1)
@@ -277,7 +277,7 @@ def bench_real_load(layers: int, repeats: int) -> None:
     import torch
 
     import ucp_store
-    from ucp_store.io import execute
+    from ucp_store.io.read import execute
 
     dims = dict(h=64, heads=8, kv_heads=8, head_dim=8, ffn=256, experts=8, expert_ffn=32, vocab=4096)
     recs = model_records(layers, **dims)

@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import ucp_store  # noqa: E402
-from ucp_store import patterns as pat  # noqa: E402
-from ucp_store.planner import plan as make_plan  # noqa: E402
-from ucp_store.topology import Topology  # noqa: E402
+import ucp_store
+from ucp_store import patterns as pat
+from ucp_store.plan.planner import plan as make_plan
+from ucp_store.topology import Topology
 
 H, KV, F, V = 768, 192, 2000, 8000
 F3 = [667, 667, 666]
@@ -93,7 +93,7 @@ def measure(path: str, target: Topology, rank: int, repeats: int = 3) -> dict:
         t = time.perf_counter()
         p = make_plan(infos, target, rank)
         plan_times.append(time.perf_counter() - t)
-    from ucp_store.io import execute
+    from ucp_store.io.read import execute
 
     cold = None
     if drop_caches():

@@ -164,7 +164,7 @@ MESHES: dict[str, dict[str, Any]] = {"llama405b": {"shape": [1024, 8], "dims": [
 
 
 def dtensor_pattern(pattern: dict, mesh: dict) -> dict:
-    """The ``dtensor`` pattern ``ucp_store.dist.save`` records for a tensor laid out like ``pattern`` on ``mesh``:
+    """The ``dtensor`` pattern ``ucp_store.distributed.save`` records for a tensor laid out like ``pattern`` on ``mesh``:
     FSDP2 shards dim 0 over ``dp`` (strided when TP shards dim 0 too), TP shards a column-parallel weight's
     dim 0 and a row-parallel one's dim 1, ``ep`` shards a fused expert tensor's expert dim."""
     kind = pattern.get("kind")
@@ -203,10 +203,10 @@ def catalog_rows(params: list[tuple[str, tuple[int, ...], dict]], ck_id: str, ta
     """The array and tensor rows a save of ``params`` (three fp32 states each) records under checkpoint
     ``ck_id``, in ``row_to_dict`` form (what a joined rank hands its coordinator): real layouts from the
     store's chunk policy, a content hash of the real scheme's length per array (every array distinct)."""
-    from ucp_store import format as fmt
     from ucp_store.catalog.models import new_id
-    from ucp_store.location import array_path
-    from ucp_store.writer import layer_of
+    from ucp_store.io import format as fmt
+    from ucp_store.io.location import array_path
+    from ucp_store.save.writer import layer_of
 
     layouts: dict[tuple, tuple] = {}
     rows: list[dict] = []
@@ -387,7 +387,7 @@ def measure_catalog(model: str, params, root: str, catalog: str | None, label: s
     """Commit the model's rows on one catalog, then time the coordinator's fetches; returns the figures and
     (under ``infos``) the fetched rows."""
     import ucp_store
-    import ucp_store.writer  # noqa: F401  (imports torch and TensorStore: not the begin's cost)
+    import ucp_store.save.writer
     from ucp_store.catalog.models import new_id
 
     store = ucp_store.open_store(root, create=True, catalog=catalog)
@@ -434,7 +434,7 @@ def _sample_ranks(world: int) -> list[int]:
 
 def measure_planning(model: str, infos: list[Any], repeats: int) -> list[dict]:
     """Per-rank planning from every row (what a rank holds after one broadcast), with cold caches."""
-    from ucp_store.planner import plan, plan_mesh
+    from ucp_store.plan.planner import plan, plan_mesh
 
     by_key = {(i.name, i.state): i for i in infos}
     out = []

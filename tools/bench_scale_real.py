@@ -4,7 +4,7 @@ PostgreSQL (``--postgres-url``; give a server whose ``max_connections`` is low, 
 64-rank job needs one connection) and on SQLite. Per save and load: wall time (slowest rank), catalog
 connections (clients' connects, all ranks; and the server's count under the phase's application_name),
 catalog statements (rank 0's SQL statements: round trips; bulk COPYs not counted), collectives per rank and
-bytes broadcast (``ucp_store.coord.STATS``).
+bytes broadcast (``ucp_store.distributed.coord.STATS``).
 
     python tools/bench_scale_real.py --ranks 4 16 64 --postgres-url postgresql+psycopg2://ucp:ucp@127.0.0.1:5433/ucp_scale
 
@@ -31,7 +31,7 @@ def _launch(spec: dict, world: int) -> list[list[dict]]:
            "TORCH_CPP_LOG_LEVEL": "ERROR"}
     env.pop("UCP_CATALOG", None)
     spec = {**spec, "world": world, "launch_timeout": 1800}
-    proc = subprocess.run([sys.executable, "-m", "ucp_store.demo.scale_ranks", json.dumps(spec)], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "scale_ranks.py"), json.dumps(spec)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1900)
     if proc.returncode != 0:
         raise SystemExit(f"ucp: error: {world} ranks failed: {proc.stderr[-2000:]}")

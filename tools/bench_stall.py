@@ -3,9 +3,9 @@
 A training loop (an FSDP2 MLP over 2 CPU ranks, AdamW; sized so that forward plus backward take at least as
 long as copying the state) saves every ``--every`` steps with each method:
 
-- ``sync``: ``ucp_store.dist.save``;
+- ``sync``: ``ucp_store.distributed.save``;
 - ``dcp_thread`` / ``dcp_process``: DCP's ``async_save`` (thread and process executors, DCP's own staging);
-- ``ucp_eager``: ``ucp_store.dist.async_save(lazy=False)`` after ``prepare_async`` (copies at the call);
+- ``ucp_eager``: ``ucp_store.distributed.async_save(lazy=False)`` after ``prepare_async`` (copies at the call);
 - ``ucp_lazy``: the lazy snapshot (``optimizer=`` gate), writer at niceness 10; ``ucp_lazy_nice0``: the same
   with the writer at the trainer's priority.
 
@@ -76,7 +76,7 @@ def _saver(method, args, store, model, opt):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     def call(step):
         sd = _sd(model, opt)
@@ -167,7 +167,7 @@ def _rank_main(rank, args, port) -> None:
             out["methods"][method] = _run_method(method, args, store, model, opt, x, base)
     with open(os.path.join(args.dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    import ucp_store.dist as ucpd
+    import ucp_store.distributed as ucpd
 
     ucpd.close()
     dist.barrier()

@@ -34,11 +34,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import ucp_store  # noqa: E402
-from ucp_store import dtypes  # noqa: E402
-from ucp_store import format as fmt
-from ucp_store._crc import value as crc_value  # noqa: E402  (the store's CRC32C library)
-from ucp_store.location import Location  # noqa: E402
+import ucp_store
+from ucp_store import dtypes
+from ucp_store.io import format as fmt
+from ucp_store.io.crc import value as crc_value
+from ucp_store.io.location import Location
 
 
 def fsync_tree(path: str) -> None:

@@ -3,7 +3,7 @@
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tools/ds_direct.py --jobs jobs.json
 
-Builds on ``tools/ds_train.py`` (models, configs, data, ``train_steps``). Job kinds:
+Builds on ``ucp_store/demo/ds_train.py`` (models, configs, data, ``train_steps``). Job kinds:
 
 - ``save``: train ``steps`` steps; if ``save_dir``: ``save_checkpoint`` to files with DeepSpeed's own engine
   (and ``convert``: rank 0 runs ``ds_to_universal``); then ``attach`` the ucp engine and ``save_checkpoint``
@@ -14,7 +14,7 @@ Builds on ``tools/ds_train.py`` (models, configs, data, ``train_steps``). Job ki
   and exp_avg); ``bad_run`` (``{"run", "perturb"}``): after the ucp save, drift more and save into that run,
   recording the error (``bad_error``) the save must raise. ``bg_run``: then save the
   same step once more in background mode into that run (``bg_blocked_s``: what training waited for).
-- ``resume_direct``: build the engine (``model``, ``zero``, ``dtype``: the target), ``ucp_store.deepspeed_direct.load``
+- ``resume_direct``: build the engine (``model``, ``zero``, ``dtype``: the target), ``ucp_store.deepspeed.load``
   ``ref`` from ``store``, train ``steps`` steps.
 - ``resume_ds``: the same from DeepSpeed's ``load_universal`` of ``load_dir``/``tag``.
 
@@ -37,12 +37,12 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 
-from ucp_store.demo import ds_train  # the DeepSpeed training harness (models, configs, data, train_steps)
+from ucp_store.demo import ds_train
 
 
 def optimizer_state(engine) -> dict:
     """Every rank's optimizer state as plain tensors: {"g<i>.<state>": tensor}."""
-    from ucp_store.ds_load import _optimizer_groups
+    from ucp_store.deepspeed.load import _optimizer_groups
 
     _, _, hp_flats, inner = _optimizer_groups(engine)
     out = {}
@@ -135,7 +135,7 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
     repetition; the file folders are removed after each one."""
     import deepspeed.comm as dist
 
-    import ucp_store.deepspeed_direct as ucpds
+    import ucp_store.deepspeed as ucpds
 
     reps: dict[str, list[float]] = {"torch_save": [], "torch_save_fsync": [], "raw_write_fsync": [], "ucp": [],
                                     "ucp_background": [], "ucp_durability_background": []}
@@ -241,7 +241,7 @@ def _blocking_reps(engine, job, result, steps, rank, dp_rank, dp, micro, gas) ->
 def run_job(job):
     import deepspeed.comm as dist
 
-    import ucp_store.deepspeed_direct as ucpds
+    import ucp_store.deepspeed as ucpds
 
     rank = dist.get_rank()
     result = {"job": job, "world": dist.get_world_size()}

@@ -6,7 +6,7 @@
 
 ``CONFIGS_JSON``: a list of ``tools/ds_direct.py`` save-job settings (``model``, ``tp``, ``stages``, ``zero``,
 ``dtype``, ``hidden``, ``blocks``, ``average_norms``; ``extra``: more job keys such as ``perturb``), each saved by
-NPROC ranks forked by ``ucp_store/demo/fork_ranks.py``. E.g. AutoTP at TP=2 with ZeRO-1 and ZeRO-2::
+NPROC ranks forked by ``tools/fork_ranks.py``. E.g. AutoTP at TP=2 with ZeRO-1 and ZeRO-2::
 
     python tools/ds_direct_tp_check.py /tmp/tpcheck 2 '[{"model":"tp","tp":2,"zero":1},{"model":"tp","tp":2,"zero":2}]'
 
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         phases.append({"ranks": nproc, "harness": "tools.ds_direct", "jobs": [job]})
         phases.append({"ucp": ["import", "deepspeed", str(root / name / "global_step3"), "--run", name, "--store",
                                str(root / "imported"), "--no-progress"]})
-    from ucp_store.demo.fork_ranks import launch
+    from fork_ranks import launch  # tools/ is this script's folder
 
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

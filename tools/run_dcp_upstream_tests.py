@@ -72,7 +72,7 @@ def _store_at(path: Any):
 
 
 def _shim_classes():
-    from ucp_store.dcp_storage import UcpStorageReader, UcpStorageWriter
+    from ucp_store.formats.dcp.storage import UcpStorageReader, UcpStorageWriter
 
     class ShimWriter(UcpStorageWriter):
         """``FileSystemWriter(path, ...)`` -> the next step of run ``dcp`` in the store at ``path``."""

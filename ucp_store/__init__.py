@@ -20,20 +20,20 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpoint import Checkpoint
-    from .errors import ReferenceNotFound, UcpError
-    from .io import load_shard
-    from .store import Store, open_store
-    from .topology import Topology
+    from ucp_store.errors import ReferenceNotFound, UcpError
+    from ucp_store.io.read import load_shard
+    from ucp_store.registry.checkpoint import Checkpoint
+    from ucp_store.store import Store, open_store
+    from ucp_store.topology import Topology
 
 __all__ = ["Store", "open_store", "Checkpoint", "Topology", "load_shard", "UcpError", "ReferenceNotFound",
            "__version__"]
 
 # public name -> the module that defines it (imported on first access)
 _LAZY = {
-    "Store": "store", "open_store": "store", "Checkpoint": "checkpoint", "Topology": "topology",
-    "load_shard": "io", "UcpError": "errors", "ReferenceNotFound": "errors",
-    "UcpStorageWriter": "dcp_storage", "UcpStorageReader": "dcp_storage",
+    "Store": "store", "open_store": "store", "Checkpoint": "registry.checkpoint", "Topology": "topology",
+    "load_shard": "io.read", "UcpError": "errors", "ReferenceNotFound": "errors",
+    "UcpStorageWriter": "formats.dcp.storage", "UcpStorageReader": "formats.dcp.storage",
 }
 
 
@@ -51,7 +51,7 @@ def __dir__() -> list[str]:
 
 
 def _register_bfloat16() -> None:
-    from .zarr_compat import register_bfloat16
+    from ucp_store.io.zarr_compat import register_bfloat16
 
     register_bfloat16()
 

@@ -20,8 +20,8 @@ The points (tests/test_killpoints.py tries every one on SQLite and PostgreSQL, f
 ``commit.after``            ``CheckpointWriter.commit``: the version is committed
 ``abort.after_row``         ``CheckpointWriter.abort``: pending row deleted, arrays not swept
 ``import.after_records``    ``adapters.base.import_source``: every record written, objects/commit not
-``dist.mid_write``          ``ucp_store.dist`` save: one box written, the rest and the commit not
-``async.mid_copy``          lazy ``ucp_store.dist.async_save``: one box copied by the background snapshot
+``dist.mid_write``          ``ucp_store.distributed`` save: one box written, the rest and the commit not
+``async.mid_copy``          lazy ``ucp_store.distributed.async_save``: one box copied by the background snapshot
 ``gc.after_rows``           ``retention.gc``: victims' and dead pending rows deleted, no file swept
 ``rm.after_row``            ``Store.rm``: the version's rows deleted, no file swept
 ``sweep.mid``               ``retention.sweep_arrays``: one array deleted (row and files), more to go

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from .errors import DTypeError
+from ucp_store.errors import DTypeError
 
 __all__ = ["ITEMSIZE", "SUPPORTED", "ALIASES", "UNSTORABLE", "canonical_name", "itemsize", "unsupported_message"]
 

@@ -14,8 +14,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from . import dtype_table
-from .errors import DTypeError, ValidationError
+from ucp_store import dtype_table
+from ucp_store.errors import DTypeError, ValidationError
 
 __all__ = ["SUPPORTED", "zarr_name", "torch_dtype", "numpy_dtype", "itemsize", "to_numpy", "to_torch", "from_numpy_as",
            "numpy_view"]

@@ -122,4 +122,4 @@ class ImportFailedError(UcpError):
 
 class StalePlanError(UcpError):
     """A multi-rank save's cached plan no longer fits the state dict (its layout, or which entries are equal
-    on every rank, changed): every rank aborted the attempt; ``ucp_store.dist.save`` plans afresh."""
+    on every rank, changed): every rank aborted the attempt; ``ucp_store.distributed.save`` plans afresh."""

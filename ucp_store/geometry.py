@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .errors import PatternError
+from ucp_store.errors import PatternError
 
 __all__ = ["Ranges", "Box", "FlatRange", "flat_range_to_boxes", "row_major_strides", "split_contiguous", "uncovered"]
 

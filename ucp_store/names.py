@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from .errors import InvalidNameError
+from ucp_store.errors import InvalidNameError
 
 __all__ = ["tensor_name", "object_name", "run_name", "tag_name", "state_name"]
 

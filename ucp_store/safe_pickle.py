@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .errors import SourceFormatError, UnsafePickleError
+from ucp_store.errors import SourceFormatError, UnsafePickleError
 
 __all__ = [
     "load", "scan_globals", "allowed_globals", "allow", "to_jsonable", "from_jsonable",

@@ -22,7 +22,7 @@ from referencing import Registry, Resource
 from referencing.exceptions import NoSuchResource
 from referencing.jsonschema import DRAFT202012
 
-from .errors import ValidationError
+from ucp_store.errors import ValidationError
 
 __all__ = ["KINDS", "validate", "is_valid", "load_schema", "schema_path", "schemas_dir"]
 

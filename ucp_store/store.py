@@ -1,15 +1,15 @@
 """The store: a versioned checkpoint registry (runs, versions, references, tags) over arrays and a catalog.
 
-``open_store`` opens a :class:`Store` (a :class:`~ucp_store.location.Location` for the arrays plus a SQL
+``open_store`` opens a :class:`Store` (a :class:`~ucp_store.io.location.Location` for the arrays plus a SQL
 catalog). The registry answers what exists and by which name: ``runs``, ``list_checkpoints``, ``resolve``
 (``RUN@STEP``, ``RUN@latest``, ``RUN:TAG``, an id or an unambiguous id prefix), ``tag``/``untag`` and
 ``rm``. The rest lives beside it, loaded on first use:
 
-- writing: ``begin``/``join``/``save`` hand out a :class:`~ucp_store.writer.CheckpointWriter`
-  (``ucp_store/writer.py``: the commit protocol);
-- retention and gc: ``ucp_store/retention.py``;
+- writing: ``begin``/``join``/``save`` hand out a :class:`~ucp_store.save.writer.CheckpointWriter`
+  (``ucp_store/save/writer.py``: the commit protocol);
+- retention and gc: ``ucp_store/registry/retention.py``;
 - read-only SQL: ``ucp_store/catalog/query.py``;
-- reading a version: :class:`~ucp_store.checkpoint.Checkpoint`.
+- reading a version: :class:`~ucp_store.registry.checkpoint.Checkpoint`.
 
 This module imports no torch, TensorStore, zarr or numpy, so the catalog-only commands (``ucp ls``,
 ``show``, ``log``, ``tag``, ``query``, ``rm``, ``gc --dry-run``) start at once. The array context
@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from . import names
-from ._killpoints import killpoint
-from .catalog import models as m
-from .catalog.db import open_catalog
-from .catalog.query import read_only_query
-from .errors import (
+from ucp_store import names
+from ucp_store._killpoints import killpoint
+from ucp_store.catalog import models as m
+from ucp_store.catalog.db import open_catalog
+from ucp_store.catalog.query import read_only_query
+from ucp_store.errors import (
     CatalogError,
     ConfigurationError,
     ReferenceNotFound,
@@ -45,37 +45,21 @@ from .errors import (
     ValidationError,
     WriterClosedError,
 )
-from .location import ARRAYS_DIR, Location
+from ucp_store.io.location import ARRAYS_DIR, Location
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpoint import Checkpoint
-    from .retention import GcReport
-    from .writer import CheckpointWriter
+    from ucp_store.registry.checkpoint import Checkpoint
+    from ucp_store.registry.retention import GcReport
+    from ucp_store.save.writer import CheckpointWriter
 
-__all__ = ["FORMAT_VERSION", "DEFAULT_STORE", "DEFAULT_PENDING_TIMEOUT", "Store", "open_store", "CheckpointWriter",
-           "GcReport", "read_only_query"]
+__all__ = ["FORMAT_VERSION", "DEFAULT_STORE", "DEFAULT_PENDING_TIMEOUT", "Store", "open_store", "read_only_query"]
 
 FORMAT_VERSION = 1
 DEFAULT_STORE = "./ucp-store"
 DEFAULT_PENDING_TIMEOUT = _dt.timedelta(hours=24)
 
-# names that moved out of this module and stay importable from it (loaded on first use)
-_MOVED = {"CheckpointWriter": ("writer", "CheckpointWriter"), "_layer_of": ("writer", "layer_of"),
-          "_writer_aligned_shards": ("writer", "_writer_aligned_shards"), "_check_json": ("writer", "_check_json"),
-          "GcReport": ("retention", "GcReport"), "_pid_alive": ("retention", "_pid_alive")}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-
-        module, attr = _MOVED[name]
-        return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _tool_version() -> str:
-    from . import __version__
+    from ucp_store import __version__
 
     return __version__
 
@@ -162,7 +146,7 @@ class Store:
     def context(self) -> Any:
         """The TensorStore context every array of this store opens with (made on first use)."""
         if self._context is None:
-            from .format import make_context
+            from ucp_store.io.format import make_context
 
             self._context = make_context()
         return self._context
@@ -172,7 +156,7 @@ class Store:
         """The context of a writer that defers durability (``CheckpointWriter.defer_durability``): local files
         are not fsynced one by one; that writer fsyncs them all at once before it records their rows."""
         if getattr(self, "_unsynced_context", None) is None:
-            from .format import make_context
+            from ucp_store.io.format import make_context
 
             self._unsynced_context = make_context(sync=False)
         return self._unsynced_context
@@ -181,11 +165,11 @@ class Store:
         """Record a new store's settings; True when the store is new. An existing store's settings never
         change: a requested value equal to the stored one is a no-op, another one is refused (naming the
         setting, the stored and the requested value) before anything is written."""
-        from .chunking import DEFAULT_TARGET, MAX_TARGET, MIN_TARGET
+        from ucp_store.io.chunking import DEFAULT_TARGET, MAX_TARGET, MIN_TARGET
 
         wanted: dict[str, Any] = {"format_version": FORMAT_VERSION}
         if compression is not None:
-            from .format import check_compression
+            from ucp_store.io.format import check_compression
 
             check_compression(compression)
             wanted["compression"] = compression
@@ -319,7 +303,7 @@ class Store:
 
     def checkpoint(self, ref: str) -> "Checkpoint":
         """The committed version ``ref`` names (see :meth:`resolve`), opened for reading."""
-        from .checkpoint import Checkpoint
+        from ucp_store.registry.checkpoint import Checkpoint
 
         return Checkpoint(self, self.resolve(ref))
 
@@ -372,7 +356,7 @@ class Store:
             pid = self.resolve(parent)
             with self.catalog.write_session() as s:
                 s.execute(update(m.Checkpoint).where(m.Checkpoint.id == cid).values(parent_id=pid))
-        from .writer import CheckpointWriter
+        from ucp_store.save.writer import CheckpointWriter
 
         return CheckpointWriter(self, cid, owner=True)
 
@@ -382,7 +366,7 @@ class Store:
             ck = s.get(m.Checkpoint, checkpoint_id)
             if ck is None or ck.status != "pending":
                 raise WriterClosedError(f"checkpoint {checkpoint_id!r} is not a pending save; cannot join it")
-        from .writer import CheckpointWriter
+        from ucp_store.save.writer import CheckpointWriter
 
         return CheckpointWriter(self, checkpoint_id, owner=False)
 
@@ -401,7 +385,7 @@ class Store:
         return w.checkpoint
 
     def _provenance_record(self, provenance: Mapping[str, Any] | None) -> dict:
-        from .schema import validate
+        from ucp_store.schema import validate
 
         prov = dict(provenance or {})
         prov.setdefault("source_kind", "api")
@@ -467,14 +451,14 @@ class Store:
     def set_retention(self, run: str, *, keep_last: int | None = None, keep_every: int | None = None,
                       keep_tagged: bool = True) -> dict | None:
         """Store the run's retention policy (no ``keep_*``: clear it); returns the stored record."""
-        from .retention import RetentionPolicy, set_retention
+        from ucp_store.registry.retention import RetentionPolicy, set_retention
 
         return set_retention(self, run, RetentionPolicy(keep_last, keep_every, keep_tagged))
 
     def retention_victims(self, run: str | None = None, *, keep_last: int | None = None,
                           keep_every: int | None = None, keep_tagged: bool = True) -> list[str]:
         """Committed versions a retention policy would remove (explicit arguments beat stored policies)."""
-        from .retention import RetentionPolicy, retention_victims
+        from ucp_store.registry.retention import RetentionPolicy, retention_victims
 
         return retention_victims(self, run, RetentionPolicy(keep_last, keep_every, keep_tagged))
 
@@ -482,13 +466,13 @@ class Store:
            keep_tagged: bool = True, dry_run: bool = False,
            pending_timeout: _dt.timedelta = DEFAULT_PENDING_TIMEOUT) -> "GcReport":
         """Apply retention, drop dead pending saves, then delete arrays nothing committed references."""
-        from .retention import RetentionPolicy, gc
+        from ucp_store.registry.retention import RetentionPolicy, gc
 
         return gc(self, run=run, override=RetentionPolicy(keep_last, keep_every, keep_tagged), dry_run=dry_run,
                   pending_timeout=pending_timeout)
 
     def _sweep_arrays(self, *, dry_run: bool, also: Iterable[str] = frozenset()) -> tuple[int, int]:
-        from .retention import sweep_arrays
+        from ucp_store.registry.retention import sweep_arrays
 
         return sweep_arrays(self, dry_run=dry_run, also=also)
 

@@ -81,7 +81,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, cast
 
-from .errors import TopologyError
+from ucp_store.errors import TopologyError
 
 __all__ = ["AXES", "DEFAULT_ORDER", "EP_OVER", "MAX_WORLD_SIZE", "SCHEMA_FILE", "LayerNameRule", "Topology",
            "load_schema", "schema_errors", "validate_topology_record", "as_topology"]

@@ -99,7 +99,7 @@ def torch_unsupported_dtype(ctx):
 
 
 def torch_import(ctx, **kw):
-    from ucp_store.adapters.torch_file import import_torch_file
+    from ucp_store.formats.torch_file import import_torch_file
 
     return import_torch_file(ctx.open(), str(ctx.inp / "w.pt"), "imp", 1, progress=False, **kw)
 
@@ -169,7 +169,7 @@ def ds_missing_shard(ctx):
 
 
 def ds_import(ctx):
-    from ucp_store.adapters.deepspeed import import_deepspeed
+    from ucp_store.deepspeed.source import import_deepspeed
 
     return import_deepspeed(ctx.open(), str(ctx.inp / "global_step1"), "imp", 1, progress=False)
 
@@ -207,7 +207,7 @@ def uni_truncated_model(ctx):
 
 
 def uni_import(ctx):
-    from ucp_store.adapters.deepspeed_universal import import_universal
+    from ucp_store.deepspeed.universal import import_universal
 
     return import_universal(ctx.open(), str(ctx.inp / "uni"), "imp", 1, progress=False)
 
@@ -293,7 +293,7 @@ def hf_rtl_name(ctx):
 
 
 def hf_import(ctx):
-    from ucp_store.adapters.hf import import_hf
+    from ucp_store.formats.hf.adapter import import_hf
 
     return import_hf(ctx.open(), str(ctx.inp / "hf"), "imp", 1, progress=False)
 
@@ -352,7 +352,7 @@ def dcp_absurd_shape(ctx):
 
 
 def dcp_import(ctx):
-    from ucp_store.adapters.dcp import import_dcp
+    from ucp_store.formats.dcp.adapter import import_dcp
 
     return import_dcp(ctx.open(), str(ctx.inp / "dcp"), "imp", 1, progress=False)
 

@@ -206,7 +206,7 @@ def torch_with_objects(ctx):
 
 
 def torch_objects_import(ctx):
-    from ucp_store.adapters.torch_file import import_torch_file
+    from ucp_store.formats.torch_file import import_torch_file
 
     ck = import_torch_file(ctx.open(), str(ctx.inp / "o.pt"), "t", 1, progress=False)
     objs = ucp_store.open_store(str(ctx.store)).checkpoint(ck.id).objects()
@@ -223,7 +223,7 @@ def dcp_objects_roundtrip(ctx):
     """import dcp, export dcp, and read the exported folder's values back with DCP's own loader."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from ucp_store.adapters.dcp import export_dcp, import_dcp
+    from ucp_store.formats.dcp.adapter import export_dcp, import_dcp
 
     ck = import_dcp(ctx.open(), str(ctx.inp / "d"), "d", 1, progress=False)
     export_dcp(ucp_store.open_store(str(ctx.store)).checkpoint(ck.id), str(ctx.inp / "out"), progress=False)
@@ -304,7 +304,7 @@ def dcp_declared_size(size: list[int]) -> Callable[[Ctx], None]:
 
 
 def dcp_import(ctx):
-    from ucp_store.adapters.dcp import import_dcp
+    from ucp_store.formats.dcp.adapter import import_dcp
 
     ck = import_dcp(ctx.open(), str(ctx.inp / "dcp"), "imp", 1, progress=False)
     return ucp_store.open_store(str(ctx.store)).checkpoint(ck.id).read("tiled")
@@ -407,7 +407,7 @@ def hf_huge_shape(ctx):
 
 
 def hf_import(ctx):
-    from ucp_store.adapters.hf import import_hf
+    from ucp_store.formats.hf.adapter import import_hf
 
     return import_hf(ctx.open(), str(ctx.inp / "hf"), "imp", 1, progress=False)
 
@@ -430,7 +430,7 @@ def conj_torch_file(ctx):
 
 def torch_import_read(name: str, path: str = "w.pt"):
     def call(ctx):
-        from ucp_store.adapters.torch_file import import_torch_file
+        from ucp_store.formats.torch_file import import_torch_file
 
         ck = import_torch_file(ctx.open(), str(ctx.inp / path), "imp", 1, progress=False)
         return ucp_store.open_store(str(ctx.store)).checkpoint(ck.id).read(name)
@@ -459,7 +459,7 @@ def two_save_paths(ctx):
 def diff_and_dedup(ctx):
     s = ctx.open()
     a, b = s.checkpoint("eng@1"), s.checkpoint("imp@1")
-    from ucp_store.checkpoint import diff
+    from ucp_store.registry.checkpoint import diff
 
     return [r["status"] for r in diff(a, b)], a.info("w", "fp32").array == b.info("w", "fp32").array
 
@@ -665,7 +665,7 @@ def torch_shared_storage(ctx):
 
 
 def torch_shared_read(ctx):
-    from ucp_store.adapters.torch_file import import_torch_file
+    from ucp_store.formats.torch_file import import_torch_file
 
     ck = import_torch_file(ctx.open(), str(ctx.inp / "w.pt"), "imp", 1, progress=False)
     ck = ucp_store.open_store(str(ctx.store)).checkpoint(ck.id)
@@ -696,13 +696,13 @@ def object_collision(ctx):
 
 
 def torch_import(ctx):
-    from ucp_store.adapters.torch_file import import_torch_file
+    from ucp_store.formats.torch_file import import_torch_file
 
     return import_torch_file(ctx.open(), str(ctx.inp / "w.pt"), "imp", 1, progress=False)
 
 
 def dcp_good_read(ctx):
-    from ucp_store.adapters.dcp import import_dcp
+    from ucp_store.formats.dcp.adapter import import_dcp
 
     ck = import_dcp(ctx.open(), str(ctx.good_dcp), "imp", 1, progress=False)
     ck = ucp_store.open_store(str(ctx.store)).checkpoint(ck.id)

@@ -1,6 +1,6 @@
 """Real DeepSpeed checkpoints (CPU, 2 gloo processes under torchrun), generated once per session.
 
-Every checkpoint here is written by DeepSpeed itself (tools/ds_train.py), including the tensor-parallel
+Every checkpoint here is written by DeepSpeed itself (``ucp_store/demo/ds_train.py``), including the tensor-parallel
 one (AutoTP training, ``tensor_parallel.autotp_size = 2``) and the pipeline one (``PipelineModule`` with 2
 stages); each is also converted by ``python -m deepspeed.checkpoint.ds_to_universal`` for comparison.
 """
@@ -16,7 +16,7 @@ import pytest
 from ucp_test_helpers import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "tools" / "ds_train.py"
+TRAIN = ["-m", "ucp_store.demo.ds_train"]  # the harness `ucp demo --deepspeed` runs
 STEPS = 3
 TAG = f"global_step{STEPS}"
 UTAG = f"{TAG}_universal"
@@ -45,7 +45,7 @@ RESUME_AS = {
 def run_jobs(jobs: list[dict], nproc: int, where: Path, name: str, *, timeout: int = 600) -> None:
     path = where / f"{name}.json"
     path.write_text(json.dumps(jobs, indent=1))
-    torchrun([str(TRAIN), "--jobs", str(path)], nproc, timeout=timeout)
+    torchrun([*TRAIN, "--jobs", str(path)], nproc, timeout=timeout)
 
 
 class DSSession:
@@ -98,8 +98,8 @@ def ds(tmp_path_factory) -> DSSession:
         jobs.append({"kind": "train", **cfg, "steps": STEPS, "save_dir": str(root / name), "tag": TAG,
                      "convert": True, "next_steps": 2, "out": str(root / f"train_{name}.json")})
     run_jobs(jobs, 2, root, "train_jobs")
-    from ucp_store.adapters.deepspeed import import_deepspeed
-    from ucp_store.adapters.deepspeed_universal import export_universal
+    from ucp_store.deepspeed.source import import_deepspeed
+    from ucp_store.deepspeed.universal import export_universal
 
     for name in CONFIGS:
         import_deepspeed(sess.store, str(sess.tag_dir(name)), name, progress=False)

@@ -3,7 +3,7 @@
 The model is Megatron-style (``pipe3d`` in ``ucp_store/demo/ds_train.py``): a ``PipelineModule`` over
 DeepSpeed's ``PipeModelDataParallelTopology`` whose MLP blocks are hand-written column-/row-parallel linears
 (collectives on the grid's tensor group), with the ``universal_checkpoint_info`` DeepSpeed saves from the
-module. All ranks are forked by ``ucp_store/demo/fork_ranks.py`` from one interpreter with torch and
+module. All ranks are forked by ``tools/fork_ranks.py`` from one interpreter with torch and
 DeepSpeed loaded, in one launcher run (train, ds_to_universal, import, export, resume), instead of two
 torchrun launches where every rank imported torch, DeepSpeed and the 1500 modules its engine pulls in.
 The checkpoint is imported with ``ucp import deepspeed``, checked against ``ds_to_universal``'s
@@ -84,7 +84,10 @@ def ds3d(tmp_path_factory) -> Session:
               {"ucp": ["export", "deepspeed-universal", f"{RUN}@{STEPS}", str(s.export_root), "--tag", UTAG, *store]},
               {"ranks": RESUME_PROCS, "jobs": resumes}]
     t0 = time.time()
-    from ucp_store.demo.fork_ranks import launch
+    from ucp_test_helpers import tools_on_path
+
+    tools_on_path()
+    from fork_ranks import launch
 
     try:
         s.timings = launch(phases, s.root, TIMEOUT)
@@ -98,7 +101,7 @@ def ds3d(tmp_path_factory) -> Session:
 def test_source_is_tp2_pp2_dp2(ds3d):
     """DeepSpeed wrote 2 DP x 4 model-parallel (pp x tp) optimizer files and per-TP layer files, and the
     reader takes the mesh and the Megatron patterns (column, row, replicated; layer placement) from them."""
-    from ucp_store.adapters.deepspeed import DeepSpeedReader
+    from ucp_store.deepspeed.source import DeepSpeedReader
 
     r = DeepSpeedReader(ds3d.tag_dir)
     assert r.topology == {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 1}
@@ -142,7 +145,7 @@ def test_stored_states_equal_ds_to_universal(ds3d, cmp):
 def test_tp_replicated_slices_are_identical(ds3d):
     """The hand-written TP layers keep replicated parameters (norms, row-parallel bias, input/head) equal on
     both TP ranks in every DP partition, so storing them once loses nothing."""
-    from ucp_store.adapters.deepspeed import DeepSpeedReader
+    from ucp_store.deepspeed.source import DeepSpeedReader
 
     r = DeepSpeedReader(ds3d.tag_dir)
     checked = 0
@@ -185,7 +188,7 @@ def test_load_shard_equals_deepspeed_loader(ds3d, target):
     """On every rank of the target, the ZeRO partitions of fp32, exp_avg and exp_avg_sq that DeepSpeed's
     universal loader built from our export equal, bit for bit, the buffers ``load_shard`` plans and reads
     from the store for that rank (same rank order: tp fastest, then dp, then pp)."""
-    from ucp_store.io import load_shard
+    from ucp_store.io.read import load_shard
     from ucp_store.topology import Topology
 
     tp, pp = TARGETS[target]

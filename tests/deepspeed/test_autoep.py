@@ -2,7 +2,7 @@
 4 routed experts, top-2, a shared expert) swapped by DeepSpeed's ``deepseek_v3`` AutoEP preset, bf16, trained on
 2 gloo processes under ZeRO-3 (at ep=2 with the experts in several sub-groups, and at ep=1), ZeRO-2 (ep=2) and
 ZeRO-1 (ep=1), saved, converted by ``ds_to_universal``, imported, and resumed through ``load_shard`` into
-freshly built AutoEP engines at ep=2 and ep=1 (one torchrun launch, ``ucp_store/demo/ds_autoep.py``)."""
+freshly built AutoEP engines at ep=2 and ep=1 (one torchrun launch, ``tools/ds_autoep.py``)."""
 
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ def test_cli_show_and_plan_show_expert_placement(autoep, ucp):
 
 
 def test_missing_expert_file_is_named(autoep, tmp_path):
-    from ucp_store.adapters.deepspeed_autoep import DeepSpeedAutoEPReader
+    from ucp_store.deepspeed.autoep import DeepSpeedAutoEPReader
     from ucp_store.errors import SourceFormatError
 
     bad = tmp_path / "t"
@@ -256,7 +256,7 @@ def test_low_precision_expert_weights_come_from_the_expert_files(autoep, tmp_pat
     (``<name>.<e>`` keys), expert e at row e: the bf16 cast of the imported fp32 master."""
     import torch
 
-    from ucp_store.adapters.deepspeed_autoep import DeepSpeedAutoEPReader
+    from ucp_store.deepspeed.autoep import DeepSpeedAutoEPReader
 
     reader = DeepSpeedAutoEPReader(autoep.root / "z2" / TAG, lp_weights="all")
     name = "model.layers.1.mlp.experts.w2"
@@ -272,7 +272,7 @@ def test_a_placement_other_than_contiguous_is_refused(autoep, tmp_path):
     (here: ep rank 0 holds experts 2-3) is refused with the file and both placements named."""
     import torch
 
-    from ucp_store.adapters.deepspeed_autoep import DeepSpeedAutoEPReader
+    from ucp_store.deepspeed.autoep import DeepSpeedAutoEPReader
     from ucp_store.errors import SourceFormatError
 
     bad = tmp_path / "t"

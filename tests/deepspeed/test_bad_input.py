@@ -15,8 +15,8 @@ import torch
 
 from ucp_store import open_store
 from ucp_store import safe_pickle as sp
-from ucp_store.adapters.deepspeed import DeepSpeedReader, import_deepspeed
-from ucp_store.adapters.deepspeed_universal import _safe_dir, export_universal, import_universal
+from ucp_store.deepspeed.source import DeepSpeedReader, import_deepspeed
+from ucp_store.deepspeed.universal import _safe_dir, export_universal, import_universal
 from ucp_store.errors import InvalidNameError, SourceFormatError, UnsafePickleError
 
 
@@ -238,7 +238,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError("deepspeed is blocked in this test")
 sys.meta_path.insert(0, Block())
 from ucp_store import safe_pickle as sp
-from ucp_store.adapters.deepspeed import DeepSpeedReader
+from ucp_store.deepspeed.source import DeepSpeedReader
 for p in {paths!r}:
     sp.load(p)
 for d in {[str(ds.tag_dir(n)) for n in ds.configs]!r}:

@@ -5,7 +5,7 @@ One module fixture runs four torchrun launches (tools/ds_direct.py):
 1. 2 processes (DP=2, or PP=2 for the pipeline engine): train ZeRO-1/2/3 bf16 and a 2-stage pipeline, save the
    same step twice: to files with DeepSpeed's own engine (+ ``ds_to_universal``), and through the ucp engine;
    plus a background-mode save;
-2. 1 process: resume at DP=1 through ``ucp_store.deepspeed_direct.load`` and through DeepSpeed's
+2. 1 process: resume at DP=1 through ``ucp_store.deepspeed.load`` and through DeepSpeed's
    ``load_universal`` of the converted folder (same target engines), also into another ZeRO stage and the
    pipeline checkpoint into a 1-stage pipeline;
 3. 4 processes: the same at DP=4;
@@ -120,7 +120,7 @@ def test_direct_save_is_bit_equal_to_import_of_the_files(direct, name):
     import torch
 
     from ucp_store import open_store
-    from ucp_store.adapters.deepspeed import import_deepspeed
+    from ucp_store.deepspeed.source import import_deepspeed
 
     imported = open_store(str(direct / f"imported_{name}"), create=True)
     import_deepspeed(imported, str(direct / name / TAG), name, progress=False)
@@ -141,12 +141,12 @@ def test_direct_save_is_bit_equal_to_import_of_the_files(direct, name):
         schemes.add(x.content_hash.split(":")[0])
         assert x.content_hash == y.content_hash, key
     assert schemes == {"xxh3-128-tiles"}
-    from ucp_store.checkpoint import diff
+    from ucp_store.registry.checkpoint import diff
 
     assert {r["status"] for r in diff(a, b)} == {"same"}
     # every array the engine wrote carries the zarr.json TensorStore itself would have written (the engine writes
     # it directly) and opens from it alone
-    from ucp_store import format as fmt
+    from ucp_store.io import format as fmt
 
     sa = open_store(str(direct / "store"))
     for x in ta.values():

@@ -1,6 +1,6 @@
 """Issue 14 at TP=2: the direct ucp engine saves a tensor-parallel DeepSpeed engine and resumes it on any TP.
 
-One launcher run (``ucp_store/demo/fork_ranks.py``: ranks forked from one interpreter with torch and DeepSpeed
+One launcher run (``tools/fork_ranks.py``: ranks forked from one interpreter with torch and DeepSpeed
 loaded) on real DeepSpeed over gloo:
 
 1. 2 ranks, TP=2 x DP=1, ZeRO-1, bf16, the Megatron-style ``pipe3d`` model on one pipeline stage (column- and
@@ -11,7 +11,7 @@ loaded) on real DeepSpeed over gloo:
    4 ranks, TP=2 x DP=2 (ZeRO fragments of TP slices straddling the DP partitions; frozen norm biases and
    buffers), the same save and import;
 2. ``ds_to_universal`` of the files; ``ucp import deepspeed`` of them;
-3. 2 ranks at TP=2 and 4. 1 rank at TP=1: ``ucp_store.deepspeed_direct.load`` of the direct version, and
+3. 2 ranks at TP=2 and 4. 1 rank at TP=1: ``ucp_store.deepspeed.load`` of the direct version, and
    DeepSpeed's ``load_universal`` of the converted folder into the same engines.
 
 Checks: every stored tensor-state of the direct save is bit-equal (bytes, dtype, shape, pattern) to the import of
@@ -77,7 +77,10 @@ def tp2(tmp_path_factory) -> Path:
                        "--no-progress"]},
               {"ranks": 2, "jobs": resumes(2), "harness": harness},
               {"ranks": 1, "jobs": resumes(1), "harness": harness}]
-    from ucp_store.demo.fork_ranks import launch
+    from ucp_test_helpers import tools_on_path
+
+    tools_on_path()
+    from fork_ranks import launch
 
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")  # the harness: tools/ds_direct.py
@@ -154,7 +157,7 @@ def test_tp2_save_of_a_drifted_replica_fails_and_lists_nothing(tp2):
 
 @pytest.mark.parametrize("tp", [2, 1])
 def test_load_at_tp_equals_load_universal(tp2, tp):
-    """ucp_store.deepspeed_direct.load of the TP=2 version gives every rank the optimizer state DeepSpeed's
+    """ucp_store.deepspeed.load of the TP=2 version gives every rank the optimizer state DeepSpeed's
     load_universal gives from ds_to_universal of the same step's files, bit for bit, and the same losses."""
     import torch
 

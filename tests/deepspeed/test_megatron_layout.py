@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ucp_store import safe_pickle as sp
-from ucp_store.adapters.deepspeed import DeepSpeedReader, read_zero_checkpoint
+from ucp_store.deepspeed.source import DeepSpeedReader, read_zero_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -197,8 +197,8 @@ def test_store_round_trip_and_export(megatron, cmp, tmp_path):
     """Import into a store, export: tensors and keys equal ds_to_universal's (the unequal GQA sub-params
     need DeepSpeed's SubparamShape class, written only with deepspeed_objects=True)."""
     from ucp_store import open_store
-    from ucp_store.adapters.deepspeed import import_deepspeed
-    from ucp_store.adapters.deepspeed_universal import export_universal
+    from ucp_store.deepspeed.source import import_deepspeed
+    from ucp_store.deepspeed.universal import export_universal
 
     tag, uni = megatron
     store = open_store(str(tmp_path / "store"), create=True)

@@ -1,6 +1,6 @@
 """Real DeepSpeed MoE (``deepspeed.moe.layer.MoE``, 4 experts per layer, 2 MoE layers, ZeRO-2 bf16) trained
 on 2 gloo processes at ep=2, saved, imported, and resumed through ``load_shard`` into freshly built engines
-at ep=2 and ep=1 (one torchrun launch, ``ucp_store/demo/ds_moe.py``), then at ep=4 and ep=2 on 4 processes
+at ep=2 and ep=1 (one torchrun launch, ``tools/ds_moe.py``), then at ep=4 and ep=2 on 4 processes
 (a second launch). ``ds_to_universal`` runs on the same checkpoint, side by side."""
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def test_load_shard_gives_each_rank_its_experts(moe, ep, dp):
     """Planned from the catalog: each rank gets exactly the experts of its ep rank (all experts at ep=1),
     in DeepSpeed's order (layer by layer, expert by expert), and the expert ZeRO group spans dp / ep ranks."""
     from ucp_store import Topology
-    from ucp_store.planner import plan as make_plan
+    from ucp_store.plan.planner import plan as make_plan
 
     ck = moe.store.checkpoint("moe@2")
     topo = Topology(dp=dp, ep=ep, zero_stage=2, zero_alignment=2)
@@ -204,7 +204,7 @@ def test_fused_form_stacks_the_same_experts(moe, tmp_path):
     import torch
 
     from ucp_store import open_store
-    from ucp_store.adapters.deepspeed import import_deepspeed
+    from ucp_store.deepspeed.source import import_deepspeed
 
     store = open_store(str(tmp_path / "fused"), create=True)
     ck = store.checkpoint(import_deepspeed(store, str(moe.tag_dir), "fused", progress=False, experts="fused"))
@@ -221,7 +221,7 @@ def test_fused_form_stacks_the_same_experts(moe, tmp_path):
 
 
 def test_dense_reader_refuses_expert_files_by_name(moe):
-    from ucp_store.adapters.deepspeed_reader import DeepSpeedReader
+    from ucp_store.deepspeed.reader import DeepSpeedReader
     from ucp_store.errors import SourceFormatError
 
     with pytest.raises(SourceFormatError, match=r"layer_0_expert_0_mp_rank_00_model_states\.pt: a DeepSpeed MoE "

@@ -1,5 +1,5 @@
 """DeepSpeed MoE with a tensor-parallel dense part: real training on 4 gloo processes (TP=2 x DP=2, ep=2,
-ZeRO-2, bf16; ``MoETPNet`` in ``ucp_store/demo/ds_moe.py``: Megatron-style column/row-parallel MLP blocks
+ZeRO-2, bf16; ``MoETPNet`` in ``tools/ds_moe.py``: Megatron-style column/row-parallel MLP blocks
 between ``deepspeed.moe.layer.MoE`` layers, an mpu), imported, and resumed through ``load_shard`` into
 freshly built engines at TP=2 x DP=2 x ep=2 (the same mesh), TP=2 x DP=2 x ep=1 and TP=1 x DP=4 x ep=1, all in
 the one 4-process launch that trained (a second launch would cost more than the three resumes).
@@ -92,11 +92,14 @@ def moetp(tmp_path_factory) -> Session:
              "next_steps": 2, "out": str(root / "train.json"), "dump": str(root / "dump_src")},
             {"kind": "import", "save_dir": str(root / "ck"), "tag": TAG, "store": store, "run": "moetp"}]
     jobs += [resume(t) for t in TARGETS]
-    from ucp_store.demo.fork_ranks import launch
+    from ucp_test_helpers import tools_on_path
+
+    tools_on_path()
+    from fork_ranks import launch
 
     t0 = time.time()
     try:  # 4 ranks forked from one interpreter with torch and DeepSpeed loaded (tools/ds_moe.py's jobs)
-        s.timings.update(launch([{"ranks": 4, "jobs": jobs, "harness": "ucp_store.demo.ds_moe"}], root, TIMEOUT))
+        s.timings.update(launch([{"ranks": 4, "jobs": jobs, "harness": "ds_moe"}], root, TIMEOUT))
     except RuntimeError as exc:
         pytest.fail(str(exc))
     s.timings["launch_4"] = time.time() - t0
@@ -206,7 +209,7 @@ def test_expert_tensor_parallel_files_are_refused_by_name(moetp, tmp_path):
     writes) is refused, naming the expert and the files."""
     import shutil
 
-    from ucp_store.adapters.deepspeed_moe import DeepSpeedMoEReader
+    from ucp_store.deepspeed.moe import DeepSpeedMoEReader
     from ucp_store.errors import SourceFormatError
 
     bad = tmp_path / TAG

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ucp_store import safe_pickle as sp
-from ucp_store.adapters.deepspeed import ParamRecord, _prefetch, release_pages
+from ucp_store.deepspeed.source import ParamRecord, _prefetch, release_pages
 
 
 def _rss() -> int:

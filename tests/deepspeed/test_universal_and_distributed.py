@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ucp_store import safe_pickle as sp
-from ucp_store.adapters.deepspeed_universal import export_universal, import_universal
+from ucp_store.deepspeed.universal import export_universal, import_universal
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def test_distributed_import_equals_single(ds, tmp_path, name):
 
     store_path = tmp_path / "store"
     open_store(str(store_path), create=True)
-    proc = ds.torchrun(["-m", "ucp_store.adapters.deepspeed", str(store_path), str(ds.tag_dir(name)),
+    proc = ds.torchrun(["-m", "ucp_store.deepspeed.source", str(store_path), str(ds.tag_dir(name)),
                         "--run-name", "dist", "--distributed"], 2)
     assert '"checkpoint"' in proc.stdout
     store = open_store(str(store_path))

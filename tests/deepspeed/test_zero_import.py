@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ucp_store import safe_pickle as sp
-from ucp_store.adapters.deepspeed import DeepSpeedReader, read_zero_checkpoint
+from ucp_store.deepspeed.source import DeepSpeedReader, read_zero_checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS = 3

@@ -11,7 +11,7 @@
 Nothing in this package imports torch, TensorStore or numpy: the catalog-only commands run on it alone.
 """
 
-from .db import (
+from ucp_store.catalog.db import (
     DEFAULT_BUSY_TIMEOUT_MS,
     DEFAULT_WRITE_ATTEMPTS,
     Catalog,
@@ -25,7 +25,7 @@ from .db import (
     sqlite_url,
     upgrade,
 )
-from .models import (
+from ucp_store.catalog.models import (
     ARRAY_STATUSES,
     CHECKPOINT_STATUSES,
     OBJECT_KINDS,
@@ -42,7 +42,7 @@ from .models import (
     new_id,
     utcnow,
 )
-from .query import read_only_query
+from ucp_store.catalog.query import read_only_query
 
 __all__ = [
     "DEFAULT_BUSY_TIMEOUT_MS",

@@ -29,7 +29,7 @@ from sqlalchemy.orm import ORMExecuteState, sessionmaker
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
-from . import models as m
+from ucp_store.catalog import models as m
 
 __all__ = ["BULK_TABLES", "install", "bulk_insert", "copy_lines"]
 

@@ -45,9 +45,9 @@ from sqlalchemy import create_engine, event, exc, inspect, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..errors import CatalogError, SchemaVersionError
-from . import bulk as _bulk
-from . import fs as _fs
+from ucp_store.catalog import bulk as _bulk
+from ucp_store.catalog import fs as _fs
+from ucp_store.errors import CatalogError, SchemaVersionError
 
 if TYPE_CHECKING:  # pragma: no cover - alembic loads only when a schema is created or migrated
     from alembic.config import Config

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigurationError
+from ucp_store.errors import ConfigurationError
 
 __all__ = ["JOURNAL_CHOICES", "SHARED_FILESYSTEMS", "JournalChoice", "filesystem_of", "journal_mode", "statfs_type"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from ..errors import QueryError
+from ucp_store.errors import QueryError
 
 __all__ = ["DENIED_FUNCTIONS", "read_only_query"]
 

@@ -20,13 +20,13 @@ import argparse
 import os
 import sys
 
-from ..errors import UcpError
-from . import demo, maintenance, plan, registry, tensors, transfer
-from .common import EXIT_FAIL, EXIT_OK, Command, add_common
-from .output import fmt_bytes as _fmt_bytes
-from .output import print_json as _print_json
-from .output import quiet_stdout
-from .output import table as _table
+from ucp_store.cli import demo, maintenance, plan, registry, tensors, transfer
+from ucp_store.cli.common import EXIT_FAIL, EXIT_OK, Command, add_common
+from ucp_store.cli.output import fmt_bytes as _fmt_bytes
+from ucp_store.cli.output import print_json as _print_json
+from ucp_store.cli.output import quiet_stdout
+from ucp_store.cli.output import table as _table
+from ucp_store.errors import UcpError
 
 __all__ = ["main", "build_parser", "COMMANDS", "EXIT_OK", "EXIT_FAIL"]
 
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one ``ucp`` command line; the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.ucp_main = main  # the entry point itself, for a command that runs others (the demo's tour)
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # ``ucp ls | head -1``: the reader is gone; exit quietly (before OSError below)

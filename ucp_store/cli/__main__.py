@@ -2,7 +2,7 @@
 
 import sys
 
-from . import main
+from ucp_store.cli import main
 
 __all__: list[str] = []
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..store import Store
+    from ucp_store.store import Store
 
 __all__ = ["EXIT_OK", "EXIT_FAIL", "Command", "add_common", "open_from_args", "progress_wanted", "mib_bytes"]
 
@@ -35,7 +35,7 @@ def add_common(p: argparse.ArgumentParser, top: bool) -> None:
 
 def open_from_args(args: Any, *, create: bool = False, **settings: Any) -> Store:
     """The store named by ``--store`` / ``--catalog`` (or their environment defaults)."""
-    from ..store import open_store
+    from ucp_store.store import open_store
 
     return open_store(args.store, create=create, catalog=args.catalog,
                       sqlite_journal=getattr(args, "sqlite_journal", "auto"), **settings)
@@ -45,7 +45,7 @@ def mib_bytes(value: float | None, flag: str) -> int | None:
     """``value`` MiB (an option given as a float) in bytes, or None when the option was not given; a value
     that is not a positive finite number (argparse's ``float`` reads ``nan``, ``inf`` and ``0``) is refused
     naming the option. The range itself is the API's to check."""
-    from ..errors import ConfigurationError
+    from ucp_store.errors import ConfigurationError
 
     if value is None:
         return None

@@ -8,20 +8,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import Command
+from ucp_store.cli.common import Command
 
 __all__ = ["COMMANDS", "cmd_demo"]
 
 
 def cmd_demo(args: Any) -> int:
     """Run the demo (or ``--deepspeed``'s story); exit non-zero when a resumed run diverges."""
-    from ..demo import main as demo_main
+    from ucp_store.demo import main as demo_main
 
     return demo_main(args)
 
 
 def _arguments(sp: argparse.ArgumentParser) -> None:
-    from ..demo import add_arguments
+    from ucp_store.demo import add_arguments
 
     add_arguments(sp)
 

@@ -7,9 +7,9 @@ import json
 import os
 from typing import Any
 
-from ..errors import UcpError
-from .common import EXIT_OK, Command, open_from_args
-from .output import fmt_bytes, print_json
+from ucp_store.cli.common import EXIT_OK, Command, open_from_args
+from ucp_store.cli.output import fmt_bytes, print_json
+from ucp_store.errors import UcpError
 
 __all__ = ["COMMANDS", "cmd_gc", "cmd_retention", "cmd_db"]
 
@@ -48,8 +48,8 @@ def _check_retention_flags(args: Any) -> None:
 
 def cmd_db(args: Any) -> int:
     """Show the catalog's schema revision, or upgrade it."""
-    from ..catalog import db
-    from ..location import Location
+    from ucp_store.catalog import db
+    from ucp_store.io.location import Location
 
     location = Location.parse(args.store or os.environ.get("UCP_STORE") or "./ucp-store", args.catalog)
     if args.action == "upgrade":

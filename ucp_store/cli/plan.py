@@ -10,17 +10,17 @@ import argparse
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import UcpError
-from ..topology import EP_OVER, MAX_WORLD_SIZE, Topology
-from .common import EXIT_OK, Command, open_from_args
-from .output import fmt_bytes, print_json, table
+from ucp_store.cli.common import EXIT_OK, Command, open_from_args
+from ucp_store.cli.output import fmt_bytes, print_json, table
+from ucp_store.errors import UcpError
+from ucp_store.topology import EP_OVER, MAX_WORLD_SIZE, Topology
 
 __all__ = ["COMMANDS", "cmd_plan", "run_plan", "topology_from_args", "infer_layers", "source_ep_over"]
 
 
 def infer_layers(infos: Iterable[Any]) -> int:
     """The number of layers a checkpoint's patterns name (deepest ``placement.layer`` + 1), or 0."""
-    from ..patterns import parse_pattern
+    from ucp_store.patterns import parse_pattern
 
     layers = [parse_pattern(i.pattern).layer for i in infos if i.pattern]
     known = [x for x in layers if x is not None]
@@ -47,7 +47,7 @@ def topology_from_args(args: Any, infos: Iterable[Any], ep_over: str = "dp") -> 
 
 def run_plan(args: Any, store: Any) -> int:
     """Plan every rank (or ``--rank``) of the target topology for ``args.ref`` and print the totals."""
-    from ..planner import plan as make_plan
+    from ucp_store.plan.planner import plan as make_plan
 
     ck = store.checkpoint(args.ref)
     infos = ck.tensors()
@@ -74,10 +74,10 @@ def run_plan(args: Any, store: Any) -> int:
         if n_dt:
             print(f"note: {n_dt} tensor-state(s) were saved from DTensors (dtensor pattern); this topology plan "
                   "treats them as replicated: every TP rank reads each one whole (ZeRO still partitions it). "
-                  "A DTensor job (ucp_store.dist.load) reads only its shards' boxes: "
+                  "A DTensor job (ucp_store.distributed.load) reads only its shards' boxes: "
                   "plan that with --mesh, e.g. --mesh dp=2,tp=2")
     if args.plot:
-        from .plot import draw_plan
+        from ucp_store.cli.plot import draw_plan
 
         draw_plan(ck, plans, args.param, args.plot, topology=topo)
         print(f"wrote {args.plot}")
@@ -101,7 +101,7 @@ def _ranks(args: Any, world: int, what: str) -> list[int]:
 
 def _print_experts(infos: Any, topo: Topology) -> None:
     """Which experts each ep rank of the target holds, and on which ranks (when there are experts)."""
-    from ..experts_view import expert_groups, placement_rows
+    from ucp_store.plan.experts import expert_groups, placement_rows
 
     groups = expert_groups(infos)
     if not groups:
@@ -128,7 +128,7 @@ def _print_rank_table(plans: Any) -> None:
 
 def _run_mesh_plan(args: Any, ck: Any, infos: list) -> int:
     """``ucp plan REF --mesh dp=2,tp=2``: what each rank of a DTensor mesh reads (``planner.plan_mesh``)."""
-    from ..planner import MESH_ASSUMPTION, parse_mesh, plan_mesh
+    from ucp_store.plan.planner import MESH_ASSUMPTION, parse_mesh, plan_mesh
 
     others = [f"--{f}" for f in ("tp", "pp", "dp", "sp", "ep") if getattr(args, f) != 1]
     others += ["--ep-over"] * bool(getattr(args, "ep_over", None))
@@ -179,7 +179,7 @@ def _plan_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--param", default=None, help="parameter to draw (default: the largest)")
     sp.add_argument("--mesh", default=None, metavar="DIM=N,...",
                     help="plan a DTensor mesh instead (e.g. dp=2,tp=2): each rank reads its shards' boxes, "
-                         "the saved placements kept per mesh dim name (what ucp_store.dist.load reads)")
+                         "the saved placements kept per mesh dim name (what ucp_store.distributed.load reads)")
 
 
 COMMANDS = {"plan": Command(cmd_plan, "read plan of a version for a target topology", _plan_args)}

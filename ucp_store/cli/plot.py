@@ -6,7 +6,7 @@ import difflib
 import math
 from typing import Any
 
-from ..errors import UcpError
+from ucp_store.errors import UcpError
 
 __all__ = ["draw_plan"]
 
@@ -42,7 +42,7 @@ def draw_plan(ck: Any, plans: Any, param: str | None, path: str, *, topology: An
     from matplotlib.patches import Rectangle
 
     infos = ck.tensors()
-    from ..experts_view import expert_groups
+    from ucp_store.plan.experts import expert_groups
 
     groups = expert_groups(infos) if topology is not None else []
     if param is None:

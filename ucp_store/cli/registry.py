@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UcpError
-from .common import EXIT_OK, Command, mib_bytes, open_from_args
-from .output import fmt_bytes, print_json, table
+from ucp_store.cli.common import EXIT_OK, Command, mib_bytes, open_from_args
+from ucp_store.cli.output import fmt_bytes, print_json, table
+from ucp_store.errors import UcpError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..checkpoint import Checkpoint
+    from ucp_store.registry.checkpoint import Checkpoint
 
 __all__ = ["COMMANDS", "cmd_init", "cmd_ls", "cmd_show", "cmd_log", "cmd_tag", "cmd_rm", "cmd_query"]
 
@@ -53,14 +53,14 @@ def cmd_ls(args: Any) -> int:
 
 def cmd_show(args: Any) -> int:
     """A version's manifest: its tensors, patterns and arrays, and its per-rank keys with their saving topology."""
-    from ..rank_record import read_record, show_json
-    from ..rank_record import show_lines as per_rank_lines
-    from ..schema import validate
+    from ucp_store.catalog.rank_record import read_record, show_json
+    from ucp_store.catalog.rank_record import show_lines as per_rank_lines
+    from ucp_store.schema import validate
 
     ck = open_from_args(args).checkpoint(args.ref)
     manifest = ck.manifest()
     record = read_record(ck)
-    if record is not None:  # per-rank keys with their saving topology (ucp_store.dist, DCP, DeepSpeed)
+    if record is not None:  # per-rank keys with their saving topology (ucp_store.distributed, DCP, DeepSpeed)
         manifest["per_rank"] = show_json(record)
     validate("manifest", manifest)
     if args.json:
@@ -71,7 +71,7 @@ def cmd_show(args: Any) -> int:
     table([[t["name"], t["state"], "x".join(map(str, t["shape"])) or "()", t["dtype"],
             (t["pattern"] or {}).get("kind", "-"), fmt_bytes(t["nbytes"]), t["array"]] for t in manifest["tensors"]],
           ["name", "state", "shape", "dtype", "pattern", "bytes", "array"])
-    from ..adapters.dcp_cli import show_lines
+    from ucp_store.formats.dcp.cli import show_lines
 
     for line in show_lines(ck):
         print(line)
@@ -84,10 +84,10 @@ def cmd_show(args: Any) -> int:
 def _show_experts(ck: Any) -> None:
     """Expert placement as saved (the source's ep and expert-group rule, from provenance), when the version has
     MoE experts."""
-    from ..errors import TopologyError
-    from ..experts_view import expert_groups, placement_rows
-    from ..topology import Topology
-    from .plan import source_ep_over
+    from ucp_store.cli.plan import source_ep_over
+    from ucp_store.errors import TopologyError
+    from ucp_store.plan.experts import expert_groups, placement_rows
+    from ucp_store.topology import Topology
 
     groups = expert_groups(ck.tensors())
     if not groups:

@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Any
 
-from .common import EXIT_FAIL, EXIT_OK, Command, open_from_args, progress_wanted
-from .output import print_json, table
+from ucp_store.cli.common import EXIT_FAIL, EXIT_OK, Command, open_from_args, progress_wanted
+from ucp_store.cli.output import print_json, table
 
 __all__ = ["COMMANDS", "cmd_read", "cmd_stats", "cmd_diff", "cmd_verify", "json_values"]
 
@@ -18,7 +18,7 @@ def cmd_read(args: Any) -> int:
     """Print a tensor or a slice of it, or write it to a ``.npy`` file (only the chunks it touches are read)."""
     import numpy as np
 
-    from ..checkpoint import parse_slice
+    from ucp_store.registry.checkpoint import parse_slice
 
     ck = open_from_args(args).checkpoint(args.ref)
     handle = ck.tensor(args.name, args.state)
@@ -76,7 +76,7 @@ def cmd_stats(args: Any) -> int:
 
 def cmd_diff(args: Any) -> int:
     """Compare two versions tensor by tensor."""
-    from ..checkpoint import diff
+    from ucp_store.registry.checkpoint import diff
 
     store = open_from_args(args)
     rows = diff(store.checkpoint(args.ref_a), store.checkpoint(args.ref_b), progress=progress_wanted(args))

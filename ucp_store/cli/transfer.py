@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..errors import UcpError
-from .common import EXIT_OK, Command, add_common, open_from_args, progress_wanted
-from .output import fmt_bytes
+from ucp_store.cli.common import EXIT_OK, Command, add_common, open_from_args, progress_wanted
+from ucp_store.cli.output import fmt_bytes
+from ucp_store.errors import UcpError
 
 __all__ = ["COMMANDS", "cmd_import", "cmd_export", "IMPORT_KINDS", "EXPORT_KINDS"]
 
@@ -23,11 +23,11 @@ def cmd_import(args: Any) -> int:
     """Import a checkpoint of ``args.kind`` as a new version of ``--run``."""
     store = open_from_args(args, create=True)
     if args.kind == "dcp":
-        from ..adapters.dcp_cli import cli_import as dcp_import
+        from ucp_store.formats.dcp.cli import cli_import as dcp_import
 
         return int(dcp_import(store, args))
     if args.kind == "torch":
-        from ..adapters.torch_file import import_torch_file
+        from ucp_store.formats.torch_file import import_torch_file
 
         if args.step is None:
             raise UcpError("ucp import torch FILE: --step N is required")
@@ -35,16 +35,16 @@ def cmd_import(args: Any) -> int:
                                message=args.message, progress=progress_wanted(args))
         cid = ck.id
     elif args.kind == "hf":
-        from ..adapters.hf_cli import cli_import as hf_import
+        from ucp_store.formats.hf.cli import cli_import as hf_import
 
         cid = hf_import(store, args)
     elif args.kind == "deepspeed":
-        from ..adapters.deepspeed import import_deepspeed
+        from ucp_store.deepspeed.source import import_deepspeed
 
         cid = import_deepspeed(store, args.source, args.run, args.step, message=args.message,
                                progress=progress_wanted(args), experts=getattr(args, "experts", "separate"))
     else:
-        from ..adapters.deepspeed_universal import import_universal
+        from ucp_store.deepspeed.universal import import_universal
 
         cid = import_universal(store, args.source, args.run, args.step)
     cid = getattr(cid, "id", cid)
@@ -59,20 +59,20 @@ def cmd_export(args: Any) -> int:
     store = open_from_args(args)
     ck = store.checkpoint(args.ref)
     if args.kind == "dcp":
-        from ..adapters.dcp_cli import cli_export as dcp_export
+        from ucp_store.formats.dcp.cli import cli_export as dcp_export
 
         return int(dcp_export(ck, args))
     if args.kind == "torch":
-        from ..adapters.torch_file import export_torch_file
+        from ucp_store.formats.torch_file import export_torch_file
 
         n = export_torch_file(ck, args.dest, state=args.state, progress=progress_wanted(args))
         print(f"wrote {n} tensors to {args.dest}")
     elif args.kind == "hf":
-        from ..adapters.hf_cli import cli_export as hf_export
+        from ucp_store.formats.hf.cli import cli_export as hf_export
 
         print(hf_export(ck, args))
     else:
-        from ..adapters.deepspeed_universal import export_universal
+        from ucp_store.deepspeed.universal import export_universal
 
         path = export_universal(ck, args.dest, tag=args.tag)
         print(f"wrote DeepSpeed universal checkpoint {path}")
@@ -101,10 +101,10 @@ def _kinds(verb: str, kinds: tuple[str, ...]) -> Any:
                 kp.add_argument("--state", default=None)
                 kp.add_argument("--tag", default=None)
             if kind == "hf":
-                from ..adapters.hf_cli import add_cli_arguments
+                from ucp_store.formats.hf.cli import add_cli_arguments
 
                 add_cli_arguments(kp, verb)
-        from ..adapters.dcp_cli import add_cli_parser
+        from ucp_store.formats.dcp.cli import add_cli_parser
 
         add_cli_parser(sub, verb, add_common)
     return arguments

@@ -1,7 +1,7 @@
 """``ucp demo``: the project's main job as one command, on the embedded default (a folder with SQLite).
 
 `ucp demo` trains a small GPT in real torch.distributed processes (TP x FSDP2), saves through
-`ucp_store.dist`, resumes on other meshes and proves with the losses that nothing was lost (`run.py`);
+`ucp_store.distributed`, resumes on other meshes and proves with the losses that nothing was lost (`run.py`);
 `ucp demo --deepspeed` runs the DeepSpeed story instead (`deepspeed_story.py`). This module stays light:
 the CLI imports it to build its parser, and torch is imported only when a demo runs.
 """
@@ -15,7 +15,7 @@ __all__ = ["add_arguments", "main"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `ucp demo`."""
-    from .run import DEFAULT_STEPS
+    from ucp_store.demo.run import DEFAULT_STEPS
 
     p.add_argument("--dir", default="ucp-demo", help="folder for the store and the pictures (default ./ucp-demo)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the demo that `args` (from `add_arguments`) asks for; returns the exit code."""
     if args.deepspeed:
-        from .deepspeed_story import main as deepspeed_main
+        from ucp_store.demo.deepspeed_story import main as deepspeed_main
 
         return deepspeed_main(args)
-    from .run import run_demo
+    from ucp_store.demo.run import run_demo
 
     return run_demo(args)

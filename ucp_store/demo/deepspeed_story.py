@@ -15,6 +15,7 @@ install it (``pip install 'ucp_store[deepspeed]'``) and exits 1.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -22,8 +23,8 @@ import shutil
 import subprocess
 import sys
 
-from ..errors import ConfigurationError
-from .procs import DemoError, free_port
+from ucp_store.demo.procs import DemoError, free_port
+from ucp_store.errors import ConfigurationError
 
 __all__ = ["main"]
 
@@ -53,16 +54,16 @@ def _torchrun(console, out: str, nproc: int, jobs: list[dict]) -> None:
                         f"{(res.stdout + res.stderr)[-4000:]}")
 
 
-def _ucp(console, store: str, *argv: str, capture: bool = False) -> str:
-    from .tour import _ucp as run_ucp
+def _ucp(ucp_main, console, store: str, *argv: str, capture: bool = False) -> str:
+    from ucp_store.demo.tour import _ucp as run_ucp
 
-    return run_ucp(console, store, *argv, capture=capture)
+    return run_ucp(ucp_main, console, store, *argv, capture=capture)
 
 
 def main(args) -> int:
     """The DeepSpeed story into DIR/deepspeed (see the module docstring); returns 0 or raises."""
     _need_deepspeed()
-    from .run import _console, _prepare_dir
+    from ucp_store.demo.run import _console, _prepare_dir
 
     console = _console()
     _prepare_dir(os.path.abspath(args.dir))
@@ -70,6 +71,7 @@ def main(args) -> int:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     store = os.path.join(out, "store")
+    ucp = functools.partial(_ucp, args.ucp_main, console, store)  # ucp(*argv): one command of the tour
     ds = os.path.join(out, "ds")
     tag = f"global_step{STEPS}"
     model = {"model": "mlp", "zero": 2, "dtype": "bf16", "seed": 1234}
@@ -81,17 +83,17 @@ def main(args) -> int:
 
     console.print("\n[bold]== 2. import the ZeRO folder directly, and DeepSpeed's universal folder "
                   "for comparison ==[/]")
-    _ucp(console, store, "init")
-    _ucp(console, store, "import", "deepspeed", os.path.join(ds, tag), "--run", "demo")
-    _ucp(console, store, "import", "deepspeed-universal", os.path.join(ds, f"{tag}_universal"), "--run",
+    ucp("init")
+    ucp("import", "deepspeed", os.path.join(ds, tag), "--run", "demo")
+    ucp("import", "deepspeed-universal", os.path.join(ds, f"{tag}_universal"), "--run",
          "ds-universal", "--step", str(STEPS))
 
     console.print("\n[bold]== 3. inspect ==[/]")
-    _ucp(console, store, "ls")
-    _ucp(console, store, "show", "demo@latest")
-    _ucp(console, store, "stats", "demo@latest")
-    _ucp(console, store, "verify", "demo@latest")
-    diff = json.loads(_ucp(console, store, "diff", "demo@latest", "ds-universal@latest", "--json", capture=True))
+    ucp("ls")
+    ucp("show", "demo@latest")
+    ucp("stats", "demo@latest")
+    ucp("verify", "demo@latest")
+    diff = json.loads(ucp("diff", "demo@latest", "ds-universal@latest", "--json", capture=True))
     mine = {(r["name"], r["state"]) for r in diff}
     shared = [r for r in diff if r["status"] in ("same", "changed")]
     changed = [r for r in shared if r["status"] == "changed"]
@@ -101,12 +103,12 @@ def main(args) -> int:
         raise DemoError(f"import differs from ds_to_universal: {changed[:3]}")
 
     console.print("\n[bold]== 4. plan loads into other ZeRO layouts ==[/]")
-    _ucp(console, store, "plan", "demo@latest", "--dp", "4", "--zero", "2")
-    _ucp(console, store, "plan", "demo@latest", "--dp", "3", "--zero", "1", "--plot", os.path.join(out, "plan.png"))
+    ucp("plan", "demo@latest", "--dp", "4", "--zero", "2")
+    ucp("plan", "demo@latest", "--dp", "3", "--zero", "1", "--plot", os.path.join(out, "plan.png"))
 
     console.print("\n[bold]== 5. export a universal folder and resume DeepSpeed from it at DP=1 and DP=2 ==[/]")
     export = os.path.join(out, "export")
-    _ucp(console, store, "export", "deepspeed-universal", "demo@latest", export, "--tag", "resumed")
+    ucp("export", "deepspeed-universal", "demo@latest", export, "--tag", "resumed")
     for n in (1, 2):
         _torchrun(console, out, n, [{**model, "kind": "resume", "load_dir": export, "tag": "resumed", "steps": NEXT,
                                      "out": os.path.join(out, f"resume-dp{n}.json")}])

@@ -4,7 +4,7 @@ Run under torchrun (gloo), e.g.::
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 -m ucp_store.demo.ds_train --jobs jobs.json
 
-(``tools/ds_train.py`` runs the same; ``ucp demo --deepspeed`` and the DeepSpeed tests use it.)
+(``ucp demo --deepspeed``, the DeepSpeed tests and the harnesses in ``tools/`` use it.)
 
 ``jobs.json`` is a list of jobs executed one after the other in the same process group (one launch
 for many checkpoints keeps the test-suite fast on 2 cores). A single job can also be given inline with
@@ -470,7 +470,7 @@ def make_engine(job, universal=False):
 
 def _dump_partitions(engine, prefix: str) -> None:
     """This rank's optimizer partitions as DeepSpeed loaded them (see the module docstring's ``dump``)."""
-    from ucp_store.ds_load import _names, _optimizer_groups
+    from ucp_store.deepspeed.load import _names, _optimizer_groups
 
     _kind, lp_groups, hp_flats, inner = _optimizer_groups(engine)
     names = _names(engine)

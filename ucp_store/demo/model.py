@@ -1,6 +1,6 @@
 """A small GPT-style model, its synthetic data and its parallelisation, shared by the tests, benchmarks and `ucp demo`.
 
-`ucp_store.dist` must prove that a training state saved on one DeviceMesh resumes bit-exactly on another.
+`ucp_store.distributed` must prove that a training state saved on one DeviceMesh resumes bit-exactly on another.
 That needs a model whose parameters take every placement the stacks produce: tensor parallelism
 (`parallelize_module`: column-wise ``Shard(0)``, row-wise ``Shard(1)``, vocabulary-sharded embedding),
 FSDP2 (`fully_shard`: ``Shard(0)`` over data parallel, ``_StridedShard`` when stacked over TP) and HSDP

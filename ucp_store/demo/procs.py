@@ -15,7 +15,7 @@ import socket
 import time
 from contextlib import closing
 
-from ..errors import UcpError
+from ucp_store.errors import UcpError
 
 __all__ = ["DemoError", "free_port", "run_job"]
 
@@ -25,9 +25,9 @@ class DemoError(UcpError):
 
 
 # Imported once by the fork server, so that every rank starts with them loaded: a fresh interpreter pays
-# about 7 CPU-seconds for torch, FSDP and ucp_store.dist, and the demo starts 15 ranks on 2 cores.
+# about 7 CPU-seconds for torch, FSDP and ucp_store.distributed, and the demo starts 15 ranks on 2 cores.
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
-           "torch.distributed.checkpoint.state_dict", "ucp_store.dist", "ucp_store.demo.model",
+           "torch.distributed.checkpoint.state_dict", "ucp_store.distributed", "ucp_store.demo.model",
            "ucp_store.demo.text", "ucp_store.demo.worker"]
 
 
@@ -53,7 +53,7 @@ def free_port() -> int:
 def run_job(job: dict, world: int, *, progress=None, task=None, timeout_s: float = 600.0) -> tuple[dict, dict]:
     """Run `job` on `world` processes; returns rank 0's ({step: loss}, info);
     info["boxes"] lists each rank's boxes when the job asks for them (`boxes_of`). Raises DemoError on failure."""
-    from .worker import entry
+    from ucp_store.demo.worker import entry
 
     ctx = _context()
     q = ctx.Queue()

@@ -1,11 +1,11 @@
-"""``ucp demo``: train in parallel, save through ``ucp_store.dist``, resume on other meshes, prove it.
+"""``ucp demo``: train in parallel, save through ``ucp_store.distributed``, resume on other meshes, prove it.
 
 1. Train the demo GPT (`model.py`) on generated text (`text.py`) in 4 spawned gloo processes, TP=2 x
    DP=2 (tensor parallelism x FSDP2), saving every `steps // 4` steps; the second save is an
    `async_save` (training goes on while it writes) and is the one the other runs resume from. This run
    goes on to the end uninterrupted: it is the reference.
 2. Resume from that checkpoint on TP=2 x DP=2 again (bitwise), TP=1 x DP=4, TP=2 x DP=1 and one process
-   with no process group (relative bound; `report.py` says why), each checking with `ucp_store.dist.verify`
+   with no process group (relative bound; `report.py` says why), each checking with `ucp_store.distributed.verify`
    that its live state is the stored one before training on. Each DP rank's data position
    (`text.Sampler`) is per-rank state in every save: on TP=2 x DP=2 each rank gets its own back (the
    default policy, bit for bit); on the other meshes DP changes, so the load declares
@@ -25,9 +25,9 @@ import shutil
 import sys
 import time
 
-from ..errors import ConfigurationError
-from .procs import DemoError, run_job
-from .report import RTOL, compare, draw_losses, print_table
+from ucp_store.demo.procs import DemoError, run_job
+from ucp_store.demo.report import RTOL, compare, draw_losses, print_table
+from ucp_store.errors import ConfigurationError
 
 __all__ = ["DEFAULT_STEPS", "RUNS", "plan_topology", "run_demo"]
 
@@ -83,7 +83,7 @@ def _label(key: str) -> str:
 
 def plan_topology(key: str):
     """The planner's `Topology` for a demo mesh."""
-    from ..topology import Topology
+    from ucp_store.topology import Topology
 
     tp, dp = next((tp, dp) for k, _, tp, dp, _ in RUNS if k == key)
     return Topology(tp=tp, dp=dp)
@@ -113,15 +113,15 @@ def run_demo(args) -> int:
 
     from rich.markup import escape
 
-    from .. import open_store
-    from .model import ModelConfig
+    from ucp_store import open_store
+    from ucp_store.demo.model import ModelConfig
 
     # a character vocabulary of 32 in an 8192-row embedding: big enough to be chunked (see PLAN_PARAM)
     cfg = ModelConfig(seq=32, vocab=8192)
     open_store(store_url, create=True)
     with open(os.path.join(out, MARKER), "w") as f:
         json.dump({"steps": steps, "saves": saves, "resume": resume, "cfg": cfg.to_json()}, f, indent=1)
-    from .worker import pick_device
+    from ucp_store.demo.worker import pick_device
 
     device = pick_device(max(tp * dp for _, _, tp, dp, _ in RUNS))
     common = {"store": store_url, "run": RUN, "cfg": cfg.to_json(), "seed": 0, "lr": 1e-2, "timeout_s": 120,
@@ -129,7 +129,7 @@ def run_demo(args) -> int:
 
     console.print(f"[bold]ucp demo[/]: a {cfg.layers}-layer GPT on generated text, trained in real torch.distributed "
                   f"processes ({'NCCL on GPUs' if device == 'cuda' else 'gloo on CPUs'}), "
-                  f"saved through ucp_store.dist into {_show_path(store_url)}")
+                  f"saved through ucp_store.distributed into {_show_path(store_url)}")
     save_txt = ", ".join(f"{s}{' (async_save)' if k == 'async' else ''}" for s, k in sorted(saves.items()))
     # (what, the RUNS entry, start step, load reference, {step: save kind})
     plan: list[tuple[str, tuple[str, str, int, int, str], int, str | None, dict[int, str]]] = \
@@ -185,15 +185,16 @@ def run_demo(args) -> int:
     console.print(f"wrote {_show_path(loss_png)} and {_show_path(plan_png)} (the chunks of {escape(drawn)} each "
                   f"rank of resumed {_label(PLAN_KEY)} read)")
 
-    from .tour import tour
+    from ucp_store.demo.tour import tour
 
-    tour(console, store_url, RUN, resume, plan_topology(PLAN_KEY), loaded=(_label(PLAN_KEY), results[PLAN_KEY][1]))
+    tour(args.ucp_main, console, store_url, RUN, resume, plan_topology(PLAN_KEY),
+         loaded=(_label(PLAN_KEY), results[PLAN_KEY][1]))
     wall = time.perf_counter() - t_start
     console.print(f"\ndemo finished in {wall:.0f} s (training runs: "
                   + ", ".join(f"{k} {w:.0f} s" for k, w in walls.items()) + ")")
     unverified = [k for k, _, *_ in RUNS if not results[k][1]["verify"]["ok"]]
     if unverified:
-        raise DemoError(f"ucp_store.dist.verify found the loaded state of resumed run(s) {unverified} different "
+        raise DemoError(f"ucp_store.distributed.verify found the loaded state of resumed run(s) {unverified} different "
                         f"from the checkpoint: " + "; ".join(results[k][1]["verify"]["text"] for k in unverified))
     bad = [v for v in verdicts if not v.ok]
     if bad:
@@ -236,7 +237,7 @@ class _NoProgress:
 
 
 def _progress(console, enabled: bool):
-    from ..progress import wanted
+    from ucp_store.progress import wanted
 
     if not wanted(enabled):
         return _NoProgress()
@@ -261,7 +262,7 @@ class _Read:
 
 
 class _RankReads:
-    """What `plan_cli.draw_plan` reads from a plan: rank, coords and the boxes per tensor-state."""
+    """What `cli.plot.draw_plan` reads from a plan: rank, coords and the boxes per tensor-state."""
 
     def __init__(self, rank: int, coords: dict, name: str, state: str, boxes: list) -> None:
         from types import SimpleNamespace
@@ -273,10 +274,10 @@ class _RankReads:
 def _draw_plan(store_url: str, ref: str, path: str, boxes: list[dict]) -> str:
     """plan.png with `ucp plan --plot`'s drawing: the chunks each rank of the PLAN_KEY mesh read on its load.
 
-    The boxes come from the resumed ranks' live DTensors (what `ucp_store.dist.load` read for them); the
+    The boxes come from the resumed ranks' live DTensors (what `ucp_store.distributed.load` read for them); the
     chunk grid is the stored array's. Returns the tensor drawn."""
-    from .. import open_store
-    from ..plan_cli import draw_plan
+    from ucp_store import open_store
+    from ucp_store.cli.plot import draw_plan
 
     ck = open_store(store_url).checkpoint(ref)
     param = boxes[0]["param"]

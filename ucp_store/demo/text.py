@@ -8,7 +8,7 @@ sentences about checkpoints from fixed word lists with a seeded generator; chara
 depends only on (cfg, seed, step), and data-parallel rank `dp_rank` of `dp` takes its contiguous rows.
 
 `Sampler` is a data-parallel rank's stateful view of that stream (issue 28): its state is the index of its
-next sample (``next``), which differs across DP ranks, so ``ucp_store.dist.save`` stores it per rank. On the
+next sample (``next``), which differs across DP ranks, so ``ucp_store.distributed.save`` stores it per rank. On the
 mesh that saved, each rank gets its own position back (the default policy); where DP changes, `resplit` (a
 ``reshard`` callback) re-splits the saved positions over the new DP ranks so no sample is repeated or skipped;
 where only TP changes, ``by-coordinate:dp`` gives ranks of one DP coordinate the same position.
@@ -21,7 +21,7 @@ import random
 
 import torch
 
-from ..errors import ConfigurationError
+from ucp_store.errors import ConfigurationError
 
 __all__ = ["VOCAB", "Sampler", "batch", "corpus", "decode", "encode", "resplit"]
 
@@ -126,7 +126,7 @@ class Sampler:
 
 
 def resplit(saved, target) -> dict:
-    """``ucp_store.dist.reshard`` callback: the saved DP ranks' positions re-split over the loading mesh's DP
+    """``ucp_store.distributed.reshard`` callback: the saved DP ranks' positions re-split over the loading mesh's DP
     ranks. Every saved rank must stand at the same step (at row ``dp_rank * per`` of it), so the samples
     before that step were read exactly once; the new rank starts at its own rows of that step."""
     if not saved:

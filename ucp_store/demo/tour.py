@@ -13,12 +13,16 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Callable
 
 from rich.markup import escape
 
-from .procs import DemoError
+from ucp_store.demo.procs import DemoError
 
-__all__ = ["tour"]
+__all__ = ["UcpMain", "tour"]
+
+#: the `ucp` entry point (`ucp_store.cli.main`): argv in, exit status out
+UcpMain = Callable[[list[str]], int]
 
 
 def _shell_join(argv: list[str]) -> str:
@@ -34,10 +38,10 @@ def _shell_join(argv: list[str]) -> str:
     return " ".join(out)
 
 
-def _ucp(console, store: str, *argv: str, capture: bool = False) -> str:
-    """Print `ucp --store STORE ARGV...` as typed, run it; returns its stdout when `capture` (else prints it)."""
-    from ..cli import main as ucp_main
-
+def _ucp(ucp_main: UcpMain, console, store: str, *argv: str, capture: bool = False) -> str:
+    """Print `ucp --store STORE ARGV...` as typed, run it with `ucp_main` (the CLI's entry point, handed down
+    by `ucp demo` so that the demo does not import the CLI that imports it); returns its stdout when `capture`
+    (else prints it)."""
     shown = os.path.relpath(store) if not os.path.relpath(store).startswith("..") else store
     console.print(f"\n[bold cyan]$ {escape(_shell_join(['ucp', '--store', shown, *argv]))}[/]", soft_wrap=True)
     sys.stdout.flush()
@@ -53,12 +57,13 @@ def _ucp(console, store: str, *argv: str, capture: bool = False) -> str:
     return buf.getvalue()
 
 
-def tour(console, store: str, run: str, step: int, topology, loaded: tuple[str, dict] | None = None) -> None:
+def tour(ucp_main: UcpMain, console, store: str, run: str, step: int, topology,
+         loaded: tuple[str, dict] | None = None) -> None:
     """ls, show, verify, a partial read, plan for `topology` and a query, on version `run@step`.
 
     `loaded` is (label, info) of the resumed run on `topology`: what its rank 0 really read, said after
-    `ucp plan` (whose planner reads tensors saved by ucp_store.dist whole: their patterns are `dtensor`)."""
-    from .. import open_store
+    `ucp plan` (whose planner reads tensors saved by ucp_store.distributed whole: their patterns are `dtensor`)."""
+    from ucp_store import open_store
 
     ref = f"{run}@{step}"
     infos = open_store(store).checkpoint(ref).tensors()
@@ -66,21 +71,22 @@ def tour(console, store: str, run: str, step: int, topology, loaded: tuple[str, 
         max(infos, key=lambda i: (len(i.shape), i.nbytes))
     rows, cols = emb.shape[0], emb.shape[-1]
     console.print("\n[bold]a tour of the store[/] (each command as you would type it)")
-    _ucp(console, store, "ls")
-    _ucp(console, store, "ls", run)
-    _ucp(console, store, "show", ref)
-    _ucp(console, store, "verify", ref)
-    _ucp(console, store, "read", ref, emb.name, "--state", emb.state,
+    _ucp(ucp_main, console, store, "ls")
+    _ucp(ucp_main, console, store, "ls", run)
+    _ucp(ucp_main, console, store, "show", ref)
+    _ucp(ucp_main, console, store, "verify", ref)
+    _ucp(ucp_main, console, store, "read", ref, emb.name, "--state", emb.state,
          "--slice", f"{min(2, rows)}:{min(5, rows)},0:{min(6, cols)}")
-    _ucp(console, store, "plan", ref, "--tp", str(topology.tp), "--dp", str(topology.dp))
+    _ucp(ucp_main, console, store, "plan", ref, "--tp", str(topology.tp), "--dp", str(topology.dp))
     if loaded is not None:
         label, info = loaded
         total = sum(i.nbytes for i in infos)
-        console.print(f"(ucp plan plans TP/PP/DP/ZeRO layouts from patterns; tensors saved by ucp_store.dist carry "
-                      f"a 'dtensor' pattern, which it reads whole. ucp_store.dist.load reads the live DTensors' boxes "
+        console.print(f"(ucp plan plans TP/PP/DP/ZeRO layouts from patterns; tensors saved by ucp_store.distributed "
+                      f"carry a 'dtensor' pattern, which it reads whole. ucp_store.distributed.load reads the live "
+                      f"DTensors' boxes "
                       f"instead: rank 0 of the resumed {label} run read {info.get('bytes_read', 0) / 2**20:.1f} MiB "
                       f"of the {total / 2**20:.1f} MiB; plan.png shows its chunks)")
-    _ucp(console, store, "query",
+    _ucp(ucp_main, console, store, "query",
          "SELECT t.name, json_extract(t.pattern, '$.mesh.dims') AS mesh, json_extract(t.pattern, '$.placements') "
          "AS placements FROM tensors t JOIN checkpoints c ON c.id = t.checkpoint_id JOIN runs r ON r.id = c.run_id "
          f"WHERE r.name = '{run}' AND c.step = {step} AND t.state = 'weight' AND t.name NOT LIKE '%norm%' "

@@ -6,8 +6,8 @@ result queue cross the process boundary:
 
     key, label, tp, dp        the run and its mesh ("dp", "tp"), rank = dp_rank * tp + tp_rank
     start, end                train steps start+1 .. end (the batch of a step is fixed, see `text.batch`)
-    load                      a reference to resume from with `ucp_store.dist.load`, then `verify`, or None
-    saves                     {step: "sync" | "async"} saves through `ucp_store.dist` after that step
+    load                      a reference to resume from with `ucp_store.distributed.load`, then `verify`, or None
+    saves                     {step: "sync" | "async"} saves through `ucp_store.distributed` after that step
     store, run, cfg, seed, lr, perturb, device ("cpu" or "cuda", the same for every run: `pick_device`)
     per_rank                  "same" (the mesh that saved) or "reshard": how the per-rank sampler state
                               (`text.Sampler`, each DP rank's data position) is restored
@@ -51,8 +51,8 @@ def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from . import model as M
-    from . import text
+    from ucp_store.demo import model as M
+    from ucp_store.demo import text
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2 on the root's logits
     torch.set_num_threads(1)  # the same kernels and reduction order in every run of a mesh
@@ -113,7 +113,7 @@ def _run(rank: int, world: int, port: int, job: dict, queue) -> None:
                 t0 = time.perf_counter()
                 pending = _save(model, opt, sampler, job, step, kind)
                 if kind == "async" and isinstance(pending, _Done):
-                    kind = "sync (ucp_store.dist has no async_save yet)"
+                    kind = "sync (ucp_store.distributed has no async_save yet)"
                 info["saves"].append({"step": step, "kind": kind, "blocked_s": time.perf_counter() - t0})
         if pending is not None:
             pending.result()
@@ -151,8 +151,8 @@ def _state(model, opt, sampler) -> dict:
 def _policies(job: dict) -> dict | None:
     """The per-rank restore policy of a resumed run: none on the mesh that saved (each rank gets its own
     position back), the sampler re-split over the new DP ranks elsewhere (``text.resplit``)."""
-    from .. import dist as ucp_dist
-    from . import text
+    from ucp_store import distributed as ucp_dist
+    from ucp_store.demo import text
 
     if job.get("per_rank", "same") == "same":
         return None
@@ -167,24 +167,24 @@ class _Done:
 
 
 def _save(model, opt, sampler, job: dict, step: int, kind: str):
-    from .. import dist as ucp_dist
+    from ucp_store import distributed as ucp_dist
 
     state = _state(model, opt, sampler)
     if kind == "async":
         async_save = getattr(ucp_dist, "async_save", None)
         if async_save is not None:
             return async_save(state, store=job["store"], run=job["run"], step=step)
-        kind = "sync"  # said in the run's report: this ucp_store.dist has no async_save yet
+        kind = "sync"  # said in the run's report: this ucp_store.distributed has no async_save yet
     ucp_dist.save(state, store=job["store"], run=job["run"], step=step, progress=False)
     return _Done()
 
 
 def _load(model, opt, sampler, job: dict) -> tuple[int, list[str]]:
-    """Load job["load"] in place through ucp_store.dist; returns the bytes this rank read and how its per-rank
+    """Load job["load"] in place through ucp_store.distributed; returns the bytes this rank read and how its per-rank
     state was restored."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from .. import dist as ucp_dist
+    from ucp_store import distributed as ucp_dist
 
     state = _state(model, opt, sampler)
     result = ucp_dist.load(state, store=job["store"], ref=job["load"], progress=False, per_rank=_policies(job))
@@ -194,8 +194,8 @@ def _load(model, opt, sampler, job: dict) -> tuple[int, list[str]]:
 
 
 def _verify(model, opt, sampler, job: dict) -> dict:
-    """`ucp_store.dist.verify` of the live state (read back through get_state_dict) against the checkpoint."""
-    from .. import dist as ucp_dist
+    """`ucp_store.distributed.verify` of the live state (read back through get_state_dict) against the checkpoint."""
+    from ucp_store import distributed as ucp_dist
 
     report = ucp_dist.verify(_state(model, opt, sampler), job["load"], store=job["store"], progress=False,
                              per_rank=_policies(job))
@@ -206,8 +206,8 @@ def _boxes(model, param: str) -> dict:
     """The logical boxes of parameter `param` that this rank holds (what its load read), from the live DTensor."""
     from torch.distributed.tensor import DTensor
 
-    from ..dist.layout import local_regions, placement_json
-    from ..errors import TopologyError
+    from ucp_store.distributed.layout import local_regions, placement_json
+    from ucp_store.errors import TopologyError
 
     t = dict(model.named_parameters())[param]
     if not isinstance(t, DTensor):

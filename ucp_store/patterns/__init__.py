@@ -58,8 +58,8 @@ keeps working):
 
 from __future__ import annotations
 
-from ..geometry import Box, FlatRange, flat_range_to_boxes, row_major_strides, split_contiguous
-from .kinds import (
+from ucp_store.geometry import Box, FlatRange, flat_range_to_boxes, row_major_strides, split_contiguous
+from ucp_store.patterns.kinds import (
     KINDS,
     REPLICATED,
     SCHEMA_FILE,
@@ -77,7 +77,7 @@ from .kinds import (
     Vocab,
     is_expert,
 )
-from .layout import (
+from ucp_store.patterns.layout import (
     Copy,
     LocalLayout,
     clear_layout_caches,
@@ -87,7 +87,7 @@ from .layout import (
     tp_layout,
     writer_copies,
 )
-from .parse import (
+from ucp_store.patterns.parse import (
     _check_shape,
     _parse,
     check_pattern,
@@ -97,9 +97,16 @@ from .parse import (
     validate_pattern_record,
     without_placement,
 )
-from .placement import canonical_names, expert_held, holds, placement_stages, stage_local_name, stages_of_placement
-from .replicas import average_replicas
-from .zero import (
+from ucp_store.patterns.placement import (
+    canonical_names,
+    expert_held,
+    holds,
+    placement_stages,
+    stage_local_name,
+    stages_of_placement,
+)
+from ucp_store.patterns.replicas import average_replicas
+from ucp_store.patterns.zero import (
     FlatCopy,
     FlatLayout,
     Fragment,

@@ -236,11 +236,11 @@ def is_expert(p: Pattern) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DTensorSplit(Replicated):
-    """How a DTensor was split when it was saved (``ucp_store.dist``): its mesh and placements.
+    """How a DTensor was split when it was saved (``ucp_store.distributed``): its mesh and placements.
 
     Informational: the logical array holds the whole tensor, so for the planner this is replicated (any
-    topology reads it whole or sliced), and ``ucp_store.dist.load`` reads each target rank's boxes from
-    the live DTensor, whatever mesh saved it. ``placements`` are JSON (``ucp_store/dist/layout.py``):
+    topology reads it whole or sliced), and ``ucp_store.distributed.load`` reads each target rank's boxes from
+    the live DTensor, whatever mesh saved it. ``placements`` are JSON (``ucp_store/distributed/layout.py``):
     ``{"type": "shard", "dim": d}``, ``{"type": "strided_shard", "dim": d, "split_factor": k}``,
     ``{"type": "replicate"}``; ``mesh_dims`` names the mesh dims (empty when unnamed)."""
 

@@ -14,12 +14,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PatternError, TopologyError
-from ..geometry import Box
-from ..topology import Topology
-from .kinds import Averaged, Expert, ExpertMember, Fused, Partitioned, Pattern, Replicated, Vocab, is_expert
-from .parse import _check_shape, _who, parse_pattern, without_placement
-from .placement import holds, stages_of_placement
+from ucp_store.errors import PatternError, TopologyError
+from ucp_store.geometry import Box
+from ucp_store.patterns.kinds import (
+    Averaged,
+    Expert,
+    ExpertMember,
+    Fused,
+    Partitioned,
+    Pattern,
+    Replicated,
+    Vocab,
+    is_expert,
+)
+from ucp_store.patterns.parse import _check_shape, _who, parse_pattern, without_placement
+from ucp_store.patterns.placement import holds, stages_of_placement
+from ucp_store.topology import Topology
 
 __all__ = ["Copy", "LocalLayout", "tp_layout", "local_layout", "is_writer", "shard_copies", "writer_copies",
            "clear_layout_caches"]

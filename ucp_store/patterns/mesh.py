@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import TopologyError
+from ucp_store.errors import TopologyError
 
 __all__ = [
     "Region",

@@ -14,8 +14,8 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
-from ..errors import PatternError
-from .kinds import (
+from ucp_store.errors import PatternError
+from ucp_store.patterns.kinds import (
     KINDS,
     REPLICATED,
     SCHEMA_FILE,
@@ -261,7 +261,7 @@ def pattern_to_json(pattern: Pattern | Mapping[str, Any] | None) -> dict[str, An
 
 def validate_pattern_record(record: Any, *, name: str | None = None) -> Pattern:
     """Check ``record`` against ``schemas/pattern.schema.json`` and parse it; ``PatternError`` otherwise."""
-    from ..topology import schema_errors
+    from ucp_store.topology import schema_errors
 
     errors = schema_errors(record, SCHEMA_FILE)
     if errors:

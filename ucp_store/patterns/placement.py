@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import PatternError, TopologyError
-from ..topology import Topology
-from .kinds import ExpertMember, Placement
-from .parse import _who, parse_pattern
+from ucp_store.errors import PatternError, TopologyError
+from ucp_store.patterns.kinds import ExpertMember, Placement
+from ucp_store.patterns.parse import _who, parse_pattern
+from ucp_store.topology import Topology
 
 __all__ = ["placement_stages", "stages_of_placement", "holds", "expert_held", "stage_local_name", "canonical_names"]
 

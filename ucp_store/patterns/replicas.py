@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import PatternError
+from ucp_store.errors import PatternError
 
 __all__ = ["average_replicas"]
 

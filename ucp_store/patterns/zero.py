@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..errors import TopologyError
-from ..geometry import Box, FlatRange, flat_range_to_boxes, row_major_strides, split_contiguous, uncovered
-from ..topology import Topology
-from .layout import _LAYOUT_CACHE_MAX, LocalLayout, is_writer, local_layout
-from .placement import holds
+from ucp_store.errors import TopologyError
+from ucp_store.geometry import Box, FlatRange, flat_range_to_boxes, row_major_strides, split_contiguous, uncovered
+from ucp_store.patterns.layout import _LAYOUT_CACHE_MAX, LocalLayout, is_writer, local_layout
+from ucp_store.patterns.placement import holds
+from ucp_store.topology import Topology
 
 __all__ = ["FlatCopy", "Fragment", "FlatLayout", "ZeroGroupLayout", "zero_group_layout", "fragment_layout",
            "flat_layout", "fragment_writer_copies", "clear_flat_caches"]

@@ -1,0 +1,502 @@
+"""``async_save``: stage the state in host memory, return, and write + commit in the background.
+
+The call blocks only for planning (one small gather on the control group) and the copy of this rank's
+boxes into a staging buffer (host memory, pinned when the tensors are on a GPU, copied with
+``non_blocking`` and one synchronise). The buffers are kept and reused by the next call with the same
+layout. After the call returns, training may change its tensors at will: the background writer only
+reads the staging buffers, so the committed version is the state at the moment of the call.
+
+Two background modes:
+- ``"thread"``: a thread of this process writes and commits (TensorStore and hashing release the GIL for
+  most of the work);
+- ``"process"``: a persistent writer process per rank (its own gloo group among the writers), fed the
+  staging buffers through shared memory once and then only small messages: the trainer's interpreter
+  does none of the writing. Shared pages fault in far slower than private ones, so the first call of a
+  layout stages into private memory and a background thread copies that into the shared buffers, which
+  later calls stage into directly. ``tools/bench_dist.py`` measures both modes.
+
+``prepare_async`` makes the buffers (and the writer process, or the background group) at setup, so even
+the first call only copies.
+
+A second ``async_save`` (or ``save`` / ``load``) first waits for the one in flight. ``handle.result()``
+returns the version id or raises the background error; every rank raises when any rank failed, and
+nothing is listed then.
+
+Lazy snapshot (``lazy=True``; the default once an optimizer gate is installed, see ``async_save``): the call
+copies only the buffers forward changes and returns after the plan; a background thread copies the rest
+while the caller runs its next forward and backward, and the optimizer's step pre-hook waits for the boxes
+that step changes. A version-counter guard fails the save, never storing a later state, when anything else
+changed a tensor in place before its copy. ``snapshot.py`` holds that logic.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import mmap
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ucp_store._killpoints import killpoint
+from ucp_store.distributed import inflight
+from ucp_store.distributed import snapshot as snap_mod
+from ucp_store.distributed.api import _Ctx, _open_everywhere, _plan_save, _SavePlan, _write_plan
+from ucp_store.distributed.inflight import AsyncSaveHandle, wait
+from ucp_store.distributed.statedict import path_text
+from ucp_store.errors import ConfigurationError, UcpError
+
+__all__ = ["AsyncSaveHandle", "async_save", "close", "prepare_async", "wait"]
+
+_MODES = ("thread", "process")
+
+
+# ----------------------------------------------------------------------------------------- staging
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels refuse it and the first copy faults the pages in
+
+
+def _populate(addr: int, nbytes: int) -> None:
+    """Map the pages of ``[addr, addr + nbytes)`` now, in one call (ctypes releases the GIL meanwhile)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = addr & ~(mmap.PAGESIZE - 1)
+    libc.madvise(ctypes.c_void_p(start), nbytes + addr - start, _MADV_POPULATE_WRITE)
+
+
+def _host_buffer(shape: tuple, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor for staging: pinned for device tensors, otherwise prefaulted anonymous
+    memory (``MAP_POPULATE``: the kernel maps every page in one call instead of one page fault per 4 KiB on
+    the first copy, which is most of a first call's cost)."""
+    if pin:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if not populate or nbytes < (1 << 20):
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate),
+                           dtype=torch.uint8)  # the tensor keeps the mapping alive
+    return raw.view(dtype).view(shape)
+
+
+class _Arena:
+    """The process mode's staging buffers: one ``memfd`` (Linux) that the writer process maps through
+    ``/proc/<pid>/fd/<fd>``, every buffer at a page-aligned offset. Cheaper than torch's shared storages
+    (created and faulted page by page), and nothing is left in /dev/shm when a process dies."""
+
+    def __init__(self, specs: list[tuple[tuple, torch.dtype]]):
+        self.layout: list[tuple[int, int, tuple, torch.dtype]] = []  # (offset, nbytes, shape, dtype)
+        total = 0
+        for shape, dtype in specs:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self.layout.append((total, nbytes, shape, dtype))
+            total += -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = max(total, mmap.PAGESIZE)
+        self.fd = os.memfd_create("ucp-async-stage")
+        os.ftruncate(self.fd, self.size)
+        self.raw = torch.frombuffer(mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+        self.buffers = [_arena_view(self.raw, *item) for item in self.layout]
+
+    def populate(self, i: int) -> torch.Tensor:
+        off, nbytes, _, _ = self.layout[i]
+        if nbytes:
+            _populate(self.raw.data_ptr() + off, nbytes)
+        return self.buffers[i]
+
+    def describe(self) -> dict:
+        """What the writer process needs to map the same buffers."""
+        return {"path": f"/proc/{os.getpid()}/fd/{self.fd}", "size": self.size, "layout": self.layout}
+
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
+def _arena_view(raw: torch.Tensor, off: int, nbytes: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    return raw[off:off + nbytes].view(dtype).view(shape)
+
+
+def _map_arena(desc: dict) -> list[torch.Tensor]:
+    """The writer process's view of the trainer's arena."""
+    fd = os.open(desc["path"], os.O_RDWR)
+    try:
+        raw = torch.frombuffer(mmap.mmap(fd, desc["size"], flags=mmap.MAP_SHARED), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+    return [_arena_view(raw, *item) for item in desc["layout"]]
+
+
+class _Stager:
+    """Host buffers for this rank's boxes, reused while the layout stays the same."""
+
+    def __init__(self) -> None:
+        self.signature: tuple | None = None
+        self.buffers: list[torch.Tensor] = []
+        self.arena: _Arena | None = None
+        self.generation = 0
+
+    def shared_spec(self) -> Any:
+        """What the writer process maps: the arena's description, or the shared tensors themselves."""
+        return self.arena.describe() if self.arena is not None else self.buffers
+
+    def stage(self, plan: _SavePlan, *, shared: bool, copy: bool = True,
+              views: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """This rank's boxes copied into the staging buffers (made, and their pages mapped, when the layout is
+        new). ``copy=False`` (``prepare_async``) only makes the buffers. ``views``: copy these instead of the
+        plan's boxes (the same shapes: a private first staging moved into shared buffers)."""
+        sig = (plan.signature(), shared)
+        if views is None:
+            views = [src[sl] if sl else src for src, sl in plan.sources]
+        cuda = any(v.device.type == "cuda" for v in views)
+        if sig == self.signature:
+            if copy:
+                for b, v in zip(self.buffers, views):
+                    b.copy_(v, non_blocking=v.device.type == "cuda")
+        else:
+            # a new layout (the first call): a helper thread maps the next buffer's pages while this one
+            # copies into the previous (both release the GIL), so allocation and copy overlap
+            self.buffers, self.signature, self.arena = [], None, None
+            from concurrent.futures import ThreadPoolExecutor
+
+            specs = [(tuple(v.shape), v.dtype) for v in views]
+            if shared and hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
+                self.arena = _Arena(specs)
+                make = self.arena.populate
+            elif shared:  # no memfd: torch's shared storages
+                def make(i: int) -> torch.Tensor:
+                    shape, dtype = specs[i]
+                    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                    return torch.empty(0, dtype=dtype).set_(  # type: ignore[call-overload]
+                        torch.UntypedStorage._new_shared(nbytes), 0, shape)
+            else:
+                def make(i: int) -> torch.Tensor:
+                    return _host_buffer(*specs[i], pin=views[i].device.type == "cuda")
+            with ThreadPoolExecutor(1, thread_name_prefix="ucp-stage") as pool:
+                futures = [pool.submit(make, i) for i in range(len(views))]
+                for f, v in zip(futures, views):
+                    b = f.result()
+                    if copy:
+                        b.copy_(v, non_blocking=v.device.type == "cuda")
+                    self.buffers.append(b)
+            self.signature = sig
+            self.generation += 1
+        if cuda and copy:
+            torch.cuda.synchronize()
+        return self.buffers
+
+
+_STAGER = _Stager()
+
+
+# ----------------------------------------------------------------------------------------- process mode
+class _WriterProcess:
+    """One persistent writer process for this rank, and the thread that waits for its answers."""
+
+    def __init__(self, ctx: _Ctx):
+        import torch.multiprocessing as mp
+
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), 0
+        if ctx.rank == 0:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        addr, port = ctx.gather((addr, port))[0] if ctx.dist is not None else (addr, port)
+        mpctx = mp.get_context("spawn")
+        self.requests = mpctx.Queue()
+        self.responses = mpctx.Queue()
+        self.proc = mpctx.Process(target=_writer_main, args=(self.requests, self.responses, ctx.rank, ctx.world,
+                                                             addr, port), daemon=True, name="ucp-async-writer")
+        self.proc.start()
+        self.generation = -1
+        self.key = (ctx.rank, ctx.world)
+
+    def share(self, buffers, generation: int) -> None:
+        """Hand the writer the staging buffers of ``generation`` (it maps them once)."""
+        if generation != self.generation:
+            self.requests.put(("buffers", buffers))
+            self.generation = generation
+
+    def submit(self, handle: AsyncSaveHandle, buffers, generation: int, job: dict) -> None:
+        self.share(buffers, generation)
+        self.requests.put(("save", job))
+
+        def waiter() -> None:
+            while True:
+                try:
+                    kind, payload = self.responses.get(timeout=5)
+                    break
+                except Exception:  # noqa: BLE001 - queue.Empty: check that the writer is alive
+                    if not self.proc.is_alive():
+                        kind, payload = "error", f"the async writer process died (exit code {self.proc.exitcode})"
+                        break
+            if kind == "ok":
+                handle._finish(payload, None)
+            else:
+                handle._finish(None, UcpError(f"async save of {handle.run}@{handle.step} failed: {payload}"))
+
+        threading.Thread(target=waiter, daemon=True, name="ucp-async-wait").start()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.requests.put(("stop", None))
+            self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def _writer_main(requests, responses, rank: int, world: int, addr: str, port: int) -> None:
+    """The writer process: its own gloo world among the ranks' writers; writes and commits each job."""
+    import datetime as _dt
+
+    import torch.distributed as dist
+
+    from ucp_store.distributed.commit import default_timeout
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                                timeout=_dt.timedelta(seconds=default_timeout()))
+    buffers: list[torch.Tensor] = []
+    while True:
+        kind, payload = requests.get()
+        if kind == "stop":
+            break
+        if kind == "buffers":
+            buffers = _map_arena(payload) if isinstance(payload, dict) else payload
+            continue
+        try:
+            snap_mod.lower_writer_priority(payload.get("nice", 0))  # the trainer's processes get the CPU first
+            ctx = _Ctx(None, tag="async-writer")
+            plan = _SavePlan(payload["items"], [], payload["objects"], payload["provenance"], payload["per_rank"],
+                             payload["rank_objects"])
+            st = _open_everywhere(payload["store"], True, ctx)
+            cid = _write_plan(st, plan, buffers, ctx, run=payload["run"], step=payload["step"],
+                              message=payload["message"], parent=payload["parent"], progress=False)
+            responses.put(("ok", cid))
+        except BaseException as exc:  # noqa: BLE001 - reported to the trainer
+            responses.put(("error", f"{type(exc).__name__}: {exc}"))
+    if world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_WRITERS: dict[tuple, _WriterProcess] = {}
+
+
+def close() -> None:
+    """Wait for the save in flight and stop the writer processes (also run at exit)."""
+    wait()
+    for w in list(_WRITERS.values()):
+        w.stop()
+    _WRITERS.clear()
+
+
+atexit.register(close)
+
+
+# ----------------------------------------------------------------------------------------- the call
+def _writer_for(ctx: _Ctx) -> _WriterProcess:
+    key = (ctx.rank, ctx.world)
+    writer = _WRITERS.get(key)
+    if writer is None or not writer.proc.is_alive():
+        writer = _WRITERS[key] = _WriterProcess(ctx)
+    return writer
+
+
+def _optimizers(optimizer) -> list:
+    if optimizer is None:
+        return []
+    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+
+def prepare_async(state_dict: dict, *, mode: str = "thread", group=None, mesh=None, optimizer=None) -> None:
+    """Do at setup what the first ``async_save`` of this state's layout would do on the caller's clock: make
+    the staging buffers (pinned for device tensors, else memory whose pages are mapped now), the background
+    group, and in ``"process"`` mode start the writer process and hand it the buffers. Call on every rank,
+    with the state dict (or one of the same layout) later passed to ``async_save``, like DCP's pinned-memory
+    staging set up ahead; the first ``async_save`` then only copies. Optional: without it the first call
+    does this work itself. ``optimizer`` (one or a list): install the pre-step gate of the lazy snapshot on
+    it (see ``async_save``), which makes later calls lazy by default."""
+    if mode not in _MODES:
+        raise ConfigurationError(f"prepare_async: mode={mode!r}; expected one of {', '.join(_MODES)}")
+    wait()
+    for opt in _optimizers(optimizer):
+        snap_mod.install_gate(opt)
+    ctx = _Ctx(group)
+    plan = _plan_save(state_dict, ctx, mesh)
+    _STAGER.stage(plan, shared=mode == "process", copy=False)
+    _Ctx(group, tag="async")
+    if mode == "process":
+        _writer_for(ctx).share(_STAGER.shared_spec(), _STAGER.generation)
+
+
+def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
+               parent: str | None = "auto", group=None, mode: str = "thread", create: bool = True,
+               mesh=None, lazy: bool | None = None, optimizer=None, eager: tuple[str, ...] | list[str] = (),
+               writer_nice: int = 10) -> AsyncSaveHandle:
+    """Like ``save``, but return before the data is written; write and commit in the background.
+
+    ``mode`` is ``"thread"`` or ``"process"`` (see the module docstring). Call on every rank. The returned
+    handle's ``result()`` gives the version id or raises; a later call waits for this one first. Per-rank
+    state is detected and stored as ``save`` does (its contents copied at the call), keyed by ``mesh``.
+
+    ``lazy``: whether the parameters and optimizer state are copied after the call returns, overlapping
+    the caller's next forward and backward (the JSON values, per-rank contents and the buffers forward
+    changes are taken at the call either way). ``optimizer`` (one or a list) gets a step pre-hook that
+    waits for the boxes its step will change, so the next step never changes what is not yet copied.
+    Default (``None``): lazy exactly when such a gate is installed (here or by ``prepare_async``). Why not
+    always: without a gate, whether the copy beats the next ``step`` is a matter of timing, so a save
+    would fail now and then; with the gate, only an in-place change outside the optimizer (``p.data.mul_``,
+    an EMA written in place, a buffer forward updates that ``eager`` does not name) can fail it, and it
+    does so on every rank, naming the entry (``SnapshotChangedError``), never storing a later state.
+    ``eager``: fnmatch patterns of dotted state-dict paths copied at the call (BatchNorm's
+    ``running_mean``, ``running_var`` and ``num_batches_tracked`` always are). ``writer_nice``: the
+    scheduling niceness of the background writer's threads (hashing and writes; 0 leaves it), so the
+    training threads get the CPU first; the snapshot copy itself keeps the caller's priority."""
+    if mode not in _MODES:
+        raise ConfigurationError(f"async_save: mode={mode!r}; expected one of {', '.join(_MODES)}")
+    if isinstance(eager, str):
+        raise ConfigurationError(f"async_save: eager={eager!r}; expected a list of fnmatch patterns")
+    store_mod = sys.modules.get("ucp_store.store")  # not imported yet: ``store`` cannot be a Store (and the
+    if mode == "process" and store_mod is not None and isinstance(store, store_mod.Store):  # import stays off
+        store = store.location.url  # the caller's clock: the background opens the store)
+    wait()
+    t0 = time.perf_counter()
+    for opt in _optimizers(optimizer):
+        snap_mod.install_gate(opt)
+    gated = snap_mod.gated_optimizers()
+    lazy = bool(gated) if lazy is None else bool(lazy)
+    ctx = _Ctx(group)
+    plan = _plan_save(state_dict, ctx, mesh)
+    handle = AsyncSaveHandle(run, step, mode)
+    job = {"store": store, "create": create, "run": run, "step": step, "message": message, "parent": parent,
+           "group": group, "nice": writer_nice}
+    thread: threading.Thread | None
+    if lazy:
+        thread = _start_lazy(handle, plan, ctx, job, gated, tuple(eager))
+    else:
+        thread = _start_eager(handle, plan, ctx, job)
+    inflight.set_pending(handle)
+    if thread is not None:
+        thread.start()
+    handle.blocked_s = time.perf_counter() - t0
+    return handle
+
+
+def _process_job(plan: _SavePlan, job: dict) -> dict:
+    store = job["store"]
+    return {"items": plan.items, "objects": plan.objects, "provenance": plan.provenance,
+            "per_rank": plan.per_rank, "rank_objects": plan.rank_objects,
+            "store": store if store is None else os.fspath(store) if not isinstance(store, str) else store,
+            "run": job["run"], "step": job["step"], "message": job["message"], "parent": job["parent"],
+            "nice": job["nice"]}
+
+
+def _write_thread(handle: AsyncSaveHandle, plan: _SavePlan, staged: list[torch.Tensor], bg: _Ctx, job: dict) -> None:
+    """The thread mode's writer (on the background thread, at the writer's priority)."""
+    snap_mod.lower_writer_priority(job["nice"])
+    st = _open_everywhere(job["store"], job["create"], bg)
+    cid = _write_plan(st, plan, staged, bg, run=job["run"], step=job["step"], message=job["message"],
+                      parent=job["parent"], progress=False)
+    handle._finish(cid, None)
+
+
+def _start_eager(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict) -> threading.Thread | None:
+    """Today's path: every box copied into the staging buffers before the call returns."""
+    mode = handle.mode
+    # process mode, new layout: shared pages fault in far slower than private ones, so the caller stages
+    # into private memory and a background thread fills the shared buffers from it for the writer
+    cold_process = mode == "process" and _STAGER.signature != (plan.signature(), True)
+    buffers = _Stager().stage(plan, shared=False) if cold_process else _STAGER.stage(plan, shared=mode == "process")
+    handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
+    if mode == "thread":
+        bg = _Ctx(job["group"], tag="async")  # its own gloo group: its collectives never interleave with the caller's
+        staged = list(buffers)
+
+        def work() -> None:
+            try:
+                _write_thread(handle, plan, staged, bg, job)
+            except BaseException as exc:  # noqa: BLE001 - handed to result()
+                handle._finish(None, exc)
+
+        return threading.Thread(target=work, daemon=True, name="ucp-async-save")
+    # started after staging (on the first call): its interpreter boots after this call returns, not
+    # beside the copy (on a busy host the import competed with the staging for the CPU)
+    writer = _writer_for(ctx)
+    pjob = _process_job(plan, job)
+    if not cold_process:  # buffers shared already
+        writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, pjob)
+        return None
+    private = buffers
+
+    def share() -> None:
+        try:
+            _STAGER.stage(plan, shared=True, views=private)  # the next calls stage straight into these
+            writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, pjob)
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
+            handle._finish(None, exc)
+
+    return threading.Thread(target=share, daemon=True, name="ucp-async-share")
+
+
+def _lazy_jobs(plan: _SavePlan, eager: tuple[str, ...]) -> tuple[list[snap_mod.Job], dict[int, torch.Tensor]]:
+    """The boxes the background copies (each with its owner's version now), and those copied now."""
+    paths = {tuple(o["tensor"]): path_text(tuple(o["path"])) for o in plan.objects if "tensor" in o}
+    jobs: list[snap_mod.Job] = []
+    now: dict[int, torch.Tensor] = {}
+    for i, (it, (src, sl)) in enumerate(zip(plan.items, plan.sources)):
+        path = paths.get((it.name, it.state), f"{it.name} [{it.state}]")
+        view = src[sl] if sl else src
+        if snap_mod.is_eager(path, eager):
+            # forward changes it: copied now (a device buffer synchronously: these are small)
+            now[i] = view.to("cpu", copy=True) if view.is_cuda else view.clone()
+        else:
+            jobs.append(snap_mod.Job(i, view, src, src._version, f"state dict entry {path!r}",
+                                     snap_mod.take_samples(view)))
+    return jobs, now
+
+
+def _start_lazy(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict, gated: list,
+                eager: tuple[str, ...]) -> threading.Thread:
+    """The lazy path: only the eager boxes now; a thread copies the rest (the gates wait for it), every rank
+    agrees the snapshot is sound, then it writes (thread mode) or hands the buffers to the writer process."""
+    jobs, now = _lazy_jobs(plan, eager)
+    ordered, gates = snap_mod.order_jobs(jobs, gated)
+    snap = handle.snapshot = snap_mod.Snapshot(ordered, gates, on_copy=lambda n: killpoint("async.mid_copy"))
+    snap_mod.set_current(snap)
+    bg = _Ctx(job["group"], tag="async")
+    shared = handle.mode == "process"
+    writer = _writer_for(ctx) if shared else None
+
+    def work() -> None:
+        try:
+            try:
+                buffers = _STAGER.stage(plan, shared=shared, copy=False)  # made when the layout is new
+            except BaseException as exc:
+                snap.fail(exc)
+                raise
+            handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
+            snap.run(buffers)
+            staged = list(buffers)
+            for i, t in now.items():
+                if shared:  # the writer process reads the shared buffers only
+                    buffers[i].copy_(t)
+                else:
+                    staged[i] = t
+            # every rank learns of a changed tensor before anything is begun: all raise, nothing is listed
+            bg.raise_if_any_failed(snap.error, f"async save of {job['run']}@{job['step']} (snapshot)")
+            if writer is None:
+                _write_thread(handle, plan, staged, bg, job)
+            else:
+                writer.submit(handle, _STAGER.shared_spec(), _STAGER.generation, _process_job(plan, job))
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
+            handle._finish(None, exc)
+
+    return threading.Thread(target=work, daemon=True, name="ucp-async-snapshot")

@@ -1,0 +1,220 @@
+"""Saving one checkpoint from many ``torch.distributed`` ranks (one commit, by rank 0).
+
+    w = distributed_begin(store, "run", step)          # rank 0 begins, the others join
+    w.write_shard(name, "fp32", local, shape=..., pattern=..., topology=topo, rank=dist.get_rank())
+    ck_id = distributed_commit(w)                      # barrier, origin ranks hash and record, commit
+
+If any rank fails, every rank aborts and nothing is listed. Ranks agree through collectives on the
+group passed (default: the default process group; gloo works on CPU); the only objects exchanged are
+checkpoint ids, flags and small metadata.
+
+Every collective of a save or load must end in bounded time, so that a dead rank gives an error and
+never a hang: :func:`control_group` makes (once per group and timeout) a gloo group over the same ranks
+with a timeout (``UCP_DIST_TIMEOUT`` seconds, default 300). Being gloo, it also carries the CPU flags and
+objects of a job whose default backend is NCCL.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from ucp_store.errors import ConfigurationError, UcpError
+
+__all__ = ["all_ok", "control_group", "default_timeout", "distributed_begin", "distributed_commit", "gather_errors"]
+
+_GROUPS: dict[tuple, object] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def default_timeout() -> float:
+    """Seconds a ucp_store collective may wait: ``$UCP_DIST_TIMEOUT`` or 300."""
+    raw = os.environ.get("UCP_DIST_TIMEOUT", "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigurationError(f"UCP_DIST_TIMEOUT={raw!r}: expected a number of seconds") from None
+    if value <= 0:
+        raise ConfigurationError(f"UCP_DIST_TIMEOUT={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def control_group(group=None, *, timeout: float | None = None, tag: str = "control"):
+    """A gloo group over ``group``'s ranks (default: the world) whose collectives time out after ``timeout`` s.
+
+    Created on first use (a collective: every rank of ``group`` must call it in the same order, with the
+    same ``tag``) and cached. Different ``tag`` values give independent groups, so a background thread
+    can run its collectives beside the caller's without interleaving them."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigurationError("control_group: torch.distributed is not initialised")
+    seconds = default_timeout() if timeout is None else float(timeout)
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    key = (ranks, seconds, tag)
+    with _GROUPS_LOCK:
+        pg = _GROUPS.get(key)
+        if pg is None:
+            pg = dist.new_group(list(ranks), backend="gloo", timeout=_dt.timedelta(seconds=seconds))
+            _GROUPS[key] = pg
+    return pg
+
+
+def all_ok(ok: bool, group=None) -> bool:
+    """True when ``ok`` holds on every rank of ``group`` (a collective)."""
+    return _all_ok(ok, group)
+
+
+def gather_errors(error: BaseException | None, group=None) -> list[tuple[int, str]]:
+    """Every rank's error message as ``(rank, message)`` (empty when none failed); a collective."""
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    return [(r, msg) for r, msg in enumerate(parts) if msg is not None]
+
+
+def _all_ok(ok: bool, group=None) -> bool:
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
+    return int(flag.item()) == 0
+
+
+def _src(group) -> int:
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def _message(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def distributed_begin(store, run: str, step: int, *, group=None, **kwargs):
+    """Rank 0 begins a pending checkpoint; every other rank joins it (one broadcast: joining reads nothing,
+    rank 0's commit checks the checkpoint is still pending). If rank 0 cannot begin, every rank raises.
+
+    Only rank 0 touches the catalog: ``store`` is a :class:`~ucp_store.store.Store` or a callable opening one
+    (called on rank 0 alone, so the other ranks never connect). The broadcast (JSON bytes, no pickle) carries
+    the version id, the store's location and settings; the other ranks' writers do array I/O on a store
+    without a catalog (``coord.detached_store``) and hand their rows to rank 0's commit."""
+    from ucp_store.distributed import coord
+    from ucp_store.save.writer import CheckpointWriter
+
+    rank = dist.get_rank(group)
+    writer, error, payload = None, None, None
+    if rank == 0:
+        try:
+            st = store() if callable(store) else store
+            writer = st.begin(run, step, **kwargs)
+            payload = coord.encode({"id": writer.id, "store": coord.store_facts(st)})
+        except BaseException as exc:  # noqa: BLE001 - the other ranks must learn about it
+            error = exc
+            payload = coord.encode(coord.error_payload(exc))
+    answer = coord.decode(coord.broadcast_bytes(payload, group))
+    if error is not None:
+        raise error
+    if "error" in answer:
+        coord.raise_remote(answer, f"the begin of the save of {run}@{step}")
+    if writer is None:
+        writer = CheckpointWriter(coord.detached_store(answer["store"]), str(answer["id"]), owner=False)
+    if dist.get_world_size(group) > 1:
+        writer.origin_writes_metadata()  # each zarr.json written by one rank (issue 27 item 0)
+    return writer
+
+
+def _dedup_joined(writer, rows: list[dict]) -> list[str]:
+    """Rank 0's deduplication of the arrays the joined ranks wrote (they have no catalog to look in): an
+    array whose content a committed version (or an earlier array of this save) already holds is dropped
+    and its rows point at that one. Returns the folders of the dropped arrays (removed after the commit)."""
+    arrays = [r for r in rows if r.get("_table") == "array" and r.get("content_hash")]
+    writer._lookup_hashes([a["content_hash"] for a in arrays if a["content_hash"] not in writer._local_arrays])
+    remap: dict[str, str] = {}
+    for a in arrays:
+        existing = writer._dedup(a["content_hash"], a["dtype"], a["shape"])
+        if existing is not None and existing != a["id"]:
+            remap[a["id"]] = existing
+        else:
+            writer._local_arrays[a["content_hash"]] = a["id"]
+    if not remap:
+        return []
+    dropped = [r["path"] for r in arrays if r["id"] in remap]
+    rows[:] = [r for r in rows if not (r.get("_table") == "array" and r["id"] in remap)]
+    for r in rows:
+        if r.get("array_id") in remap:
+            r["array_id"] = remap[r["array_id"]]
+    return dropped
+
+
+def distributed_commit(writer, *, group=None, error: BaseException | None = None, synced: bool = False,
+                       stats: dict | None = None, t0: float | None = None) -> str:
+    """Finish a distributed save on every rank; returns the committed checkpoint id (same on all ranks).
+
+    Each rank makes everything it wrote durable; after a barrier (every rank's writes are in place), the
+    origin rank of each sharded array hashes it; one gather (JSON bytes) brings every rank's rows (plain
+    dicts) and outcome to rank 0, which deduplicates the joined ranks' arrays, records them all and commits
+    in ONE catalog transaction (or aborts, when any rank failed); one broadcast tells every rank the outcome.
+    ``error``: this rank already failed (the others learn it in the gather). ``synced=True``: the caller
+    already agreed, after every rank's writes returned, that all succeeded (a collective), so the barrier
+    round is skipped. ``stats``: the seconds since ``t0`` at which each step ended are recorded there
+    (``rows_s``, ``gathered_s``, ``committed_s``)."""
+    from ucp_store.distributed import coord
+
+    rank = dist.get_rank(group)
+
+    def mark(key: str) -> None:
+        if stats is not None:
+            stats[key] = time.perf_counter() - (t0 or 0.0)
+
+    if not synced:
+        if error is None:
+            try:
+                writer._drain()
+                writer._make_durable()
+            except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+                error = exc
+        if not _all_ok(error is None, group):
+            writer.abort()
+            raise UcpError(f"distributed save {writer.id} failed on some rank; aborted") from error
+    rows: list = []
+    if error is None:
+        try:
+            if rank == 0:  # hash its origin arrays and make all durable now, beside the other ranks
+                if writer._origin:
+                    writer.finish_shards(record=False)
+                writer._settle()
+            else:
+                rows = writer.export_rows()
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+    mark("rows_s")
+    parts = coord.gather_bytes(coord.encode([_message(error), rows]), group)
+    mark("gathered_s")
+    outcome: list = [None, None]
+    if rank == 0:
+        assert parts is not None
+        decoded = [coord.decode(p) for p in parts]
+        failed = [(r, p[0]) for r, p in enumerate(decoded) if p[0] is not None]
+        if failed:
+            writer.abort()
+            outcome[1] = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+        else:
+            try:
+                extra = [row for p in decoded[1:] for row in p[1]]
+                dropped = _dedup_joined(writer, extra)
+                writer.commit(extra_rows=extra, reload=False)
+                outcome[0] = writer.id
+                for rel in dropped:  # identical content is stored already (best effort: gc sweeps leftovers)
+                    try:
+                        writer.store.location.delete_tree(rel)
+                    except Exception:  # noqa: BLE001
+                        pass
+            except BaseException as exc:  # noqa: BLE001 - commit aborted; every rank must learn about it
+                error = exc
+                outcome[1] = f"rank 0: {_message(exc)}"
+    mark("committed_s")
+    outcome = coord.decode(coord.broadcast_bytes(coord.encode(outcome) if rank == 0 else None, group))
+    if outcome[0] is None:
+        if rank != 0:
+            writer.abort()
+        raise UcpError(f"distributed save {writer.id} failed ({outcome[1]}); aborted, nothing listed") from error
+    return writer.id

@@ -1,0 +1,301 @@
+"""Retention policies and garbage collection: which versions go, and which array files nothing needs.
+
+A :class:`RetentionPolicy` is data (stored per run in ``runs.retention``) with one pure method,
+:meth:`RetentionPolicy.keep`, that picks the versions to keep from a run's committed (id, step) list.
+:func:`gc` applies the policies, drops pending saves whose owner died (or that outlived the pending
+timeout), then :func:`sweep_arrays` deletes every array no tensor or object row references and every
+file under ``arrays/`` that no row knows about (a save killed before its rows were flushed).
+
+Reference counts are derived from the catalog rows, never stored, so a sweep can never free an array
+that a committed version still reads. Files are listed and deleted through :class:`~ucp_store.io.location.Location`
+(folders or a bucket alike); nothing here imports torch or TensorStore, so ``ucp gc --dry-run`` and
+``ucp retention`` run on the catalog alone.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sqlalchemy import exists, func, select, update
+from sqlalchemy.exc import IntegrityError
+
+from ucp_store._killpoints import killpoint
+from ucp_store.catalog import models as m
+from ucp_store.errors import CatalogError, ConfigurationError, ReferenceNotFound
+from ucp_store.io.location import ARRAYS_DIR, array_checkpoint, array_path, checkpoint_dir
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ucp_store.store import Store
+
+__all__ = ["DEFAULT_PENDING_TIMEOUT", "GcReport", "RetentionPolicy", "set_retention", "retention_victims", "gc",
+           "sweep_arrays"]
+
+DEFAULT_PENDING_TIMEOUT = _dt.timedelta(hours=24)
+
+
+@dataclass
+class GcReport:
+    """What a gc removed (or with ``dry_run`` would remove)."""
+
+    removed_checkpoints: list[str] = field(default_factory=list)
+    removed_pending: list[str] = field(default_factory=list)
+    removed_arrays: int = 0
+    freed_bytes: int = 0
+    dry_run: bool = False
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+#: the largest count a policy takes (steps are 64-bit integers in the catalog)
+_MAX_COUNT = 2**63 - 1
+
+
+def _check_count(what: str, value: object, where: str) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not 1 <= value <= _MAX_COUNT):
+        raise ConfigurationError(f"{where}{what} must be an integer from 1 to 2^63-1 or None (no such rule), "
+                                 f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Keep the last ``keep_last`` versions, every step divisible by ``keep_every``, and (``keep_tagged``)
+    every tagged version. A run's newest version is always kept. No rule set: keep everything.
+
+    ``keep_last`` and ``keep_every`` are None or integers >= 1 (0 or a negative count would make gc remove
+    nearly every version), ``keep_tagged`` a bool; anything else is refused, here and when a policy stored
+    in the catalog is read back (:meth:`from_json`)."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_tagged: bool = True
+
+    def __post_init__(self) -> None:
+        _check_count("keep_last", self.keep_last, "retention: ")
+        _check_count("keep_every", self.keep_every, "retention: ")
+        if not isinstance(self.keep_tagged, bool):
+            raise ConfigurationError(f"retention: keep_tagged must be true or false, got {self.keep_tagged!r}")
+
+    @classmethod
+    def from_json(cls, record: dict | None, *, where: str = "stored retention policy") -> "RetentionPolicy":
+        """The policy of a stored record (None: keep everything). A record that is not one (a bad value, an
+        unknown key, not an object) is refused with a CatalogError naming ``where``."""
+        if record is None:
+            return cls()
+        if not isinstance(record, dict):
+            raise CatalogError(f"{where}: expected a JSON object {{keep_last, keep_every, keep_tagged}}, got "
+                               f"{record!r}; set it again with `ucp retention`")
+        unknown = sorted(set(record) - {"keep_last", "keep_every", "keep_tagged"})
+        if unknown:
+            raise CatalogError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} in {record!r}; set it "
+                               "again with `ucp retention`")
+        try:
+            return cls(record.get("keep_last"), record.get("keep_every"), record.get("keep_tagged", True))
+        except ConfigurationError as exc:
+            raise CatalogError(f"{where} {record!r} is refused: {str(exc).removeprefix('retention: ')}; set it "
+                               "again with `ucp retention`") from None
+
+    def to_json(self) -> dict | None:
+        if not self.active:
+            return None
+        return {"keep_last": self.keep_last, "keep_every": self.keep_every, "keep_tagged": self.keep_tagged}
+
+    @property
+    def active(self) -> bool:
+        return self.keep_last is not None or self.keep_every is not None
+
+    def keep(self, versions: Sequence[tuple[str, int]], tagged: Iterable[str] = ()) -> set[str]:
+        """Ids to keep among ``versions`` ((id, step), ascending step)."""
+        if not self.active:
+            return {cid for cid, _ in versions}
+        keep: set[str] = set()
+        if self.keep_last:
+            keep |= {cid for cid, _ in versions[-self.keep_last:]}
+        if self.keep_every:
+            keep |= {cid for cid, st in versions if st % self.keep_every == 0}
+        if self.keep_tagged:
+            keep |= set(tagged)
+        if versions:
+            keep.add(versions[-1][0])  # never remove a run's newest version by policy
+        return keep
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _utcnow() -> _dt.datetime:
+    return _dt.datetime.now(_dt.UTC)
+
+
+def set_retention(store: "Store", run: str, policy: RetentionPolicy) -> dict | None:
+    """Store ``policy`` as the run's retention (an inactive policy clears it); returns its record."""
+    record = policy.to_json()
+    with store.catalog.write_session() as s:
+        row = s.scalar(select(m.Run).where(m.Run.name == run))
+        if row is None:
+            raise ReferenceNotFound(f"run {run!r} not found{store._near(run, store._run_names(s))}")
+        row.retention = record
+    return record
+
+
+def retention_victims(store: "Store", run: str | None = None, override: RetentionPolicy | None = None) -> list[str]:
+    """Committed versions the runs' policies (or ``override``, when active) would remove."""
+    victims: list[str] = []
+    with store.catalog.session() as s:
+        q = select(m.Run)
+        if run is not None:
+            q = q.where(m.Run.name == run)
+        for r in s.scalars(q):
+            policy = override if override is not None and override.active else RetentionPolicy.from_json(
+                r.retention, where=f"run {r.name!r}: stored retention policy")
+            if not policy.active:
+                continue
+            cks = [(cid, st) for cid, st in s.execute(select(m.Checkpoint.id, m.Checkpoint.step).where(
+                m.Checkpoint.run_id == r.id, m.Checkpoint.status == "committed").order_by(m.Checkpoint.step))]
+            tagged = set(s.scalars(select(m.Tag.checkpoint_id).where(m.Tag.run_id == r.id)))
+            keep = policy.keep(cks, tagged)
+            victims += [cid for cid, _ in cks if cid not in keep]
+    return victims
+
+
+def gc(store: "Store", *, run: str | None = None, override: RetentionPolicy | None = None, dry_run: bool = False,
+       pending_timeout: _dt.timedelta = DEFAULT_PENDING_TIMEOUT) -> GcReport:
+    """Apply retention, drop dead pending saves, then delete arrays nothing committed references.
+    ``pending_timeout``: a pending save older than this is dead even if its owner may live (>= 0)."""
+    if not isinstance(pending_timeout, _dt.timedelta) or pending_timeout < _dt.timedelta(0):
+        raise ConfigurationError(f"gc: pending_timeout must be a datetime.timedelta >= 0, got {pending_timeout!r}")
+    report = GcReport(dry_run=dry_run)
+    store.location.check_walkable(ARRAYS_DIR)  # before any row goes: a sweep through a link is refused
+    victims = retention_victims(store, run, override)
+    host = socket.gethostname()
+    now = _utcnow()
+    with store.catalog.write_session() as s:
+        for cid in victims:
+            report.removed_checkpoints.append(cid)
+            if not dry_run:
+                s.execute(update(m.Checkpoint).where(m.Checkpoint.parent_id == cid).values(parent_id=None))
+                s.delete(s.get(m.Checkpoint, cid))
+        dead_runs: set[int] = set()
+        for ck in s.scalars(select(m.Checkpoint).where(m.Checkpoint.status == "pending")):
+            dead = (ck.owner_host == host and not _pid_alive(ck.owner_pid)) or (now - ck.created_at) > pending_timeout
+            if dead:
+                report.removed_pending.append(ck.id)
+                if not dry_run:
+                    dead_runs.add(ck.run_id)
+                    s.delete(ck)
+        if dead_runs:
+            # a run that a dead save's begin() created goes too, as abort() does: nothing of it is left
+            s.flush()
+            for run_id in sorted(dead_runs):
+                row = s.get(m.Run, run_id)
+                if row is not None and row.retention is None and not s.scalar(
+                        select(func.count()).select_from(m.Checkpoint).where(m.Checkpoint.run_id == run_id)) \
+                        and not s.scalar(select(func.count()).select_from(m.Tag).where(m.Tag.run_id == run_id)):
+                    try:
+                        with s.begin_nested():  # a save that began in this run meanwhile keeps it
+                            s.delete(row)
+                    except IntegrityError:
+                        pass
+    if not dry_run:
+        killpoint("gc.after_rows")
+    n, freed = sweep_arrays(store, dry_run=dry_run, also=set(report.removed_pending),
+                            gone=report.removed_checkpoints + report.removed_pending)
+    report.removed_arrays, report.freed_bytes = n, freed
+    return report
+
+
+def sweep_arrays(store: "Store", *, dry_run: bool, also: Iterable[str] = frozenset(),
+                 gone: Iterable[str] = ()) -> tuple[int, int]:
+    """Delete arrays with no referencing tensor/object row and files no row knows about; returns
+    (arrays removed, bytes freed). ``also``: checkpoint ids whose folders go even if still listed.
+    ``gone`` (``dry_run`` only): checkpoints whose rows the run being previewed would delete first; their
+    references do not count, so a dry run counts the arrays the real one removes.
+
+    Bytes freed are the deleted files' sizes on disk in a folder store (with ``dry_run``, what would be
+    deleted); on a bucket, which is not listed with sizes, the arrays rows' ``nbytes`` (files no row knows
+    count 0 there). A link under ``arrays/`` is not the store's data: it is removed itself, never followed."""
+    also = set(also)
+    gone = sorted(set(gone)) if dry_run else []
+    location = store.location
+    removed, freed = 0, 0
+    doomed: list[tuple[str, int]] = []
+    for attempt in range(3):
+        removed, doomed = 0, []
+        try:
+            with store.catalog.write_session() as s:
+                referenced = exists().where(m.Tensor.array_id == m.Array.id)
+                referenced_obj = exists().where(m.StoredObject.array_id == m.Array.id)
+                if gone:
+                    referenced = referenced.where(m.Tensor.checkpoint_id.notin_(gone))
+                    referenced_obj = referenced_obj.where(m.StoredObject.checkpoint_id.notin_(gone))
+                orphans = list(s.scalars(select(m.Array).where(~referenced, ~referenced_obj)))
+                # arrays of live pending saves have no rows yet or are referenced by pending rows: keep them
+                live_pending = set(s.scalars(select(m.Checkpoint.id).where(m.Checkpoint.status == "pending")))
+                live_pending -= set(gone)
+                for a in orphans:
+                    if array_checkpoint(a.path) in live_pending:
+                        continue
+                    removed += 1
+                    doomed.append((a.path, a.nbytes))
+                    if not dry_run:
+                        s.delete(a)
+            break
+        except IntegrityError:
+            # PostgreSQL: a save's rows began referencing an "orphan" meanwhile (the foreign key refused
+            # the delete). Nothing was deleted; look again.
+            if attempt == 2:
+                raise
+    # Files go only once the rows' deletion has committed: a save that references one of these arrays
+    # meanwhile fails on the foreign key (and aborts) instead of committing rows whose files are gone.
+    for path, nbytes in doomed:
+        freed += _remove(location, path, dry_run, default=nbytes)
+    # files without any row (a killed save before its rows were flushed). List the folders first: a
+    # checkpoint row is inserted before its folder exists, so a folder seen here whose row is absent
+    # afterwards belongs to a save that is gone, never to one that just started.
+    folders = location.list_dirs(ARRAYS_DIR)
+    with store.catalog.session() as s:
+        live_ids = set(s.scalars(select(m.Checkpoint.id)))
+        known_paths = set(s.scalars(select(m.Array.path)))
+    for folder in folders:
+        if folder in live_ids and folder not in also:
+            continue
+        if not location.is_dir(checkpoint_dir(folder)):  # a link, a file, a FIFO: the entry itself goes
+            removed += 1
+            freed += _remove(location, checkpoint_dir(folder), dry_run)
+            continue
+        for entry in location.list_dirs(checkpoint_dir(folder)):
+            # an array folder, or a stray entry (never an array of ours) that goes the same way
+            rel = (array_path(folder, entry[:-len(".zarr")]) if entry.endswith(".zarr")
+                   else f"{checkpoint_dir(folder)}/{entry}")
+            if rel in known_paths:
+                continue
+            removed += 1
+            freed += _remove(location, rel, dry_run)
+        if not dry_run:
+            location.remove_empty_dir(checkpoint_dir(folder))
+    return removed, freed
+
+
+def _remove(location, rel: str, dry_run: bool, default: int = 0) -> int:
+    """Delete ``rel`` (``dry_run``: only measure it); the bytes freed (``default`` where sizes are unknown)."""
+    if dry_run:
+        size = location.tree_bytes(rel)
+    else:
+        size = location.delete_tree(rel)
+        killpoint("sweep.mid")
+    return default if size is None else size
