@@ -42,9 +42,9 @@ from ucp_store.demo import ds_train
 
 def optimizer_state(engine) -> dict:
     """Every rank's optimizer state as plain tensors: {"g<i>.<state>": tensor}."""
-    from ucp_store.deepspeed.load import _optimizer_groups
+    from ucp_store.deepspeed.load import optimizer_groups
 
-    _, _, hp_flats, inner = _optimizer_groups(engine)
+    _, _, hp_flats, inner = optimizer_groups(engine)
     out = {}
     for g, hp in enumerate(hp_flats):
         out[f"g{g}.fp32"] = hp.detach().clone()

@@ -470,10 +470,10 @@ def make_engine(job, universal=False):
 
 def _dump_partitions(engine, prefix: str) -> None:
     """This rank's optimizer partitions as DeepSpeed loaded them (see the module docstring's ``dump``)."""
-    from ucp_store.deepspeed.load import _names, _optimizer_groups
+    from ucp_store.deepspeed.load import optimizer_groups, param_names
 
-    _kind, lp_groups, hp_flats, inner = _optimizer_groups(engine)
-    names = _names(engine)
+    _kind, lp_groups, hp_flats, inner = optimizer_groups(engine)
+    names = param_names(engine)
     out: dict = {"groups": [[names[p] for p in group] for group in lp_groups],
                  "fp32": [t.detach().clone() for t in hp_flats]}
     for st in ("exp_avg", "exp_avg_sq"):
