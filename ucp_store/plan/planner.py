@@ -42,7 +42,7 @@ import json
 import math
 import operator
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 from ucp_store import dtype_table
@@ -467,39 +467,145 @@ class _ZeroFragments:
     group_layouts: dict[str, ZeroGroupLayout]
 
 
+@dataclass(frozen=True, slots=True)
+class _StageView:
+    """What pass 1 reads of the topology and of the rank's coordinates, looked up once per plan."""
+
+    topo: Topology
+    stage: int
+    tp: int
+    tp_rank: int
+    ep: int
+    ep_rank: int
+    vocab_multiple: int
+    whole_experts: bool            # ep_over="stage": experts are not TP-split
+    layer_stage: list[int] | None  # stage of every layer, so other stages' layers are skipped before parsing
+    default_names: bool            # no layer_names rule: only placements can rename a tensor
+    flat_states: Collection[str] | None
+    zero_groups: Mapping[str, str] | Callable[[str], str] | None
+
+
+def _stage_view(topo: Topology, coords: Mapping[str, int], flat_states: Collection[str] | None,
+                zero_groups: Mapping[str, str] | Callable[[str], str] | None) -> _StageView:
+    starts = topo.stage_starts
+    layer_stage = ([s for s in range(topo.pp) for _ in range(starts[s], starts[s + 1])] if topo.pp > 1
+                   else None)
+    return _StageView(topo, coords["pp"], topo.tp, coords["tp"], topo.ep, coords["ep"], topo.vocab_multiple,
+                      topo.tp_for(True) != topo.tp, layer_stage, topo.layer_names is None, flat_states, zero_groups)
+
+
+@dataclass(slots=True)
+class _Memos:
+    """Per-plan memos of pass 1, keyed by object identity.
+
+    A catalog hands the four states of a parameter one shared pattern record and shape, and hashing a
+    nested JSON value costs more than the lookup it guards. Each memo value holds its key object, so no id
+    is recycled while the plan is built."""
+
+    by_pattern: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # id(record) -> _pattern_entry(...)
+    by_shape: dict[int, tuple[Any, ...]] = field(default_factory=dict)    # id(shape value) -> (value, tuple)
+    by_chunk: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    chunk_values: dict[tuple[int, ...] | None, tuple[int, ...] | None] = field(default_factory=dict)
+    on_stage: dict[Any, bool] = field(default_factory=dict)
+    flat_kind: dict[str, str | None] = field(default_factory=dict)
+    layouts: dict[tuple[Any, ...], LocalLayout] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _GroupMembers:
+    """ZeRO group membership as pass 1 finds it, in record order."""
+
+    members: dict[str, list[str]] = field(default_factory=dict)  # group -> parameters with a flat state
+    states: dict[str, set[str]] = field(default_factory=dict)    # group -> its flat states
+    group_of: dict[str, str] = field(default_factory=dict)       # parameter -> its group
+    numel: dict[str, int] = field(default_factory=dict)          # parameter -> TP-local numel
+    expert: dict[str, bool] = field(default_factory=dict)
+
+    def join(self, name: str, pattern: Pattern, layout: LocalLayout,
+             zero_groups: Mapping[str, str] | Callable[[str], str] | None) -> str:
+        """Add parameter ``name`` (not yet a member) to its group; refuse a group mixing expert and
+        non-expert parameters."""
+        group = self.group_of[name] = _group_of(name, pattern, zero_groups)
+        expert = is_expert(pattern)
+        members = self.members.get(group)
+        if members is None:
+            members = self.members[group] = []
+            self.states[group] = set()
+        elif self.expert[members[0]] != expert:
+            raise PlanError(f"ZeRO group {group!r} mixes expert ({members[0]!r} or {name!r}) and "
+                            f"non-expert parameters, which are partitioned over different ranks; put them "
+                            f"in separate groups")
+        members.append(name)
+        self.numel[name] = math.prod(layout.shape)
+        self.expert[name] = expert
+        return group
+
+
+def _pattern_of(view: _StageView, memos: _Memos, pattern_rec: Any, name: str) -> tuple[Any, ...]:
+    """``_pattern_entry`` of a pattern record, once per record object."""
+    hit = memos.by_pattern.get(id(pattern_rec))
+    if hit is None:
+        hit = memos.by_pattern[id(pattern_rec)] = _pattern_entry(pattern_rec, name, view.topo, view.stage,
+                                                                 view.layer_stage, memos.on_stage,
+                                                                 view.default_names, view.ep_rank)
+    return hit
+
+
+def _shape_of(memos: _Memos, shape_rec: Any, name: str) -> tuple[int, ...] | None:
+    """The validated shape of a record's shape value, once per value object."""
+    sh = memos.by_shape.get(id(shape_rec))
+    if sh is None:
+        sh = memos.by_shape[id(shape_rec)] = (shape_rec, _shape(shape_rec, name, "shape"))
+    out: tuple[int, ...] | None = sh[1]
+    return out
+
+
+def _chunk_of(memos: _Memos, chunk_rec: Any, name: str) -> tuple[int, ...] | None:
+    """The validated chunk shape of a record, once per value object; equal chunk shapes are one object,
+    since pass 2 keys by id."""
+    if chunk_rec is None:
+        return None
+    ch = memos.by_chunk.get(id(chunk_rec))
+    if ch is None:
+        value = _shape(chunk_rec, name, "chunk_shape")
+        value = memos.chunk_values.setdefault(value, value)
+        ch = memos.by_chunk[id(chunk_rec)] = (chunk_rec, value)
+    out: tuple[int, ...] | None = ch[1]
+    return out
+
+
+def _layout_of(view: _StageView, memos: _Memos, bare: Pattern, shape: tuple[int, ...],
+               chunk: tuple[int, ...] | None, name: str, state: str) -> LocalLayout:
+    """The TP/EP-local layout of a (placement-less pattern, shape), after checking the chunk shape's rank."""
+    if chunk is not None and len(chunk) != len(shape):
+        raise PlanError(f"tensor {name!r} state {state!r}: chunk_shape {list(chunk)} does not match shape "
+                        f"{list(shape)}")
+    lkey = (id(bare), shape)  # the placement-less twin is shared by every layer's pattern
+    layout = memos.layouts.get(lkey)
+    if layout is None:
+        if view.whole_experts and is_expert(bare):  # ep_over="stage": experts are not TP-split
+            tp, tp_rank = 1, 0
+        else:
+            tp, tp_rank = view.tp, view.tp_rank
+        layout = tp_layout(bare, shape, tp, tp_rank, ep=view.ep, ep_rank=view.ep_rank,
+                           vocab_multiple=view.vocab_multiple, name=name)
+        memos.layouts[lkey] = layout
+    return layout
+
+
 def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], flat_states: Collection[str] | None,
             zero_groups: Mapping[str, str] | Callable[[str], str] | None) -> _Selection:
     """Pass 1: the records this stage holds, with their TP/EP-local layouts and ZeRO group membership.
 
     Consecutive records usually share their pattern, shape and chunk objects (the states of one
-    parameter): an identity check then skips every lookup."""
-    stage, tp, tp_rank, ep, ep_rank, vmult = (coords["pp"], topo.tp, coords["tp"], topo.ep, coords["ep"],
-                                              topo.vocab_multiple)
-    whole_experts = topo.tp_for(True) != tp
-    # stage of every layer, so that other stages' layers are skipped before their pattern is parsed
-    starts = topo.stage_starts
-    layer_stage = ([s for s in range(topo.pp) for _ in range(starts[s], starts[s + 1])] if topo.pp > 1
-                   else None)
-    default_names = topo.layer_names is None
-
-    # Per-plan memos keyed by object identity: a catalog hands the four states of a parameter one shared
-    # pattern record and shape, and hashing a nested JSON value costs more than the lookup it guards.
-    # Each memo value holds its key object, so no id is recycled while the plan is built.
-    by_pattern: dict[int, tuple[Any, ...]] = {}  # id(record) -> (record, pattern, held, bare, renamed)
-    by_shape: dict[int, tuple[Any, ...]] = {}    # id(shape value) -> (value, validated tuple)
-    by_chunk: dict[int, tuple[Any, ...]] = {}
-    chunk_values: dict[tuple[int, ...], tuple[int, ...]] = {}
-    on_stage: dict[Any, bool] = {}
-    flat_kind: dict[str, str | None] = {}
-    layouts: dict[tuple[Any, ...], LocalLayout] = {}
-
+    parameter): an identity check then skips every lookup, so the loop below only calls out (``_pattern_of``,
+    ``_shape_of``, ``_chunk_of``, ``_layout_of``, ``_GroupMembers.join``) when one of them changes."""
+    view = _stage_view(topo, coords, flat_states, zero_groups)
+    memos = _Memos()
+    groups = _GroupMembers()
+    flat_kind, group_of, group_states = memos.flat_kind, groups.group_of, groups.states
     entries: list[_Entry] = []
     add_entry = entries.append
-    group_members: dict[str, list[str]] = {}
-    group_states: dict[str, set[str]] = {}
-    member_group: dict[str, str] = {}
-    member_numel: dict[str, int] = {}
-    member_expert: dict[str, bool] = {}
     seen: dict[str, set[str]] = {}
     stored_states: set[str] = set()
     add_state = stored_states.add
@@ -520,11 +626,7 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
             name, state, shape_rec, dtype, pattern_rec, chunk_rec = _fields(rec)
         add_state(state)
         if pattern_rec is not prev_pattern:
-            hit = by_pattern.get(id(pattern_rec))
-            if hit is None:
-                hit = by_pattern[id(pattern_rec)] = _pattern_entry(pattern_rec, name, topo, stage, layer_stage,
-                                                                   on_stage, default_names, ep_rank)
-            _, p, held, bare, renamed = hit
+            _, p, held, bare, renamed = _pattern_of(view, memos, pattern_rec, name)
             prev_pattern, layout = pattern_rec, None
         if not held:
             continue
@@ -536,58 +638,23 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
         if len(names_seen) == n_seen:
             raise PlanError(f"tensor-state ({name!r}, {state!r}) is listed twice")
         if shape_rec is not prev_shape:
-            sh = by_shape.get(id(shape_rec))
-            if sh is None:
-                sh = by_shape[id(shape_rec)] = (shape_rec, _shape(shape_rec, name, "shape"))
-            shape, prev_shape, layout = sh[1], shape_rec, None
+            shape, prev_shape, layout = _shape_of(memos, shape_rec, name), shape_rec, None
         if chunk_rec is not prev_chunk:
-            if chunk_rec is None:
-                chunk = None
-            else:
-                ch = by_chunk.get(id(chunk_rec))
-                if ch is None:
-                    value: Any = _shape(chunk_rec, name, "chunk_shape")
-                    value = chunk_values.setdefault(value, value)  # one object per value: pass 2 keys by id
-                    ch = by_chunk[id(chunk_rec)] = (chunk_rec, value)
-                chunk = ch[1]
-            prev_chunk, layout = chunk_rec, None
+            chunk, prev_chunk, layout = _chunk_of(memos, chunk_rec, name), chunk_rec, None
         if layout is None:  # something changed since the previous record
-            if chunk is not None and len(chunk) != len(shape):
-                raise PlanError(f"tensor {name!r} state {state!r}: chunk_shape {list(chunk)} does not match shape "
-                                f"{list(shape)}")
-            lkey = (id(bare), shape)  # the placement-less twin is shared by every layer's pattern
-            layout = layouts.get(lkey)
-            if layout is None:
-                if whole_experts and is_expert(bare):  # ep_over="stage": experts are not TP-split
-                    layout = tp_layout(bare, shape, 1, 0, ep=ep, ep_rank=ep_rank, vocab_multiple=vmult, name=name)
-                else:
-                    layout = tp_layout(bare, shape, tp, tp_rank, ep=ep, ep_rank=ep_rank, vocab_multiple=vmult,
-                                       name=name)
-                layouts[lkey] = layout
+            layout = _layout_of(view, memos, bare, shape, chunk, name, state)
         if type(dtype) is not str:
             dtype = str(dtype)
         fk: Any = flat_kind.get(state, _UNSET)
         if fk is _UNSET:
             fk = flat_kind[state] = default_flat_kind(topo, state, flat_states)
         if fk == "group":  # ZeRO group membership, in record order
-            group = member_group.get(name)
+            group = group_of.get(name)
             if group is None:
-                group = member_group[name] = _group_of(name, p, zero_groups)
-                expert = is_expert(p)
-                members = group_members.get(group)
-                if members is None:
-                    members = group_members[group] = []
-                    group_states[group] = set()
-                elif member_expert[members[0]] != expert:
-                    raise PlanError(f"ZeRO group {group!r} mixes expert ({members[0]!r} or {name!r}) and "
-                                    f"non-expert parameters, which are partitioned over different ranks; put them "
-                                    f"in separate groups")
-                members.append(name)
-                member_numel[name] = math.prod(layout.shape)
-                member_expert[name] = expert
+                group = groups.join(name, p, layout, zero_groups)
             group_states[group].add(state)
         add_entry((name, state, dtype, shape, chunk, p, layout, fk, renamed))
-    return _Selection(entries, stored_states, group_members, group_states, member_numel, member_expert)
+    return _Selection(entries, stored_states, groups.members, groups.states, groups.numel, groups.expert)
 
 
 def _check_wanted(wanted: frozenset[str] | None, stored_states: set[str]) -> None:
