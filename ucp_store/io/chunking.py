@@ -84,6 +84,130 @@ def split_dims_for_pattern(pattern: Mapping[str, Any] | Pattern | None, ndim: in
     return {d: set(edges) for d, edges in p.split_edges().items() if d < ndim}
 
 
+@dataclass(slots=True)
+class _Grid:
+    """The chunk grid of one tensor-state while ``choose_chunking`` shapes it, phase by phase.
+
+    ``split`` maps each split dim to the edges that must stay chunk edges (a dim may be split with no
+    named edge: its power-of-two splits still count); ``chunk`` is the inner-chunk extent per dim, which
+    each phase grows or cuts in place."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    parsed: Pattern | None
+    split: dict[int, set[int]]
+    chunk: list[int]
+
+    def nbytes(self) -> int:
+        return math.prod(self.chunk) * self.itemsize
+
+
+def _check_target(target_bytes: int) -> None:
+    if not MIN_TARGET <= target_bytes <= MAX_TARGET:
+        raise ValueError(f"chunk target must be between {MIN_TARGET >> 10} KiB and {MAX_TARGET >> 20} MiB, "
+                         f"got {target_bytes} bytes")
+
+
+def _aligned_grid(shape: tuple[int, ...], itemsize: int, pattern: Mapping[str, Any] | Pattern | None,
+                  boundaries: dict[int, Iterable[int]] | None) -> _Grid:
+    """The split dims (the pattern's and those of ``boundaries``), each cut to its 64-way power-of-two
+    unit and to the gcd with its edges; the other dims whole."""
+    parsed = None if not pattern else pattern if isinstance(pattern, Pattern) else parse_pattern(pattern)
+    split = split_dims_for_pattern(parsed, len(shape))
+    for d, edges in (boundaries or {}).items():
+        split.setdefault(int(d), set()).update(int(e) for e in edges)
+    chunk = list(shape)
+    for d, edges in split.items():
+        if d >= len(shape):
+            continue
+        row_bytes = math.prod(shape[:d] + shape[d + 1:]) * itemsize
+        unit = _pow2_unit(shape[d], row_bytes, MIN_CHUNK_BYTES)
+        if isinstance(parsed, Vocab) and d == parsed.dim:
+            # padded TP splits fall on multiples of the padding multiple, not on splits of n
+            unit = min(shape[d], VOCAB_ROW_UNIT)
+        for e in edges:
+            if 0 < e < shape[d]:
+                unit = math.gcd(unit, e)
+        chunk[d] = unit
+    return _Grid(shape, itemsize, parsed, split, chunk)
+
+
+def _grow_to_floor(grid: _Grid, boundaries: dict[int, Iterable[int]] | None) -> None:
+    """Give back factors of two, innermost split dim first, until the chunk reaches ``MIN_CHUNK_BYTES``.
+
+    Several split dims each cut to their 64-way unit can make a chunk tiny (an [E, out, in] expert tensor).
+    The edges named in ``boundaries`` (the writers' box edges) stay chunk edges: a shard is a whole number
+    of chunks, so only then can every shard file lie inside one writer's box (one writer per object)."""
+    shape, chunk = grid.shape, grid.chunk
+    named = {int(d): [int(e) for e in edges if 0 < int(e) < shape[int(d)]] for d, edges in (boundaries or {}).items()
+             if int(d) < len(shape)}
+    grown = True
+    while grown and grid.nbytes() < MIN_CHUNK_BYTES:
+        grown = False
+        for d in sorted(grid.split, reverse=True):
+            if d < len(shape) and chunk[d] * 2 <= shape[d] and shape[d] % (chunk[d] * 2) == 0 and all(
+                    e % (chunk[d] * 2) == 0 for e in named.get(d, ())):
+                chunk[d] *= 2
+                grown = True
+                break
+
+
+def _grow_dtensor_tiles(grid: _Grid, target_bytes: int) -> None:
+    """DTensor patterns, aligned on several dims, get small tiles from the 64-way units: grow them back
+    towards the target, always the dim with the most chunks, keeping every edge of the split (the source
+    split named in ``boundaries``)."""
+    shape, chunk, split = grid.shape, grid.chunk, grid.split
+
+    def can_double(d: int) -> bool:
+        c = chunk[d] * 2
+        return c <= shape[d] and shape[d] % c == 0 and all(e % c == 0 for e in split[d] if 0 < e < shape[d])
+    while grid.nbytes() * 2 <= target_bytes:
+        grow = [d for d in split if d < len(shape) and can_double(d)]
+        if not grow:
+            break
+        d = max(grow, key=lambda i: (shape[i] // chunk[i], -i))
+        chunk[d] *= 2
+
+
+def _apply_units(grid: _Grid, units: dict[int, int]) -> None:
+    """Set the aligned extent of each dim in ``units`` outright; those dims count as split dims."""
+    for d, unit in units.items():
+        grid.split.setdefault(int(d), set())
+        grid.chunk[int(d)] = max(1, min(int(unit), grid.shape[int(d)]))
+
+
+def _cut_to_target(grid: _Grid, target_bytes: int) -> None:
+    """Cut until the chunk fits the target: leading dims first, the last dim last, always by a prime
+    factor so aligned extents keep their boundaries. Whole rows stay in one chunk as long as they fit,
+    so a row read (inspection) or a row-major ZeRO fragment touches few chunks."""
+    chunk = grid.chunk
+    for d in range(len(grid.shape)):
+        while grid.nbytes() > target_bytes and chunk[d] > 1:
+            p = _smallest_prime_factor(chunk[d])
+            # prefer a halving-like cut; a huge prime extent is cut to a ceil-divided size instead
+            if p == chunk[d] and chunk[d] > 64 and d not in grid.split:
+                need = math.ceil(grid.nbytes() / target_bytes)
+                chunk[d] = math.ceil(chunk[d] / need)
+            else:
+                chunk[d] //= p
+        if grid.nbytes() <= target_bytes:
+            break
+
+
+def _shard_shape(shape: tuple[int, ...], chunk: Sequence[int], itemsize: int, shard_target_bytes: int,
+                 ) -> tuple[int, ...]:
+    """Shards: the whole array when small enough, else multiples of the chunk along dim 0 (then 1, ...)."""
+    shard = list(shape)
+    for d in range(len(shape)):
+        if math.prod(shard) * itemsize <= shard_target_bytes:
+            break
+        per_chunk_row = math.prod(shard[:d] + [chunk[d]] + shard[d + 1:]) * itemsize
+        n_chunks = max(1, shard_target_bytes // max(per_chunk_row, 1))
+        shard[d] = min(shape[d], n_chunks * chunk[d])
+    # sharding_indexed needs a shard to be a whole number of inner chunks (the edge shard may overhang)
+    return tuple(math.ceil(s / c) * c for s, c in zip(shard, chunk))
+
+
 def choose_chunking(
     shape: Sequence[int],
     itemsize: int,
@@ -99,91 +223,21 @@ def choose_chunking(
     ``boundaries`` adds logical coordinates per dim that must fall on chunk edges. ``units`` sets the
     aligned extent of a dim outright: the planner's ``chunk_alignment`` for declared source and target
     topologies (it already trades alignment against a minimum chunk size).
+
+    The phases, in order: align the split dims (``_aligned_grid``), grow tiny chunks back to the floor,
+    grow DTensor tiles towards the target, apply ``units``, cut to the target, then group chunks into
+    shards.
     """
-    if not MIN_TARGET <= target_bytes <= MAX_TARGET:
-        raise ValueError(f"chunk target must be between {MIN_TARGET >> 10} KiB and {MAX_TARGET >> 20} MiB, "
-                         f"got {target_bytes} bytes")
+    _check_target(target_bytes)
     shape = tuple(int(s) for s in shape)
     if not shape:
         return Chunking((), ())
     if any(s == 0 for s in shape):
         return Chunking(tuple(max(s, 1) for s in shape), tuple(max(s, 1) for s in shape))
-
-    parsed = None if not pattern else pattern if isinstance(pattern, Pattern) else parse_pattern(pattern)
-    split = split_dims_for_pattern(parsed, len(shape))
-    for d, edges in (boundaries or {}).items():
-        split.setdefault(int(d), set()).update(int(e) for e in edges)
-
-    chunk = list(shape)
-    for d, edges in split.items():
-        if d >= len(shape):
-            continue
-        row_bytes = math.prod(shape[:d] + shape[d + 1:]) * itemsize
-        unit = _pow2_unit(shape[d], row_bytes, MIN_CHUNK_BYTES)
-        if isinstance(parsed, Vocab) and d == parsed.dim:
-            # padded TP splits fall on multiples of the padding multiple, not on splits of n
-            unit = min(shape[d], VOCAB_ROW_UNIT)
-        for e in edges:
-            if 0 < e < shape[d]:
-                unit = math.gcd(unit, e)
-        chunk[d] = unit
-    # Several split dims each cut to their 64-way unit can make a chunk tiny (an [E, out, in] expert
-    # tensor): give back factors of two, innermost split dim first, until the chunk reaches the floor.
-    # The edges named in ``boundaries`` (the writers' box edges) stay chunk edges: a shard is a whole number
-    # of chunks, so only then can every shard file lie inside one writer's box (one writer per object).
-    named = {int(d): [int(e) for e in edges if 0 < int(e) < shape[int(d)]] for d, edges in (boundaries or {}).items()
-             if int(d) < len(shape)}
-    grown = True
-    while grown and math.prod(chunk) * itemsize < MIN_CHUNK_BYTES:
-        grown = False
-        for d in sorted(split, reverse=True):
-            if d < len(shape) and chunk[d] * 2 <= shape[d] and shape[d] % (chunk[d] * 2) == 0 and all(
-                    e % (chunk[d] * 2) == 0 for e in named.get(d, ())):
-                chunk[d] *= 2
-                grown = True
-                break
-    if parsed is not None and parsed.kind == "dtensor":
-        # Aligned on several dims, the 64-way units make small tiles; grow them back towards the target,
-        # always the dim with the most chunks, keeping every edge named in ``boundaries`` (the source split).
-        def can_double(d: int) -> bool:
-            c = chunk[d] * 2
-            return c <= shape[d] and shape[d] % c == 0 and all(e % c == 0 for e in split[d] if 0 < e < shape[d])
-        while math.prod(chunk) * itemsize * 2 <= target_bytes:
-            grow = [d for d in split if d < len(shape) and can_double(d)]
-            if not grow:
-                break
-            d = max(grow, key=lambda i: (shape[i] // chunk[i], -i))
-            chunk[d] *= 2
-    for d, unit in (units or {}).items():
-        split.setdefault(int(d), set())
-        chunk[int(d)] = max(1, min(int(unit), shape[int(d)]))
-
-    # Cut until the chunk fits the target: leading dims first, the last dim last, always by a prime
-    # factor so aligned extents keep their boundaries. Whole rows stay in one chunk as long as they
-    # fit, so a row read (inspection) or a row-major ZeRO fragment touches few chunks.
-    order = list(range(len(shape)))
-    def nbytes() -> int:
-        return math.prod(chunk) * itemsize
-    for d in order:
-        while nbytes() > target_bytes and chunk[d] > 1:
-            p = _smallest_prime_factor(chunk[d])
-            # prefer a halving-like cut; a huge prime extent is cut to a ceil-divided size instead
-            if p == chunk[d] and chunk[d] > 64 and d not in split:
-                need = math.ceil(nbytes() / target_bytes)
-                chunk[d] = math.ceil(chunk[d] / need)
-            else:
-                chunk[d] //= p
-        if nbytes() <= target_bytes:
-            break
-
-    # Shards: whole array when small enough, else multiples of the chunk along dim 0 (then 1, ...).
-    shard = list(shape)
-    for d in range(len(shape)):
-        if math.prod(shard) * itemsize <= shard_target_bytes:
-            break
-        per_chunk_row = math.prod(shard[:d] + [chunk[d]] + shard[d + 1:]) * itemsize
-        n_chunks = max(1, shard_target_bytes // max(per_chunk_row, 1))
-        shard[d] = min(shape[d], n_chunks * chunk[d])
-    # sharding_indexed needs a shard to be a whole number of inner chunks (the edge shard may overhang)
-    shard = [math.ceil(s / c) * c for s, c in zip(shard, chunk)]
-    return Chunking(tuple(chunk), tuple(shard))
+    grid = _aligned_grid(shape, itemsize, pattern, boundaries)
+    _grow_to_floor(grid, boundaries)
+    if grid.parsed is not None and grid.parsed.kind == "dtensor":
+        _grow_dtensor_tiles(grid, target_bytes)
+    _apply_units(grid, units or {})
+    _cut_to_target(grid, target_bytes)
+    return Chunking(tuple(grid.chunk), _shard_shape(shape, grid.chunk, itemsize, shard_target_bytes))
