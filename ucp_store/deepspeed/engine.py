@@ -43,9 +43,9 @@ At TP > 1 (or with ``universal_checkpoint_info`` patterns) every parameter follo
 - every other one (TP-replicated norms and row-parallel biases, ``parameter_to_average_patterns``, fused
   sub-parameters, vocabularies, affine maps): its fragments go point to point (bytes, the save's gloo group,
   bounded timeout) to the first rank of its pipeline stage, which runs the importer's own merge
-  (``DeepSpeedReader._finish`` via ``ds_write._Merger``): one copy when the replicas are equal, a refusal when a
-  parameter listed as replicated drifted, the element-wise mean with the ``averaged`` pattern and its max
-  deviation for averaged ones; and writes the result whole;
+  (``DeepSpeedReader.merge_param``, in :mod:`ucp_store.deepspeed.write_tp`): one copy when the replicas are
+  equal, a refusal when a parameter listed as replicated drifted, the element-wise mean with the ``averaged``
+  pattern and its max deviation for averaged ones; and writes the result whole;
 - frozen parameters and buffers: every TP rank's copy (from DP rank 0) goes to the same rank, merged by the
   importer's ``_weight_records``.
 
@@ -74,6 +74,7 @@ listed only once durable: a crash before then lists nothing, as a crash mid-save
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as _dt
 import os
 import threading
@@ -92,6 +93,7 @@ import ucp_store.plan.planner
 import ucp_store.registry.checkpoint
 import ucp_store.save.writer
 import ucp_store.store  # noqa: F401
+from ucp_store.deepspeed.write_plan import RankSnapshot, SaveTarget
 from ucp_store.errors import ConfigurationError, UcpError
 
 __all__ = ["ENGINE_NAME", "UcpCheckpointEngine", "attach", "detach", "engine_topology"]
@@ -369,27 +371,27 @@ class UcpCheckpointEngine(_Base):
     def commit(self, info) -> bool:
         """Write this rank's share and commit (all ranks together); in background mode, start that."""
         staged, self._staged = self._staged, {}
-        meta = self._snapshot(staged)
+        snap = self._snapshot()
         self.stats["staged_s"] = time.perf_counter() - self._t0
         if self.background:
             self._error = None
             self._released.clear()
-            versions = tensor_versions((staged, meta["lp"]))  # the guard's reference: the state at the call
-            self._thread = threading.Thread(target=self._run_bg, args=(staged, meta, versions), name="ucp-ds-save",
+            versions = tensor_versions((staged, snap.lp))  # the guard's reference: the state at the call
+            self._thread = threading.Thread(target=self._run_bg, args=(staged, snap, versions), name="ucp-ds-save",
                                             daemon=True)
             self._thread.start()
         elif self.durability == "background":
-            # every byte is written (page cache) and the ranks agreed when _write returns; the live state is not
-            # read after that, so training goes on while a thread makes it durable and commits (a collective on
-            # the engine's private gloo group: the next save's create() joins it first)
+            # every byte is written (page cache) and the ranks agreed when _write_share returns; the live state is
+            # not read after that, so training goes on while a thread makes it durable and commits (a collective
+            # on the engine's private gloo group: the next save's create() joins it first)
             self._error = None
             self.last_id = None
-            finish = self._write(staged, meta, defer_commit=True)
+            finish = self._write_share(staged, snap)
             self.stats["returned_s"] = time.perf_counter() - self._t0
             self._thread = threading.Thread(target=self._run_finish, args=(finish,), name="ucp-ds-commit", daemon=True)
             self._thread.start()
         else:
-            self.last_id = self._write(staged, meta)
+            self.last_id = self._write(staged, snap)
         return True
 
     def is_data_parallel_writer(self, dp_rank) -> bool:
@@ -405,7 +407,7 @@ class UcpCheckpointEngine(_Base):
         self.wait()
 
     # --- background mode --------------------------------------------------------------------------
-    def _run_bg(self, staged, meta, versions=None) -> None:
+    def _run_bg(self, staged: dict[str, Any], snap: RankSnapshot, versions=None) -> None:
         """Stage every tensor into the reusable host buffers (the optimizer's next step waits for this,
         ``wait_staged``; each tensor version-checked before and after its copy), release the live state, agree
         with the other ranks that every snapshot is sound, then write from the staged copies at a lower
@@ -416,8 +418,8 @@ class UcpCheckpointEngine(_Base):
                 if self._before_stage is not None:
                     self._before_stage()
                 t0 = time.perf_counter()
-                staged, lp = self._stager.stage((staged, meta["lp"]), versions)
-                meta = {**meta, "lp": lp}
+                staged, lp = self._stager.stage((staged, snap.lp), versions)
+                snap = dataclasses.replace(snap, lp=lp)
                 self.stats["stage_copy_s"] = time.perf_counter() - t0
                 self.stats["staged_bytes"] = self._stager.bytes
             except BaseException as exc:  # noqa: BLE001 - every rank must learn of it before the write begins
@@ -428,7 +430,7 @@ class UcpCheckpointEngine(_Base):
             from ucp_store.distributed.snapshot import lower_writer_priority
 
             lower_writer_priority(self.writer_nice)
-            self.last_id = self._write(staged, meta)
+            self.last_id = self._write(staged, snap)
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             self._error = exc
 
@@ -478,7 +480,8 @@ class UcpCheckpointEngine(_Base):
         return self.last_id
 
     # --- what the save needs from the live engine (taken in the training thread) --------------------
-    def _snapshot(self, staged) -> dict:
+    def _snapshot(self) -> RankSnapshot:
+        """This rank's coordinates, the topology, the low-precision weights, step, RNG and client state."""
         eng = self.engine
         rank, stage, dp_rank = _coords(eng)
         topo = engine_topology(eng)
@@ -493,17 +496,28 @@ class UcpCheckpointEngine(_Base):
 
         # this rank's client state (JSON form, taken now): per-rank keys are recorded per rank (ds_perrank)
         client = sp.to_jsonable(getattr(self, "_client_state", None) or {}, notes=[], where="client_state")
-        return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "tp_rank": tp_coord(eng), "topo": topo, "lp": lp,
-                "step": step, "rng": rng, "client": client}
+        return RankSnapshot(rank=rank, stage=stage, dp_rank=dp_rank, tp_rank=tp_coord(eng), topo=topo, lp=lp, step=step,
+                            rng=rng, client=client)
 
     # --- the write --------------------------------------------------------------------------------
-    def _write(self, staged: dict, meta: dict, defer_commit: bool = False):
-        from ucp_store.deepspeed.write import write_rank_share
+    def _target(self) -> SaveTarget:
+        """Where this save goes and how it reports (the settings now, the hook a test may have set)."""
+        return SaveTarget(store=self.store, run=self.run, group=self.group, tag=self._tag, message=self.message,
+                          progress=self.progress, stats=self.stats, on_write=self._on_write)
 
+    def _write(self, staged: dict[str, Any], snap: RankSnapshot) -> str:
+        """Write this rank's share and commit it with the other ranks; returns the version id."""
         t0 = time.perf_counter()
-        cid = write_rank_share(self, staged, meta, defer_commit=defer_commit)
+        cid = ucp_store.deepspeed.write.write_rank_share(self._target(), staged, snap)()
         self.stats["write_s"] = time.perf_counter() - t0
         return cid
+
+    def _write_share(self, staged: dict[str, Any], snap: RankSnapshot) -> ucp_store.deepspeed.write.PendingCommit:
+        """Write this rank's share and agree on it; returns the commit still to run (``durability="background"``)."""
+        t0 = time.perf_counter()
+        commit = ucp_store.deepspeed.write.write_rank_share(self._target(), staged, snap)
+        self.stats["write_s"] = time.perf_counter() - t0
+        return commit
 
 
 def attach(engine, store, run: str, *, background: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,

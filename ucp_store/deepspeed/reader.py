@@ -524,12 +524,15 @@ class DeepSpeedReader(DeepSpeedTagFolder):
                                         f"{want} elements: a DP rank file is missing or from another save")
             for k, fs in frags.items():
                 per_state.setdefault(k, []).append(torch.cat(fs).reshape(spec["shapes"][tp]))
-        rec = self._finish(name, spec, per_state, steps, used)
+        rec = self.merge_param(name, spec, per_state, steps, used)
         for t, s, n in used:
             release_pages(t, s, n)
         return rec
 
-    def _finish(self, name, spec, per_state, steps, used=None) -> ParamRecord:
+    def merge_param(self, name, spec, per_state, steps, used=None) -> ParamRecord:
+        """One optimizer-owned parameter from its TP slices (``per_state``: state -> slice per TP rank) and the
+        optimizer steps of its files (``steps``): the TP rule, the merge, the pattern, the low-precision weight
+        check. Public: the direct engine runs it over slices gathered from the ranks (``deepspeed.write_tp``)."""
         rule = self.info.rule(name)
         fp32_slices = per_state.get("fp32")
         if fp32_slices and rule.kind != "affine" and not self.info.has_patterns and len(fp32_slices) > 1:
@@ -665,7 +668,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
                                   kind="param", shape=tuple(spec["shapes"][0]), group=sg, stage=0,
                                   meta={"raw": True}, step_type=step_type)
             else:
-                rec = self._finish(name, spec, per_state, steps)
+                rec = self.merge_param(name, spec, per_state, steps)
             for t, s, n in used:
                 release_pages(t, s, n)
             yield rec

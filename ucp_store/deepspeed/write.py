@@ -6,33 +6,48 @@ layer dicts) into ``write_shard`` calls on the logical arrays, with the file imp
 patterns, positions and objects, so that the version equals ``ucp import deepspeed`` of the files.
 
 Ranks exchange metadata only (parameter names, shapes, fragment addresses: one ``all_gather_object``),
-never tensors. Order of a save: begin/join, write every fragment, agree that all succeeded, store the
-low-precision weights that are not the fp32 master cast down (rare), rank 0 writes the objects, commit.
+never tensors. A save runs in phases that hand each other the records of :mod:`ucp_store.deepspeed.write_plan`:
+
+1. *stage*: the staged state dicts sorted by file (:class:`StagedFiles`), this rank's :class:`RankPart`;
+2. *plan*: every rank's part (one all_gather), the global :class:`SavePlan` (and at TP > 1 its ``TPPlan``);
+3. *begin*: the writer (all ranks join one pending checkpoint);
+4. *write*: every fragment this rank holds (:class:`_ShareWriter`, its findings a :class:`ShareResult`);
+5. *agree*: one all_gather of every rank's :class:`RankReport` (outcome, metadata, chunk digests);
+6. *objects*: the low-precision weights that are not the fp32 master cast down (rare), rank 0's objects;
+7. *commit*: durable, then committed (:class:`PendingCommit`, which the caller may run later, on a thread).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import time
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ucp_store import safe_pickle as sp
-from ucp_store.deepspeed.files import LAYER_RE, MODEL_RE, OPTIM_RE, SHARDED_KEYS, UCI, ZERO3_MODEL_RE
-from ucp_store.deepspeed.merge import UniversalInfo
-from ucp_store.deepspeed.merge import with_placement as _with_placement
+from ucp_store.deepspeed.files import SHARDED_KEYS, UCI
+from ucp_store.deepspeed.merge import UniversalInfo, with_placement
 from ucp_store.deepspeed.reader import DeepSpeedReader, _lp_dtype, _step_value
-from ucp_store.errors import ConfigurationError, SourceFormatError, UcpError
+from ucp_store.deepspeed.write_plan import (
+    FrozenSpec,
+    ParamSpec,
+    RankPart,
+    RankReport,
+    RankSnapshot,
+    SavePlan,
+    SaveTarget,
+    ShareResult,
+    StagedFiles,
+    numel,
+)
+from ucp_store.deepspeed.write_tp import TPPlan
+from ucp_store.errors import SourceFormatError, UcpError
 from ucp_store.patterns import Fragment
 from ucp_store.topology import Topology
 
-__all__ = ["write_rank_share"]
-
-
-def _numel(shape) -> int:
-    return int(math.prod(int(x) for x in shape))
+__all__ = ["PendingCommit", "write_rank_share"]
 
 
 class _MemReader(DeepSpeedReader):
@@ -95,694 +110,467 @@ def _file_record(sd: dict, fname: str, notes: list) -> dict:
     return rec
 
 
-def _flat_states(osd: dict, g: int, where: str) -> tuple[dict[str, torch.Tensor], Any]:
-    fp32 = osd["single_partition_of_fp32_groups"]
-    bos = osd["base_optimizer_state"]
-    st: dict[Any, Any]
-    if isinstance(bos, dict) and "state" in bos:
-        states = bos["state"]
-        st = (states[g] if g in states else states.get(str(g), {})) if isinstance(states, dict) else states[g]
-    elif isinstance(bos, list):
-        st = bos[g] if g < len(bos) else {}
-    else:
-        raise SourceFormatError(f"{where}: base_optimizer_state has an unknown form")
-    flat = {"fp32": fp32[g]}
-    for k, v in st.items():
-        if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 1:
-            flat[k] = v
-    return flat, st.get("step", osd.get("base_optimizer_state_step"))
+def write_rank_share(target: SaveTarget, staged: dict[str, Any], snap: RankSnapshot) -> PendingCommit:
+    """Write this rank's share of one ``save_checkpoint`` and agree on it with the other ranks; returns the
+    commit still to run (a collective: every rank calls it, at once or later on any thread, and gets the id).
 
-
-def _classify(staged: dict) -> tuple[str | None, dict | None, str, dict, dict[int, dict], list[str]]:
-    model_name: str | None = None
-    model_sd: dict | None = None
-    optim_name: str | None = None
-    optim_sd: dict | None = None
-    layers: dict[int, dict] = {}
-    for name, sd in staged.items():
-        if MODEL_RE.match(name) or ZERO3_MODEL_RE.match(name):
-            model_name, model_sd = name, sd
-        elif OPTIM_RE.match(name):
-            optim_name, optim_sd = name, sd
-        elif m := LAYER_RE.match(name):
-            layers[int(m.group(1))] = sd
-        else:
-            raise SourceFormatError(f"DeepSpeed handed the ucp engine a file {name!r} it does not know (expected "
-                                    "model, optimizer or pipeline layer states); MoE saves are not supported")
-    if optim_sd is None or optim_name is None:
-        raise ConfigurationError("save_checkpoint produced no ZeRO optimizer state on this rank: the ucp engine "
-                                 "needs a ZeRO (stage 1-3) or bf16 optimizer")
-    return model_name, model_sd, optim_name, optim_sd, layers, sorted(n for n in staged if LAYER_RE.match(n))
-
-
-def write_rank_share(ce, staged: dict, meta: dict, *, defer_commit: bool = False):
-    """Write this rank's share of one ``save_checkpoint`` and commit it with the other ranks; returns the id.
-
-    ``defer_commit=True``: return once every byte of the save is written (in the page cache) and the ranks
-    agreed on it, with a function that makes it durable and commits it (a collective: every rank calls it,
-    on any thread); the live engine state is no longer read by then."""
-    import torch.distributed as dist
-
-    from ucp_store.distributed.commit import distributed_begin, distributed_commit
-    from ucp_store.progress import track
-
+    When this returns, every byte of the save is written (in the page cache) and the ranks agreed on it; the
+    live engine state (``staged``, ``snap.lp``) is not read after that."""
     t0 = time.time()
-    tp0 = time.perf_counter()  # every phase in ce.stats is seconds since here (cumulative)
-    group = ce.group
-    multi = group is not None
-    world = dist.get_world_size(group) if multi else 1
-    topo_kw = dict(meta["topo"])
-    topo = Topology(**topo_kw)
-    zero = topo.zero_stage
-    rank, stage, dp_rank = meta["rank"], meta["stage"], meta["dp_rank"]
-    model_name, model_sd, optim_name, optim_sd, layers, layer_names = _classify(staged)
-    osd = optim_sd["optimizer_state_dict"]
-    # _classify only returns an optimizer file name that OPTIM_RE matched
-    prefix = cast(re.Match[str], OPTIM_RE.match(optim_name)).group(1) or ""
-    local = {
-        "rank": rank, "stage": stage, "dp": dp_rank, "optim_file": optim_name, "layer_files": layer_names,
-        "model_file": model_name,
-        "param_shapes": None if model_sd is None else [[(n, tuple(int(x) for x in s)) for n, s in g.items()]
-                                                      for g in (model_sd.get("param_shapes") or [])],
-        "frozen_shapes": None if model_sd is None else [(n, tuple(int(x) for x in s)) for n, s in
-                                                        (model_sd.get("frozen_param_shapes") or {}).items()],
-        "buffers": None if model_sd is None else list(model_sd.get("buffer_names") or []),
-        "uci": model_sd is not None and bool(UniversalInfo(model_sd.get(UCI) if isinstance(model_sd.get(UCI), dict)
-                                                           else None, 1).has_patterns),
-        "mappings": None if zero >= 3 else [{n: (int(a.start), int(a.numel)) for n, a in g.items()}
-                                            for g in osd["param_slice_mappings"]],
-        **_tp_local(meta, model_sd, osd, optim_name, zero),
-    }
-    if dp_rank == 0 and zero < 3:  # the whole weights this rank would send at TP > 1 (frozen parameters, buffers)
-        owned = {n for g in (local["param_shapes"] or []) for n, _ in g}
-        local["weights"] = [(n, str(t.dtype).replace("torch.", ""), tuple(int(x) for x in t.shape))
-                            for n, t in _module_of(model_sd, layers).items() if n not in owned]
-    parts: list[Any] = [None] * world
-    if multi:
-        dist.all_gather_object(parts, local, group=group)
-    else:
-        parts = [local]
-    tp_rank = int(meta.get("tp_rank", 0))
-    tpx = _TPPlan(parts, topo) if topo.tp > 1 or any(p["uci"] for p in parts) else None
-    # ---------------------------------------------------------------- the global plan (the importer's _plan)
-    by_stage: dict[int, dict[str, Any]] = {}
-    for p in sorted(parts, key=lambda p: (p["stage"], p.get("tp", 0), p["dp"])):
-        if p["param_shapes"] is not None:
-            by_stage.setdefault(p["stage"], p)
-    if sorted(by_stage) != list(range(topo.pp)):
-        raise UcpError(f"no model states for pipeline stages {sorted(set(range(topo.pp)) - set(by_stage))}")
-    params: list[dict] = []
-    seen: dict[str, int] = {}
-    stages_of: dict[str, list[int]] = {}
-    for pp in range(topo.pp):
-        for g, group_shapes in enumerate(by_stage[pp]["param_shapes"]):
-            for name, shape in group_shapes:
-                stages_of.setdefault(name, []).append(pp)
-                if name in seen:
-                    continue
-                seen[name] = len(params)
-                params.append({"name": name, "stage": pp, "group": g, "shape": shape})
-    frozen: dict[str, dict] = {}
-    buffers: list[str] = []
-    for pp in range(topo.pp):
-        for name, shape in by_stage[pp]["frozen_shapes"]:
-            if name not in frozen and name not in seen:
-                frozen[name] = {"stage": pp, "shape": shape}
-        for b in by_stage[pp]["buffers"]:
-            if b not in buffers:
-                buffers.append(b)
-    piped = bool(topo.layers) or any(p["layer_files"] for p in parts)
-    if tpx is not None:
-        tpx.plan(params, frozen, buffers, stages_of, piped)
-    everything = list(dict.fromkeys([p["name"] for p in params] + list(frozen) + buffers))
-    position = {n: i for i, n in enumerate(everything)}
-
-    def placement(name: str) -> dict | None:
-        st = sorted(set(stages_of.get(name, [])))
-        if topo.pp > 1 and len(st) > 1:
-            labels = (["first"] if 0 in st else []) + (["last"] if topo.pp - 1 in st else [])
-            return {"stages": labels} if labels else None
-        if piped:
-            m = re.match(r"^(\d+)\.", name)
-            if m:
-                return {"layer": int(m.group(1))}
-        return None
-
-    # ---------------------------------------------------------------- begin
-    ds_version = None if model_sd is None else model_sd.get("ds_version")
-    prov = {"source_kind": "deepspeed", "source_path": f"ucp-engine:{ce._tag or ''}",
-            "source_topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero},
-            "library_versions": {"deepspeed": str(ds_version or "")},
-            "extra": {"zero_stage": zero, "direct": True, "ranks": world, "tag": ce._tag}}
-    msg = ce.message or f"DeepSpeed save_checkpoint (tag {ce._tag}) through the ucp engine"
-    step = int(meta["step"])
-    stats = ce.stats
-    stats["gather_s"] = time.perf_counter() - tp0
-    writer = (distributed_begin(ce.store, ce.run, step, group=group, parent="auto", message=msg, provenance=prov)
-              if multi else ce.store.begin(ce.run, step, parent="auto", message=msg, provenance=prov))
-    # no fsync per file: every rank makes all it wrote durable in one parallel pass (flush, before agreeing)
-    writer.defer_durability()
-    stats["begin_s"] = time.perf_counter() - tp0
-    metas: dict[str, Any] = {}
-    steps: dict[str, str] = {}
-    kinds: dict[str, str] = {}
-    lp_differs: list[str] = []
-    hook = getattr(ce, "_on_write", None)
-    error: BaseException | None = None
-    show = ce.progress and rank == 0
-
-    pending: list[tuple] = []
-    lp_checks: list[tuple] = []  # (name, flat fp32, start, n, low-precision weight, k): compared after submitting
-
-    def check_lp() -> None:
-        """The importer's lp_weights="auto": a low-precision weight that is not the fp32 master cast down is
-        stored too. Runs while the array writes are in flight."""
-        for name, fp32, start, n, lp, k in lp_checks:
-            mine_fp32 = fp32.narrow(0, start, n).detach().cpu()
-            lp_flat = lp.detach().reshape(-1).narrow(0, k, n).cpu()
-            if not torch.equal(mine_fp32.to(lp_flat.dtype), lp_flat):
-                lp_differs.append(name)
-        lp_checks.clear()
-
-    def shard(name, state, local_t, shape, pattern, frag, pos):
-        pending.append((name, state, local_t, shape, pattern, frag, pos))
-
-    def write_pending() -> None:
-        """Open every array of this rank's shards at once (``open_shards``), then write them."""
-        writer.open_shards([(name, state, shape, t.dtype, pattern) for name, state, t, shape, pattern, _, _ in pending],
-                           topology=topo)
-        stats["opened_s"] = time.perf_counter() - tp0
-        for name, state, local_t, shape, pattern, frag, pos in pending:
-            writer.write_shard(name, state, local_t.detach().cpu(), shape=shape, pattern=pattern, topology=topo,
-                               rank=rank, fragment=frag, position=pos, digest=True)
-            if hook is not None:
-                hook(name, state)
-        pending.clear()
-
-    def phase1() -> None:
-        mine = [p for p in params if p["stage"] == stage]
-        if tpx is not None:  # TP > 1 or universal_checkpoint_info patterns: merged by the importer's rules
-            tpx.gather_merge_write(ce, writer, osd, optim_name, meta, rank, stage, dp_rank, tp_rank, position,
-                                   metas, steps, kinds)
-            mine = [p for p in mine if p["name"] in tpx.direct]
-        if zero < 3:
-            before = [p for p in parts if p["stage"] == stage and p["dp"] < dp_rank and p.get("tp", 0) == tp_rank]
-            for spec in track(mine, f"save {ce.run}@{step}", enabled=show):
-                name, g, shape = spec["name"], spec["group"], spec["shape"]
-                maps = osd["param_slice_mappings"]
-                addr = maps[g].get(name) if g < len(maps) else None
-                kinds[name] = "param"
-                metas[name] = {"cat_dim": 0} if tpx is None else tpx.direct[name][1]
-                if addr is None:
-                    continue
-                start, n = int(addr.start), int(addr.numel)
-                k = sum(q["mappings"][g].get(name, (0, 0))[1] for q in before if g < len(q["mappings"]))
-                flat, st = _flat_states(osd, g, optim_name)
-                frag = Fragment(k, k + n, start, n)
-                pattern = _with_placement(None if tpx is None else tpx.direct[name][0], placement(name))
-                base = position[name] * 16
-                for j, (state, t) in enumerate(flat.items()):
-                    if start + n > t.numel():
-                        raise SourceFormatError(f"{optim_name}: fragment of {name!r} [{start}, {start + n}) lies "
-                                                f"outside the flat {state} partition ({t.numel()} elements)")
-                    shard(name, state, t.narrow(0, start, n), shape, pattern, frag, base + j)
-                step_t, typ = _step_value(st)
-                if typ is not None:
-                    steps[name] = typ
-                    if k == 0 and tp_rank == 0:
-                        writer.write(name, "step", step_t.cpu(), pattern=_with_placement(None, placement(name)),
-                                     position=base + len(flat))
-                lp = meta["lp"].get(name)
-                if lp is not None:
-                    lp_checks.append((name, flat["fp32"], start, n, lp, k))
-        else:
-            inner = osd["optimizer_state_dict"].get("state", {})
-            sg_offsets: dict[tuple[int, str], int] = {}
-            for sg, group_shapes in enumerate(by_stage[stage]["param_shapes"]):
-                off = 0
-                for name, shape in group_shapes:
-                    sg_offsets[(sg, name)] = off
-                    off += math.ceil(_numel(shape) / topo.dp)
-            for spec in track(mine, f"save {ce.run}@{step}", enabled=show):
-                name, sg, shape = spec["name"], spec["group"], spec["shape"]
-                n = _numel(shape)
-                part = math.ceil(n / topo.dp)
-                off = sg_offsets[(sg, name)]
-                st = inner.get(sg, inner.get(str(sg), {}))
-                flat = {"fp32": osd["fp32_flat_groups"][sg]}
-                for key, v in st.items():
-                    if key != "step" and isinstance(v, torch.Tensor) and v.dim() == 1:
-                        flat[key] = v
-                lo, hi = min(dp_rank * part, n), min((dp_rank + 1) * part, n)
-                frag = Fragment(lo, hi, off, part)
-                pattern = _with_placement(None, placement(name))
-                base = position[name] * 16
-                kinds[name] = "param"
-                metas[name] = {"raw": True}
-                for j, (state, t) in enumerate(flat.items()):
-                    if off + part > t.numel():
-                        raise SourceFormatError(f"{optim_name}: {name!r} partition [{off}, {off + part}) outside "
-                                                f"sub-group {sg} ({t.numel()} elements)")
-                    shard(name, state, t.narrow(0, off, part), shape, pattern, frag, base + j)
-                step_t, typ = _step_value(st.get("step"))
-                if typ is not None:
-                    steps[name] = typ
-                    if lo == 0:
-                        writer.write(name, "step", step_t.cpu(), pattern=pattern, position=base + len(flat))
-            # frozen parameters: every rank its partition
-            frs = (model_sd or {}).get("frozen_param_fragments") or {}
-            for name, info in frozen.items():
-                if info["stage"] != stage:
-                    continue
-                fr = frs.get(name)
-                if fr is None:
-                    raise SourceFormatError(f"{model_name}: no frozen_param_fragments entry for frozen parameter "
-                                            f"{name!r}")
-                n = _numel(info["shape"])
-                part = math.ceil(n / topo.dp)
-                lo, hi = min(dp_rank * part, n), min((dp_rank + 1) * part, n)
-                kinds[name] = "frozen"
-                if hi > lo:
-                    shard(name, "weight", fr.reshape(-1).narrow(0, 0, hi - lo), info["shape"],
-                          _with_placement(None, placement(name)), Fragment(lo, hi, 0, hi - lo), position[name] * 16)
-        write_pending()
-        check_lp()
-        # whole weights (frozen parameters of ZeRO-1/2, buffers) from DP rank 0 of each stage
-        if tpx is not None:  # at TP > 1 merged over the TP ranks by the importer's rules
-            tpx.gather_weights(ce, writer, _module_of(model_sd, layers) if dp_rank == 0 else {}, rank, stage,
-                               position, kinds)
-        elif dp_rank == 0:
-            entries = _module_of(model_sd, layers)
-            for name, t in entries.items():
-                if name in seen or name in kinds or (zero >= 3 and name in frozen) or t.numel() == 0:
-                    continue
-                kinds[name] = "buffer" if name in buffers else "frozen"
-                writer.write(name, "weight", t.detach().cpu(), pattern=_with_placement(None, placement(name)),
-                             position=position.get(name, len(position)) * 16)
-
-    t_phase = tp0
-    try:
-        phase1()
-        stats["submit_s"] = time.perf_counter() - t_phase
-        writer._drain()  # every array write of this rank has returned (its bytes are in the page cache)
-        stats["writes_s"] = time.perf_counter() - t_phase
-    except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
-        error = exc
+    tp0 = time.perf_counter()  # every phase in target.stats is seconds since here (cumulative)
+    topo = Topology(**dict(snap.topo))
+    files = StagedFiles.classify(staged)
+    plan = _plan(_exchange(target.group, _local_part(snap, files, topo.zero_stage)), topo)
+    writer = _begin(target, snap, files, plan, tp0)
+    share = _ShareWriter(target, writer, plan, files, snap, tp0)
+    error = share.run()
+    multi = target.group is not None
     if error is not None and not multi:
         writer.abort()
         raise error
     # the fsync pass over all of it runs on a thread from here, beside the agreement, weights and objects
     syncing = writer.make_durable_async() if error is None else None
-    # ---------------------------------------------------------------- phase 2: agree, weights, objects
-    # one all_gather both agrees that every rank's writes returned (the barrier the origin ranks' hashing
-    # needs) and brings every rank's metadata and chunk digests
-    per_file = {}
-    if model_sd is not None and model_name is not None:  # _classify sets both or neither
-        per_file[model_name] = _file_record(model_sd, model_name, [])
-    info = {"metas": metas, "steps": steps, "kinds": kinds, "lp_differs": lp_differs, "files": per_file,
-            "notes": [] if tpx is None else tpx.notes,
-            "rng": meta["rng"], "client": meta.get("client"), "rank": rank, "digests": writer.shard_digests(),
-            "error": None if error is None else f"{type(error).__name__}: {error}"}
-    gathered: list[Any] = [None] * world
-    if multi:
-        dist.all_gather_object(gathered, info, group=group)
-        stats["agreed_s"] = time.perf_counter() - t_phase
-        failed = [(g_["rank"], g_["error"]) for g_ in gathered if g_["error"] is not None]
-        if failed:
-            writer.abort()
-            raise UcpError(f"save of {ce.run}@{step} failed on some rank ("
-                           + "; ".join(f"rank {r}: {msg}" for r, msg in failed)
-                           + "); aborted (nothing listed)") from error
-    else:
-        gathered = [info]
-    differs = sorted({n for g_ in gathered for n in g_["lp_differs"]})
-    # every rank's chunk digests (taken from memory while writing): the origin ranks hash without reading back
-    merged: dict[Any, dict] = {}
-    for g_ in gathered:
-        for key, d in g_.pop("digests").items():
-            merged.setdefault(key, {}).update(d)
-    for key, d in merged.items():
-        writer.set_chunk_digests(key[0], key[1], d)
+    reports = _agree(target, writer, share, files, snap, error, tp0)
     try:
-        if dp_rank == 0 and differs:
-            lp_all = meta["lp"]
-            for name in differs:
-                spec = params[seen[name]]
-                if spec["stage"] != stage:
-                    continue
-                if tpx is not None:  # this TP rank's slice, by the parameter's pattern
-                    writer.write_shard(name, "weight", lp_all[name].detach().reshape(spec["shapes"][tp_rank]).cpu(),
-                                       shape=spec["shape"],
-                                       pattern=_with_placement(tpx.direct[name][0], placement(name)), topology=topo,
-                                       rank=rank, position=position[name] * 16 + 15)
-                else:
-                    writer.write(name, "weight", lp_all[name].detach().reshape(spec["shape"]).cpu(),
-                                 pattern=_with_placement(None, placement(name)), position=position[name] * 16 + 15)
-        if rank == 0:
-            if model_name is None or model_sd is None:
-                raise SourceFormatError("save_checkpoint produced no model states file on global rank 0: the ucp "
-                                        "engine reads the run's configuration and step from it")
-            all_metas, all_steps, all_kinds, files = {}, {}, {}, {}
-            for g_ in gathered:
-                all_metas.update(g_["metas"])
-                all_steps.update(g_["steps"])
-                all_kinds.update(g_["kinds"])
-                files.update(g_["files"])
-            reader = _MemReader({model_name: model_sd}, optim_sd, zero_stage=zero, pp=topo.pp, dp=topo.dp,
-                                prefix=prefix,
-                                optim_files=sorted(p["optim_file"] for p in parts),
-                                layer_files=sorted({f for p in parts for f in p["layer_files"]}),
-                                params=[{"name": p["name"], "stage": p["stage"], "group": p["group"]} for p in params],
-                                frozen=frozen, buffers=buffers, tp=topo.tp,
-                                notes=[n for g_ in sorted(gathered, key=lambda g_: g_["rank"]) for n in g_["notes"]])
-            objs = reader.objects()
-            for f in sorted(files):
-                objs[f"deepspeed/model_states/{f}"] = files[f]
-            objs["deepspeed/layout"]["model_files"] = sorted(files)
-            objs["deepspeed/layout"]["import_seconds"] = round(time.time() - t0, 3)
-            objs["deepspeed/universal_meta"] = all_metas
-            objs["deepspeed/step_types"] = all_steps
-            objs["deepspeed/kinds"] = all_kinds
-            objs["deepspeed/rng"] = {"torch_cpu": {str(g_["rank"]): g_["rng"] for g_ in gathered},
-                                     "encoding": "base64 of torch.get_rng_state() bytes, by global rank"}
-            objs["deepspeed/direct"] = {"tag": ce._tag, "world": world, "engine": "UcpCheckpointEngine"}
-            from ucp_store.deepspeed.perrank import split_client
-            from ucp_store.deepspeed.perrank import topology as rank_topology
-
-            # every rank's client state (not only the model-states files'): per-rank keys recorded per rank
-            clients = {g_["rank"]: g_["client"] for g_ in gathered if g_.get("client") is not None}
-            if clients:
-                objs["client_state"], per_rank = split_client(clients, rank_topology(topo.tp, topo.pp, topo.dp))
-                objs.update(per_rank)
-            for k, v in objs.items():
-                writer.write_object(k, v)
-        writer._drain()  # the low-precision weights are live module state: written before returning
-    except BaseException as exc:  # noqa: BLE001
+        _write_lp_weights(writer, plan, snap, reports)
+        if snap.rank == 0:
+            _write_objects(target, writer, plan, files, reports, t0)
+        writer.drain()  # the low-precision weights are live module state: written before returning
+    except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the commit
         error = exc
-    stats["objects_s"] = time.perf_counter() - t_phase
-
-    def finish() -> str:
-        """Durable, then committed: nothing of the live engine is read from here (``defer_commit``)."""
-        nonlocal error
-        if error is None and syncing is not None:
-            try:
-                syncing.result()  # the fsync pass started after the writes
-                writer._make_durable()  # and what phase 2 wrote (rare low-precision weights)
-            except BaseException as exc:  # noqa: BLE001
-                error = exc
-        stats["durable_s"] = time.perf_counter() - t_phase
-        if not multi:
-            if error is not None:
-                writer.abort()
-                raise error
-            cid = writer.commit().id
-        else:
-            # every rank's rows and outcome to rank 0 (one gather), one transaction, one broadcast of the outcome
-            cid = distributed_commit(writer, group=group, error=error, synced=True, stats=stats, t0=t_phase)
-        stats["commit_s"] = time.perf_counter() - t_phase
-        return cid
-
-    if defer_commit:
-        return finish
-    return finish()
+    target.stats["objects_s"] = time.perf_counter() - tp0
+    return PendingCommit(writer, target.group, target.stats, tp0, syncing, error)
 
 
-def _module_of(model_sd: dict | None, layers: dict[int, dict]) -> dict[str, torch.Tensor]:
-    """The module weights DeepSpeed saved on this rank: the model states' ``module``, or the pipeline layer files'
-    tensors named ``<layer>.<key>``."""
-    if model_sd is not None and model_sd.get("module") is not None:
-        return dict(model_sd["module"])
-    entries = {}
-    for li in sorted(layers):
-        for k, v in (layers[li] or {}).items():
-            if isinstance(v, torch.Tensor):
-                entries[f"{li}.{k}"] = v
-    return entries
-
-
-# ------------------------------------------------------------------------- tensor parallelism (TP > 1)
-def _tp_local(meta: dict, model_sd: dict | None, osd: dict, optim_name: str, zero: int) -> dict:
-    """What the other ranks need to know about this rank for a TP save (exchanged with the rest of the
-    metadata): its TP rank, the model's ``universal_checkpoint_info``, each group's flat states (name,
-    dtype) and optimizer step, and the dtype of its low-precision module weights."""
-    uci = None if model_sd is None or not isinstance(model_sd.get(UCI), dict) else _standins(model_sd[UCI])
+# ------------------------------------------------------------------------- phases 1-2: stage, plan
+def _local_part(snap: RankSnapshot, files: StagedFiles, zero: int) -> RankPart:
+    """What this rank tells the others about its share (the metadata of its files, no tensors)."""
+    model_sd, osd = files.model_sd, files.osd
+    param_shapes = None if model_sd is None else [[(n, tuple(int(x) for x in s)) for n, s in g.items()]
+                                                  for g in (model_sd.get("param_shapes") or [])]
+    weights = None
+    if snap.dp_rank == 0 and zero < 3:  # the whole weights this rank would send at TP > 1 (frozen parameters, buffers)
+        owned = {n for g in (param_shapes or []) for n, _ in g}
+        weights = [(n, str(t.dtype).replace("torch.", ""), tuple(int(x) for x in t.shape))
+                   for n, t in files.module().items() if n not in owned]
+    # what a TP save needs besides: the model's universal_checkpoint_info, each group's flat states (name,
+    # dtype) and optimizer step, and the dtype of the low-precision module weights
     flat: list | None = None
     gsteps: list | None = None
     if zero < 3:
         flat, gsteps = [], []
         for g in range(len(osd["param_slice_mappings"])):
-            f, st = _flat_states(osd, g, optim_name)
+            f, st = files.flat_states(g)
             flat.append([(k, str(v.dtype).replace("torch.", "")) for k, v in f.items()])
             gsteps.append(st)
-    lp = next(iter(meta["lp"].values()), None)
-    return {"tp": int(meta.get("tp_rank", 0)), "uci_raw": uci, "flat": flat, "gsteps": gsteps,
-            "lp_dtype": None if lp is None else str(lp.dtype).replace("torch.", "")}
+    lp = next(iter(snap.lp.values()), None)
+    return RankPart(
+        rank=snap.rank, stage=snap.stage, dp=snap.dp_rank, tp=int(snap.tp_rank), optim_file=files.optim_name,
+        layer_files=files.layer_names, model_file=files.model_name, param_shapes=param_shapes,
+        frozen_shapes=None if model_sd is None else [(n, tuple(int(x) for x in s)) for n, s in
+                                                     (model_sd.get("frozen_param_shapes") or {}).items()],
+        buffers=None if model_sd is None else list(model_sd.get("buffer_names") or []),
+        uci=model_sd is not None and bool(UniversalInfo(model_sd.get(UCI) if isinstance(model_sd.get(UCI), dict)
+                                                        else None, 1).has_patterns),
+        mappings=None if zero >= 3 else [{n: (int(a.start), int(a.numel)) for n, a in g.items()}
+                                         for g in osd["param_slice_mappings"]],
+        uci_raw=None if model_sd is None or not isinstance(model_sd.get(UCI), dict) else _standins(model_sd[UCI]),
+        flat=flat, gsteps=gsteps, lp_dtype=None if lp is None else str(lp.dtype).replace("torch.", ""),
+        weights=weights)
 
 
-class _Merger(DeepSpeedReader):
-    """The file importer's per-parameter merge (``DeepSpeedReader._finish``: the TP rule from
-    ``universal_checkpoint_info`` or inferred, ``merge_tp_slices``, the pattern, ``averaged`` deviations, the
-    step check, the low-precision weight check) over TP slices gathered from the ranks, not read from files:
-    the same code, so the same arithmetic and the same bytes."""
+def _exchange(group: Any, local: RankPart) -> list[RankPart]:
+    """Every rank's part, by rank (one ``all_gather_object`` on the save's group)."""
+    if group is None:
+        return [local]
+    import torch.distributed as dist
 
-    def __init__(self, info: UniversalInfo, tp: int, pp: int, zero_stage: int, stages_of: dict, layered: bool,
-                 optim_files: dict):
-        self.tag_dir = "<ucp engine>"
-        self.lp_weights = "auto"
-        self.notes = []
-        self.info, self.tp, self.pp, self.zero_stage = info, tp, pp, zero_stage
-        self.stages_of = stages_of
-        self.layer_files = {(0, 0): "layers"} if layered else {}
-        self.optim_files = optim_files
-        self.lp: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-
-    def _module_entries(self, pp: int, tp: int) -> dict[str, torch.Tensor]:
-        return self.lp.get((pp, tp), {})
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local, group=group)
+    return parts
 
 
-class _TPPlan:
-    """A save at TP > 1 (or of a model with ``universal_checkpoint_info`` patterns), ZeRO-1/2.
+def _plan(parts: list[RankPart], topo: Topology) -> SavePlan:
+    """The global plan from every rank's part, alike on every rank (the file importer's ``_plan``)."""
+    tpx = TPPlan(parts, topo) if topo.tp > 1 or any(p.uci for p in parts) else None
+    by_stage: dict[int, RankPart] = {}
+    for p in sorted(parts, key=lambda p: (p.stage, p.tp, p.dp)):
+        if p.param_shapes is not None:
+            by_stage.setdefault(p.stage, p)
+    if sorted(by_stage) != list(range(topo.pp)):
+        raise UcpError(f"no model states for pipeline stages {sorted(set(range(topo.pp)) - set(by_stage))}")
+    params: list[ParamSpec] = []
+    seen: dict[str, int] = {}
+    stages_of: dict[str, list[int]] = {}
+    for pp in range(topo.pp):
+        for g, group_shapes in enumerate(by_stage[pp].param_shapes or []):
+            for name, shape in group_shapes:
+                stages_of.setdefault(name, []).append(pp)
+                if name in seen:
+                    continue  # tied across pipeline stages: stored once (first stage)
+                seen[name] = len(params)
+                params.append(ParamSpec(name=name, stage=pp, group=g, shape=shape))
+    frozen: dict[str, FrozenSpec] = {}
+    buffers: list[str] = []
+    for pp in range(topo.pp):
+        for name, shape in by_stage[pp].frozen_shapes or []:
+            if name not in frozen and name not in seen:
+                frozen[name] = FrozenSpec(stage=pp, shape=shape)
+        for b in by_stage[pp].buffers or []:
+            if b not in buffers:
+                buffers.append(b)
+    piped = bool(topo.layers) or any(p.layer_files for p in parts)
+    if tpx is not None:
+        tpx.plan(params, buffers, stages_of, piped)
+    everything = list(dict.fromkeys([p.name for p in params] + list(frozen) + buffers))
+    return SavePlan(topo=topo, parts=parts, by_stage=by_stage, params=params, seen=seen, stages_of=stages_of,
+                    frozen=frozen, buffers=buffers, piped=piped, position={n: i for i, n in enumerate(everything)},
+                    tp=tpx)
 
-    Every parameter gets the file importer's rule (``UniversalInfo.rule``). A parameter the rule concatenates
-    along one dimension in equal widths (column- and row-parallel weights) is *direct*: each rank writes its
-    ZeRO fragments of its TP slice through ``write_shard`` with the ``partitioned`` pattern. Every other one
-    (TP-replicated norms and biases, averaged, fused sub-parameters, vocabularies, affine maps, and every
-    parameter of a TP model without patterns, whose rule depends on the data) is *gathered*: its fragments
-    travel (bytes over the save's gloo group, point to point, bounded by its timeout) to the stage's first rank
-    (tp 0, dp 0), which runs the importer's own merge (:class:`_Merger`) and writes the result whole. Only the
-    gathered parameters move, and in Megatron models they are the small ones. Frozen parameters and buffers
-    travel the same way (``gather_weights``) and are merged by the importer's ``_weight_records``."""
 
-    def __init__(self, parts: list[dict], topo: Topology):
-        self.topo = topo
-        self.parts = {int(p["rank"]): p for p in parts}
-        if topo.zero_stage >= 3:
-            raise ConfigurationError("the ucp engine saves ZeRO-3 only at TP=1 and without universal_checkpoint_info "
-                                     "patterns; save with DeepSpeed's engine and `ucp import deepspeed`")
-        uci = next((self.parts[r]["uci_raw"] for r in sorted(self.parts) if self.parts[r].get("uci_raw")), None)
-        self.info = UniversalInfo(uci, topo.tp)
-        self.notes: list[str] = []
-        self.direct: dict[str, tuple[dict | None, dict]] = {}
-        self.gather: list[dict] = []
-        self._stages_of: dict = {}
-        self._layered = False
+# ------------------------------------------------------------------------- phase 3: begin
+def _begin(target: SaveTarget, snap: RankSnapshot, files: StagedFiles, plan: SavePlan, tp0: float):
+    """Every rank joins one pending checkpoint (``distributed_begin``; a plain ``begin`` in one process)."""
+    from ucp_store.distributed.commit import distributed_begin
 
-    def _rank(self, stage: int, dp: int, tp: int) -> int:
-        return tp + self.topo.tp * (dp + self.topo.dp * stage)
+    topo = plan.topo
+    zero = topo.zero_stage
+    ds_version = None if files.model_sd is None else files.model_sd.get("ds_version")
+    world = len(plan.parts)
+    prov = {"source_kind": "deepspeed", "source_path": f"ucp-engine:{target.tag or ''}",
+            "source_topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero},
+            "library_versions": {"deepspeed": str(ds_version or "")},
+            "extra": {"zero_stage": zero, "direct": True, "ranks": world, "tag": target.tag}}
+    msg = target.message or f"DeepSpeed save_checkpoint (tag {target.tag}) through the ucp engine"
+    step = int(snap.step)
+    target.stats["gather_s"] = time.perf_counter() - tp0
+    if target.group is not None:
+        writer = distributed_begin(target.store, target.run, step, group=target.group, parent="auto", message=msg,
+                                   provenance=prov)
+    else:
+        writer = target.store.begin(target.run, step, parent="auto", message=msg, provenance=prov)
+    # no fsync per file: every rank makes all it wrote durable in one parallel pass (flush, before agreeing)
+    writer.defer_durability()
+    target.stats["begin_s"] = time.perf_counter() - tp0
+    return writer
 
-    def plan(self, params: list[dict], frozen: dict, buffers: list, stages_of: dict, layered: bool) -> None:
-        """Split ``params`` into direct and gathered ones; give each spec its per-TP ``shapes`` and, if direct,
-        its logical ``shape``."""
-        from ucp_store.deepspeed.merge import pattern_for
 
-        topo = self.topo
-        self._stages_of, self._layered = stages_of, layered
-        self._buffers = list(buffers)
-        for spec in params:
-            shapes = []
-            for t in range(topo.tp):
-                holder = next((p for r, p in sorted(self.parts.items()) if p["stage"] == spec["stage"]
-                               and p.get("tp", 0) == t and p["param_shapes"] is not None), None)
-                if holder is None:
-                    raise UcpError(f"no model states for pipeline stage {spec['stage']} TP rank {t}")
-                grp = holder["param_shapes"][spec["group"]] if spec["group"] < len(holder["param_shapes"]) else []
-                found = dict(grp).get(spec["name"])
-                if found is None:
-                    raise SourceFormatError(f"{holder['model_file']}: param_shapes lacks {spec['name']!r} which TP "
-                                            "rank 0 has")
-                shapes.append(tuple(found))
-            spec["shapes"] = shapes
-            rule = self.info.rule(spec["name"])
-            if self.info.has_patterns and rule.kind == "cat" and not rule.vocab:
-                d = rule.cat_dim
-                pat = pattern_for(spec["name"], rule, self.info, [torch.empty(s, device="meta") for s in shapes],
-                                  topo.tp)
-                same = all(len(s) == len(shapes[0]) and all(a == b for i, (a, b) in enumerate(zip(s, shapes[0]))
-                                                            if i != d) for s in shapes)
-                if same and ((pat is None and topo.tp == 1) or
-                             (pat is not None and pat.get("kind") == "partitioned" and "widths" not in pat
-                              and pat.get("dim") == d)):
-                    logical = list(shapes[0])
-                    if topo.tp > 1:
-                        logical[d] = sum(s[d] for s in shapes)
-                    spec["shape"] = tuple(logical)
-                    self.direct[spec["name"]] = (pat, {"cat_dim": d})
+# ------------------------------------------------------------------------- phase 4: write
+class _ShareWriter:
+    """The write phase: every fragment of every parameter-state this rank holds, opened at once
+    (``open_shards``) and written through ``write_shard``; at TP > 1 the gathered parameters merged on their
+    stage's first rank; the whole weights from DP rank 0 of each stage. Its findings go to ``result``."""
+
+    def __init__(self, target: SaveTarget, writer, plan: SavePlan, files: StagedFiles, snap: RankSnapshot,
+                 tp0: float):
+        self.target, self.writer, self.plan, self.files, self.snap, self.tp0 = target, writer, plan, files, snap, tp0
+        self.result = ShareResult()
+        # (name, state, local tensor, logical shape, pattern, fragment, position): written by write_pending
+        self.pending: list[tuple] = []
+        # (name, flat fp32, start, n, low-precision weight, k): compared after submitting (check_lp)
+        self.lp_checks: list[tuple] = []
+
+    def run(self) -> BaseException | None:
+        """Write it all and wait for the writes; returns the failure (every rank must learn of it), if any."""
+        stats = self.target.stats
+        try:
+            self._write_all()
+            stats["submit_s"] = time.perf_counter() - self.tp0
+            self.writer.drain()  # every array write of this rank has returned (its bytes are in the page cache)
+            stats["writes_s"] = time.perf_counter() - self.tp0
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+            return exc
+        return None
+
+    def _write_all(self) -> None:
+        plan, snap, tpx = self.plan, self.snap, self.plan.tp
+        mine = [p for p in plan.params if p.stage == snap.stage]
+        if tpx is not None:  # TP > 1 or universal_checkpoint_info patterns: merged by the importer's rules
+            tpx.gather_merge_write(self.target.group, self.writer, self.files, snap, plan.position, self.result)
+            mine = [p for p in mine if p.name in tpx.direct]
+        if plan.topo.zero_stage < 3:
+            before = [p for p in plan.parts if p.stage == snap.stage and p.dp < snap.dp_rank and p.tp == snap.tp_rank]
+            for spec in self._track(mine):
+                self._zero12_param(spec, before)
+        else:
+            inner = self.files.osd["optimizer_state_dict"].get("state", {})
+            sg_offsets: dict[tuple[int, str], int] = {}
+            for sg, group_shapes in enumerate(plan.by_stage[snap.stage].param_shapes or []):
+                off = 0
+                for name, shape in group_shapes:
+                    sg_offsets[(sg, name)] = off
+                    off += math.ceil(numel(shape) / plan.topo.dp)
+            for spec in self._track(mine):
+                self._zero3_param(spec, inner, sg_offsets[(spec.group, spec.name)])
+            self._zero3_frozen()
+        self._write_pending()
+        self._check_lp()
+        self._whole_weights()
+
+    def _track(self, specs: list[ParamSpec]):
+        from ucp_store.progress import track
+
+        show = self.target.progress and self.snap.rank == 0
+        return track(specs, f"save {self.target.run}@{self.snap.step}", enabled=show)
+
+    def _shard(self, name, state, local_t, shape, pattern, frag, pos) -> None:
+        self.pending.append((name, state, local_t, shape, pattern, frag, pos))
+
+    def _zero12_param(self, spec: ParamSpec, before: list[RankPart]) -> None:
+        """ZeRO-1/2: this rank's fragment of every flat state of ``spec``; ``before``: the parts of the lower DP
+        ranks of this stage and TP rank (the fragment's offset in the parameter is the elements they hold)."""
+        plan, files, res, tpx = self.plan, self.files, self.result, self.plan.tp
+        name, g, shape = spec.name, spec.group, spec.shape
+        maps = files.osd["param_slice_mappings"]
+        addr = maps[g].get(name) if g < len(maps) else None
+        res.kinds[name] = "param"
+        res.metas[name] = {"cat_dim": 0} if tpx is None else tpx.direct[name][1]
+        if addr is None:
+            return
+        start, n = int(addr.start), int(addr.numel)
+        k = sum(m[1] for q in before if (m := q.mapping(g, name)) is not None)
+        flat, st = files.flat_states(g)
+        frag = Fragment(k, k + n, start, n)
+        pattern = with_placement(None if tpx is None else tpx.direct[name][0], plan.placement(name))
+        base = plan.position[name] * 16
+        for j, (state, t) in enumerate(flat.items()):
+            if start + n > t.numel():
+                raise SourceFormatError(f"{files.optim_name}: fragment of {name!r} [{start}, {start + n}) lies "
+                                        f"outside the flat {state} partition ({t.numel()} elements)")
+            self._shard(name, state, t.narrow(0, start, n), shape, pattern, frag, base + j)
+        step_t, typ = _step_value(st)
+        if typ is not None:
+            res.steps[name] = typ
+            if k == 0 and self.snap.tp_rank == 0:
+                self.writer.write(name, "step", step_t.cpu(), pattern=with_placement(None, plan.placement(name)),
+                                  position=base + len(flat))
+        lp = self.snap.lp.get(name)
+        if lp is not None:
+            self.lp_checks.append((name, flat["fp32"], start, n, lp, k))
+
+    def _zero3_param(self, spec: ParamSpec, inner: dict, off: int) -> None:
+        """ZeRO-3: this rank's ``ceil(numel / dp)`` partition of every flat state of ``spec`` (at ``off`` in its
+        sub-group)."""
+        plan, res, dp_rank = self.plan, self.result, self.snap.dp_rank
+        name, sg, shape = spec.name, spec.group, spec.shape
+        n = numel(shape)
+        part = math.ceil(n / plan.topo.dp)
+        st = inner.get(sg, inner.get(str(sg), {}))
+        flat = {"fp32": self.files.osd["fp32_flat_groups"][sg]}
+        for key, v in st.items():
+            if key != "step" and isinstance(v, torch.Tensor) and v.dim() == 1:
+                flat[key] = v
+        lo, hi = min(dp_rank * part, n), min((dp_rank + 1) * part, n)
+        frag = Fragment(lo, hi, off, part)
+        pattern = with_placement(None, plan.placement(name))
+        base = plan.position[name] * 16
+        res.kinds[name] = "param"
+        res.metas[name] = {"raw": True}
+        for j, (state, t) in enumerate(flat.items()):
+            if off + part > t.numel():
+                raise SourceFormatError(f"{self.files.optim_name}: {name!r} partition [{off}, {off + part}) outside "
+                                        f"sub-group {sg} ({t.numel()} elements)")
+            self._shard(name, state, t.narrow(0, off, part), shape, pattern, frag, base + j)
+        step_t, typ = _step_value(st.get("step"))
+        if typ is not None:
+            res.steps[name] = typ
+            if lo == 0:
+                self.writer.write(name, "step", step_t.cpu(), pattern=pattern, position=base + len(flat))
+
+    def _zero3_frozen(self) -> None:
+        """ZeRO-3 frozen parameters: every rank its partition (``frozen_param_fragments``)."""
+        plan, files, dp_rank = self.plan, self.files, self.snap.dp_rank
+        frs = (files.model_sd or {}).get("frozen_param_fragments") or {}
+        for name, info in plan.frozen.items():
+            if info.stage != self.snap.stage:
+                continue
+            fr = frs.get(name)
+            if fr is None:
+                raise SourceFormatError(f"{files.model_name}: no frozen_param_fragments entry for frozen parameter "
+                                        f"{name!r}")
+            n = numel(info.shape)
+            part = math.ceil(n / plan.topo.dp)
+            lo, hi = min(dp_rank * part, n), min((dp_rank + 1) * part, n)
+            self.result.kinds[name] = "frozen"
+            if hi > lo:
+                self._shard(name, "weight", fr.reshape(-1).narrow(0, 0, hi - lo), info.shape,
+                            with_placement(None, plan.placement(name)), Fragment(lo, hi, 0, hi - lo),
+                            plan.position[name] * 16)
+
+    def _write_pending(self) -> None:
+        """Open every array of this rank's shards at once (``open_shards``), then write them."""
+        writer, topo, hook = self.writer, self.plan.topo, self.target.on_write
+        writer.open_shards([(name, state, shape, t.dtype, pattern)
+                            for name, state, t, shape, pattern, _, _ in self.pending], topology=topo)
+        self.target.stats["opened_s"] = time.perf_counter() - self.tp0
+        for name, state, local_t, shape, pattern, frag, pos in self.pending:
+            writer.write_shard(name, state, local_t.detach().cpu(), shape=shape, pattern=pattern, topology=topo,
+                               rank=self.snap.rank, fragment=frag, position=pos, digest=True)
+            if hook is not None:
+                hook(name, state)
+        self.pending.clear()
+
+    def _check_lp(self) -> None:
+        """The importer's lp_weights="auto": a low-precision weight that is not the fp32 master cast down is
+        stored too. Runs while the array writes are in flight."""
+        for name, fp32, start, n, lp, k in self.lp_checks:
+            mine_fp32 = fp32.narrow(0, start, n).detach().cpu()
+            lp_flat = lp.detach().reshape(-1).narrow(0, k, n).cpu()
+            if not torch.equal(mine_fp32.to(lp_flat.dtype), lp_flat):
+                self.result.lp_differs.append(name)
+        self.lp_checks.clear()
+
+    def _whole_weights(self) -> None:
+        """Whole weights (frozen parameters of ZeRO-1/2, buffers) from DP rank 0 of each stage."""
+        plan, snap, kinds = self.plan, self.snap, self.result.kinds
+        if plan.tp is not None:  # at TP > 1 merged over the TP ranks by the importer's rules
+            plan.tp.gather_weights(self.target.group, self.writer, self.files.module() if snap.dp_rank == 0 else {},
+                                   snap.rank, snap.stage, plan.position, kinds)
+        elif snap.dp_rank == 0:
+            zero = plan.topo.zero_stage
+            for name, t in self.files.module().items():
+                if name in plan.seen or name in kinds or (zero >= 3 and name in plan.frozen) or t.numel() == 0:
                     continue
-            self.gather.append(spec)
+                kinds[name] = "buffer" if name in plan.buffers else "frozen"
+                self.writer.write(name, "weight", t.detach().cpu(), pattern=with_placement(None, plan.placement(name)),
+                                  position=plan.position.get(name, len(plan.position)) * 16)
 
-    def _merger(self) -> _Merger:
-        topo = self.topo
-        optim_files = {(p["stage"] * topo.tp + p.get("tp", 0), p["dp"]): p["optim_file"] for p in self.parts.values()}
-        return _Merger(self.info, topo.tp, topo.pp, topo.zero_stage, self._stages_of, self._layered, optim_files)
 
-    def gather_weights(self, ce, writer, entries: dict[str, torch.Tensor], rank: int, stage: int, position: dict,
-                       kinds: dict) -> None:
-        """Frozen parameters and buffers (whole module tensors, from DP rank 0 of every TP rank of a stage): sent to
-        the stage's first rank, which merges their TP copies as the importer's ``_weight_records`` does (the
-        same code) and writes them."""
+# ------------------------------------------------------------------------- phase 5: agree
+def _agree(target: SaveTarget, writer, share: _ShareWriter, files: StagedFiles, snap: RankSnapshot,
+           error: BaseException | None, tp0: float) -> list[RankReport]:
+    """One all_gather both agrees that every rank's writes returned (the barrier the origin ranks' hashing
+    needs) and brings every rank's metadata and chunk digests; raises (after aborting) if any rank failed.
+    Hands every rank's chunk digests to the writer: the origin ranks hash without reading back."""
+    per_file = {}
+    if files.model_sd is not None and files.model_name is not None:  # classify sets both or neither
+        per_file[files.model_name] = _file_record(files.model_sd, files.model_name, [])
+    res, tpx = share.result, share.plan.tp
+    mine = RankReport(rank=snap.rank, metas=res.metas, steps=res.steps, kinds=res.kinds, lp_differs=res.lp_differs,
+                      files=per_file, notes=[] if tpx is None else tpx.notes, rng=snap.rng, client=snap.client,
+                      digests=writer.shard_digests(),
+                      error=None if error is None else f"{type(error).__name__}: {error}")
+    reports: list[Any] = [mine]
+    if target.group is not None:
         import torch.distributed as dist
 
-        topo = self.topo
-        dst = self._rank(stage, 0, 0)
-        mine = self.parts[rank].get("weights") or []
-        if rank != dst:
-            if mine:
-                payload = torch.cat([entries[n].detach().cpu().contiguous().view(torch.uint8).reshape(-1)
-                                     for n, _, _ in mine])
-                if payload.numel():
-                    dist.send(payload, dst=dst, group=ce.group)
-            return
-        merger = self._merger()
-        merger.params, merger.buffers = [], self._buffers
-        for t in range(topo.tp):
-            r = self._rank(stage, 0, t)
-            ents = self.parts[r].get("weights") or []
-            if r == rank:
-                merger.lp[(stage, t)] = {n: entries[n].detach().cpu() for n, _, _ in ents}
-                continue
-            sizes = [_numel(shape) * torch.empty(0, dtype=getattr(torch, dt)).element_size() for _, dt, shape in ents]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8)
-            if buf.numel():
-                dist.recv(buf, src=r, group=ce.group)
-            got, off = {}, 0
-            for (n, dt, shape), nb in zip(ents, sizes):
-                got[n] = buf[off:off + nb].clone().view(getattr(torch, dt)).reshape(shape)
-                off += nb
-            merger.lp[(stage, t)] = got
-        for rec in merger._weight_records(None):
-            writer.write(rec.name, "weight", rec.states["weight"], pattern=rec.pattern_for("weight"),
-                         position=position.get(rec.name, len(position)) * 16)
-            kinds[rec.name] = rec.kind
-        self.notes.extend(merger.notes)
+        reports = [None] * len(share.plan.parts)
+        dist.all_gather_object(reports, mine, group=target.group)
+        target.stats["agreed_s"] = time.perf_counter() - tp0
+        failed = [(r.rank, r.error) for r in reports if r.error is not None]
+        if failed:
+            writer.abort()
+            raise UcpError(f"save of {target.run}@{int(snap.step)} failed on some rank ("
+                           + "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+                           + "); aborted (nothing listed)") from error
+    merged: dict[Any, dict] = {}
+    for r in reports:
+        for key, d in r.digests.items():
+            merged.setdefault(key, {}).update(d)
+    for key, d in merged.items():
+        writer.set_chunk_digests(key[0], key[1], d)
+    return reports
 
-    def _entries(self, part: dict, specs: list[dict]) -> list[tuple[str, str, str, int]]:
-        """What ``part``'s rank sends for the gathered parameters ``specs``, in order: (name, state, dtype,
-        elements); state ``__lp__`` is its low-precision module weight (from DP rank 0 only)."""
-        out = []
-        for spec in specs:
-            g = spec["group"]
-            maps = part["mappings"]
-            m = maps[g].get(spec["name"]) if g < len(maps) else None
-            if m is not None:
-                for st, dt in part["flat"][g]:
-                    out.append((spec["name"], st, dt, int(m[1])))
-        if part["dp"] == 0 and part["lp_dtype"] is not None:
-            for spec in specs:
-                out.append((spec["name"], "__lp__", part["lp_dtype"], _numel(spec["shapes"][part.get("tp", 0)])))
-        return out
 
-    def gather_merge_write(self, ce, writer, osd, optim_name, meta, rank, stage, dp_rank, tp_rank, position,
-                           metas, steps, kinds) -> None:
-        """Send this rank's fragments of the gathered parameters of its stage to the stage's first rank; there,
-        merge each with the importer's rules and write it."""
-        import torch.distributed as dist
+# ------------------------------------------------------------------------- phase 6: objects
+def _write_lp_weights(writer, plan: SavePlan, snap: RankSnapshot, reports: list[RankReport]) -> None:
+    """DP rank 0 of each stage: the low-precision weights that are not the fp32 master cast down (any rank's
+    check found it), this TP rank's slice by the parameter's pattern."""
+    differs = sorted({n for r in reports for n in r.lp_differs})
+    if snap.dp_rank != 0 or not differs:
+        return
+    tpx = plan.tp
+    for name in differs:
+        spec = plan.params[plan.seen[name]]
+        if spec.stage != snap.stage:
+            continue
+        lp = snap.lp[name].detach()
+        if tpx is not None:  # this TP rank's slice, by the parameter's pattern
+            writer.write_shard(name, "weight", lp.reshape(spec.shapes[snap.tp_rank]).cpu(), shape=spec.shape,
+                               pattern=with_placement(tpx.direct[name][0], plan.placement(name)), topology=plan.topo,
+                               rank=snap.rank, position=plan.position[name] * 16 + 15)
+        else:
+            writer.write(name, "weight", lp.reshape(spec.shape).cpu(),
+                         pattern=with_placement(None, plan.placement(name)), position=plan.position[name] * 16 + 15)
 
-        topo = self.topo
-        specs = [s for s in self.gather if s["stage"] == stage]
-        if not specs:
-            return
-        dst = self._rank(stage, 0, 0)
-        mine = self.parts[rank]
-        pieces = []
-        for name, st, _dt, n in self._entries(mine, specs):
-            spec = next(s for s in specs if s["name"] == name)
-            if st == "__lp__":
-                lp = meta["lp"].get(name)
-                if lp is None:
-                    raise UcpError(f"rank {rank}: no module weight {name!r} to compare with its fp32 master")
-                t = lp.detach().reshape(-1)
-            else:
-                g = spec["group"]
-                start = int(osd["param_slice_mappings"][g][name].start)
-                t = _flat_states(osd, g, optim_name)[0][st].narrow(0, start, n)
-            pieces.append(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1))
-        payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
-        if rank != dst:
-            if payload.numel():
-                dist.send(payload, dst=dst, group=ce.group)
-            return
-        data: dict[int, dict[tuple[str, str], torch.Tensor]] = {}
-        for r in sorted(self.parts):
-            part = self.parts[r]
-            if part["stage"] != stage:
-                continue
-            ents = self._entries(part, specs)
-            size = sum(n * torch.empty(0, dtype=getattr(torch, dt)).element_size() for _, _, dt, n in ents)
-            if r == rank:
-                buf = payload
-            else:
-                buf = torch.empty(size, dtype=torch.uint8)
-                if size:
-                    dist.recv(buf, src=r, group=ce.group)
-            if buf.numel() != size:
-                raise UcpError(f"rank {r} sent {buf.numel()} bytes of TP fragments, expected {size}")
-            off = 0
-            got: dict[tuple[str, str], torch.Tensor] = {}
-            for name, st, dt, n in ents:
-                dtype = getattr(torch, dt)
-                nb = n * torch.empty(0, dtype=dtype).element_size()
-                got[(name, st)] = buf[off:off + nb].clone().view(dtype)
-                off += nb
-            data[r] = got
-        merger = self._merger()
-        for t in range(topo.tp):
-            r0 = self._rank(stage, 0, t)
-            merger.lp[(stage, t)] = {n: v.reshape(spec["shapes"][t]) for spec in specs
-                                     for (n, st), v in data.get(r0, {}).items() if st == "__lp__" and n == spec["name"]}
-        for spec in specs:
-            name, g = spec["name"], spec["group"]
-            per_state: dict[str, list[torch.Tensor]] = {}
-            step_list: list = []
-            for t in range(topo.tp):
-                frags: dict[str, list[torch.Tensor]] = {}
-                count = 0
-                for d in range(topo.dp):
-                    r = self._rank(stage, d, t)
-                    part = self.parts[r]
-                    maps = part["mappings"]
-                    m = maps[g].get(name) if g < len(maps) else None
-                    if m is None:
-                        continue
-                    for st, _dt in part["flat"][g]:
-                        frags.setdefault(st, []).append(data[r][(name, st)])
-                    count += int(m[1])
-                    step_list.append((part["gsteps"][g], (stage * topo.tp + t, d)))
-                if count == 0:
-                    per_state = {}
-                    break
-                if count != _numel(spec["shapes"][t]):
-                    raise SourceFormatError(f"the fragments of {name!r} on TP rank {t} cover {count} of its "
-                                            f"{_numel(spec['shapes'][t])} elements")
-                for k, fs in frags.items():
-                    per_state.setdefault(k, []).append(torch.cat(fs).reshape(spec["shapes"][t]))
-            rec = merger._finish(name, {"name": name, "stage": stage, "group": g, "shapes": spec["shapes"]},
-                                 per_state, step_list, [])
-            base = position[name] * 16
-            for j, (state, value) in enumerate(rec.states.items()):
-                writer.write(name, state, value, pattern=rec.pattern_for(state), position=base + j)
-            if "fp32" in rec.states:
-                metas[name] = rec.meta
-            if rec.step_type:
-                steps[name] = rec.step_type
-            kinds[name] = rec.kind
-        self.notes.extend(merger.notes)
+
+def _write_objects(target: SaveTarget, writer, plan: SavePlan, files: StagedFiles, reports: list[RankReport],
+                   t0: float) -> None:
+    """Rank 0: the file importer's objects (its own ``objects()`` over the staged dicts) and every rank's
+    metadata, RNG state and client state."""
+    if files.model_name is None or files.model_sd is None:
+        raise SourceFormatError("save_checkpoint produced no model states file on global rank 0: the ucp "
+                                "engine reads the run's configuration and step from it")
+    topo = plan.topo
+    all_metas, all_steps, all_kinds, per_file = {}, {}, {}, {}
+    for r in reports:
+        all_metas.update(r.metas)
+        all_steps.update(r.steps)
+        all_kinds.update(r.kinds)
+        per_file.update(r.files)
+    reader = _MemReader({files.model_name: files.model_sd}, files.optim_sd, zero_stage=topo.zero_stage, pp=topo.pp,
+                        dp=topo.dp, prefix=files.prefix,
+                        optim_files=sorted(p.optim_file for p in plan.parts),
+                        layer_files=sorted({f for p in plan.parts for f in p.layer_files}),
+                        params=[{"name": p.name, "stage": p.stage, "group": p.group} for p in plan.params],
+                        frozen={n: {"stage": f.stage, "shape": f.shape} for n, f in plan.frozen.items()},
+                        buffers=plan.buffers, tp=topo.tp,
+                        notes=[n for r in sorted(reports, key=lambda r: r.rank) for n in r.notes])
+    objs = reader.objects()
+    for f in sorted(per_file):
+        objs[f"deepspeed/model_states/{f}"] = per_file[f]
+    objs["deepspeed/layout"]["model_files"] = sorted(per_file)
+    objs["deepspeed/layout"]["import_seconds"] = round(time.time() - t0, 3)
+    objs["deepspeed/universal_meta"] = all_metas
+    objs["deepspeed/step_types"] = all_steps
+    objs["deepspeed/kinds"] = all_kinds
+    objs["deepspeed/rng"] = {"torch_cpu": {str(r.rank): r.rng for r in reports},
+                             "encoding": "base64 of torch.get_rng_state() bytes, by global rank"}
+    objs["deepspeed/direct"] = {"tag": target.tag, "world": len(plan.parts), "engine": "UcpCheckpointEngine"}
+    from ucp_store.deepspeed.perrank import split_client
+    from ucp_store.deepspeed.perrank import topology as rank_topology
+
+    # every rank's client state (not only the model-states files'): per-rank keys recorded per rank
+    clients = {r.rank: r.client for r in reports if r.client is not None}
+    if clients:
+        objs["client_state"], per_rank = split_client(clients, rank_topology(topo.tp, topo.pp, topo.dp))
+        objs.update(per_rank)
+    for k, v in objs.items():
+        writer.write_object(k, v)
+
+
+# ------------------------------------------------------------------------- phase 7: commit
+@dataclass
+class PendingCommit:
+    """The last phase of a save, runnable later and on any thread: make it durable, then commit (a collective:
+    every rank's rows and outcome to rank 0, one transaction, one broadcast of the outcome). Nothing of the
+    live engine is read from here. Calling it returns the version id, or raises this or another rank's error."""
+
+    writer: Any
+    group: Any
+    stats: dict[str, float]
+    t0: float  # perf_counter at the start of the save (the stats are seconds since)
+    syncing: Any  # the Future of the fsync pass started once the writes returned; None after a failure
+    error: BaseException | None
+
+    def __call__(self) -> str:
+        from ucp_store.distributed.commit import distributed_commit
+
+        writer, stats = self.writer, self.stats
+        if self.error is None and self.syncing is not None:
+            try:
+                self.syncing.result()  # the fsync pass started after the writes
+                writer.make_durable_async().result()  # and one over what the objects phase wrote (rare lp weights)
+            except BaseException as exc:  # noqa: BLE001
+                self.error = exc
+        stats["durable_s"] = time.perf_counter() - self.t0
+        if self.group is None:
+            if self.error is not None:
+                writer.abort()
+                raise self.error
+            cid = writer.commit().id
+        else:
+            # every rank's rows and outcome to rank 0 (one gather), one transaction, one broadcast of the outcome
+            cid = distributed_commit(writer, group=self.group, error=self.error, synced=True, stats=stats, t0=self.t0)
+        stats["commit_s"] = time.perf_counter() - self.t0
+        return cid
