@@ -1,6 +1,7 @@
 """Issue 27 item 0: in a multi-rank save every shard object and every ``zarr.json`` has exactly one writer.
 
-Three real gloo ranks (tests/one_writer_ranks.py) save DTensors split unevenly by ``Shard(d)`` (4/4/2 rows,
+Three real gloo ranks (tests/one_writer_ranks.py) save, through ``ucp_store.distributed`` and through DCP with
+``UcpStorageWriter``, DTensors split unevenly by ``Shard(d)`` (4/4/2 rows,
 3/3/1 columns, ...), a replicated DTensor and per-rank tensors, with ``localwrite.record_writes`` on, on a
 folder store and on S3 (moto's server); the merged write logs show one writer per object, and a load on the
 same ranks is bit-exact. A shard that straddled a rank's box edge, or a ``zarr.json`` created by every rank
@@ -21,13 +22,13 @@ from test_backends import s3, s3_server  # noqa: F401 - fixtures
 from ucp_test_helpers import REPO
 
 
-def _run(tmp_path, store: str, catalog: str | None = None) -> list[dict]:
+def _run(tmp_path, store: str, catalog: str | None = None, api: str = "dist") -> list[dict]:
     env = {**os.environ, "UCP_PROGRESS": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "TORCH_CPP_LOG_LEVEL": "ERROR"}
     env.pop("UCP_CATALOG", None)
     if catalog:
         env["UCP_CATALOG"] = catalog
-    spec = {"world": 3, "store": store, "out": str(tmp_path / "out")}
+    spec = {"world": 3, "store": store, "out": str(tmp_path / "out"), "api": api}
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "one_writer_ranks.py"), json.dumps(spec)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,6 +61,20 @@ def test_dist_save_one_writer_per_object_s3(tmp_path, s3, s3_server):  # noqa: F
         s3.create_bucket(Bucket=bucket)
     url = f"s3://{bucket}/{os.urandom(4).hex()}?endpoint={s3_server}&region=us-east-1"
     _check_one_writer(_run(tmp_path, url, f"sqlite:///{tmp_path}/catalog.db"))
+
+
+def test_dcp_storage_save_one_writer_per_object_folder(tmp_path):
+    """``dcp.save`` through ``UcpStorageWriter`` on 3 ranks: each shard object and each ``zarr.json`` has one
+    writer (the coordinator writes every ``zarr.json`` at ``finish``), and ``dcp.load`` is bit-exact."""
+    _check_one_writer(_run(tmp_path, str(tmp_path / "store"), api="dcp"))
+
+
+def test_dcp_storage_save_one_writer_per_object_s3(tmp_path, s3, s3_server):  # noqa: F811 - fixtures
+    bucket = "ucp-one-writer-dcp"
+    if bucket not in {b["Name"] for b in s3.list_buckets().get("Buckets", [])}:
+        s3.create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/{os.urandom(4).hex()}?endpoint={s3_server}&region=us-east-1"
+    _check_one_writer(_run(tmp_path, url, f"sqlite:///{tmp_path}/catalog.db", api="dcp"))
 
 
 def test_writer_aligned_shards_divide_split_points_over_the_shard_target():

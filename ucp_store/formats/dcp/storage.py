@@ -579,6 +579,9 @@ class UcpStorageWriter(StorageWriter):
         writer = self._writer if self.is_coordinator else CheckpointWriter(detached_store(data.store),
                                                                            data.checkpoint_id, owner=False)
         writer.defer_durability()
+        # every zarr.json has one writer: the coordinator, origin of every array, writes them in finish
+        # (a create-or-open by each rank is not atomic on S3 or NFS)
+        writer.origin_writes_metadata()
         regions = {k: v for k, v in data.keys.items() if v.kind == "tensor"}
         writer.open_regions([v.region() for v in regions.values()])
         results: list[WriteResult] = []
