@@ -248,10 +248,10 @@ def build(job):
     if job.get("universal"):
         cfg["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg, mpu=mpu)
-    from ucp_store.deepspeed.moe import _ep_of
+    from ucp_store.deepspeed.moe import ep_of
 
-    if _ep_of(engine)[1] != rank % ep:
-        raise SystemExit(f"ds_moe: rank {rank} is ep rank {_ep_of(engine)[1]} in DeepSpeed's groups, expected "
+    if ep_of(engine)[1] != rank % ep:
+        raise SystemExit(f"ds_moe: rank {rank} is ep rank {ep_of(engine)[1]} in DeepSpeed's groups, expected "
                          f"{rank % ep}")
     return engine, dp_rank, world, micro
 

@@ -26,22 +26,24 @@ DP) degree through ``load_shard``: each rank gets its experts and its ZeRO share
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ucp_store.deepspeed.files import EXPERT_RE
-from ucp_store.deepspeed.merge import ParamRecord, _numel
+from ucp_store.deepspeed.merge import ParamRecord
 from ucp_store.deepspeed.reader import DeepSpeedReader, release_pages
 from ucp_store.errors import ConfigurationError, SourceFormatError, UcpError
 from ucp_store.patterns import Expert, ExpertMember
 from ucp_store.topology import Topology
 
 __all__ = ["UNIVERSAL_REFUSAL", "DeepSpeedMoEReader", "open_tag_reader", "global_expert_name", "local_expert_name",
-           "load_engine", "engine_param_shares", "EXPERTS_RE"]
+           "load_engine", "engine_param_shares", "ep_of", "EXPERTS_RE", "ExpertSpec"]
 
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 EXPERTS_RE = re.compile(r"^(?P<prefix>.*\.deepspeed_experts\.)(?P<index>\d+)(?P<suffix>\..+)$")
@@ -52,6 +54,47 @@ UNIVERSAL_REFUSAL = (
     "each expert parameter by its local name (deepspeed_experts.<j>), which on ep rank r > 0 is global expert "
     "r * E/ep + j, so every ep rank but the first would load another expert's state without an error. Resume MoE "
     "through load_shard: ucp_store.deepspeed.moe.load_engine(engine, ref, store=...)")
+
+
+# ------------------------------------------------------------------------------------ plan records
+@dataclass
+class EpPlacement:
+    """DeepSpeed's default expert groups over a source's tp x dp ranks, per ep rank: the model-parallel rank
+    of the rank that writes its expert files, and the (mp, dp) optimizer files of its expert-data-parallel
+    ranks in ZeRO order."""
+
+    writer_mp: list[int]
+    keys: list[list[tuple[int, int]]]
+
+
+@dataclass
+class ExpertFiles:
+    """The expert files of a tag folder by (MoE layer, global expert): the file, the model-parallel rank that
+    wrote it and the names of its tensors."""
+
+    file: dict[tuple[int, int], str]
+    mp: dict[tuple[int, int], int]
+    names: dict[tuple[int, int], list[str]]
+
+
+@dataclass
+class ExpertSpec:
+    """Where one global expert parameter's state comes from: the ``"expert"`` entry of its reader spec."""
+
+    layer: int  #: the MoE layer (counted in module order)
+    index: int  #: the global expert id
+    num: int  #: the layer's number of experts
+    ep_rank: int  #: the ep rank holding the expert
+    local: str  #: its name on that ep rank (local expert index), as the optimizer files name it
+    prefix: str  #: ``...deepspeed_experts.``
+    suffix: str  #: ``.w1.weight``
+    file: str  #: its expert file (the low-precision weight)
+    keys: list[tuple[int, int]]  #: the (mp, dp) optimizer files of its ep rank's expert-data-parallel ranks
+
+    def meta(self) -> dict[str, Any]:
+        """The record's ``moe_expert`` metadata (stored with the record; the fused form groups by it)."""
+        return {"layer": self.layer, "index": self.index, "num": self.num, "prefix": self.prefix,
+                "suffix": self.suffix}
 
 
 def global_expert_name(local_name: str, ep_rank: int, local_experts: int) -> str:
@@ -101,6 +144,9 @@ class DeepSpeedMoEReader(DeepSpeedReader):
 
     # --------------------------------------------------------------------------------- plan
     def _plan(self) -> None:
+        """The base reader's plan, its expert group's local entries replaced by one spec per (layer, global
+        expert, parameter): find the expert group and ep, place the ep ranks, scan and check the expert files,
+        then build the specs."""
         super()._plan()
         if self.zero_stage >= 3:
             raise SourceFormatError(f"{self.tag_dir}: an MoE checkpoint under ZeRO-3; only ZeRO-1/2 MoE checkpoints "
@@ -108,52 +154,72 @@ class DeepSpeedMoEReader(DeepSpeedReader):
         if self.pp != 1:
             raise SourceFormatError(f"{self.tag_dir}: an MoE checkpoint with pp={self.pp}; MoE import reads "
                                     "checkpoints without pipeline parallelism (tp x dp)")
+        self.expert_groups = self._expert_param_groups()
+        eps = set(self.expert_groups.values())
+        if len(eps) != 1:
+            raise SourceFormatError(f"{self.tag_dir}: MoE parameter groups with different ep sizes {sorted(eps)}")
+        self.ep = eps.pop()
+        placement = self._ep_placement()
+        found = self._scan_expert_files()
+        self._check_expert_writers(found, placement)
+        # the dense part stays as the base reader planned it; the expert group's local entries are replaced by
+        # one entry per (layer, global expert, parameter), layer by layer, expert by expert
+        dense = [p for p in self.params if p["group"] not in self.expert_groups]
+        self.expert_specs = self._expert_specs(found, placement)
+        self.params = dense + self.expert_specs
+        self.gates = [p["name"] for p in dense if ".deepspeed_moe.gate." in p["name"]]
+
+    def _expert_param_groups(self) -> dict[int, int]:
+        """param group -> ep of the MoE parameter groups (``moe: True``, named ``ep_size_<ep>``) in the first
+        optimizer file."""
         osd = self._optim((0, 0))["optimizer_state_dict"]
         bos = osd.get("base_optimizer_state") or {}
         groups = bos.get("param_groups") if isinstance(bos, dict) else None
         if not isinstance(groups, list):
             raise SourceFormatError(f"{self._path(self.optim_files[(0, 0)])}: no base_optimizer_state.param_groups: "
                                     "cannot tell the expert parameter group")
-        self.expert_groups: dict[int, int] = {}  # param group -> ep
+        out: dict[int, int] = {}
         for g, pg in enumerate(groups):
             if isinstance(pg, dict) and pg.get("moe"):
                 m = EP_GROUP_RE.match(str(pg.get("name", "")))
                 if m is None:
                     raise SourceFormatError(f"{self._path(self.optim_files[(0, 0)])}: MoE parameter group {g} is "
                                             f"named {pg.get('name')!r}, expected 'ep_size_<ep>'")
-                self.expert_groups[g] = int(m[1])
-        if not self.expert_groups:
+                out[g] = int(m[1])
+        if not out:
             raise SourceFormatError(f"{self.tag_dir}: expert files but no MoE parameter group ('moe': True) in "
                                     f"{self.optim_files[(0, 0)]}")
-        eps = set(self.expert_groups.values())
-        if len(eps) != 1:
-            raise SourceFormatError(f"{self.tag_dir}: MoE parameter groups with different ep sizes {sorted(eps)}")
-        self.ep = eps.pop()
-        # DeepSpeed's default (E+D) expert groups span the whole tp x dp world of a stage, tp fastest (Megatron's
-        # and PipeModelDataParallelTopology's order): Topology(ep_over="stage") (topology.py, the one home of the
-        # rule): global rank r = tp + TP * dp is ep rank r % ep, and the ranks of one ep rank (r, r + ep, ...)
-        # form its expert-data-parallel group, which ZeRO partitions the expert group over. Experts are not
-        # tensor-parallel there: each expert file is written once, by the rank of its ep rank whose
-        # expert-data-parallel rank is 0 (global rank ep_rank, so mp_rank ep_rank % tp).
+        return out
+
+    def _ep_placement(self) -> EpPlacement:
+        """Where DeepSpeed's default (E+D) expert groups put each ep rank.
+
+        They span the whole tp x dp world of a stage, tp fastest (Megatron's and PipeModelDataParallelTopology's
+        order): Topology(ep_over="stage") (topology.py, the one home of the rule): global rank r = tp + TP * dp
+        is ep rank r % ep, and the ranks of one ep rank (r, r + ep, ...) form its expert-data-parallel group,
+        which ZeRO partitions the expert group over. Experts are not tensor-parallel there: each expert file is
+        written once, by the rank of its ep rank whose expert-data-parallel rank is 0 (global rank ep_rank, so
+        mp_rank ep_rank % tp)."""
         world = self.tp * self.dp
         if world % self.ep:
             raise SourceFormatError(f"{self.tag_dir}: ep={self.ep} does not divide the {world} ranks (tp={self.tp} x "
                                     f"dp={self.dp})")
         groups_topo = Topology(tp=self.tp, dp=self.dp, ep=self.ep, ep_over="stage")
-        ep_writer_mp = [groups_topo.coords(groups_topo.rank({"ep": er, "edp": 0}))["tp"] for er in range(self.ep)]
-        # ep rank -> the (mp, dp) optimizer files of its expert-data-parallel ranks, in ZeRO order
-        ep_keys = [[(c["tp"], c["dp"]) for c in sorted((groups_topo.coords(r) for r in range(world)),
-                                                        key=lambda c: c["edp"]) if c["ep"] == er]
-                   for er in range(self.ep)]
-        files = getattr(self, "expert_files", {})
+        writer_mp = [groups_topo.coords(groups_topo.rank({"ep": er, "edp": 0}))["tp"] for er in range(self.ep)]
+        keys = [[(c["tp"], c["dp"]) for c in sorted((groups_topo.coords(r) for r in range(world)),
+                                                     key=lambda c: c["edp"]) if c["ep"] == er]
+                for er in range(self.ep)]
+        return EpPlacement(writer_mp, keys)
+
+    def _scan_expert_files(self) -> ExpertFiles:
+        """Open every expert file: one per (layer, global expert), each holding the parameters of exactly that
+        expert under one prefix per layer. Sets ``layer_prefix`` and ``num_experts``."""
         by_expert: dict[tuple[int, int], dict[int, str]] = {}
-        for (layer, e, mp), f in files.items():
+        for (layer, e, mp), f in getattr(self, "expert_files", {}).items():
             by_expert.setdefault((layer, e), {})[mp] = f
-        # (layer, expert) -> file; the name prefix of every layer from its files' keys
         self.layer_prefix: dict[int, str] = {}
         self.num_experts: dict[int, int] = {}
-        expert_names: dict[tuple[int, int], list[str]] = {}
-        expert_file: dict[tuple[int, int], str] = {}
+        found = ExpertFiles(file={}, mp={}, names={})
         for (layer, e), per_mp in sorted(by_expert.items()):
             if len(per_mp) > 1:
                 raise SourceFormatError(
@@ -161,7 +227,7 @@ class DeepSpeedMoEReader(DeepSpeedReader):
                     f"{sorted(per_mp)} ({', '.join(sorted(per_mp.values()))}): tensor-parallel experts "
                     "(MoE(enable_expert_tensor_parallelism=True)) are not read; experts must be whole on one rank")
             (mp, f), = per_mp.items()
-            expert_file[(layer, e)] = f
+            found.file[(layer, e)], found.mp[(layer, e)] = f, mp
             sd = self._load(f, "MoE expert state")
             if not isinstance(sd, dict):
                 raise SourceFormatError(f"{self._path(f)}: expected a dict of expert tensors")
@@ -178,67 +244,73 @@ class DeepSpeedMoEReader(DeepSpeedReader):
             if self.layer_prefix.setdefault(layer, prefix) != prefix:
                 raise SourceFormatError(f"{self._path(f)}: layer {layer} has experts under {prefix!r} and "
                                         f"{self.layer_prefix[layer]!r}")
-            expert_names[(layer, e)] = names
+            found.names[(layer, e)] = names
             self.num_experts[layer] = max(self.num_experts.get(layer, 0), e + 1)
+        return found
+
+    def _check_expert_writers(self, found: ExpertFiles, placement: EpPlacement) -> None:
+        """Every layer has experts 0..E-1 (E divisible by ep), each written by its ep rank's writer."""
         for layer, n in self.num_experts.items():
-            missing = [e for e in range(n) if (layer, e) not in expert_names]
+            missing = [e for e in range(n) if (layer, e) not in found.names]
             if missing or n % self.ep:
                 raise SourceFormatError(f"{self.tag_dir}: MoE layer {layer} has expert files for experts "
-                                        f"{sorted(e for (lay, e) in expert_names if lay == layer)}; expected 0..E-1 "
+                                        f"{sorted(e for (lay, e) in found.names if lay == layer)}; expected 0..E-1 "
                                         f"with E divisible by ep={self.ep}")
             per = n // self.ep
             for e in range(n):
-                mp = next(iter(by_expert[(layer, e)]))
-                if mp != ep_writer_mp[e // per]:
+                mp = found.mp[(layer, e)]
+                if mp != placement.writer_mp[e // per]:
                     raise SourceFormatError(
-                        f"{self._path(expert_file[(layer, e)])}: expert {e} is on ep rank {e // per}, whose writer "
-                        f"(global rank {e // per}) is model-parallel rank {ep_writer_mp[e // per]}, not {mp}: not "
-                        f"DeepSpeed's default expert groups over tp={self.tp} x dp={self.dp} ranks (tp fastest, ep "
-                        "rank = rank % ep); use_data_before_expert_parallelism layouts are not read")
+                        f"{self._path(found.file[(layer, e)])}: expert {e} is on ep rank {e // per}, whose writer "
+                        f"(global rank {e // per}) is model-parallel rank {placement.writer_mp[e // per]}, not {mp}: "
+                        f"not DeepSpeed's default expert groups over tp={self.tp} x dp={self.dp} ranks (tp fastest, "
+                        "ep rank = rank % ep); use_data_before_expert_parallelism layouts are not read")
+
+    def _expert_specs(self, found: ExpertFiles, placement: EpPlacement) -> list[dict]:
+        """One reader spec per (layer, global expert, parameter), layer by layer, expert by expert: each ep
+        rank's experts are then, in record order, exactly DeepSpeed's flat order of its expert group."""
         by_prefix = {p: layer for layer, p in self.layer_prefix.items()}
-        # the dense part stays as the base reader planned it; the expert group's local entries are replaced by
-        # one entry per (layer, global expert, parameter), layer by layer, expert by expert
-        dense = [p for p in self.params if p["group"] not in self.expert_groups]
-        local = [p for p in self.params if p["group"] in self.expert_groups]
         local_by_layer: dict[int, list[dict]] = {}
-        for spec in local:
+        for spec in (p for p in self.params if p["group"] in self.expert_groups):
             m = EXPERTS_RE.match(spec["name"])
             if m is None or m["prefix"] not in by_prefix:
                 raise SourceFormatError(f"{self.tag_dir}: expert-group parameter {spec['name']!r} has no expert files")
             local_by_layer.setdefault(by_prefix[m["prefix"]], []).append(spec)
-        self.expert_specs: list[dict] = []
+        out: list[dict] = []
         for layer in sorted(self.num_experts):
-            n = self.num_experts[layer]
-            per = n // self.ep
-            specs = local_by_layer.get(layer, [])
-            suffixes = list(dict.fromkeys(EXPERTS_RE.match(s["name"])["suffix"] for s in specs))  # type: ignore[index]
-            shape_of = {EXPERTS_RE.match(s["name"])["suffix"]: s for s in specs}  # type: ignore[index]
-            if len(specs) != per * len(suffixes):
-                raise SourceFormatError(f"{self.tag_dir}: MoE layer {layer}: param_shapes lists {len(specs)} local "
-                                        f"expert parameters, expected {per} local experts x {len(suffixes)}")
-            prefix = self.layer_prefix[layer]
-            for e in range(n):
-                wanted = {prefix + str(e) + sfx for sfx in suffixes}
-                if wanted != set(expert_names[(layer, e)]):
-                    raise SourceFormatError(f"{self._path(expert_file[(layer, e)])}: holds "
-                                            f"{sorted(expert_names[(layer, e)])}, the optimizer's expert group names "
-                                            f"{sorted(wanted)}")
-                er = e // per
-                # the optimizer files of ep rank er's expert-data-parallel ranks, in their order: (mp, dp) keys
-                keys = ep_keys[er]
-                for sfx in suffixes:
-                    base = shape_of[sfx]
-                    shapes = base["shapes"]
-                    if any(tuple(s) != tuple(shapes[0]) for s in shapes[1:]):
-                        raise SourceFormatError(f"{self.tag_dir}: expert parameter {base['name']!r} has shapes "
-                                                f"{[list(x) for x in shapes]} on the TP ranks; experts must be whole")
-                    self.expert_specs.append({
-                        "name": prefix + str(e) + sfx, "stage": 0, "group": base["group"], "shapes": shapes,
-                        "expert": {"layer": layer, "index": e, "num": n, "ep_rank": er,
-                                   "local": prefix + str(e % per) + sfx, "prefix": prefix, "suffix": sfx,
-                                   "file": expert_file[(layer, e)], "keys": keys}})
-        self.params = dense + self.expert_specs
-        self.gates = [p["name"] for p in dense if ".deepspeed_moe.gate." in p["name"]]
+            out += self._layer_specs(layer, local_by_layer.get(layer, []), found, placement)
+        return out
+
+    def _layer_specs(self, layer: int, specs: list[dict], found: ExpertFiles, placement: EpPlacement) -> list[dict]:
+        """The specs of MoE layer ``layer`` from its local expert-group specs (``specs``, the saving ranks'
+        names), checked against its expert files' names."""
+        n = self.num_experts[layer]
+        per = n // self.ep
+        suffixes = list(dict.fromkeys(EXPERTS_RE.match(s["name"])["suffix"] for s in specs))  # type: ignore[index]
+        shape_of = {EXPERTS_RE.match(s["name"])["suffix"]: s for s in specs}  # type: ignore[index]
+        if len(specs) != per * len(suffixes):
+            raise SourceFormatError(f"{self.tag_dir}: MoE layer {layer}: param_shapes lists {len(specs)} local "
+                                    f"expert parameters, expected {per} local experts x {len(suffixes)}")
+        prefix = self.layer_prefix[layer]
+        out: list[dict] = []
+        for e in range(n):
+            wanted = {prefix + str(e) + sfx for sfx in suffixes}
+            if wanted != set(found.names[(layer, e)]):
+                raise SourceFormatError(f"{self._path(found.file[(layer, e)])}: holds "
+                                        f"{sorted(found.names[(layer, e)])}, the optimizer's expert group names "
+                                        f"{sorted(wanted)}")
+            er = e // per
+            for sfx in suffixes:
+                base = shape_of[sfx]
+                shapes = base["shapes"]
+                if any(tuple(s) != tuple(shapes[0]) for s in shapes[1:]):
+                    raise SourceFormatError(f"{self.tag_dir}: expert parameter {base['name']!r} has shapes "
+                                            f"{[list(x) for x in shapes]} on the TP ranks; experts must be whole")
+                ex = ExpertSpec(layer=layer, index=e, num=n, ep_rank=er, local=prefix + str(e % per) + sfx,
+                                prefix=prefix, suffix=sfx, file=found.file[(layer, e)], keys=placement.keys[er])
+                out.append({"name": prefix + str(e) + sfx, "stage": 0, "group": base["group"], "shapes": shapes,
+                            "expert": ex})
+        return out
 
     # --------------------------------------------------------------------------------- metadata
     @property
@@ -304,38 +376,38 @@ class DeepSpeedMoEReader(DeepSpeedReader):
     def _zero12_param(self, spec: dict) -> ParamRecord:
         if "expert" not in spec:
             return super()._zero12_param(spec)
-        ex = spec["expert"]
-        name, g, local = spec["name"], spec["group"], ex["local"]
+        ex: ExpertSpec = spec["expert"]
+        name, g, local = spec["name"], spec["group"], ex.local
         shape = spec["shapes"][0]
-        want = _numel(shape)
+        want = int(math.prod(int(x) for x in shape))
         steps: list = []
         used: list[tuple[torch.Tensor, int, int]] = []
         # the expert-data-parallel ranks of its ep rank
-        frags, got = self._gather_fragments(ex["keys"], g, local, f"{local!r} (global {name!r})", steps, used)
+        frags, got = self._gather_fragments(ex.keys, g, local, f"{local!r} (global {name!r})", steps, used)
         if got != want:
             raise SourceFormatError(f"{self.tag_dir}: the fragments of expert parameter {name!r} (local {local!r} on "
-                                    f"ep rank {ex['ep_rank']}) cover {got} of its {want} elements")
+                                    f"ep rank {ex.ep_rank}) cover {got} of its {want} elements")
         states = {k: torch.cat(fs).reshape(shape).clone() for k, fs in frags.items()}
         step_t, step_type = self._merge_steps(name, steps)
         if step_t is not None:
             states["step"] = step_t
         if self.lp_weights != "none":
-            sd = self._load(ex["file"], "MoE expert state")
+            sd = self._load(ex.file, "MoE expert state")
             lp = sd.get(name)
             if not isinstance(lp, torch.Tensor) or tuple(lp.shape) != tuple(shape):
-                raise SourceFormatError(f"{self._path(ex['file'])}: no weight {name!r} of shape {list(shape)}")
+                raise SourceFormatError(f"{self._path(ex.file)}: no weight {name!r} of shape {list(shape)}")
             if self.lp_weights == "all" or not torch.equal(states["fp32"].to(lp.dtype), lp):
                 states["weight"] = lp.clone()
         for t, s, n in used:
             release_pages(t, s, n)
-        pattern = ExpertMember(expert=ex["index"], num_experts=ex["num"], group=ex["prefix"].rstrip(".")).to_json()
-        meta = {"moe_expert": {k: ex[k] for k in ("layer", "index", "num", "prefix", "suffix")}}
+        pattern = ExpertMember(expert=ex.index, num_experts=ex.num, group=ex.prefix.rstrip(".")).to_json()
+        meta = {"moe_expert": ex.meta()}
         return ParamRecord(name=name, states=states, pattern=pattern, kind="param", shape=tuple(shape), group=g,
                            stage=0, meta=meta, step_type=step_type)
 
 
 # ------------------------------------------------------------------------------------ live engines
-def _ep_of(engine) -> tuple[int, int]:
+def ep_of(engine) -> tuple[int, int]:
     """(ep, ep_rank) of a DeepSpeed MoE engine (one ep size for all its MoE layers)."""
     from deepspeed.moe.layer import MoE
 
@@ -352,7 +424,7 @@ def _engine_names(engine) -> dict:
     """param -> global name: DeepSpeed's names, expert parameters renamed to their global expert."""
     from deepspeed.moe.layer import MoE
 
-    ep, ep_rank = _ep_of(engine)
+    ep, ep_rank = ep_of(engine)
     local_experts = {}
     for m in engine.module.modules():
         if isinstance(m, MoE):
@@ -399,6 +471,16 @@ def _engine_tp(engine) -> tuple[int, int]:
     return int(bwc_tensor_model_parallel_world_size(mpu)), int(bwc_tensor_model_parallel_rank(mpu))
 
 
+@dataclass
+class MoEEngineTarget:
+    """A live DeepSpeed MoE engine (ZeRO-1/2) as :func:`load_engine` fills it."""
+
+    topo: Topology  #: ``Topology(tp, dp, ep, ep_over="stage")`` with the engine's ZeRO stage and alignment
+    rank: int
+    names: dict  #: param -> global name (expert parameters by their global expert)
+    zero_groups: dict[str, str]  #: global name -> its flat group ``g<i>``
+
+
 def load_engine(engine, ref: str, *, store=None) -> None:
     """Load MoE checkpoint ``ref`` into a freshly built DeepSpeed MoE engine (ZeRO-1/2) of any tp / ep / DP
     degree.
@@ -413,11 +495,27 @@ def load_engine(engine, ref: str, *, store=None) -> None:
     low-precision weights follow from the master (``update_lp_params``); then ``global_steps`` /
     ``global_samples``. The store needs the separate expert
     form (``expert_member``)."""
-    import deepspeed.comm as dist
-
-    from ucp_store import open_store
     from ucp_store.io.read import execute
     from ucp_store.plan.planner import plan as make_plan
+
+    ck, objs = _open_moe_version(ref, store)
+    target = _moe_engine_target(engine)
+    records = ck.tensors()
+    p = make_plan(records, target.topo, target.rank, states=["fp32", "exp_avg", "exp_avg_sq", "step"],
+                  zero_groups=lambda n: target.zero_groups.get(n, "g_other"))
+    shard = execute(ck, p, infos=records)
+    buffers = {(b.group, b.state): shard.buffers[b.key] for b in p.buffers}
+    steps = {n: t for (n, st), t in shard.tensors.items() if st == "step"}
+    _fill_optimizer(engine.optimizer, ref, buffers, steps, target.names)
+    engine.optimizer.update_lp_params()
+    for k in ("global_steps", "global_samples", "skipped_steps"):
+        if objs.get(k) is not None:
+            setattr(engine, k, int(objs[k]))
+
+
+def _open_moe_version(ref: str, store) -> tuple[Any, dict[str, Any]]:
+    """(checkpoint, objects) of ``ref``, refusing a version that is not an MoE import of the separate form."""
+    from ucp_store import open_store
 
     if store is None:
         raise ConfigurationError("load_engine: give store=")
@@ -431,10 +529,18 @@ def load_engine(engine, ref: str, *, store=None) -> None:
     if moe.get("form") != "separate":
         raise ConfigurationError(f"{ref}: experts were imported {moe.get('form')!r}; load_engine needs the separate "
                                  "form (DeepSpeed's flat order interleaves each expert's parameters)")
+    return ck, objs
+
+
+def _moe_engine_target(engine) -> MoEEngineTarget:
+    """The engine's topology and rank, checked to be DeepSpeed's default expert groups (tp fastest, ep rank =
+    rank % ep) under a ZeRO-1/2 optimizer without pipeline parallelism."""
+    import deepspeed.comm as dist
+
     opt = engine.optimizer
     if not hasattr(opt, "single_partition_of_fp32_groups"):
         raise ConfigurationError(f"load_engine: optimizer {type(opt).__name__} is not a ZeRO-1/2 optimizer")
-    ep, ep_rank = _ep_of(engine)
+    ep, ep_rank = ep_of(engine)
     if hasattr(engine, "num_stages"):
         raise ConfigurationError("load_engine: MoE engines with pipeline parallelism are not supported")
     tp, tp_rank = _engine_tp(engine)
@@ -454,12 +560,13 @@ def load_engine(engine, ref: str, *, store=None) -> None:
                                  "whole world)")
     names = _engine_names(engine)
     zero_groups = {names[p]: f"g{g}" for g, group in enumerate(opt.bit16_groups) for p in group}
-    records = ck.tensors()
-    p = make_plan(records, topo, rank, states=["fp32", "exp_avg", "exp_avg_sq", "step"],
-                  zero_groups=lambda n: zero_groups.get(n, "g_other"))
-    shard = execute(ck, p, infos=records)
-    buffers = {(b.group, b.state): shard.buffers[b.key] for b in p.buffers}
-    steps = {n: t for (n, st), t in shard.tensors.items() if st == "step"}
+    return MoEEngineTarget(topo, rank, names, zero_groups)
+
+
+def _fill_optimizer(opt, ref: str, buffers: dict[tuple[str, str], torch.Tensor], steps: dict[str, torch.Tensor],
+                    names: dict) -> None:
+    """Copy the read flat partitions (``buffers``: (group, state) -> flat tensor) into the ZeRO-1/2 optimizer's
+    fp32 groups and moments, and each group's step (the first of its parameters' stored steps)."""
     inner = opt.optimizer
     for g, hp in enumerate(opt.single_partition_of_fp32_groups):
         for st in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -482,7 +589,3 @@ def load_engine(engine, ref: str, *, store=None) -> None:
             old = inner.state[hp].get("step")
             inner.state[hp]["step"] = (step.to(device=old.device, dtype=old.dtype).reshape(old.shape).clone()
                                        if isinstance(old, torch.Tensor) else step.clone())
-    opt.update_lp_params()
-    for k in ("global_steps", "global_samples", "skipped_steps"):
-        if objs.get(k) is not None:
-            setattr(engine, k, int(objs[k]))
