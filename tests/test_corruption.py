@@ -3,7 +3,7 @@
 Each case damages a copy of one small store: a flipped byte in an inner chunk, in a shard index and in
 ``zarr.json``; a truncated shard; a deleted shard; a zero-length shard and a zero-length ``zarr.json``; a
 catalog row whose content hash does not match its data. Then, through the local pread path and through
-TensorStore (``UCP_LOCAL_READ=0``), every read either fails with the array and a chunk named or returns
+TensorStore (``config.override(local_read=False)``), every read either fails with the array and a chunk named or returns
 the exact bytes saved, never other numbers; ``Checkpoint.verify`` and ``ucp verify`` report the case and
 exit 1; and ``ucp verify --json`` lists every bad chunk, not only the first. The same damaged files in an
 S3 bucket (moto's server) are read through TensorStore's s3 driver (``slow``).
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import ucp_store
+from ucp_store import config
 from ucp_store.errors import ChecksumError, UcpError
 from ucp_store.io import format as fmt
 from ucp_store.save.writer import CheckpointWriter
@@ -176,9 +177,14 @@ def _check_verify(kind: str, store, cid: str) -> list:
 def test_corruption_is_caught_on_both_read_paths_and_by_verify(damaged, monkeypatch, ucp):
     kind, store, cid, root = damaged
     for local in (True, False):
-        monkeypatch.setenv("UCP_LOCAL_READ", "1" if local else "0")
-        _check_reads(kind, store, cid, local)
-        problems = _check_verify(kind, store, cid)
+        with config.override(local_read=local):
+            _check_reads(kind, store, cid, local)
+            problems = _check_verify(kind, store, cid)
+            _check_cli_verify(kind, store, cid, root, problems, ucp)
+
+
+def _check_cli_verify(kind, store, cid, root, problems, ucp):
+    """``ucp verify`` reports what ``Checkpoint.verify`` found: the array named, every bad chunk and shard."""
     url = store.checkpoint(cid).tensor("x").array_url
     rc, out, err = ucp("verify", "c@1", "--store", root)
     assert rc == 1 and "FAIL x" in err and url in err
@@ -247,7 +253,7 @@ def test_read_errors_are_ucp_errors(template, tmp_path, monkeypatch):
     shard_file_and_range(copy, info, (0, 0))[0].unlink()
     with pytest.raises(UcpError):
         store.checkpoint(cid).read("x", index=(slice(0, 2),))
-    for local in ("1", "0"):  # both read paths say the shard is missing, not that a crc failed
-        monkeypatch.setenv("UCP_LOCAL_READ", local)
-        with pytest.raises(ChecksumError, match=r"chunk \[0, 0\] \(shard file c/0/0\) is missing"):
+    for local in (True, False):  # both read paths say the shard is missing, not that a crc failed
+        with config.override(local_read=local), \
+                pytest.raises(ChecksumError, match=r"chunk \[0, 0\] \(shard file c/0/0\) is missing"):
             ucp_store.open_store(str(copy)).checkpoint(cid).read("x")

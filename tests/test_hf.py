@@ -16,12 +16,13 @@ import struct
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
+from ucp_store import config
 from ucp_store.errors import ConfigurationError, DTypeError, SourceFormatError, UcpError
 from ucp_store.formats.hf.adapter import HfSource, export_hf, import_hf, parse_size, read_header
 from ucp_store.formats.hf.names import NameMap, load_map
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 SHARD = "40KB"  # small enough that the tiny models below need several shards
 
@@ -147,15 +148,16 @@ def test_export_is_byte_identical_to_save_pretrained(tmp_path, store, small_chun
     small_chunks(lambda shape: ((2,) + shape[1:], (6,) + shape[1:]))  # a shard file ends mid-block
     monkeypatch.setattr(hf, "_TASK_BYTES", 300)  # blocks of a few chunk rows: offsets inside every tensor
     monkeypatch.setattr(hf, "_CAST_PIECE", 7)  # the --dtype cast of a block goes in many pieces
-    monkeypatch.setenv("UCP_EXPORT_THREADS", "3")
     model = tiny_llama(torch.float32, seed=4)
     src = tmp_path / "src"
     model.save_pretrained(src)
     ck = store.checkpoint(import_hf(store, src, "b", progress=False))
     assert any(i.chunk_shape[0] == 2 and i.shape[0] > 6 for i in ck.tensors())
-    export_hf(ck, tmp_path / "fp32", progress=False)
-    assert (tmp_path / "fp32" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
-    export_hf(ck, tmp_path / "bf16", dtype="bf16", progress=False)
+    with config.override(export_threads=3):
+        assert hf._export_threads() == 3
+        export_hf(ck, tmp_path / "fp32", progress=False)
+        assert (tmp_path / "fp32" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+        export_hf(ck, tmp_path / "bf16", dtype="bf16", progress=False)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "ref16")
     got = (tmp_path / "bf16" / "model.safetensors").read_bytes()
     assert got == (tmp_path / "ref16" / "model.safetensors").read_bytes()

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucp_store
-from ucp_store import dtypes
+from ucp_store import config, dtypes
 from ucp_store.dtypes import numpy_view
 from ucp_store.errors import ChecksumError
 from ucp_store.io import format as fmt
@@ -149,16 +149,14 @@ def test_large_read_uses_threads_and_matches(where, monkeypatch):
     assert seq and all(n >= chunk and n % chunk == 0 for _, n, _how in seq)
 
 
-@pytest.mark.parametrize("split", ["segments", "runs"])
-def test_large_read_split_modes_match(where, monkeypatch, split):
-    """Both ways of splitting a large read (contiguous segments per file, each through its own open file;
-    or every run its own task) return TensorStore's bytes, and a corrupt chunk is caught either way."""
+def test_large_read_segments_match(where, monkeypatch):
+    """A large read split into contiguous segments per file, each through its own open file, returns
+    TensorStore's bytes, and a corrupt chunk is caught."""
     import ucp_store.io.localread as lr
 
     monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 16)
     monkeypatch.setattr(lr, "RUN_BYTES", 1 << 14)
     monkeypatch.setattr(lr, "SEGMENT_MIN_BYTES", 1 << 15)
-    monkeypatch.setattr(lr, "_SPLIT", split)
     opened = []
     real_open = lr.os.open
     monkeypatch.setattr(lr.os, "open", lambda path, flags, *a: (opened.append(path), real_open(path, flags, *a))[1])
@@ -169,7 +167,7 @@ def test_large_read_split_modes_match(where, monkeypatch, split):
         opened.clear()
         assert local.read(box).tobytes() == ts_handle[fmt.box_index(box)].read().result().tobytes()
         per_file = max(opened.count(p) for p in set(opened))
-        assert per_file > 1 if split == "segments" else per_file == 1  # segments: a file opened per segment
+        assert per_file > 1  # a file opened again per segment
     shard = os.path.join(where[0].root, rel, "c", "1", "0")
     with open(shard, "r+b") as f:
         f.seek(5 * (16 * 64 * 4 + 4) + 100)
@@ -383,9 +381,9 @@ def test_store_reads_agree_with_tensorstore(tmp_path, monkeypatch):
         return sd, row, shard, stats, c.verify()
 
     local = reads()
-    monkeypatch.setenv("UCP_LOCAL_READ", "0")
-    assert not isinstance(store.checkpoint("r@1").tensor("a.weight", "weight").ts(), LocalArray)
-    tsr = reads()
+    with config.override(local_read=False):
+        assert not isinstance(store.checkpoint("r@1").tensor("a.weight", "weight").ts(), LocalArray)
+        tsr = reads()
 
     def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return (a.dtype == b.dtype and a.shape == b.shape
@@ -435,11 +433,10 @@ def test_corrupt_store_array_named_through_load_shard(tmp_path):
     assert [p["chunk"] for p in problems] == [[0, 0]] and "crc32c mismatch" in problems[0]["error"]
 
 
-@pytest.mark.parametrize("streams", [True, False])
-def test_state_dict_streams_whole_reads(tmp_path, monkeypatch, streams):
+def test_state_dict_streams_whole_reads(tmp_path, monkeypatch):
     """state_dict's large reads run several at once, each shard file one stream (a file over STREAM_BYTES
-    in several, each through its own open file), or one after another: the same bytes either way, and a
-    corrupt chunk is named with its tensor."""
+    in several, each through its own open file): the stored bytes, and a corrupt chunk is named with its
+    tensor."""
     import ucp_store.io.localread as lr
     import ucp_store.io.read as uio
 
@@ -447,7 +444,6 @@ def test_state_dict_streams_whole_reads(tmp_path, monkeypatch, streams):
     monkeypatch.setattr(lr, "PARALLEL_BYTES", 1 << 15)
     monkeypatch.setattr(lr, "STREAM_BYTES", 1 << 18)
     monkeypatch.setattr(lr, "RUN_BYTES", 1 << 17)
-    monkeypatch.setattr(uio, "_STREAMS", streams)
     store = ucp_store.open_store(str(tmp_path / "s"), create=True, chunk_target_bytes=128 << 10)
     g = torch.Generator().manual_seed(5)
     state = {f"l{i}.w": random_bits((1024, 256), torch.float32, g) for i in range(3)}
@@ -460,7 +456,7 @@ def test_state_dict_streams_whole_reads(tmp_path, monkeypatch, streams):
     assert sd.keys() == state.keys()
     for n, t in state.items():
         assert sd[n].dtype == t.dtype and dtypes.to_numpy(sd[n]).tobytes() == dtypes.to_numpy(t).tobytes()
-    assert len(streamed) == (3 if streams else 0)  # the three 1 MiB arrays, never the small one
+    assert len(streamed) == 3  # the three 1 MiB arrays, never the small one
     info = store.checkpoint("r@1").info("l1.w", "weight")
     path = next(p for p in (Path(store.location.root) / info.array / "c").rglob("*") if p.is_file())
     flip_byte(path, 100)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ucp_store
-from ucp_store import dtypes
+from ucp_store import config, dtypes
 from ucp_store.errors import WriteError
 from ucp_store.io import format as fmt
 from ucp_store.io import localwrite
@@ -100,16 +100,16 @@ def test_a_failed_shard_write_is_a_write_error_naming_the_tensor(tmp_path, monke
 
 
 def test_save_through_either_path_commits_one_hash(tmp_path, monkeypatch):
-    """A save through the local path and one through TensorStore (``UCP_LOCAL_WRITE=0``) commit the same
-    content hash, verify clean and read back exactly."""
+    """A save through the local path and one through TensorStore (the ``local_write`` setting off) commit
+    the same content hash, verify clean and read back exactly."""
     import ucp_store.distributed as ucpd
 
     t = torch.randn(128, 96)
     hashes = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv("UCP_LOCAL_WRITE", mode)
         store = str(tmp_path / f"s{mode}")
-        cid = ucpd.save({"w": t}, store=store, run="r", step=1, progress=False)
+        with config.override(local_write=mode == "1"):
+            cid = ucpd.save({"w": t}, store=store, run="r", step=1, progress=False)
         st = ucp_store.open_store(store)
         ck = st.checkpoint(cid)
         (info,) = [i for i in ck.tensors() if i.name == "w"]

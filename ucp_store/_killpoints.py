@@ -37,6 +37,8 @@ from __future__ import annotations
 import os
 import signal
 
+from ucp_store import config
+
 __all__ = ["POINTS", "killpoint", "rearm"]
 
 POINTS = ("save.after_begin", "write.array_created", "write.array_written", "write.shard_box",
@@ -51,9 +53,10 @@ _hits = 0
 
 
 def rearm(spec: str | None = None) -> None:
-    """(Re)read the target: ``spec``, or ``$UCP_KILL_AT`` when None. Raises on an unknown point name."""
+    """(Re)read the target: ``spec``, or when None the ``kill_at`` setting / ``$UCP_KILL_AT``
+    (``config.kill_at``). Raises on an unknown point name."""
     global _target, _hit_at, _hits
-    spec = os.environ.get("UCP_KILL_AT") if spec is None else spec
+    spec = config.kill_at() if spec is None else spec
     _hits = 0
     if not spec:
         _target = None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
+
+from ucp_store import config
 
 __all__ = ["wanted", "track"]
 
@@ -13,11 +14,11 @@ T = TypeVar("T")
 
 
 def wanted(enabled: bool | None) -> bool:
-    """Draw a bar? ``UCP_PROGRESS=0/1`` decides; otherwise ``enabled`` and stderr being a terminal."""
-    if os.environ.get("UCP_PROGRESS") == "0":
-        return False
-    if os.environ.get("UCP_PROGRESS") == "1":
-        return True
+    """Draw a bar? The ``progress`` setting or ``UCP_PROGRESS=0/1`` decides (``config.progress``);
+    otherwise ``enabled`` and stderr being a terminal."""
+    forced = config.progress()
+    if forced is not None:
+        return forced
     return bool(enabled) and sys.stderr.isatty()
 
 

@@ -17,9 +17,9 @@ that needs it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from ucp_store import config
 from ucp_store.cli import demo, maintenance, plan, registry, tensors, transfer
 from ucp_store.cli.common import EXIT_FAIL, EXIT_OK, Command, add_common
 from ucp_store.cli.output import fmt_bytes as _fmt_bytes
@@ -94,8 +94,8 @@ def _catalog_failure(exc: BaseException, args: argparse.Namespace) -> str | None
         return None
     if isinstance(exc, (mod.IntegrityError, mod.ProgrammingError)):
         return None
-    store = getattr(args, "store", None) or os.environ.get("UCP_STORE") or "./ucp-store"
-    catalog = getattr(args, "catalog", None) or os.environ.get("UCP_CATALOG") or f"{store}/catalog.db"
+    store = getattr(args, "store", None) or config.store_url() or "./ucp-store"
+    catalog = getattr(args, "catalog", None) or config.catalog_url() or f"{store}/catalog.db"
     return (f"catalog {catalog} failed: {getattr(exc, 'orig', exc)} (a corrupt catalog file, or the database "
             "server refused the query)")
 

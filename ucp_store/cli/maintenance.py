@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
+from ucp_store import config
 from ucp_store.cli.common import EXIT_OK, Command, open_from_args
 from ucp_store.cli.output import fmt_bytes, print_json
 from ucp_store.errors import UcpError
@@ -51,7 +51,7 @@ def cmd_db(args: Any) -> int:
     from ucp_store.catalog import db
     from ucp_store.io.location import Location
 
-    location = Location.parse(args.store or os.environ.get("UCP_STORE") or "./ucp-store", args.catalog)
+    location = Location.parse(args.store or config.store_url() or "./ucp-store", args.catalog)
     if args.action == "upgrade":
         before, after = db.upgrade(location.catalog_url)
         print(f"catalog {db.display_url(location.catalog_url)}: {before or 'empty'} -> {after}")

@@ -17,13 +17,13 @@ objects of a job whose default backend is NCCL.
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from ucp_store import config
 from ucp_store.errors import ConfigurationError, UcpError
 
 __all__ = ["all_ok", "control_group", "default_timeout", "distributed_begin", "distributed_commit", "gather_errors"]
@@ -33,15 +33,9 @@ _GROUPS_LOCK = threading.Lock()
 
 
 def default_timeout() -> float:
-    """Seconds a ucp_store collective may wait: ``$UCP_DIST_TIMEOUT`` or 300."""
-    raw = os.environ.get("UCP_DIST_TIMEOUT", "300")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigurationError(f"UCP_DIST_TIMEOUT={raw!r}: expected a number of seconds") from None
-    if value <= 0:
-        raise ConfigurationError(f"UCP_DIST_TIMEOUT={raw!r}: expected a positive number of seconds")
-    return value
+    """Seconds a ucp_store collective may wait: the ``dist_timeout`` setting, else ``$UCP_DIST_TIMEOUT``,
+    else 300 (``config.dist_timeout``)."""
+    return config.dist_timeout()
 
 
 def control_group(group=None, *, timeout: float | None = None, tag: str = "control"):

@@ -36,6 +36,7 @@ from typing import (
     runtime_checkable,
 )
 
+from ucp_store import config
 from ucp_store._killpoints import killpoint
 from ucp_store.errors import SourceFormatError, UcpError
 
@@ -280,9 +281,7 @@ def merge_objects(parts: Sequence[Mapping[str, Any]], *, partitioned: bool = Fal
 
 
 def _default_inflight() -> int:
-    import os
-
-    return int(os.environ.get("UCP_IMPORT_INFLIGHT_MB", "256")) << 20
+    return config.current().import_inflight_bytes
 
 
 def write_records(writer: "CheckpointWriter", records: Iterable[RecordGroup], *, inflight_bytes: int | None = None,

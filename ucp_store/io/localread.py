@@ -19,7 +19,7 @@ C order, then its crc32c) sits at the end of the file. So for a folder store thi
 - reads a box of whole rows (chunks holding whole rows, the chunk policy's usual cut) without per-chunk
   views: each whole chunk's destination is a byte range found by arithmetic and a shard's index entries
   are checked in one numpy pass (``_read_rows``),
-- keeps every copy away from the distances at which this CPU's copies crawl (``_BAD_DISTANCE``).
+- keeps every copy away from the distances at which some CPUs' copies crawl (``_BAD_DISTANCE``).
 
 Bit-exact agreement with TensorStore is the contract (tests/test_localread.py). Errors mirror it: a bad
 crc (chunk or index), a truncated or missing shard file, an index entry past the end of the file or a
@@ -29,7 +29,8 @@ TensorStore. A missing chunk is an error, never zeros.
 
 :func:`open_reader` is the one place that decides which path an array takes: this one for a folder
 store whose array has exactly the store's uncompressed chain, TensorStore for everything else (S3,
-compressed stores, any other chain). A :class:`LocalArray` answers ``handle[slices].read().result()``
+compressed stores, any other chain, and every array while the ``local_read`` setting of
+:mod:`ucp_store.config` is off). A :class:`LocalArray` answers ``handle[slices].read().result()``
 like a TensorStore handle, so ``format.read_box``, ``format.verify_array`` and ``locate_bad_chunks`` take
 either.
 """
@@ -48,7 +49,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 
-from ucp_store import dtypes
+from ucp_store import config, dtypes
 from ucp_store.io import format as fmt
 from ucp_store.io.crc import value as _crc
 from ucp_store.io.location import Location, _safe_rel
@@ -68,8 +69,8 @@ _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 
 # preadv2's RWF_NOWAIT (Linux >= 4.14; buffered reads since 5.x): a read that would wait for the disk fails
 # at once with EAGAIN. io reads a small read in place when the page cache holds it and hands only the
 # others to its pool (parallel preads are what a cold cache needs; on a warm one the pool's thread
-# hand-offs cost more than the read). ``UCP_READ_NOWAIT=0``: every small read goes to the pool.
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0) if os.environ.get("UCP_READ_NOWAIT", "1") != "0" else 0
+# hand-offs cost more than the read). 0 where the platform has no such flag: every small read goes to the pool.
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 _READ_POOL = LazyPool("ucp-read", "UCP_READ_THREADS", lambda cpus: max(2, min(16, 2 * cpus)))
@@ -139,9 +140,10 @@ def _populate(entry: tuple, off: int, nbytes: int) -> None:
 
 # Large reads split over the pool read one file at several offsets at once. One POSIX_FADV_WILLNEED per
 # file over the span the runs cover starts the whole span's reads at once (on a warm cache it finds the
-# pages present). ``UCP_READ_WILLNEED=0`` leaves it out. (Whole reads of several arrays, ``read_streamed``,
-# skip it: one sequential stream per file, several files at once, measured faster from a cold cache.)
-_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None) if os.environ.get("UCP_READ_WILLNEED", "1") != "0" else None
+# pages present). None where the platform has no such advice. (Whole reads of several arrays,
+# ``read_streamed``, skip it: each file is then read in order as one stream, which the kernel's
+# sequential readahead already serves in large requests; see docs/perf-notes-io.md.)
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
 def _prefetch(runs: list[tuple]) -> None:
@@ -163,17 +165,17 @@ def _prefetch(runs: list[tuple]) -> None:
             pass  # advice only
 
 
-# How a large read is split over the pool (``LocalArray._run_all``): "segments" (default) gives each
-# thread contiguous segments of whole files in file order, each read through its own open file, so that
-# from a cold cache each stream gets the kernel's sequential readahead (large requests, read ahead of the
-# copy); "runs" submits every run (at most RUN_BYTES) as its own task, so one file is read at several
-# offsets at once through one open file (the old behaviour; tools/bench_cold.py compares the two).
-_SPLIT = os.environ.get("UCP_READ_SPLIT", "segments")
+# How a large read is split over the pool (``LocalArray._run_all``): each thread gets contiguous segments
+# of whole files in file order, each read through its own open file, so that from a cold cache each
+# stream gets the kernel's sequential readahead (large requests, read ahead of the copy). Runs submitted
+# one task each would read one file at several offsets at once through one open file, which the kernel's
+# readahead sees as random reads.
 SEGMENT_MIN_BYTES = 8 << 20  # a file is split into segments no smaller than this
 # Several whole reads in flight at once (``LocalArray.read_streamed``, ``io.read_tensors``): each shard file
 # is read in file order as one stream (a file larger than this in streams of about this size), no WILLNEED;
-# the concurrency comes from the reads in flight (from a cold cache, several files read at once in large
-# sequential requests is what this disk serves fastest: tools/bench_cold.py).
+# the concurrency comes from the reads in flight: several files read at once in large sequential requests
+# keep a disk's queue full without turning any one file's reads random (tools/bench_cold.py;
+# docs/perf-notes-io.md).
 STREAM_BYTES = 64 << 20
 _streamed = threading.local()
 SEGMENTS_PER_THREAD = 2  # segments per pool thread (balance: a thread that finishes early takes another)
@@ -290,9 +292,10 @@ def open_reader(location: Location, rel: str, layout: fmt.ArrayLayout, context, 
 
     Local (:class:`LocalArray`) when the store is a folder and the array's codec chain (``codecs``, the
     catalog's record; the layout's own chain when not given) is exactly the store's uncompressed chain;
-    a TensorStore handle otherwise (S3, compression, any other chain). ``UCP_LOCAL_READ=0`` forces
-    TensorStore everywhere (benchmarks compare the two)."""
-    if location.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0":
+    a TensorStore handle otherwise (S3, compression, any other chain). The ``local_read`` setting off
+    (``config.override(local_read=False)``) forces TensorStore everywhere (tests and benchmarks compare
+    the two)."""
+    if location.kind == "file" and config.current().local_read:
         if codecs is None:
             local = is_local_chain(layout.codecs(), layout)
         else:
@@ -331,12 +334,15 @@ class _Pending:
 
 _scratch = threading.local()
 _PAGE = 4096
-# The kernel's copy to user memory (``rep movsb`` with FSRM, as on AMD EPYC here) and glibc's memcpy run
-# 20-30x slower when the destination sits 1-31 bytes after the source modulo a 4 KiB page
-# (tools/bench_align.py). A chunk's file offset moves by 4 bytes (its crc) per chunk, so a read straight
-# into the destination would hit that band for some chunks of every shard: those chunks are read into
-# scratch placed at the file offset's page position (distance 0) and copied with torch's copy loop,
-# which does not slow down.
+# On some CPUs (``rep movsb`` with FSRM) the kernel's copy to user memory and glibc's memcpy slow down by
+# an order of magnitude when the destination sits a few bytes after the source modulo a 4 KiB page (the
+# band's width and the slowdown vary by CPU and kernel: tools/bench_align.py measures them,
+# docs/perf-notes-io.md has the figures). A chunk's file offset moves by 4 bytes (its crc) per chunk, so a
+# read straight into the destination would hit that band for some chunks of every shard: those chunks are
+# read into scratch placed at the file offset's page position (distance 0) and copied with torch's copy
+# loop, which does not slow down. ``_bad_distance`` counts every distance from 1 to ``_BAD_DISTANCE - 1``
+# (1-63 bytes, a cache line) as slow: wider than the bands measured, because a chunk that needlessly goes
+# through scratch costs one extra copy, while one that hits the band costs many times its read.
 _BAD_DISTANCE = 64
 
 
@@ -406,7 +412,7 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
         td[i:i + step].copy_(ts[i:i + step])
 
 
-def _derive(layout: fmt.ArrayLayout, mapped: bool) -> dict[str, Any]:
+def _derive(layout: fmt.ArrayLayout) -> dict[str, Any]:
     """A LocalArray's constants for one geometry (dtype, shape, chunk and shard shapes)."""
     g: dict[str, Any] = {}
     g["dtype"] = dtypes.numpy_dtype(layout.dtype)
@@ -427,7 +433,7 @@ def _derive(layout: fmt.ArrayLayout, mapped: bool) -> dict[str, Any]:
     g["_slab"] = ndim >= 1 and chunk[1:] == shape[1:]
     g["_rest"] = tuple((0, n) for n in shape[1:])
     g["_row_bytes"] = chunk_bytes // chunk[0] if ndim else 0
-    g["_mapped_ok"] = chunk_bytes >= MAP_MIN_CHUNK_BYTES and mapped
+    g["_mapped_ok"] = chunk_bytes >= MAP_MIN_CHUNK_BYTES
     g["_local_mul"] = tuple(math.prod(per_shard[d + 1:]) for d in range(len(per_shard)))
     # the row fast path's constants (``read_rows``): rows per chunk, chunks per shard along dim 0, index
     # entries between consecutive chunks of dim 0
@@ -438,7 +444,6 @@ def _derive(layout: fmt.ArrayLayout, mapped: bool) -> dict[str, Any]:
 
 
 _geometry: dict[tuple, dict[str, Any]] = {}
-_MMAP_ON = os.environ.get("UCP_READ_MMAP", "1") != "0"  # read once: LocalArray is made per array
 
 
 class LocalArray:
@@ -473,11 +478,10 @@ class LocalArray:
     def __init__(self, folder: str, layout: fmt.ArrayLayout):
         self.folder = folder
         self.layout = layout
-        mapped = _MMAP_ON
-        key = (layout.dtype, layout.shape, layout.chunk_shape, layout.shard_shape, MAP_MIN_CHUNK_BYTES, mapped)
+        key = (layout.dtype, layout.shape, layout.chunk_shape, layout.shard_shape, MAP_MIN_CHUNK_BYTES)
         geo = _geometry.get(key)
         if geo is None:  # derived once per geometry: a model's layers share a few
-            geo = _geometry[key] = _derive(layout, mapped)
+            geo = _geometry[key] = _derive(layout)
         self.__dict__.update(geo)
         # shard key -> (file identity, index as [n_index, 2] uint64, end of the chunk data); see the class doc
         self._indexes: dict[str, tuple] = {}
@@ -564,8 +568,8 @@ class LocalArray:
 
     def _run_all(self, runs: list[tuple], flags: int = 0) -> bool | None:
         """Read ``runs`` (``(fd, key, items, expect)``, each file's runs together in file order); a large
-        read is split over the pool: by default (``_SPLIT`` "segments") as contiguous segments of each file,
-        read in file order, each through its own open file (``_segments``); "runs": every run a pool task.
+        read is split over the pool as contiguous segments of each file, read in file order, each through
+        its own open file (``_segments``).
         ``flags`` ``RWF_NOWAIT``: the runs one after another here, False as soon as one would wait (a read
         the pool would split is not tried: None)."""
         total = sum(len(r[2]) for r in runs) * self.chunk_bytes
@@ -582,10 +586,7 @@ class LocalArray:
         elif total >= PARALLEL_BYTES and len(runs) > 1:
             if _WILLNEED is not None:
                 _prefetch(runs)
-            if _SPLIT == "runs":
-                futures: list[Any] = [_get_pool().submit(self._read_run, *r) for r in runs]
-            else:
-                futures = [_get_pool().submit(self._read_segment, *seg) for seg in _segments(runs, total)]
+            futures = [_get_pool().submit(self._read_segment, *seg) for seg in _segments(runs, total)]
             wait_all(futures)  # every run ends before its file is closed, also when one fails
         else:
             for r in runs:

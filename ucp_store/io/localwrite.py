@@ -21,12 +21,13 @@ tests/test_localwrite.py reads the files back through TensorStore and ``localrea
 
 Shard files run on a small thread pool (``UCP_WRITE_THREADS``, default 2-8 by CPU count): the copies,
 xxh3, ``writev`` and ``fsync`` release the GIL. The scratch buffer sits at the file offset's position
-in its page, so the kernel's copy into the page cache never runs at the distances at which this CPU's
+in its page, so the kernel's copy into the page cache never runs at the distances at which some CPUs'
 copies crawl (``localread._BAD_DISTANCE``); the gather into it uses ``localread._copy``, which avoids them too.
 
 :func:`local_folder` is the one place that decides: a folder store, the store's own uncompressed chain,
-a little-endian host, and ``UCP_LOCAL_WRITE`` not ``0``. :func:`whole_shards` says whether a box is a union
-of whole shard files (anything else goes through TensorStore, whose conditional writes merge writers).
+a little-endian host, and the ``local_write`` setting on (``ucp_store.config``). :func:`whole_shards` says
+whether a box is a union of whole shard files (anything else goes through TensorStore, whose conditional
+writes merge writers).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from ucp_store import config
 from ucp_store.io import format as fmt
 from ucp_store.io.crc import value as _crc
 from ucp_store.io.localread import _PAGE, _bad_distance, _copy, is_local_chain
@@ -99,9 +101,10 @@ def log_box(rel: str, layout: fmt.ArrayLayout, offset: tuple[int, ...], shape: t
 
 
 def local_folder(location: Location, rel: str, layout: fmt.ArrayLayout) -> str | None:
-    """The array's folder when its shard files may be written here directly, else None (TensorStore)."""
+    """The array's folder when its shard files may be written here directly, else None (TensorStore: also
+    for every array while the ``local_write`` setting is off)."""
     if (location.kind != "file" or not layout.sharded or sys.byteorder != "little"
-            or os.environ.get("UCP_LOCAL_WRITE", "1") == "0" or not is_local_chain(layout.codecs(), layout)):
+            or not config.current().local_write or not is_local_chain(layout.codecs(), layout)):
         return None
     return os.path.join(location.root, _safe_rel(rel))
 
@@ -204,7 +207,7 @@ def _writeback_starter():
     """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` (Linux): start writing a range to disk without
     waiting, so the disk works while later chunks are still being encoded and the final fsync finds
     most of the file written. None where libc has no such call."""
-    if not sys.platform.startswith("linux") or os.environ.get("UCP_WRITEBACK", "1") == "0":
+    if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
+from ucp_store import config
 from ucp_store.errors import ConfigurationError, InvalidNameError, ReadError
 
 __all__ = ["ARRAYS_DIR", "Location", "array_path", "array_checkpoint", "checkpoint_dir"]
@@ -91,7 +92,7 @@ class Location:
     # --- construction -------------------------------------------------------------------------
     @classmethod
     def parse(cls, url: str, catalog: str | None = None) -> "Location":
-        catalog = catalog or os.environ.get("UCP_CATALOG") or None
+        catalog = catalog or config.catalog_url()
         if not _is_url(url):  # a plain path: no URL parsing ("p%20q", "x?y", "a#b" are folder names)
             return cls._folder(str(Path(url).expanduser().resolve()), catalog)
         parsed = urlparse(url)

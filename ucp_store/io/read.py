@@ -14,7 +14,6 @@ Everything no read covers stays zero: vocab padding rows, ZeRO alignment gaps, c
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -24,7 +23,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ucp_store import dtypes
+from ucp_store import config, dtypes
 from ucp_store.dtypes import numpy_view
 from ucp_store.errors import ChecksumError, UcpError
 from ucp_store.geometry import Box
@@ -49,12 +48,10 @@ _BATCH_READS = 64
 _COLD_BATCH_READS = 8
 # a small read the page cache lacked sends the next this many small reads straight to the pool before the
 # calling thread tries one again: a cold load's reads then wait on the disk in parallel, opens included
-# (opening a file whose inode is not cached waits for the disk, which RWF_NOWAIT does not prevent: trying
-# every read here first made a cold ZeRO-3 load 1.2x slower)
+# (opening a file whose inode is not cached waits for the disk, which RWF_NOWAIT does not prevent, so
+# trying every read here first would serialise a cold load's opens in this thread)
 _COLD_SKIP = 64
 _BATCH_BYTES = 4 << 20
-# whole reads (``read_tensors``): large local ones several at once, one stream per shard file
-_STREAMS = os.environ.get("UCP_READ_STREAMS", "1") != "0"
 # held local readers, per process: (store root, array path, dtype, shape, chunk, shard) -> (codecs, handle,
 # layout); a LocalArray rechecks each shard file's identity on every read, so a held one is never stale
 _HELD_MAX = 4096
@@ -97,7 +94,7 @@ class _Reader:
         self._cold = 0  # small reads still to hand to the pool untried (``_COLD_SKIP``)
         self.bytes_copied = 0
         loc = self.store.location
-        self._local_ok = loc.kind == "file" and os.environ.get("UCP_LOCAL_READ", "1") != "0"
+        self._local_ok = loc.kind == "file" and config.current().local_read
         self._root = loc.root
         # destination key -> (numpy view, its address, the tensor it views)
         self._views: dict[Any, tuple[np.ndarray, int, torch.Tensor]] = {}
@@ -190,9 +187,9 @@ class _Reader:
         """A local read straight into ``target`` (a numpy view of the destination in the stored dtype, the
         box's shape; or with ``addr``, its address, the C-order bytes of a box of whole rows as a 1-d
         array): no sink, no torch on the read's path. Small reads the page cache holds are read here at
-        once (``LocalArray.rows_cached``, ``box_cached``): a warm load handing them to the pool ran up to
-        1.6x slower, as every system call of this thread then waits for a pool thread to give back the GIL
-        (tools/bench_planner.py's end-to-end loads). The rest go to the small-read pool in batches."""
+        once (``LocalArray.rows_cached``, ``box_cached``): handed to the pool, every system call of this
+        thread would wait for a pool thread to give back the GIL, which costs a warm load more than the
+        reads (tools/bench_planner.py's end-to-end loads). The rest go to the small-read pool in batches."""
         nbytes = target.nbytes
         if addr is not None and nbytes < PARALLEL_BYTES:
             r = box.ranges[0]
@@ -416,10 +413,10 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
 
 
 # Destinations from this size are made with torch.zeros: its parallel fill faults the pages in ahead of the
-# reads, which otherwise fault them 4 KiB at a time (bench_reshard's TP 4 -> 3 loads ran 1.1-1.3x slower
-# into fresh memory). Smaller ones are left uninitialised (a fresh torch.zeros of a 16 KiB ZeRO-3 partition
-# cost more than its read), and so are those from _HUGE_BYTES that whole-row reads fill in place with
-# preadv: numpy asks for transparent huge pages there (a 32 MiB whole-tensor read ran 2.5x faster).
+# reads, which otherwise fault them 4 KiB at a time (tools/bench_reshard.py). Smaller ones are left
+# uninitialised (zeroing a small ZeRO-3 partition costs more than its read), and so are those from
+# _HUGE_BYTES that whole-row reads fill in place with preadv: numpy asks for transparent huge pages there,
+# so the reads fault in 2 MiB pages instead of 4 KiB ones (figures: docs/perf-notes-io.md).
 _ZEROED_MIN_BYTES = 1 << 20
 _HUGE_BYTES = 4 << 20
 
@@ -573,12 +570,12 @@ def read_tensors(checkpoint, infos: Iterable[TensorInfo]) -> dict[tuple[str, str
     """Whole tensor-states, read concurrently (the results own the buffers the reads filled).
 
     Large local reads (``PARALLEL_BYTES`` and up) run several at once on localread's stream pool, each
-    shard file read in file order as one stream (``LocalArray.read_streamed``): from a cold cache that is
-    what the disk serves fastest (tools/bench_cold.py), and on a warm one the reads in flight keep the
-    cores busy. ``UCP_READ_STREAMS=0`` (or ``_STREAMS = False``): one after another, each split over the
-    read pool. Small reads and TensorStore's go through ``_Reader`` as before."""
+    shard file read in file order as one stream (``LocalArray.read_streamed``): from a cold cache, large
+    sequential requests to several files at once are what a disk serves fastest (tools/bench_cold.py), and
+    on a warm one the reads in flight keep the cores busy. Small reads and TensorStore's go through
+    ``_Reader`` as before."""
     # every result is kept, so a window on the reads in flight would save no memory; without one
-    # TensorStore keeps both cores busy (about 30% faster on 2 GiB here)
+    # TensorStore keeps every core busy
     reader = _Reader(checkpoint, window_bytes=None)
     out: dict[tuple[str, str], torch.Tensor] = {}
     whole: list[tuple[TensorInfo, Box, Any]] = []  # (info, box, future) of the large local reads
@@ -586,7 +583,7 @@ def read_tensors(checkpoint, infos: Iterable[TensorInfo]) -> dict[tuple[str, str
         for info in infos:
             key = (info.name, info.state)
             box = Box(tuple((0, n) for n in info.shape))
-            if _STREAMS and reader._local_ok:
+            if reader._local_ok:
                 handle, layout = reader.handle(info)
                 if isinstance(handle, LocalArray) and box.numel * layout.itemsize >= PARALLEL_BYTES:
                     whole.append((info, box, get_stream_pool().submit(handle.read_streamed, box.ranges)))

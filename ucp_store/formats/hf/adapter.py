@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ucp_store import dtypes, names
+from ucp_store import config, dtypes, names
 from ucp_store._killpoints import killpoint
 from ucp_store.errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
 from ucp_store.formats.base import TensorRecord, destination, import_source, parse_json
@@ -437,9 +437,10 @@ def _staging(slot: int, nbytes: int) -> "torch.Tensor":
 
 
 def _export_threads() -> int:
-    env = os.environ.get("UCP_EXPORT_THREADS")
-    if env:
-        return max(1, int(env))
+    """The export pool's size: the ``export_threads`` setting, else twice the CPUs (2 to 16)."""
+    chosen = config.current().export_threads
+    if chosen is not None:
+        return chosen
     return max(2, min(16, 2 * (os.cpu_count() or 1)))
 
 
