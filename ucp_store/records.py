@@ -17,20 +17,20 @@ class TensorInfo:
     state: str
     shape: tuple[int, ...]
     dtype: str
-    pattern: dict | None
+    pattern: dict[str, Any] | None
     chunk_shape: tuple[int, ...]
     shard_shape: tuple[int, ...]
     array: str  # location relative to the store root
     array_id: str
-    codecs: list = field(default_factory=list, compare=False, repr=False)
+    codecs: list[Any] = field(default_factory=list, compare=False, repr=False)
     nbytes: int = 0
     content_hash: str = ""
     position: int = 0
 
     @classmethod
-    def from_catalog(cls, name: str, state: str, shape: tuple, dtype: str, pattern: dict | None, chunk_shape: tuple,
-                     shard_shape: tuple, array: str, array_id: str, codecs: list, nbytes: int, content_hash: str,
-                     position: int) -> "TensorInfo":
+    def from_catalog(cls, name: str, state: str, shape: tuple[int, ...], dtype: str, pattern: dict[str, Any] | None,
+                     chunk_shape: tuple[int, ...], shard_shape: tuple[int, ...], array: str, array_id: str,
+                     codecs: list[Any], nbytes: int, content_hash: str, position: int) -> "TensorInfo":
         """Build from catalog columns, bypassing the dataclass ``__init__``: a frozen dataclass sets each
         field through ``object.__setattr__`` (4 us a record here), a third of fetching 100k rows. The
         instance is as frozen as any other."""

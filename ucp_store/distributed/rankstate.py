@@ -32,12 +32,12 @@ def object_name(owner: int, index: int) -> str:
     return f"{OBJECT_PREFIX}/r{int(owner)}/{int(index)}"
 
 
-def key_order(path: Sequence) -> str:
+def key_order(path: Sequence[Any]) -> str:
     """The sort key of a per-rank path: every rank orders the per-rank keys the same way."""
     return json.dumps(list(path))
 
 
-def _text(path: Sequence) -> str:
+def _text(path: Sequence[Any]) -> str:
     return ".".join(str(p) for p in path)
 
 
@@ -121,7 +121,7 @@ class RankTopology:
         order = "" if list(self.mesh) == sorted(self.global_ranks) else f" (global ranks {list(self.mesh)})"
         return f"{ranks}, mesh {mesh}{order}"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"world": self.world, "global_ranks": list(self.global_ranks), "dims": list(self.dims),
                 "shape": list(self.shape), "mesh": None if self.mesh is None else list(self.mesh)}
 
@@ -144,7 +144,7 @@ class PerRankEntry:
     kind: str  # "tensor" or "value"
     object: str
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "kind": self.kind, "object": self.object}
 
 
@@ -152,7 +152,7 @@ class PerRankEntry:
 class PerRankKey:
     """One per-rank key (a state dict path) and the entry of every rank that held it at save."""
 
-    path: tuple
+    path: tuple[Any, ...]
     entries: tuple[PerRankEntry, ...]
 
     @property
@@ -162,7 +162,7 @@ class PerRankKey:
     def entry(self, rank: int) -> PerRankEntry | None:
         return next((e for e in self.entries if e.rank == rank), None)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"path": list(self.path), "text": self.text, "entries": [e.to_json() for e in self.entries]}
 
     @classmethod
@@ -178,7 +178,7 @@ class PerRankManifest:
     topology: RankTopology
     keys: tuple[PerRankKey, ...] = ()
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"topology": self.topology.to_json(), "keys": [k.to_json() for k in self.keys]}
 
     @classmethod
@@ -188,7 +188,7 @@ class PerRankManifest:
         except (KeyError, TypeError, ValueError) as exc:
             raise TopologyError(f"per-rank manifest is malformed ({exc})") from None
 
-    def by_path(self) -> dict[tuple, int]:
+    def by_path(self) -> dict[tuple[Any, ...], int]:
         return {k.path: i for i, k in enumerate(self.keys)}
 
 
@@ -199,7 +199,7 @@ class SavedRankState:
 
     rank: int
     coords: dict[str, int]
-    path: tuple
+    path: tuple[Any, ...]
     value: Any
 
 
@@ -209,7 +209,7 @@ class RankTarget:
 
     rank: int
     coords: dict[str, int]
-    path: tuple
+    path: tuple[Any, ...]
     world: int
     topology: RankTopology
     saved_topology: RankTopology
@@ -284,7 +284,7 @@ def parse_policy(value: Any, *, what: str = "per_rank policy") -> Policy:
     raise ConfigurationError(f"{what}: expected a Policy, a string or a callable, got {type(value).__name__}")
 
 
-def unit_of(path: Sequence, patterns: Sequence[str]) -> tuple[int, tuple] | None:
+def unit_of(path: Sequence[Any], patterns: Sequence[str]) -> tuple[int, tuple[Any, ...]] | None:
     """The first pattern (index) matching ``path`` or one of its ancestors, and the highest matching node
     (the unit the policy restores as a whole); None when no pattern matches."""
     for i, pattern in enumerate(patterns):
@@ -294,7 +294,7 @@ def unit_of(path: Sequence, patterns: Sequence[str]) -> tuple[int, tuple] | None
     return None
 
 
-def policy_for(path: Sequence, policies: Mapping[str, Policy]) -> tuple[str, Policy, tuple] | None:
+def policy_for(path: Sequence[Any], policies: Mapping[str, Policy]) -> tuple[str, Policy, tuple[Any, ...]] | None:
     """(pattern, policy, unit path) for a per-rank leaf at ``path``, or None when no pattern matches."""
     patterns = list(policies)
     found = unit_of(path, patterns)
