@@ -481,17 +481,14 @@ class _StageView:
     whole_experts: bool            # ep_over="stage": experts are not TP-split
     layer_stage: list[int] | None  # stage of every layer, so other stages' layers are skipped before parsing
     default_names: bool            # no layer_names rule: only placements can rename a tensor
-    flat_states: Collection[str] | None
-    zero_groups: Mapping[str, str] | Callable[[str], str] | None
 
 
-def _stage_view(topo: Topology, coords: Mapping[str, int], flat_states: Collection[str] | None,
-                zero_groups: Mapping[str, str] | Callable[[str], str] | None) -> _StageView:
+def _stage_view(topo: Topology, coords: Mapping[str, int]) -> _StageView:
     starts = topo.stage_starts
     layer_stage = ([s for s in range(topo.pp) for _ in range(starts[s], starts[s + 1])] if topo.pp > 1
                    else None)
     return _StageView(topo, coords["pp"], topo.tp, coords["tp"], topo.ep, coords["ep"], topo.vocab_multiple,
-                      topo.tp_for(True) != topo.tp, layer_stage, topo.layer_names is None, flat_states, zero_groups)
+                      topo.tp_for(True) != topo.tp, layer_stage, topo.layer_names is None)
 
 
 @dataclass(slots=True)
@@ -600,7 +597,7 @@ def _select(records: Iterable[Any], topo: Topology, coords: Mapping[str, int], f
     Consecutive records usually share their pattern, shape and chunk objects (the states of one
     parameter): an identity check then skips every lookup, so the loop below only calls out (``_pattern_of``,
     ``_shape_of``, ``_chunk_of``, ``_layout_of``, ``_GroupMembers.join``) when one of them changes."""
-    view = _stage_view(topo, coords, flat_states, zero_groups)
+    view = _stage_view(topo, coords)
     memos = _Memos()
     groups = _GroupMembers()
     flat_kind, group_of, group_states = memos.flat_kind, groups.group_of, groups.states
