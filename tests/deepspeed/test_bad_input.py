@@ -16,7 +16,7 @@ import torch
 from ucp_store import open_store
 from ucp_store import safe_pickle as sp
 from ucp_store.deepspeed.source import DeepSpeedReader, import_deepspeed
-from ucp_store.deepspeed.universal import _safe_dir, export_universal, import_universal
+from ucp_store.deepspeed.universal import export_universal, import_universal, safe_dir
 from ucp_store.errors import InvalidNameError, SourceFormatError, UnsafePickleError
 
 
@@ -163,13 +163,13 @@ def test_export_names_cannot_escape(tmp_path):
     real = os.path.realpath(root)
     for bad in ("../x", "/abs", "a/../../x", "..", "a\\b"):
         with pytest.raises(InvalidNameError):
-            _safe_dir(real, str(base), bad)
+            safe_dir(real, str(base), bad)
     outside = tmp_path / "outside"
     outside.mkdir()
     os.symlink(outside, base / "link")
     with pytest.raises(InvalidNameError):
-        _safe_dir(real, str(base), "link/w")
-    assert _safe_dir(real, str(base), "layers.0.w").startswith(real)
+        safe_dir(real, str(base), "link/w")
+    assert safe_dir(real, str(base), "layers.0.w").startswith(real)
 
 
 def test_safe_pickle_needs_no_deepspeed(tmp_path):

@@ -46,6 +46,7 @@ import shutil
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ from ucp_store.formats.base import destination, import_source
 from ucp_store.patterns import Averaged, Fused, Partitioned, Replicated, Vocab, parse_pattern
 
 __all__ = ["export_universal", "import_universal", "read_universal", "plan_export", "UniversalFolderReader",
-           "UniversalSource", "UniversalSink"]
+           "UniversalSource", "UniversalSink", "safe_dir", "replace_dir"]
 
 STATE_FILES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -81,7 +82,9 @@ def plan_export(checkpoint, target: Any = None) -> list[tuple[str, str]]:
     return [(i.name, i.state) for i in checkpoint.tensors()]
 
 
-def _safe_dir(root_real: str, base: str, name: str) -> str:
+def safe_dir(root_real: str, base: str, name: str) -> str:
+    """``base/name`` resolved, refusing an invalid tensor name and a path that leaves ``root_real`` (through
+    ``..`` or a symlink) or is the root itself: an export writes one folder per parameter name."""
     _names.tensor_name(name)
     path = os.path.realpath(os.path.join(base, name))
     if os.path.commonpath([root_real, path]) != root_real or path == root_real:
@@ -221,6 +224,45 @@ def replace_dir(new: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@dataclass
+class ExportPaths:
+    """Where a universal export writes: it builds the tag folder as a partial sibling of its final place and
+    moves it there once every file is written."""
+
+    out_root: str  #: the export root as given, made absolute (``latest_universal`` goes here)
+    root_real: str  #: the root with symlinks resolved: every parameter folder must stay under it
+    tag: str
+    final: str  #: ``root_real/tag``
+    partial: str  #: ``root_real/.tag.partial-<pid>``, the folder being built
+
+    @property
+    def zero(self) -> str:
+        """The partial folder's ``zero/``, which holds one folder per parameter."""
+        return os.path.join(self.partial, "zero")
+
+
+@dataclass
+class ExportSettings:
+    """How the parameters' files are written (shared by the export's worker threads)."""
+
+    style: str  #: ``zero12``, ``zero3`` or ``portable`` (``auto`` resolved from the source's layout)
+    raw: bool  #: raw flat tensors (ZeRO-3 style), no ``step.pt``
+    weight_only_fallback: bool  #: a parameter without an fp32 master gets ``fp32.pt`` from its weight
+    deepspeed_objects: bool
+    metas: dict[str, Any]  #: ``deepspeed/universal_meta``: name -> the keys ds_to_universal wrote
+    step_types: dict[str, Any]  #: ``deepspeed/step_types``: name -> how its step was stored (tensor, int, float)
+    warnings: list[str] = field(default_factory=list)  #: what the export could not write as the source had it
+
+
+@dataclass
+class ExportJob:
+    """One name's folder of a universal export."""
+
+    name: str
+    states: dict[str, Any]  #: state -> the stored TensorInfo
+    folder: str  #: its folder under the partial export's ``zero/``, checked to stay under the root
+
+
 def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = None, *, style: str = "auto",
                      deepspeed_objects: bool = False, workers: int | None = None, progress: bool = True,
                      target: Any = None, overwrite: bool = False) -> str:
@@ -229,12 +271,42 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
     ``style``: ``"auto"`` (what ds_to_universal writes for the source: dicts for ZeRO-1/2 and TP, raw flat
     tensors for a ZeRO-3 TP=1 source), ``"zero12"``, ``"zero3"``, or ``"portable"`` (dict files, ``step.pt``
     and both the ZeRO-1/2 and ZeRO-3 model-state and optimizer-state keys, so either loader resumes from it).
-    """
-    from ucp_store.progress import track
 
+    The phases: check everything (the source, the settings, the paths, every name and fallback dtype) before
+    writing anything; write the parameters' files, then the common optimizer state and the model states into
+    a partial folder; move it into place; point ``latest_universal`` at it.
+    """
     if style not in ("auto", "zero12", "zero3", "portable"):
         raise ValueError("style must be 'auto', 'zero12', 'zero3' or 'portable'")
     objs = checkpoint.objects()
+    _refuse_expert_parallel(checkpoint, objs)
+    settings = _export_settings(objs, style, deepspeed_objects)
+    paths = _export_paths(checkpoint, out_root, tag, overwrite)
+    by_name, jobs = _export_jobs(checkpoint, target, paths.root_real, paths.zero, settings.weight_only_fallback)
+    made_root = not os.path.isdir(paths.out_root)
+    os.makedirs(paths.zero)  # after every check above: a refused export writes nothing (not even out_root)
+    try:
+        _write_params(checkpoint, jobs, settings, workers, progress)
+        _write_common(checkpoint, objs, by_name, settings, paths.partial)
+        if os.path.lexists(paths.final):
+            replace_dir(paths.partial, paths.final)
+        else:
+            os.replace(paths.partial, paths.final)
+    except BaseException:
+        shutil.rmtree(paths.partial, ignore_errors=True)
+        if made_root:
+            with contextlib.suppress(OSError):
+                os.rmdir(paths.out_root)  # made by this export, empty again
+        raise
+    tmp = os.path.join(paths.out_root, f".latest_universal.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(paths.tag)
+    os.replace(tmp, os.path.join(paths.out_root, "latest_universal"))
+    return paths.final
+
+
+def _refuse_expert_parallel(checkpoint, objs: dict[str, Any]) -> None:
+    """MoE and AutoEP versions cannot be universal folders (DeepSpeed's loader would mix up experts)."""
     if objs.get("deepspeed/moe") is not None:
         from ucp_store.deepspeed.moe import UNIVERSAL_REFUSAL
 
@@ -243,102 +315,110 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
         from ucp_store.deepspeed.autoep import UNIVERSAL_REFUSAL as AUTOEP_REFUSAL
 
         raise ConfigurationError(f"{checkpoint.run}@{checkpoint.step}: {AUTOEP_REFUSAL}")
+
+
+def _export_settings(objs: dict[str, Any], style: str, deepspeed_objects: bool) -> ExportSettings:
+    """The export's settings from the source's layout: ``auto`` is what ds_to_universal writes for it."""
     layout = objs.get("deepspeed/layout") or {}
     src_zero = int(layout.get("zero_stage", 2))
     src_tp = int(layout.get("tp", 1))
     if style == "auto":
         style = "zero3" if (src_zero >= 3 and src_tp == 1) else "zero12"
+    # a name stored without an fp32 master (frozen parameters and buffers of a ZeRO-1/2 source, whose module
+    # weights are in its model states; any weight of a non-DeepSpeed source) gets fp32.pt from its weight, as
+    # ds_to_universal writes frozen parameters
+    weight_only_fallback = style in ("zero12", "portable") and (
+        not layout or (layout.get("module_in_model_states") and src_zero < 3))
+    return ExportSettings(style=style, raw=style == "zero3", weight_only_fallback=bool(weight_only_fallback),
+                          deepspeed_objects=deepspeed_objects, metas=objs.get("deepspeed/universal_meta") or {},
+                          step_types=objs.get("deepspeed/step_types") or {})
+
+
+def _export_paths(checkpoint, out_root: str | os.PathLike, tag: str | None, overwrite: bool) -> ExportPaths:
+    """The checked paths of an export (a valid tag; an existing tag folder only with ``overwrite``), with no
+    partial folder of this process left from before."""
     tag = tag or f"global_step{checkpoint.step}_universal"
     _names.tag_name(tag)
-    out_root = os.path.abspath(destination(out_root, "a DeepSpeed universal folder"))
-    root_real = os.path.realpath(out_root)  # the folder is made once every check below has passed
+    root = os.path.abspath(destination(out_root, "a DeepSpeed universal folder"))
+    root_real = os.path.realpath(root)  # the folder is made once every check has passed
     final = os.path.join(root_real, tag)
     if os.path.lexists(final) and not overwrite:
         raise ConflictError(f"{final} exists; choose another tag or pass overwrite=True")
-    out = os.path.join(root_real, f".{tag}.partial-{os.getpid()}")
-    shutil.rmtree(out, ignore_errors=True)
-    zero = os.path.join(out, "zero")
-    metas = objs.get("deepspeed/universal_meta") or {}
-    step_types = objs.get("deepspeed/step_types") or {}
-    warnings: list[str] = []
+    partial = os.path.join(root_real, f".{tag}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    return ExportPaths(out_root=root, root_real=root_real, tag=tag, final=final, partial=partial)
 
-    weight_only_fallback = style in ("zero12", "portable") and (
-        not layout or (layout.get("module_in_model_states") and src_zero < 3))
-    raw = style == "zero3"
-    by_name, jobs = _export_jobs(checkpoint, target, root_real, zero, bool(weight_only_fallback))
-    made_root = not os.path.isdir(out_root)
-    os.makedirs(zero)  # after every check above: a refused export writes nothing (not even out_root)
 
-    def export_one(job):
-        name, states, d = job
-        os.makedirs(d, exist_ok=True)
-        written = 0
-        if "fp32" in states:
-            pattern = states["fp32"].pattern
-            meta = metas.get(name)
-            meta = _universal_meta(meta, deepspeed_objects, warnings, name) if meta is not None else \
-                _universal_meta(_meta_from_pattern(pattern, warnings, name), deepspeed_objects, warnings, name)
-            for st in states:
-                if st in ("weight",):
-                    continue
-                t = checkpoint.read(name, st)
-                path = os.path.join(d, f"{st}.pt")
-                if st == "step":
-                    if raw:
-                        continue
-                    typ = step_types.get(name, "tensor")
-                    val = t if typ == "tensor" else (int(t.item()) if typ == "int" else float(t.item()))
-                    _save(val, path)
-                elif raw:
-                    _save(t.reshape(-1), path)
-                else:
-                    _save({**meta, "param": t}, path)
-                written += t.numel() * t.element_size()
-                killpoint("export.universal")
-        elif "weight" in states and weight_only_fallback:
-            t = checkpoint.read(name, "weight")
-            _save({"param": t.float()}, os.path.join(d, "fp32.pt"))
-            written += t.numel() * 4
-        else:
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
-        return written
+def _write_params(checkpoint, jobs: list[ExportJob], settings: ExportSettings, workers: int | None,
+                  progress: bool) -> int:
+    """Write every job's parameter files on ``workers`` threads; returns the bytes written."""
+    from ucp_store.progress import track
 
     workers = workers or min(4, os.cpu_count() or 1)
     total = 0
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as ex:
-            for n in track(ex.map(export_one, jobs), "export", enabled=progress, total=len(jobs)):
-                total += n
-        step_value = _common_step(checkpoint, by_name)
-        _save(_optimizer_state(objs, style, deepspeed_objects, step_value), os.path.join(zero, "optimizer_state.pt"))
-        for fname, sd in _model_states(checkpoint, objs, by_name, style, deepspeed_objects).items():
-            _save(sd, os.path.join(out, fname))
-        if warnings:
-            with open(os.path.join(out, "ucp_export_warnings.txt"), "w") as f:
-                f.write("\n".join(sorted(set(warnings))) + "\n")
-        if os.path.lexists(final):
-            replace_dir(out, final)
-        else:
-            os.replace(out, final)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        if made_root:
-            with contextlib.suppress(OSError):
-                os.rmdir(out_root)  # made by this export, empty again
-        raise
-    tmp = os.path.join(out_root, f".latest_universal.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(tag)
-    os.replace(tmp, os.path.join(out_root, "latest_universal"))
-    return final
+    with ThreadPoolExecutor(max_workers=workers) as ex:
+        for n in track(ex.map(lambda job: _write_param(checkpoint, job, settings), jobs), "export",
+                       enabled=progress, total=len(jobs)):
+            total += n
+    return total
+
+
+def _write_param(checkpoint, job: ExportJob, settings: ExportSettings) -> int:
+    """One parameter's folder: a file per state with an fp32 master, else ``fp32.pt`` from its weight (the
+    weight-only fallback), else nothing (its folder is removed again); returns the bytes written."""
+    name, states, d = job.name, job.states, job.folder
+    os.makedirs(d, exist_ok=True)
+    written = 0
+    if "fp32" in states:
+        pattern = states["fp32"].pattern
+        meta = settings.metas.get(name)
+        ds_objects, warnings = settings.deepspeed_objects, settings.warnings
+        meta = _universal_meta(meta, ds_objects, warnings, name) if meta is not None else \
+            _universal_meta(_meta_from_pattern(pattern, warnings, name), ds_objects, warnings, name)
+        for st in states:
+            if st in ("weight",):
+                continue
+            t = checkpoint.read(name, st)
+            path = os.path.join(d, f"{st}.pt")
+            if st == "step":
+                if settings.raw:
+                    continue
+                typ = settings.step_types.get(name, "tensor")
+                val = t if typ == "tensor" else (int(t.item()) if typ == "int" else float(t.item()))
+                _save(val, path)
+            elif settings.raw:
+                _save(t.reshape(-1), path)
+            else:
+                _save({**meta, "param": t}, path)
+            written += t.numel() * t.element_size()
+            killpoint("export.universal")
+    elif "weight" in states and settings.weight_only_fallback:
+        t = checkpoint.read(name, "weight")
+        _save({"param": t.float()}, os.path.join(d, "fp32.pt"))
+        written += t.numel() * 4
+    else:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+    return written
+
+
+def _write_common(checkpoint, objs: dict[str, Any], by_name, settings: ExportSettings, out: str) -> None:
+    """The files besides the parameters': ``zero/optimizer_state.pt``, the model states and the warnings."""
+    step_value = _common_step(checkpoint, by_name)
+    _save(_optimizer_state(objs, settings.style, settings.deepspeed_objects, step_value),
+          os.path.join(out, "zero", "optimizer_state.pt"))
+    for fname, sd in _model_states(checkpoint, objs, by_name, settings.style, settings.deepspeed_objects).items():
+        _save(sd, os.path.join(out, fname))
+    if settings.warnings:
+        with open(os.path.join(out, "ucp_export_warnings.txt"), "w") as f:
+            f.write("\n".join(sorted(set(settings.warnings))) + "\n")
 
 
 def _export_jobs(checkpoint, target: Any, root_real: str, zero: str, weight_only_fallback: bool):
-    """(name -> {state: info}, [(name, states, folder)]) of a universal export, every name's folder and every
-    fallback weight's dtype checked (nothing is written yet)."""
+    """(name -> {state: info}, [ExportJob]) of a universal export, every name's folder and every fallback
+    weight's dtype checked (nothing is written yet)."""
     by_name: "OrderedDict[str, dict[str, Any]]" = OrderedDict()
     wanted = set(plan_export(checkpoint, target)) if target is not None else None
     for info in checkpoint.tensors():
@@ -349,7 +429,7 @@ def _export_jobs(checkpoint, target: Any, root_real: str, zero: str, weight_only
     for name, states in by_name.items():
         if "fp32" not in states and "weight" in states and weight_only_fallback:
             _check_fp32_cast(checkpoint, states["weight"])
-        jobs.append((name, states, _safe_dir(root_real, zero, name)))
+        jobs.append(ExportJob(name, states, safe_dir(root_real, zero, name)))
     return by_name, jobs
 
 
