@@ -1,9 +1,7 @@
 """Cold-cache whole reads, interleaved (page cache dropped before every read; needs root), best of N rounds:
 
-- ucp ``state_dict`` on the local path as it is: the large arrays read several at once on localread's
-  stream pool, each shard file read in file order as one stream (``io._STREAMS``, ``read_streamed``),
-- ucp as it was: one array after another, each split over the read pool as runs of at most ``RUN_BYTES``
-  read at several offsets of one open file at once (``io._STREAMS = False``, ``localread._SPLIT = "runs"``),
+- ucp ``state_dict`` on the local path: the large arrays read several at once on localread's stream
+  pool, each shard file read in file order as one stream (``read_streamed``),
 - the ceilings: a raw read of the same bytes from ONE file into fresh memory; a raw read of ucp's own shard
   files (same files, same extents on disk) into fresh memory, one after another and 8 at once; and the
   job's own ceiling, those 8-at-once reads each followed by a crc32c over the file's bytes (what checking
@@ -38,8 +36,6 @@ os.environ.setdefault("UCP_PROGRESS", "0")
 import bench_store  # noqa: E402
 
 import ucp_store
-from ucp_store.io import localread
-from ucp_store.io import read as ucp_io
 from ucp_store.io.crc import value as _crc
 
 
@@ -94,16 +90,12 @@ def main() -> None:
         if not bench_store.drop_caches():
             print("cannot drop the page cache here (not root): no cold figure")
             return
-        split, streams = localread._SPLIT, ucp_io._STREAMS
         pool = ThreadPoolExecutor(8)
 
-        def ucp(new: bool):
-            def run():
-                localread._SPLIT, ucp_io._STREAMS = (split, streams) if new else ("runs", False)
-                return ucp_store.open_store(store.location.url).checkpoint("c@1").state_dict("weight")
-            return run
+        def ucp():
+            return ucp_store.open_store(store.location.url).checkpoint("c@1").state_dict("weight")
 
-        cases = {"ucp state_dict": ucp(True), "ucp state_dict (old)": ucp(False),
+        cases = {"ucp state_dict": ucp,
                  "raw read, one file": lambda: np.fromfile(raw, np.uint8),
                  "raw read, ucp's files": lambda: [np.fromfile(p, np.uint8) for p in shards],
                  "raw read, ucp's files, 8 thr": lambda: list(pool.map(lambda p: np.fromfile(p, np.uint8), shards)),
@@ -125,7 +117,6 @@ def main() -> None:
                 times[k].append(dt)
                 io[k].append((d1[0] - d0[0], d1[1] - d0[1]))
                 print(r, k, f"{dt:.3f} s", flush=True)
-        localread._SPLIT, ucp_io._STREAMS = split, streams
         pool.shutdown()
         best = {k: min(v) for k, v in times.items()}
         raw_best, torch_best = best["raw read, one file"], best["torch.load"]

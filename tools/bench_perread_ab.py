@@ -25,7 +25,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE = os.environ["BEFORE"]
-# name -> (tree, store built by, UCP_LOCAL_READ)
+# name -> (tree, store built by, UCP_LOCAL_READ: "0" sends every read through TensorStore; the child sets
+# config.local_read from it on trees that have ucp_store.config)
 runs = {"before": (BEFORE, "before", "1"), "after": (HERE, "after", "1"),
         "after@before-store": (HERE, "before", "1"), "raw syscalls, before store": ("raw", "before", "1"),
         "raw syscalls, after store": ("raw", "after", "1")}
@@ -39,6 +40,11 @@ import sys, os, time, json
 sys.path.insert(0, os.environ["T"])
 os.environ["UCP_PROGRESS"] = "0"
 import ucp_store
+try:  # trees with ucp_store.config pick the read path there; older ones read UCP_LOCAL_READ themselves
+    from ucp_store import config
+    config.set(local_read=os.environ.get("UCP_LOCAL_READ", "1") != "0")
+except ImportError:
+    pass
 from ucp_store.topology import Topology
 from ucp_store import io
 from ucp_store.plan.planner import plan as make_plan

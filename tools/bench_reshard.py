@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ucp_store
+from ucp_store import config
 from ucp_store import patterns as pat
 from ucp_store.plan.planner import plan as make_plan
 from ucp_store.topology import Topology
@@ -101,17 +102,14 @@ def measure(path: str, target: Topology, rank: int, repeats: int = 3) -> dict:
         execute(ck, p)
         cold = time.perf_counter() - t
     load_times, ts_times = [], []
-    for _ in range(repeats):  # interleaved: the local read path, then the TensorStore path (UCP_LOCAL_READ=0)
+    for _ in range(repeats):  # interleaved: the local read path, then the TensorStore path (local_read=False)
         t = time.perf_counter()
         shard = execute(ck, p)
         load_times.append(time.perf_counter() - t)
-        os.environ["UCP_LOCAL_READ"] = "0"
-        try:
+        with config.override(local_read=False):
             t = time.perf_counter()
             ts_shard = execute(ck, p)
             ts_times.append(time.perf_counter() - t)
-        finally:
-            os.environ.pop("UCP_LOCAL_READ", None)
         for key, tensor in shard.tensors.items():
             assert torch.equal(tensor.view(torch.uint8) if tensor.dim() else tensor,
                                ts_shard.tensors[key].view(torch.uint8) if tensor.dim() else ts_shard.tensors[key]), key
@@ -153,7 +151,7 @@ def main() -> None:
             rows.append(r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("\nload: the local read path; TS load: the same plan through TensorStore (UCP_LOCAL_READ=0), interleaved,"
+    print("\nload: the local read path; TS load: the same plan through TensorStore (local_read=False), interleaved,"
           " best of 3; us/read: warm load time / reads")
     print(f"\n{'case':34}{'states':>7}{'reads':>6}{'needed MiB':>11}{'ampl.':>7}{'plan ms':>9}{'load ms':>9}"
           f"{'TS load ms':>11}{'us/read':>8}{'TS us/read':>11}{'cold ms':>9}{'plan/load':>10}")

@@ -4,7 +4,7 @@
     python tools/bench_store.py --gib 0.5 --repeats 3 --chunk-kib 1024,256 --lean   # fits a shared 2-core box
 
 Reads are interleaved (every reader once per round, best of ``--repeats``): ucp's local read path, the
-same reads through TensorStore (``UCP_LOCAL_READ=0``), a raw read of the same bytes into fresh memory,
+same reads through TensorStore (``config.override(local_read=False)``), a raw read of the same bytes into fresh memory,
 torch.load and safetensors; ratios are printed against torch.load, the raw read, the raw read into
 page-aligned memory, and that read followed by crc32c over every 1 MiB on all cores (what a read that
 checks every chunk costs at the least). ``--chunk-kib`` adds
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ucp_store
-from ucp_store import dtypes
+from ucp_store import config, dtypes
 from ucp_store.io import format as fmt
 from ucp_store.io.crc import value as crc_value
 from ucp_store.io.location import Location
@@ -176,11 +176,8 @@ def bench_full(tensors, work: str, cold: bool, repeats: int = 3, chunk_targets: 
             f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
 
     def ucp_read_tensorstore():
-        os.environ["UCP_LOCAL_READ"] = "0"  # localread.open_reader then picks TensorStore
-        try:
+        with config.override(local_read=False):  # localread.open_reader then picks TensorStore
             return ucp_read()
-        finally:
-            os.environ.pop("UCP_LOCAL_READ", None)
 
     # the same state saved with other inner-chunk targets (the chunk policy's choice), read the same way
     others = {}
@@ -188,7 +185,7 @@ def bench_full(tensors, work: str, cold: bool, repeats: int = 3, chunk_targets: 
         if target == store.settings["chunk_target_bytes"]:
             continue
         other = ucp_store.open_store(os.path.join(work, f"store-{target}"), create=True, chunk_target_bytes=target)
-        t_w, _ = timed(lambda: other.save("bench", 1, tensors))
+        t_w, _ = timed(lambda other=other: other.save("bench", 1, tensors))
         res[f"ucp_write_chunks_{target >> 10}KiB_s"] = t_w
         others[f"ucp_read_chunks_{target >> 10}KiB_s"] = (lambda o=other: o.checkpoint("bench@1").state_dict("weight"))
 
@@ -234,7 +231,7 @@ def bench_full(tensors, work: str, cold: bool, repeats: int = 3, chunk_targets: 
                     fn()  # warm the page cache
                 # touch every 4 KiB page inside the timed region, so lazily mapped readers (safetensors
                 # mmap) pay for all of their bytes too
-                t, out = timed(lambda: touch(fn()))
+                t, out = timed(lambda fn=fn: touch(fn()))
                 res[f"{key}_{mode}"] = min(t, res.get(f"{key}_{mode}", math.inf))
                 del out
     os.remove(raw)
@@ -280,10 +277,9 @@ def bench_partial(work: str, cold: bool, repeats: int = 5, chunk_targets: tuple[
     # the same reads through a handle that is already open (catalog looked up, array opened once), as a
     # training job or an inspection loop holds it; the case above pays open_store + catalog query per read
     handle = ucp_store.open_store(store.location.url).checkpoint("p@1").tensor(name, "fp32")
-    os.environ["UCP_LOCAL_READ"] = "0"  # the same handle on the TensorStore path (localread.open_reader)
-    ts_handle = ucp_store.open_store(store.location.url).checkpoint("p@1").tensor(name, "fp32")
-    ts_handle.ts()
-    os.environ.pop("UCP_LOCAL_READ")
+    with config.override(local_read=False):  # the same handle on the TensorStore path (localread.open_reader)
+        ts_handle = ucp_store.open_store(store.location.url).checkpoint("p@1").tensor(name, "fp32")
+        ts_handle.ts()
 
     # the same parameter saved with other inner-chunk targets (the chunk policy's choice)
     by_target = {}
