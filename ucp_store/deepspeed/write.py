@@ -40,6 +40,7 @@ from ucp_store.deepspeed.write_plan import (
     SaveTarget,
     ShareResult,
     StagedFiles,
+    dtype_name,
     numel,
 )
 from ucp_store.deepspeed.write_tp import TPPlan
@@ -104,7 +105,7 @@ def _file_record(sd: dict, fname: str, notes: list) -> dict:
     for k, v in sd.items():
         if k in ("module", "frozen_param_fragments"):
             rec[k] = None if v is None else {"__ucp_module__": [
-                [n, sp._dtype_name(t.dtype), list(t.shape)] for n, t in v.items()]}
+                [n, dtype_name(t.dtype), list(t.shape)] for n, t in v.items()]}
         else:
             rec[k] = sp.to_jsonable(v, notes=notes, where=f"{fname}:{k}")
     return rec
@@ -151,7 +152,7 @@ def _local_part(snap: RankSnapshot, files: StagedFiles, zero: int) -> RankPart:
     weights = None
     if snap.dp_rank == 0 and zero < 3:  # the whole weights this rank would send at TP > 1 (frozen parameters, buffers)
         owned = {n for g in (param_shapes or []) for n, _ in g}
-        weights = [(n, str(t.dtype).replace("torch.", ""), tuple(int(x) for x in t.shape))
+        weights = [(n, dtype_name(t.dtype), tuple(int(x) for x in t.shape))
                    for n, t in files.module().items() if n not in owned]
     # what a TP save needs besides: the model's universal_checkpoint_info, each group's flat states (name,
     # dtype) and optimizer step, and the dtype of the low-precision module weights
@@ -161,7 +162,7 @@ def _local_part(snap: RankSnapshot, files: StagedFiles, zero: int) -> RankPart:
         flat, gsteps = [], []
         for g in range(len(osd["param_slice_mappings"])):
             f, st = files.flat_states(g)
-            flat.append([(k, str(v.dtype).replace("torch.", "")) for k, v in f.items()])
+            flat.append([(k, dtype_name(v.dtype)) for k, v in f.items()])
             gsteps.append(st)
     lp = next(iter(snap.lp.values()), None)
     return RankPart(
@@ -175,7 +176,7 @@ def _local_part(snap: RankSnapshot, files: StagedFiles, zero: int) -> RankPart:
         mappings=None if zero >= 3 else [{n: (int(a.start), int(a.numel)) for n, a in g.items()}
                                          for g in osd["param_slice_mappings"]],
         uci_raw=None if model_sd is None or not isinstance(model_sd.get(UCI), dict) else _standins(model_sd[UCI]),
-        flat=flat, gsteps=gsteps, lp_dtype=None if lp is None else str(lp.dtype).replace("torch.", ""),
+        flat=flat, gsteps=gsteps, lp_dtype=None if lp is None else dtype_name(lp.dtype),
         weights=weights)
 
 

@@ -33,9 +33,14 @@ if TYPE_CHECKING:
     from ucp_store.deepspeed.write_tp import TPPlan
 
 __all__ = ["FrozenSpec", "ParamSpec", "RankPart", "RankReport", "RankSnapshot", "SavePlan", "SaveTarget",
-           "ShareResult", "StagedFiles", "flat_states", "numel"]
+           "ShareResult", "StagedFiles", "dtype_name", "flat_states", "numel"]
 
 Shapes = list[tuple[str, tuple[int, ...]]]  # (parameter name, shape), in the order DeepSpeed lists them
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    """A torch dtype's name as the records and the stored objects spell it (``bfloat16``)."""
+    return str(dt).replace("torch.", "")
 
 
 def numel(shape) -> int:
