@@ -46,6 +46,7 @@ from ucp_store.errors import (
     WriterClosedError,
 )
 from ucp_store.io.location import ARRAYS_DIR, Location
+from ucp_store.registry.context import ArrayContexts, StoreContext, did_you_mean, run_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from ucp_store.registry.checkpoint import Checkpoint
@@ -129,12 +130,14 @@ class Store:
     """A store opened by :func:`open_store`: the registry of runs and versions, and the door to writing
     (``begin``, ``save``), reading (``checkpoint``), retention and gc."""
 
+    #: no longer read (the TensorStore contexts live in :attr:`store_context`); ``distributed.coord`` still sets it
+    _context: Any = None
+
     def __init__(self, location: Location, catalog):
         self.location = location
         self.catalog = catalog
         #: whether ``open_store(create=True)`` made this store (False: it existed, its settings unchanged)
         self.created = False
-        self._context: Any = None
         with self.catalog.session() as s:
             rows = {r.key: r.value for r in s.scalars(select(m.Setting))}
         self.settings: dict[str, Any] = {**_UNRECORDED, **rows}
@@ -143,23 +146,30 @@ class Store:
         return f"Store({self.location.url!r})"
 
     @property
+    def store_context(self) -> StoreContext:
+        """What the writer and retention use of this store (location, catalog, settings): built once, and
+        again only when one of those attributes was replaced (``open_store`` records a new store's
+        settings after opening it; ``distributed.coord.detached_store`` fills a store in without
+        ``__init__``). Every context of one store shares its TensorStore contexts."""
+        ctx = self.__dict__.get("_store_context")
+        if (ctx is None or ctx.location is not self.location or ctx.catalog is not self.catalog
+                or ctx.settings is not self.settings or ctx.detached != bool(getattr(self, "detached", False))):
+            arrays = ctx.arrays if ctx is not None else ArrayContexts()
+            ctx = StoreContext(self.location, self.catalog, self.settings,
+                               detached=bool(getattr(self, "detached", False)), arrays=arrays)
+            self._store_context = ctx
+        return ctx
+
+    @property
     def context(self) -> Any:
         """The TensorStore context every array of this store opens with (made on first use)."""
-        if self._context is None:
-            from ucp_store.io.format import make_context
-
-            self._context = make_context()
-        return self._context
+        return self.store_context.context
 
     @property
     def unsynced_context(self) -> Any:
         """The context of a writer that defers durability (``CheckpointWriter.defer_durability``): local files
         are not fsynced one by one; that writer fsyncs them all at once before it records their rows."""
-        if getattr(self, "_unsynced_context", None) is None:
-            from ucp_store.io.format import make_context
-
-            self._unsynced_context = make_context(sync=False)
-        return self._unsynced_context
+        return self.store_context.unsynced_context
 
     def _init_settings(self, compression: str | None, chunk_target_bytes: int | None) -> bool:
         """Record a new store's settings; True when the store is new. An existing store's settings never
@@ -240,14 +250,8 @@ class Store:
             out.setdefault(cid, []).append(name)
         return out
 
-    @staticmethod
-    def _run_names(s) -> list[str]:
-        return list(s.scalars(select(m.Run.name)))
-
-    @staticmethod
-    def _near(word: str, candidates: Iterable[str]) -> str:
-        near = difflib.get_close_matches(word, list(candidates), n=5, cutoff=0.5)
-        return f"; did you mean: {', '.join(near)}?" if near else ""
+    _run_names = staticmethod(run_names)
+    _near = staticmethod(did_you_mean)
 
     def resolve(self, ref: str) -> str:
         """Checkpoint id of a committed version: ``RUN@STEP``, ``RUN@latest``, ``RUN:TAG`` or an id."""
@@ -453,14 +457,14 @@ class Store:
         """Store the run's retention policy (no ``keep_*``: clear it); returns the stored record."""
         from ucp_store.registry.retention import RetentionPolicy, set_retention
 
-        return set_retention(self, run, RetentionPolicy(keep_last, keep_every, keep_tagged))
+        return set_retention(self.store_context, run, RetentionPolicy(keep_last, keep_every, keep_tagged))
 
     def retention_victims(self, run: str | None = None, *, keep_last: int | None = None,
                           keep_every: int | None = None, keep_tagged: bool = True) -> list[str]:
         """Committed versions a retention policy would remove (explicit arguments beat stored policies)."""
         from ucp_store.registry.retention import RetentionPolicy, retention_victims
 
-        return retention_victims(self, run, RetentionPolicy(keep_last, keep_every, keep_tagged))
+        return retention_victims(self.store_context, run, RetentionPolicy(keep_last, keep_every, keep_tagged))
 
     def gc(self, *, run: str | None = None, keep_last: int | None = None, keep_every: int | None = None,
            keep_tagged: bool = True, dry_run: bool = False,
@@ -468,13 +472,13 @@ class Store:
         """Apply retention, drop dead pending saves, then delete arrays nothing committed references."""
         from ucp_store.registry.retention import RetentionPolicy, gc
 
-        return gc(self, run=run, override=RetentionPolicy(keep_last, keep_every, keep_tagged), dry_run=dry_run,
-                  pending_timeout=pending_timeout)
+        return gc(self.store_context, run=run, override=RetentionPolicy(keep_last, keep_every, keep_tagged),
+                  dry_run=dry_run, pending_timeout=pending_timeout)
 
     def _sweep_arrays(self, *, dry_run: bool, also: Iterable[str] = frozenset()) -> tuple[int, int]:
         from ucp_store.registry.retention import sweep_arrays
 
-        return sweep_arrays(self, dry_run=dry_run, also=also)
+        return sweep_arrays(self.store_context, dry_run=dry_run, also=also)
 
     # --- queries ----------------------------------------------------------------------------------
     def query(self, sql: str) -> tuple[list[str], list[tuple]]:

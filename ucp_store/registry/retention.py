@@ -9,7 +9,9 @@ file under ``arrays/`` that no row knows about (a save killed before its rows we
 Reference counts are derived from the catalog rows, never stored, so a sweep can never free an array
 that a committed version still reads. Files are listed and deleted through :class:`~ucp_store.io.location.Location`
 (folders or a bucket alike); nothing here imports torch or TensorStore, so ``ucp gc --dry-run`` and
-``ucp retention`` run on the catalog alone.
+``ucp retention`` run on the catalog alone. The functions take the store's
+:class:`~ucp_store.registry.context.StoreContext` (``Store.store_context``: location, catalog, settings),
+never the :class:`~ucp_store.store.Store` itself.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import os
 import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from sqlalchemy import exists, func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -28,9 +29,7 @@ from ucp_store._killpoints import killpoint
 from ucp_store.catalog import models as m
 from ucp_store.errors import CatalogError, ConfigurationError, ReferenceNotFound
 from ucp_store.io.location import ARRAYS_DIR, array_checkpoint, array_path, checkpoint_dir
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ucp_store.store import Store
+from ucp_store.registry.context import StoreContext, did_you_mean, run_names
 
 __all__ = ["DEFAULT_PENDING_TIMEOUT", "GcReport", "RetentionPolicy", "set_retention", "retention_victims", "gc",
            "sweep_arrays"]
@@ -142,21 +141,22 @@ def _utcnow() -> _dt.datetime:
     return _dt.datetime.now(_dt.UTC)
 
 
-def set_retention(store: "Store", run: str, policy: RetentionPolicy) -> dict | None:
+def set_retention(ctx: StoreContext, run: str, policy: RetentionPolicy) -> dict | None:
     """Store ``policy`` as the run's retention (an inactive policy clears it); returns its record."""
     record = policy.to_json()
-    with store.catalog.write_session() as s:
+    with ctx.catalog.write_session() as s:
         row = s.scalar(select(m.Run).where(m.Run.name == run))
         if row is None:
-            raise ReferenceNotFound(f"run {run!r} not found{store._near(run, store._run_names(s))}")
+            raise ReferenceNotFound(f"run {run!r} not found{did_you_mean(run, run_names(s))}")
         row.retention = record
     return record
 
 
-def retention_victims(store: "Store", run: str | None = None, override: RetentionPolicy | None = None) -> list[str]:
+def retention_victims(ctx: StoreContext, run: str | None = None,
+                      override: RetentionPolicy | None = None) -> list[str]:
     """Committed versions the runs' policies (or ``override``, when active) would remove."""
     victims: list[str] = []
-    with store.catalog.session() as s:
+    with ctx.catalog.session() as s:
         q = select(m.Run)
         if run is not None:
             q = q.where(m.Run.name == run)
@@ -173,18 +173,18 @@ def retention_victims(store: "Store", run: str | None = None, override: Retentio
     return victims
 
 
-def gc(store: "Store", *, run: str | None = None, override: RetentionPolicy | None = None, dry_run: bool = False,
+def gc(ctx: StoreContext, *, run: str | None = None, override: RetentionPolicy | None = None, dry_run: bool = False,
        pending_timeout: _dt.timedelta = DEFAULT_PENDING_TIMEOUT) -> GcReport:
     """Apply retention, drop dead pending saves, then delete arrays nothing committed references.
     ``pending_timeout``: a pending save older than this is dead even if its owner may live (>= 0)."""
     if not isinstance(pending_timeout, _dt.timedelta) or pending_timeout < _dt.timedelta(0):
         raise ConfigurationError(f"gc: pending_timeout must be a datetime.timedelta >= 0, got {pending_timeout!r}")
     report = GcReport(dry_run=dry_run)
-    store.location.check_walkable(ARRAYS_DIR)  # before any row goes: a sweep through a link is refused
-    victims = retention_victims(store, run, override)
+    ctx.location.check_walkable(ARRAYS_DIR)  # before any row goes: a sweep through a link is refused
+    victims = retention_victims(ctx, run, override)
     host = socket.gethostname()
     now = _utcnow()
-    with store.catalog.write_session() as s:
+    with ctx.catalog.write_session() as s:
         for cid in victims:
             report.removed_checkpoints.append(cid)
             if not dry_run:
@@ -213,13 +213,13 @@ def gc(store: "Store", *, run: str | None = None, override: RetentionPolicy | No
                         pass
     if not dry_run:
         killpoint("gc.after_rows")
-    n, freed = sweep_arrays(store, dry_run=dry_run, also=set(report.removed_pending),
+    n, freed = sweep_arrays(ctx, dry_run=dry_run, also=set(report.removed_pending),
                             gone=report.removed_checkpoints + report.removed_pending)
     report.removed_arrays, report.freed_bytes = n, freed
     return report
 
 
-def sweep_arrays(store: "Store", *, dry_run: bool, also: Iterable[str] = frozenset(),
+def sweep_arrays(ctx: StoreContext, *, dry_run: bool, also: Iterable[str] = frozenset(),
                  gone: Iterable[str] = ()) -> tuple[int, int]:
     """Delete arrays with no referencing tensor/object row and files no row knows about; returns
     (arrays removed, bytes freed). ``also``: checkpoint ids whose folders go even if still listed.
@@ -231,13 +231,13 @@ def sweep_arrays(store: "Store", *, dry_run: bool, also: Iterable[str] = frozens
     count 0 there). A link under ``arrays/`` is not the store's data: it is removed itself, never followed."""
     also = set(also)
     gone = sorted(set(gone)) if dry_run else []
-    location = store.location
+    location = ctx.location
     removed, freed = 0, 0
     doomed: list[tuple[str, int]] = []
     for attempt in range(3):
         removed, doomed = 0, []
         try:
-            with store.catalog.write_session() as s:
+            with ctx.catalog.write_session() as s:
                 referenced = exists().where(m.Tensor.array_id == m.Array.id)
                 referenced_obj = exists().where(m.StoredObject.array_id == m.Array.id)
                 if gone:
@@ -268,7 +268,7 @@ def sweep_arrays(store: "Store", *, dry_run: bool, also: Iterable[str] = frozens
     # checkpoint row is inserted before its folder exists, so a folder seen here whose row is absent
     # afterwards belongs to a save that is gone, never to one that just started.
     folders = location.list_dirs(ARRAYS_DIR)
-    with store.catalog.session() as s:
+    with ctx.catalog.session() as s:
         live_ids = set(s.scalars(select(m.Checkpoint.id)))
         known_paths = set(s.scalars(select(m.Array.path)))
     for folder in folders:
