@@ -99,3 +99,28 @@ def test_ddp_ranks_share_replica_writes_by_bytes_and_reuse_the_plan(tmp_path):
         # a changed content decision is caught at the commit's digest gather: the cached attempt, then a plan
         assert sum(diverged["collectives"].values()) == sum(cached["collectives"].values()) + sum(
             first["collectives"].values()) - 5, (rank, diverged)
+
+
+def test_async_save_reuses_the_plan_and_its_call_waits_for_four_small_collectives(tmp_path):
+    """Issue 31 (the plan cached per layout) on 4 DDP-style ranks: the first ``async_save`` of a layout plans
+    (its call gathers the proposals and scatters the shares); the next one of the same layout checks the
+    cached plan in four small collectives (the check's gather to the coordinator and its one-byte verdict),
+    no proposal, no share; a changed content decision (``rng`` now differs across ranks) fails that check on
+    every rank and plans afresh in the same call. Every version loads back bit-exact."""
+    ddp = {"kind": "ddp", "tensors": 12}
+    phases = [{"op": "async_save", "step": 1, **ddp}, {"op": "async_save", "step": 2, **ddp},
+              {"op": "load", "step": 2, **ddp},
+              {"op": "async_save", "step": 3, "change": "diverge", **ddp},
+              {"op": "load", "step": 3, "change": "diverge", **ddp},
+              {"op": "async_save", "step": 4, "change": "diverge", **ddp},
+              {"op": "load", "step": 4, "change": "diverge", **ddp}]
+    results = _launch(tmp_path, {"world": 4, "store": str(tmp_path / "store"), "phases": phases})
+    check = {"all_reduce": 1, "gather": 1, "broadcast": 2}
+    for rank, got in enumerate(results):
+        first, cached, _, diverged, _, cached_again, _ = got
+        assert first["call_collectives"].get("scatter") == 1, (rank, first["call_collectives"])
+        assert cached["call_collectives"] == check, (rank, cached["call_collectives"])
+        assert cached_again["call_collectives"] == check, (rank, cached_again["call_collectives"])
+        # the check, then the planning of the first call
+        planned = {k: diverged["call_collectives"].get(k, 0) - check.get(k, 0) for k in diverged["call_collectives"]}
+        assert {k: v for k, v in planned.items() if v} == first["call_collectives"], (rank, diverged, first)

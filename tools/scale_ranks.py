@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+import threading
 import traceback
 
 #: the torch.distributed functions counted (the outermost call of a nest: an ``*_object`` call's own
@@ -34,13 +35,16 @@ COLLECTIVES = ("broadcast", "all_reduce", "reduce", "gather", "scatter", "all_ga
 class Counters:
     def __init__(self) -> None:
         self.collectives: dict[str, int] = {}
+        #: the subset the calling (main) thread ran: an async save's call, not its background writer
+        self.caller: dict[str, int] = {}
         self.connects = 0
         self.statements = 0  # catalog round trips: SQL statements sent (commits and rollbacks not counted)
         self.catalog_opens: list[str] = []
-        self._depth = 0
+        self._depth = threading.local()
 
     def reset(self) -> None:
         self.collectives, self.connects, self.statements, self.catalog_opens = {}, 0, 0, []
+        self.caller = {}
 
     def install(self, catalog_file: str | None) -> None:
         import torch.distributed as dist
@@ -73,13 +77,16 @@ class Counters:
 
     def _wrap(self, name: str, fn):
         def counted(*args, **kwargs):
-            if self._depth == 0:
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0:
                 self.collectives[name] = self.collectives.get(name, 0) + 1
-            self._depth += 1
+                if threading.current_thread() is threading.main_thread():
+                    self.caller[name] = self.caller.get(name, 0) + 1
+            self._depth.n = depth + 1
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._depth -= 1
+                self._depth.n = depth
 
         return counted
 
@@ -200,6 +207,10 @@ def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters
         if ph["op"] == "save":
             out["id"] = ucpd.save(sd, store=store_url, run=spec.get("run", "scale"), step=ph.get("step", 0),
                                   progress=False)
+        elif ph["op"] == "async_save":  # the collectives its call waits for, apart from the background's
+            handle = ucpd.async_save(sd, store=store_url, run=spec.get("run", "scale"), step=ph.get("step", 0))
+            out["call_collectives"] = dict(counters.caller)
+            out["id"] = handle.result()
         else:
             fresh = make(-1)
             if ph["op"] == "load":

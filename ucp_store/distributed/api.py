@@ -152,11 +152,10 @@ def _describe(leaf: Leaf) -> _Tensor:
         placements = [lay.placement_json(p) for p in t.placements]
         shape = tuple(int(s) for s in t.shape)
         local = t.to_local()
-        mesh_shape = tuple(int(n) for n in mesh.mesh.shape)
+        mesh_shape = lay.mesh_facts(mesh).shape
         if coord is None:  # this rank is not part of the DTensor's mesh: it holds nothing
             return _Tensor(leaf, shape, dtypes.zarr_name(local.dtype, what=what), local, [], False)
-        regions = lay.local_regions(shape, mesh_shape, placements, coord, what=what)
-        expected = lay.local_shape(shape, mesh_shape, placements, coord)
+        regions, expected, writer, points = _geometry(shape, mesh_shape, placements, tuple(coord), what)
         if tuple(local.shape) != expected:
             raise TopologyError(f"{what}: the local shard has shape {tuple(local.shape)} but placements "
                                 f"{list(t.placements)} on mesh {list(mesh_shape)} at {tuple(coord)} give {expected}; "
@@ -164,13 +163,30 @@ def _describe(leaf: Leaf) -> _Tensor:
         pattern: dict[str, Any] = {"kind": "dtensor", "mesh": {"shape": list(mesh_shape)}, "placements": placements}
         if mesh.mesh_dim_names:
             pattern["mesh"]["dims"] = list(mesh.mesh_dim_names)
-        return _Tensor(leaf, shape, dtypes.zarr_name(local.dtype, what=what), local, regions,
-                       lay.is_writer_coord(placements, coord), pattern,
-                       lay.split_points(shape, mesh_shape, placements))
+        return _Tensor(leaf, shape, dtypes.zarr_name(local.dtype, what=what), local, list(regions), writer, pattern,
+                       points)
     shape = tuple(int(s) for s in t.shape)
     full = lay.Region(tuple((0, n) for n in shape), tuple((0, n) for n in shape))
     return _Tensor(leaf, shape, dtypes.zarr_name(t.dtype, what=what), t, [full] if t.numel() or not shape else [],
                    True)
+
+
+#: (shape, mesh shape, placements, coordinate) -> this rank's regions, local shape, writer flag, split points:
+#: the same few geometries recur across a state dict's DTensors and across saves (pure index math)
+_GEOMETRY: dict[tuple, tuple] = {}
+
+
+def _geometry(shape: tuple, mesh_shape: tuple, placements: list, coord: tuple, what: str) -> tuple:
+    key = (shape, mesh_shape, repr(placements), coord)
+    hit = _GEOMETRY.get(key)
+    if hit is None:
+        hit = (tuple(lay.local_regions(shape, mesh_shape, placements, coord, what=what)),
+               lay.local_shape(shape, mesh_shape, placements, coord), lay.is_writer_coord(placements, coord),
+               lay.split_points(shape, mesh_shape, placements))
+        if len(_GEOMETRY) > 65536:  # a process that saves ever-new shapes: keep the memory bounded
+            _GEOMETRY.clear()
+        _GEOMETRY[key] = hit
+    return hit
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -227,9 +243,9 @@ def _describe_leaves(leaves, ctx: _Ctx, mesh) -> tuple[list[_Tensor], dict, dict
             dtensors.append(t)
             if t.pattern is not None:
                 m = t.leaf.value.device_mesh
-                meshes.setdefault(repr(m.mesh.tolist()), {"shape": t.pattern["mesh"]["shape"],
-                                                          "dims": list(m.mesh_dim_names or ()),
-                                                          "ranks": m.mesh.tolist()})
+                ranks = lay.mesh_facts(m).ranks
+                meshes.setdefault(repr(ranks), {"shape": t.pattern["mesh"]["shape"],
+                                                "dims": list(m.mesh_dim_names or ()), "ranks": ranks})
         elif leaf.is_tensor:  # one rank alone has nothing to compare: no digest
             plain[leaf.path] = _describe(leaf)
             digests.append((leaf.path, "tensor", perrank.digest_tensor(leaf.value) if ctx.world > 1 else b""))
@@ -250,9 +266,9 @@ def _plan_save(state_dict: Any, ctx: _Ctx, mesh=None, *, cache: bool = False) ->
     and scatters to each rank only its share. The plan is cached per layout (``_layout_key``): a later save
     of the same layout runs no planning collective; its digests ride the commit's digest gather, where a
     changed decision (or a rank whose layout changed) makes every rank abort and plan afresh
-    (``StalePlanError`` on every rank, retried by ``save``). ``cache=False`` (async_save's callers, which
-    neither retry nor carry the check to a writer process) always plans, and leaves the plan cached for
-    ``save``."""
+    (``StalePlanError`` on every rank, retried by ``save``; ``async_save``, which commits where it cannot
+    retry, settles the check before it returns: ``confirm_cached_plan``). ``cache=False`` always plans, and
+    leaves the plan cached."""
     error: BaseException | None = None
     proposal: dict = {"error": None}
     leaves: list[Leaf] = []
@@ -323,7 +339,7 @@ def _layout_key(leaves, dtensors: list[_Tensor], plain: dict, topology: dict, wo
         if t is None:
             parts.append([list(leaf.path)])
             continue
-        mesh_ranks = t.leaf.value.device_mesh.mesh.tolist() if t.pattern is not None else None
+        mesh_ranks = lay.mesh_facts(t.leaf.value.device_mesh).ranks if t.pattern is not None else None
         parts.append([list(leaf.path), list(t.key), list(t.shape), t.dtype, t.pattern, mesh_ranks,
                       [[list(b) for b in r.global_box] for r in t.regions]])
     return hashlib.blake2b(json.dumps(parts, default=str).encode(), digest_size=16).hexdigest()
@@ -513,6 +529,29 @@ def _build_plan(leaves, dtensors: list[_Tensor], plain: dict, extra: dict, meshe
                                          "topology": per_rank["topology"],
                                          "per_rank_keys": [k["text"] for k in per_rank["keys"]]}}}
     return _SavePlan(items, sources, objects, provenance, per_rank, rank_objects)
+
+
+def confirm_cached_plan(plan: _SavePlan, state_dict: Any, ctx: _Ctx, mesh=None) -> _SavePlan:
+    """``plan`` with its cache check settled now, before anything is written: every rank's check (did its
+    layout hold, its content digests: JSON bytes) goes to the coordinator, which decides with
+    ``_plan_still_holds`` and broadcasts one byte. When the plan no longer holds, every rank drops the cache
+    and plans afresh. For ``async_save``: a save that commits in the background cannot retry, and four small
+    collectives (no per-box proposals) are what its call then waits for."""
+    if plan.check is None or ctx.dist is None:
+        return plan
+    from ucp_store.distributed import coord
+
+    mine = coord.encode({k: plan.check[k] for k in ("key_ok", "digests")})
+    with collective_errors("async save (the cached plan's check)"):
+        parts = coord.gather_bytes(mine, ctx.group)
+        verdict = None if parts is None else b"1" if _plan_still_holds(plan.check, [coord.decode(p) for p in parts]) \
+            else b"0"
+        holds = coord.broadcast_bytes(verdict, ctx.group) == b"1"
+    if holds:
+        plan.check = None  # settled: the commit carries no second check
+        return plan
+    _PLANS.pop(_group_key(ctx), None)
+    return _plan_save(state_dict, ctx, mesh, cache=True)  # no plan cached on any rank: plans afresh
 
 
 def _plan_still_holds(check: dict, checks: list[dict]) -> bool:

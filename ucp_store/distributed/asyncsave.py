@@ -45,7 +45,7 @@ import torch
 from ucp_store._killpoints import killpoint
 from ucp_store.distributed import inflight
 from ucp_store.distributed import snapshot as snap_mod
-from ucp_store.distributed.api import _Ctx, _open_everywhere, _plan_save, _SavePlan, _write_plan
+from ucp_store.distributed.api import _Ctx, _open_everywhere, _plan_save, _SavePlan, _write_plan, confirm_cached_plan
 from ucp_store.distributed.inflight import AsyncSaveHandle, wait
 from ucp_store.distributed.statedict import path_text
 from ucp_store.errors import ConfigurationError, UcpError
@@ -374,7 +374,8 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     gated = snap_mod.gated_optimizers()
     lazy = bool(gated) if lazy is None else bool(lazy)
     ctx = _Ctx(group)
-    plan = _plan_save(state_dict, ctx, mesh)
+    # a cached plan (the layout of the last save) is checked in a few small collectives; a new layout plans
+    plan = confirm_cached_plan(_plan_save(state_dict, ctx, mesh, cache=True), state_dict, ctx, mesh)
     handle = AsyncSaveHandle(run, step, mode)
     job = {"store": store, "create": create, "run": run, "step": step, "message": message, "parent": parent,
            "group": group, "nice": writer_nice}

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ucp_store.distributed.layout import mesh_facts
 from ucp_store.distributed.rankstate import (
     PerRankEntry,
     PerRankKey,
@@ -83,16 +84,16 @@ def _mesh_topology(mesh, ranks: tuple[int, ...], *, what: str) -> RankTopology:
             raise ConfigurationError(f"{what}: topology of {topo.world} ranks given, but {len(ranks)} ranks take part")
         return topo
     try:
-        layout = mesh.mesh
-        dims = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(layout.ndim)))
+        facts = mesh_facts(mesh)
+        dims = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(len(facts.shape))))
     except AttributeError:
         raise ConfigurationError(f"{what}: mesh must be a torch DeviceMesh or a RankTopology, got "
                                  f"{type(mesh).__name__}") from None
-    flat = tuple(int(g) for g in layout.reshape(-1).tolist())
+    flat = facts.flat
     if sorted(flat) != sorted(ranks):
-        raise ConfigurationError(f"{what}: mesh {dict(zip(dims, layout.shape))} over global ranks {list(flat)} does "
+        raise ConfigurationError(f"{what}: mesh {dict(zip(dims, facts.shape))} over global ranks {list(flat)} does "
                                  f"not cover the {len(ranks)} ranks taking part ({list(ranks)})")
-    return RankTopology(len(ranks), ranks, dims, tuple(int(s) for s in layout.shape), flat)
+    return RankTopology(len(ranks), ranks, dims, facts.shape, flat)
 
 
 def live_topology(leaves: Iterable[Leaf], mesh, ctx, *, what: str) -> RankTopology:
@@ -107,7 +108,7 @@ def live_topology(leaves: Iterable[Leaf], mesh, ctx, *, what: str) -> RankTopolo
         for leaf in leaves:
             if isinstance(leaf.value, mod.DTensor):
                 m = leaf.value.device_mesh
-                covers = sorted(int(g) for g in m.mesh.reshape(-1).tolist()) == sorted(ranks)
+                covers = sorted(mesh_facts(m).flat) == sorted(ranks)
                 if covers and (best is None or m.ndim > best.ndim):
                     best = m
     if best is not None:
