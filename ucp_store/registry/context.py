@@ -56,9 +56,9 @@ class ArrayContexts:
         return self._unsynced
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StoreContext:
-    """A store as the writer and retention see it.
+    """A store as the writer and retention see it (compared and hashed by identity: one per store).
 
     ``location``: where the arrays live; ``catalog``: the SQL catalog (a ``NoCatalog`` on a detached rank);
     ``settings``: the store's recorded settings (compression, chunk target, format version), read only;
