@@ -46,10 +46,6 @@ import torch  # noqa: E402
 
 import ucp_store
 from ucp_store import _killpoints
-from ucp_store.formats import torch_file as _tf
-from ucp_store.io import format as _fmt
-from ucp_store.registry import checkpoint as _ck
-from ucp_store.save import writer as _writer
 
 
 def _prewarm() -> None:

@@ -59,7 +59,8 @@ def test_init_then_ls(tmp_path, ucp):
 def test_store_option_before_or_after_and_env(populated, ucp, monkeypatch):
     _, path, _, _ = populated
     outs = []
-    for argv in (["--store", path, "ls", "--json"], ["ls", "--store", path, "--json"], ["ls", "--json", "--store", path]):
+    for argv in (["--store", path, "ls", "--json"], ["ls", "--store", path, "--json"],
+                 ["ls", "--json", "--store", path]):
         rc, out, _ = ucp(*argv)
         assert rc == 0
         outs.append(json.loads(out))

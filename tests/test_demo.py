@@ -26,8 +26,8 @@ TIMEOUT = 1500  # generous on a loaded 2-core machine; the demo's own collective
 def _demo(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "UCP_PROGRESS": "0", "COLUMNS": "160"}
     return subprocess.run([sys.executable, "-m", "ucp_store.cli", "demo", "--dir", str(tmp_path / "demo"),
-                           "--steps", str(STEPS), *extra], cwd=tmp_path, env=env, text=True, capture_output=True, check=False,
-                          timeout=TIMEOUT)
+                           "--steps", str(STEPS), *extra], cwd=tmp_path, env=env, text=True, capture_output=True,
+                          check=False, timeout=TIMEOUT)
 
 
 def _png_size(path) -> tuple[int, int]:
@@ -120,7 +120,8 @@ def test_deepspeed_story_without_deepspeed_says_how_to_install(tmp_path, monkeyp
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     assert main(["demo", "--deepspeed", "--dir", str(tmp_path / "d")]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("ucp: error: ucp demo --deepspeed needs DeepSpeed") and "pip install 'ucp_store[deepspeed]'" in err
+    assert err.startswith("ucp: error: ucp demo --deepspeed needs DeepSpeed")
+    assert "pip install 'ucp_store[deepspeed]'" in err
     assert not (tmp_path / "d").exists(), "nothing is written before the check"
 
 

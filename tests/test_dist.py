@@ -158,8 +158,9 @@ def test_plan_mesh_errors():
 
 def test_state_dict_keys():
     t = torch.zeros(2)
+    groups = [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a.weight"]}]
     sd = {"model": {"a.weight": t}, "optim": {"state": {"a.weight": {"exp_avg": t, "step": torch.tensor(1.0)}},
-                                              "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a.weight"]}]},
+                                              "param_groups": groups},
           "extra": {"opt2": {"state": {"a.weight": {"exp_avg": t}}, "param_groups": []}},
           "flat": {"state.b.weight.exp_avg": t, "param_groups.b.weight.lr": 0.5}}
     keys = {leaf.path: leaf.key for leaf in flatten(sd)}

@@ -278,7 +278,8 @@ def test_zero_fragments_roundtrip_against_reference(data):
                     cover[base + pad.start:base + pad.stop] += 1
                 # inverse: the writer puts each fragment back
                 for fc in fragment_writer_copies(pj, shape, t, rank, frag):
-                    out[i][fc.logical.slices()] = buf[base + fc.flat.start:base + fc.flat.stop].reshape(fc.logical.shape)
+                    piece = buf[base + fc.flat.start:base + fc.flat.stop]
+                    out[i][fc.logical.slices()] = piece.reshape(fc.logical.shape)
                     hits[i][fc.logical.slices()] += 1
             for gap in layout.gaps(zrank):
                 buf[gap.start:gap.stop] = 0
@@ -458,7 +459,8 @@ def test_swiglu_and_gqa_layouts():
 
 def test_placement_and_local_names():
     t = Topology(pp=2, layers=4)
-    fused = {"kind": "fused", "dim": 0, "sizes": [2, 2], "placement": {"layer": 3, "local_name": "layers.{local}.mlp.w"}}
+    fused = {"kind": "fused", "dim": 0, "sizes": [2, 2],
+             "placement": {"layer": 3, "local_name": "layers.{local}.mlp.w"}}
     assert placement_stages(fused, t) == (1,)
     assert stage_local_name("layers.3.mlp.w", fused, t) == "layers.1.mlp.w"
     tied = {"kind": "vocab", "original_size": 5,
@@ -474,7 +476,8 @@ def test_placement_and_local_names():
         placement_stages({"kind": "replicated", "placement": {"layer": 7}}, t, name="layers.7.w")
     # the topology-level rule applies when the placement has no template
     tr = Topology(pp=2, layers=4, layer_names={"canonical": "layers.{layer}.", "local": "layers.{local}."})
-    assert stage_local_name("layers.2.attn.o", {"kind": "replicated", "placement": {"layer": 2}}, tr) == "layers.0.attn.o"
+    rep2 = {"kind": "replicated", "placement": {"layer": 2}}
+    assert stage_local_name("layers.2.attn.o", rep2, tr) == "layers.0.attn.o"
 
 
 def test_average_replicas_numpy_and_torch():

@@ -203,7 +203,8 @@ def _layer_model(layers):
     for i in range(layers):
         for state in ("weight", "fp32", "exp_avg"):
             recs.append({"name": f"layers.{i}.w", "state": state, "shape": [8, 4], "dtype": "float32",
-                         "chunk_shape": [2, 4], "pattern": {"kind": "partitioned", "dim": 0, "placement": {"layer": i}}})
+                         "chunk_shape": [2, 4],
+                         "pattern": {"kind": "partitioned", "dim": 0, "placement": {"layer": i}}})
     return recs
 
 

@@ -133,7 +133,8 @@ def _measure_once(cmd: list[str], label: str, env: dict | None = None) -> dict:
     if proc.returncode != 0:
         sys.stderr.write(out[-4000:] + err[-8000:])
         raise SystemExit(f"{label} failed with exit code {proc.returncode}")
-    return {"label": label, "cmd": " ".join(cmd), "wall_s": round(wall, 3), "peak_rss_tree_mb": round(peak[0] / 2**20, 1),
+    return {"label": label, "cmd": " ".join(cmd), "wall_s": round(wall, 3),
+            "peak_rss_tree_mb": round(peak[0] / 2**20, 1),
             "max_rss_largest_process_mb": round(max(after, before) / 1024, 1) if after > before else None,
             "stdout_tail": out[-400:]}
 
@@ -312,7 +313,8 @@ def _blocking_table(saved: dict) -> dict:
         print(f"  {label:44s} {best[k]:7.3f}  {best['ucp'] / best[k]:13.2f} {paired[k]:26.2f}   "
               + " ".join(f"{x:.3f}" for x in reps[k]))
     print(f"  ratios (best of N): ucp/torch.save {best['ucp'] / best['torch_save']:.2f}, ucp/ceiling "
-          f"{best['ucp'] / best['raw_write_fsync']:.2f}, ceiling/torch.save {best['raw_write_fsync'] / best['torch_save']:.2f}"
+          f"{best['ucp'] / best['raw_write_fsync']:.2f}, "
+          f"ceiling/torch.save {best['raw_write_fsync'] / best['torch_save']:.2f}"
           f" (what durability alone costs), ucp/(torch.save + fsync) {best['ucp'] / best['torch_save_fsync']:.2f}")
     if reps.get("ucp_durability_background"):
         dur = reps["ucp_durability_background"]
@@ -338,8 +340,9 @@ def _blocking_table(saved: dict) -> dict:
             "ratio_vs_torch_save": round(best["ucp"] / best["torch_save"], 3),
             "ratio_vs_torch_save_fsync": round(best["ucp"] / best["torch_save_fsync"], 3),
             "ratio_vs_raw_ceiling": round(best["ucp"] / best["raw_write_fsync"], 3),
-            "durability_background_ratio_vs_torch_save": (round(best["ucp_durability_background"] / best["torch_save"], 3)
-                                                          if "ucp_durability_background" in best else None),
+            "durability_background_ratio_vs_torch_save": (
+                round(best["ucp_durability_background"] / best["torch_save"], 3)
+                if "ucp_durability_background" in best else None),
             "background_ratio_vs_torch_save": round(best["ucp_background"] / best["torch_save"], 3),
             "background_paired_median_ratio": round(bg_paired, 3)}
 

@@ -388,7 +388,8 @@ def bench_amplification() -> None:
     ]
     print("\nRead amplification (bytes read / bytes needed, all target ranks), one Llama-7B-like layer + "
           "embedding, fp32, ~1 MiB chunks")
-    header = f"{'change':26} {'aligned':>9} {'GB read':>8} {'chunks':>7}   {'pow2 only':>9} {'GB read':>8} {'chunks':>7}"
+    header = (f"{'change':26} {'aligned':>9} {'GB read':>8} {'chunks':>7}   "
+              f"{'pow2 only':>9} {'GB read':>8} {'chunks':>7}")
     print(header)
     print("-" * len(header))
     for label, src, tgt in cases:

@@ -164,8 +164,8 @@ MESHES: dict[str, dict[str, Any]] = {"llama405b": {"shape": [1024, 8], "dims": [
 
 
 def dtensor_pattern(pattern: dict, mesh: dict) -> dict:
-    """The ``dtensor`` pattern ``ucp_store.distributed.save`` records for a tensor laid out like ``pattern`` on ``mesh``:
-    FSDP2 shards dim 0 over ``dp`` (strided when TP shards dim 0 too), TP shards a column-parallel weight's
+    """The ``dtensor`` pattern ``ucp_store.distributed.save`` records for a tensor laid out like ``pattern`` on
+    ``mesh``: FSDP2 shards dim 0 over ``dp`` (strided when TP shards dim 0 too), TP shards a column-parallel weight's
     dim 0 and a row-parallel one's dim 1, ``ep`` shards a fused expert tensor's expert dim."""
     kind = pattern.get("kind")
     inner = pattern.get("inner", pattern) if kind in ("expert", "expert_member") else pattern

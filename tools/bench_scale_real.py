@@ -31,8 +31,8 @@ def _launch(spec: dict, world: int) -> list[list[dict]]:
            "TORCH_CPP_LOG_LEVEL": "ERROR"}
     env.pop("UCP_CATALOG", None)
     spec = {**spec, "world": world, "launch_timeout": 1800}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "scale_ranks.py"), json.dumps(spec)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1900)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "scale_ranks.py"), json.dumps(spec)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=1900)
     if proc.returncode != 0:
         raise SystemExit(f"ucp: error: {world} ranks failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

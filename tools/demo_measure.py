@@ -70,7 +70,8 @@ def main(argv: list[str]) -> int:
         time.sleep(0.1)
     wall = time.monotonic() - t0
     print(f"\n[demo_measure] exit {proc.returncode}; wall {wall:.1f} s; peak memory of the session: summed PSS "
-          f"{peak_pss / 2**20:.0f} MiB (summed RSS {peak_rss / 2**20:.0f} MiB, shared pages counted per process); CPU {sum(cpu.values()):.1f} s in {len(cpu)} processes "
+          f"{peak_pss / 2**20:.0f} MiB (summed RSS {peak_rss / 2**20:.0f} MiB, shared pages counted per process); "
+          f"CPU {sum(cpu.values()):.1f} s in {len(cpu)} processes "
           f"(at most {peak_n} at once); load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
           f"on {os.cpu_count()} CPUs", file=sys.stderr)
     return proc.returncode

@@ -21,8 +21,8 @@ import os
 import signal
 import socket
 import sys
-import time
 import threading
+import time
 import traceback
 
 #: the torch.distributed functions counted (the outermost call of a nest: an ``*_object`` call's own
@@ -270,8 +270,6 @@ def launch(spec: dict, world: int, timeout: float = 600) -> list[list[dict]]:
     import torch  # noqa: F401 - loaded once, before the forks
     import torch.distributed.tensor  # noqa: F401
 
-    import ucp_store.distributed
-    import ucp_store.distributed.api
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
