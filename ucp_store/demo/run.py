@@ -24,10 +24,15 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ucp_store.demo.procs import DemoError, run_job
-from ucp_store.demo.report import RTOL, compare, draw_losses, print_table
+from ucp_store.demo.report import RTOL, Verdict, compare, draw_losses, print_table
 from ucp_store.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ucp_store.demo.model import ModelConfig
 
 __all__ = ["DEFAULT_STEPS", "RUNS", "plan_topology", "run_demo"]
 
@@ -89,8 +94,57 @@ def plan_topology(key: str):
     return Topology(tp=tp, dp=dp)
 
 
-def run_demo(args) -> int:
-    """Everything `ucp demo` does (see the module docstring); returns 0, or raises DemoError."""
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """The demo's folder, schedule and the settings every job shares, fixed before the first process starts."""
+
+    steps: int
+    perturb: str | None               # the resumed run to perturb on purpose (a test of the verdicts)
+    out: str                          # the demo folder (--dir), absolute
+    store_url: str
+    resume: int                       # the step the resumed runs load
+    saves: dict[int, str]             # step -> "sync" / "async"
+    cfg: ModelConfig
+    device: str
+    common: dict[str, Any]            # the job settings every run shares
+
+
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    """One training process group of the demo: the uninterrupted reference or a resumed run."""
+
+    what: str                                 # "train" or "resume"
+    run: tuple[str, str, int, int, str]       # its RUNS entry
+    start: int                                # the step it starts after
+    load: str | None                          # the checkpoint it loads
+    saves: dict[int, str]                     # the steps it saves at, and how
+
+    @property
+    def name(self) -> str:
+        label = self.run[1]
+        return f"{label} uninterrupted" if self.what == "train" else f"resumed {label}"
+
+
+@dataclass(slots=True)
+class _Runs:
+    """What the runs returned, by job key ("ref" for the reference): (losses, info), and their wall times."""
+
+    results: dict[str, tuple[dict[int, float], dict[str, Any]]] = field(default_factory=dict)
+    walls: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Comparison:
+    """The reference's losses, each resumed run's, and the verdict of each against the reference."""
+
+    base_label: str
+    base: dict[int, float]
+    resumed: list[tuple[str, dict[int, float]]]
+    verdicts: list[Verdict]
+
+
+def _check_args(args: Any) -> None:
+    """Refuse what the demo cannot do, naming the flag."""
     steps = args.steps
     if steps < 4:
         raise ConfigurationError(f"--steps {steps}: the demo needs at least 4 steps (it saves every steps // 4)")
@@ -101,65 +155,90 @@ def run_demo(args) -> int:
         if getattr(args, flag, None):
             raise ConfigurationError(f"--{flag}: ucp demo keeps its own store under --dir (DIR/store); "
                                      f"drop --{flag} or use --dir")
-    out = os.path.abspath(args.dir)
-    _prepare_dir(out)
-    store_url = os.path.join(out, "store")
-    console = _console()
+
+
+def _saves(steps: int) -> tuple[int, dict[int, str]]:
+    """The resume step and the reference's saves: every ``steps // 4`` steps, the resumed-from one async."""
     every = steps // 4
     resume = 2 * every
     saves = {s: ("async" if s == resume else "sync") for s in range(every, steps + 1, every)}
     saves[steps] = saves.get(steps, "sync")
-    t_start = time.perf_counter()
+    return resume, saves
 
-    from rich.markup import escape
 
+def _create_store(args: Any, out: str, resume: int, saves: dict[int, str]) -> _Setup:
+    """Create the demo's store and marker file, and pick the device the runs train on."""
     from ucp_store import open_store
     from ucp_store.demo.model import ModelConfig
 
+    store_url = os.path.join(out, "store")
     # a character vocabulary of 32 in an 8192-row embedding: big enough to be chunked (see PLAN_PARAM)
     cfg = ModelConfig(seq=32, vocab=8192)
     open_store(store_url, create=True)
     with open(os.path.join(out, MARKER), "w") as f:
-        json.dump({"steps": steps, "saves": saves, "resume": resume, "cfg": cfg.to_json()}, f, indent=1)
+        json.dump({"steps": args.steps, "saves": saves, "resume": resume, "cfg": cfg.to_json()}, f, indent=1)
     from ucp_store.demo.worker import pick_device
 
     device = pick_device(max(tp * dp for _, _, tp, dp, _ in RUNS))
     common = {"store": store_url, "run": RUN, "cfg": cfg.to_json(), "seed": 0, "lr": 1e-2, "timeout_s": 120,
               "device": device}
+    return _Setup(args.steps, getattr(args, "perturb", None), out, store_url, resume, saves, cfg, device, common)
 
-    console.print(f"[bold]ucp demo[/]: a {cfg.layers}-layer GPT on generated text, trained in real torch.distributed "
-                  f"processes ({'NCCL on GPUs' if device == 'cuda' else 'gloo on CPUs'}), "
-                  f"saved through ucp_store.distributed into {_show_path(store_url)}")
-    save_txt = ", ".join(f"{s}{' (async_save)' if k == 'async' else ''}" for s, k in sorted(saves.items()))
-    # (what, the RUNS entry, start step, load reference, {step: save kind})
-    plan: list[tuple[str, tuple[str, str, int, int, str], int, str | None, dict[int, str]]] = \
-        [("train", RUNS[0], 0, None, saves)] + [("resume", r, resume, f"{RUN}@{resume}", {}) for r in RUNS]
-    results: dict[str, tuple[dict, dict]] = {}
-    walls: dict[str, float] = {}
-    with _progress(console, not getattr(args, "no_progress", False)) as progress:
-        for i, (what, (key, label, tp, dp, _), start, load, run_saves) in enumerate(plan, 1):
-            world = tp * dp
-            name = f"{label} uninterrupted" if what == "train" else f"resumed {label}"
-            if what == "train":
-                console.print(f"[{i}/{len(plan)}] train on {label} ({world} processes), steps 1-{steps}, "
-                              f"saving at steps {save_txt}")
-            else:
-                console.print(f"[{i}/{len(plan)}] resume {load} on {label} ({world} process{'es' if world > 1 else ''}"
-                              f"{', no process group' if world == 1 else ''}), verify the loaded state, "
-                              f"train steps {start + 1}-{steps}")
-            job = {**common, "key": ("ref" if what == "train" else key), "label": name, "tp": tp, "dp": dp,
-                   "start": start, "end": steps, "load": load, "saves": {str(s): k for s, k in run_saves.items()},
-                   "perturb": what == "resume" and key == perturb,
-                   # each DP rank's sampler position is per-rank state: its own back on the mesh that saved,
-                   # re-split over the new DP ranks (text.resplit, a reshard policy) on the others
-                   "per_rank": "same" if key == RUNS[0][0] else "reshard",
-                   "boxes_of": PLAN_PARAM if what == "resume" and key == PLAN_KEY else None}
-            task = progress.add_task(name, total=steps - start, loss="") if progress is not None else None
+
+def _stages(setup: _Setup) -> list[_Stage]:
+    """The reference run, then one resumed run per RUNS entry (the reference's mesh first)."""
+    return ([_Stage("train", RUNS[0], 0, None, setup.saves)]
+            + [_Stage("resume", r, setup.resume, f"{RUN}@{setup.resume}", {}) for r in RUNS])
+
+
+def _announce(console: Any, i: int, n: int, stage: _Stage, setup: _Setup) -> None:
+    _, label, tp, dp, _ = stage.run
+    world = tp * dp
+    if stage.what == "train":
+        save_txt = ", ".join(f"{s}{' (async_save)' if k == 'async' else ''}" for s, k in sorted(setup.saves.items()))
+        console.print(f"[{i}/{n}] train on {label} ({world} processes), steps 1-{setup.steps}, "
+                      f"saving at steps {save_txt}")
+    else:
+        console.print(f"[{i}/{n}] resume {stage.load} on {label} ({world} process{'es' if world > 1 else ''}"
+                      f"{', no process group' if world == 1 else ''}), verify the loaded state, "
+                      f"train steps {stage.start + 1}-{setup.steps}")
+
+
+def _job(setup: _Setup, stage: _Stage) -> dict[str, Any]:
+    """The settings `demo.worker` runs one stage with."""
+    key, _, tp, dp, _ = stage.run
+    resumed = stage.what == "resume"
+    return {**setup.common, "key": ("ref" if not resumed else key), "label": stage.name, "tp": tp, "dp": dp,
+            "start": stage.start, "end": setup.steps, "load": stage.load,
+            "saves": {str(s): k for s, k in stage.saves.items()},
+            "perturb": resumed and key == setup.perturb,
+            # each DP rank's sampler position is per-rank state: its own back on the mesh that saved,
+            # re-split over the new DP ranks (text.resplit, a reshard policy) on the others
+            "per_rank": "same" if key == RUNS[0][0] else "reshard",
+            "boxes_of": PLAN_PARAM if resumed and key == PLAN_KEY else None}
+
+
+def _run_stages(setup: _Setup, console: Any, show_progress: bool) -> _Runs:
+    """Run the reference, then every resumed run, one process group at a time."""
+    stages = _stages(setup)
+    runs = _Runs()
+    with _progress(console, show_progress) as progress:
+        for i, stage in enumerate(stages, 1):
+            _announce(console, i, len(stages), stage, setup)
+            job = _job(setup, stage)
+            world = job["tp"] * job["dp"]
+            task = (progress.add_task(stage.name, total=setup.steps - stage.start, loss="")
+                    if progress is not None else None)
             t0 = time.perf_counter()
-            results[job["key"]] = run_job(job, world, progress=progress, task=task)
-            walls[job["key"]] = time.perf_counter() - t0
-            _report_run(console, job, results[job["key"]][1], walls[job["key"]])
+            runs.results[job["key"]] = run_job(job, world, progress=progress, task=task)
+            runs.walls[job["key"]] = time.perf_counter() - t0
+            _report_run(console, job, runs.results[job["key"]][1], runs.walls[job["key"]])
+    return runs
 
+
+def _compare_runs(runs: _Runs, console: Any) -> _Comparison:
+    """Print the losses side by side and each resumed run's verdict against the reference."""
+    results = runs.results
     base = results["ref"][0]
     base_label = f"{RUNS[0][1]} uninterrupted"
     resumed = [(f"resumed {label}", results[key][0]) for key, label, *_ in RUNS]
@@ -170,37 +249,70 @@ def run_demo(args) -> int:
                   f"relative {RTOL:.0e} on other meshes (TP and DP change the order of floating-point sums)")
     for v in verdicts:
         console.print(("  [green]ok[/] " if v.ok else "  [red bold]FAIL[/] ") + v.describe())
+    return _Comparison(base_label, base, resumed, verdicts)
 
-    with open(os.path.join(out, MARKER), "w") as f:  # the figures, for whoever explores DIR afterwards
-        json.dump({"steps": steps, "saves": saves, "resume": resume, "cfg": cfg.to_json(), "rtol": RTOL,
-                   "losses": {"uninterrupted": base, **{k: results[k][0] for k, *_ in RUNS}},
+
+def _write_figures(setup: _Setup, runs: _Runs, cmp: _Comparison, console: Any) -> None:
+    """The marker file with every figure, loss_curves.png and plan.png, for whoever explores DIR afterwards."""
+    from rich.markup import escape
+
+    results = runs.results
+    with open(os.path.join(setup.out, MARKER), "w") as f:
+        json.dump({"steps": setup.steps, "saves": setup.saves, "resume": setup.resume, "cfg": setup.cfg.to_json(),
+                   "rtol": RTOL, "losses": {"uninterrupted": cmp.base, **{k: results[k][0] for k, *_ in RUNS}},
                    "verdicts": {v.key: {"rule": v.rule, "ok": v.ok, "max_abs": v.max_abs, "max_rel": v.max_rel}
-                                for v in verdicts},
-                   "runs": {k: {**{a: b for a, b in results[k][1].items() if a != "boxes"}, "wall_s": walls[k]}
+                                for v in cmp.verdicts},
+                   "runs": {k: {**{a: b for a, b in results[k][1].items() if a != "boxes"}, "wall_s": runs.walls[k]}
                             for k in results}}, f, indent=1)
-    loss_png = os.path.join(out, "loss_curves.png")
-    draw_losses(loss_png, base_label, base, resumed, resume, saves)
-    plan_png = os.path.join(out, "plan.png")
-    drawn = _draw_plan(store_url, f"{RUN}@{resume}", plan_png, results[PLAN_KEY][1]["boxes"])
+    loss_png = os.path.join(setup.out, "loss_curves.png")
+    draw_losses(loss_png, cmp.base_label, cmp.base, cmp.resumed, setup.resume, setup.saves)
+    plan_png = os.path.join(setup.out, "plan.png")
+    drawn = _draw_plan(setup.store_url, f"{RUN}@{setup.resume}", plan_png, results[PLAN_KEY][1]["boxes"])
     console.print(f"wrote {_show_path(loss_png)} and {_show_path(plan_png)} (the chunks of {escape(drawn)} each "
                   f"rank of resumed {_label(PLAN_KEY)} read)")
 
-    from ucp_store.demo.tour import tour
 
-    tour(args.ucp_main, console, store_url, RUN, resume, plan_topology(PLAN_KEY),
-         loaded=(_label(PLAN_KEY), results[PLAN_KEY][1]))
+def _conclude(setup: _Setup, runs: _Runs, cmp: _Comparison, console: Any, t_start: float) -> None:
+    """Report the wall time, then fail on a resumed run whose loaded state or losses are off."""
+    results = runs.results
     wall = time.perf_counter() - t_start
     console.print(f"\ndemo finished in {wall:.0f} s (training runs: "
-                  + ", ".join(f"{k} {w:.0f} s" for k, w in walls.items()) + ")")
+                  + ", ".join(f"{k} {w:.0f} s" for k, w in runs.walls.items()) + ")")
     unverified = [k for k, _, *_ in RUNS if not results[k][1]["verify"]["ok"]]
     if unverified:
         raise DemoError(f"ucp_store.distributed.verify found the loaded state of resumed run(s) {unverified} different "
                         f"from the checkpoint: " + "; ".join(results[k][1]["verify"]["text"] for k in unverified))
-    bad = [v for v in verdicts if not v.ok]
+    bad = [v for v in cmp.verdicts if not v.ok]
     if bad:
         raise DemoError("resumed run diverged beyond its tolerance: " + "; ".join(v.describe() for v in bad))
     console.print(f"[green bold]every resumed run matches the uninterrupted one[/] "
-                  f"(explore: ucp --store {shlex.quote(_show_path(store_url))} ls)")
+                  f"(explore: ucp --store {shlex.quote(_show_path(setup.store_url))} ls)")
+
+
+def run_demo(args: Any) -> int:
+    """Everything `ucp demo` does (see the module docstring); returns 0, or raises DemoError.
+
+    The phases: check the flags, prepare the folder and store, run the reference and the resumed runs,
+    compare them, write the figures, tour the store with the `ucp` commands, then give the verdict."""
+    _check_args(args)
+    out = os.path.abspath(args.dir)
+    _prepare_dir(out)
+    console = _console()
+    resume, saves = _saves(args.steps)
+    t_start = time.perf_counter()
+    setup = _create_store(args, out, resume, saves)
+    console.print(f"[bold]ucp demo[/]: a {setup.cfg.layers}-layer GPT on generated text, trained in real "
+                  f"torch.distributed processes ({'NCCL on GPUs' if setup.device == 'cuda' else 'gloo on CPUs'}), "
+                  f"saved through ucp_store.distributed into {_show_path(setup.store_url)}")
+    runs = _run_stages(setup, console, not getattr(args, "no_progress", False))
+    cmp = _compare_runs(runs, console)
+    _write_figures(setup, runs, cmp, console)
+
+    from ucp_store.demo.tour import tour
+
+    tour(args.ucp_main, console, setup.store_url, RUN, resume, plan_topology(PLAN_KEY),
+         loaded=(_label(PLAN_KEY), runs.results[PLAN_KEY][1]))
+    _conclude(setup, runs, cmp, console, t_start)
     return 0
 
 
