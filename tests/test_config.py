@@ -3,6 +3,7 @@ documented environment variables are read there, when asked, with a setting winn
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -99,3 +100,14 @@ def test_modules_ask_config():
         assert _export_threads() == 5
     with config.override(progress=False):
         assert progress.wanted(True) is False
+
+
+def test_pool_sizes_come_from_config_else_the_cpu_count():
+    from ucp_store.io.pools import LazyPool
+
+    pool = LazyPool("ucp-test", "read_threads", lambda cpus: 1000 + cpus)
+    assert pool.size() == 1000 + (os.cpu_count() or 1)
+    with config.override(read_threads=3):
+        assert pool.size() == 3
+    with pytest.raises(ConfigurationError, match=r"setting write_threads=0: expected a number of threads"):
+        config.set(write_threads=0)

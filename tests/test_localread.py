@@ -97,7 +97,7 @@ def test_identical_bytes_to_tensorstore(where, case, scratch, mapped):
     import ucp_store.io.localread as lr
 
     saved, saved_map = lr._BAD_DISTANCE, lr.MAP_MIN_CHUNK_BYTES
-    lr._BAD_DISTANCE = lr._PAGE + 1 if scratch else saved
+    lr._BAD_DISTANCE = lr.PAGE + 1 if scratch else saved
     lr.MAP_MIN_CHUNK_BYTES = 0 if mapped else 1 << 62
     try:
         _identical(where, case)
@@ -583,7 +583,7 @@ def test_whole_row_reads_match_tensorstore(where, monkeypatch, scratch_all, per_
     import ucp_store.io.localread as lr
 
     if scratch_all:
-        monkeypatch.setattr(lr, "_BAD_DISTANCE", lr._PAGE + 1)  # every in-place chunk counts as slow
+        monkeypatch.setattr(lr, "_BAD_DISTANCE", lr.PAGE + 1)  # every in-place chunk counts as slow
     shape = (38,) + ROWS_SHAPE[1:]  # 38 rows: the last chunk is an edge chunk (2 of its 4 rows)
     x = random_bits(shape, torch.float32, torch.Generator().manual_seed(11))
     rel, layout = _write(where, x, ROWS_CHUNK, per_shard)
@@ -604,19 +604,19 @@ def test_whole_row_reads_match_tensorstore(where, monkeypatch, scratch_all, per_
 def test_scratch_placement_and_copy_match_the_file_offset():
     import ucp_store.io.localread as lr
 
-    buf, addr = lr._scratch_buffer(8 * (100 + lr._PAGE))
+    buf, addr = lr._scratch_buffer(8 * (100 + lr.PAGE))
     pos = 0
     for off in (0, 4100, 9, 8191):
         enc, pos = lr._placed(buf, addr, pos, off, 100)
-        assert (enc.ctypes.data - off) % lr._PAGE == 0 and len(enc) == 100
+        assert (enc.ctypes.data - off) % lr.PAGE == 0 and len(enc) == 100
         half, pos = lr._placed(buf, addr, pos, off, 100, lr._HALF_PAGE)
-        assert (half.ctypes.data - off) % lr._PAGE == lr._HALF_PAGE  # both copies half a page apart
-    assert lr._bad_distance(4096 + 16, 0) and lr._bad_distance(20, 4) and not lr._bad_distance(0, 0)
-    assert not lr._bad_distance(4, 20) and not lr._bad_distance(64, 0)
+        assert (half.ctypes.data - off) % lr.PAGE == lr._HALF_PAGE  # both copies half a page apart
+    assert lr.bad_distance(4096 + 16, 0) and lr.bad_distance(20, 4) and not lr.bad_distance(0, 0)
+    assert not lr.bad_distance(4, 20) and not lr.bad_distance(64, 0)
     for dtype in (np.float32, np.float16, np.int64, np.bool_, np.complex128):
         src = (np.arange(4096) % 7).astype(dtype).reshape(64, 64)
         dst = np.zeros((64, 128), dtype)[:, ::2]
-        lr._copy(dst, src)
+        lr.copy_into(dst, src)
         assert np.array_equal(dst, src)
 
 

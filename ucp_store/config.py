@@ -29,8 +29,8 @@ variable            resolver                  meaning
 ``UCP_KILL_AT``     :func:`kill_at`           test-only crash injection (``ucp_store._killpoints``)
 ==================  ========================  ==========================================================
 
-The tuning fields (``local_read``, ``local_write``, ``import_inflight_bytes``, ``export_threads``) have
-no environment variable: they are chosen here or by argument.
+The tuning fields (``local_read``, ``local_write``, ``import_inflight_bytes``, ``export_threads``, the pool
+sizes) have no environment variable: they are chosen here or by argument.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ class Settings:
     - ``import_inflight_bytes`` (256 MiB): bytes an import writes between flushes
       (``formats.base.write_records``; its ``inflight_bytes=`` argument wins).
     - ``export_threads`` (None): threads of the Hugging Face export's pool; None: twice the CPUs, 2 to 16.
+    - ``read_threads``, ``small_read_threads``, ``stream_threads``, ``write_threads`` (None: sized by the
+      CPU count, see ``io.pools``): the I/O thread pools, each sized once, when it is first used.
     """
 
     store: str | None = None
@@ -86,6 +88,10 @@ class Settings:
     local_write: bool = True
     import_inflight_bytes: int = DEFAULT_IMPORT_INFLIGHT_BYTES
     export_threads: int | None = None
+    read_threads: int | None = None
+    small_read_threads: int | None = None
+    stream_threads: int | None = None
+    write_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("local_read", "local_write"):
@@ -96,8 +102,9 @@ class Settings:
         if self.dist_timeout is not None:
             _positive_seconds(self.dist_timeout, "setting dist_timeout")
         _positive_int(self.import_inflight_bytes, "import_inflight_bytes", "a number of bytes")
-        if self.export_threads is not None:
-            _positive_int(self.export_threads, "export_threads", "a number of threads (or None)")
+        for name in ("export_threads", "read_threads", "small_read_threads", "stream_threads", "write_threads"):
+            if getattr(self, name) is not None:
+                _positive_int(getattr(self, name), name, "a number of threads (or None)")
         for name in ("store", "catalog", "kill_at"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

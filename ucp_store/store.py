@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from ucp_store import names
+from ucp_store import config, names
 from ucp_store._killpoints import killpoint
 from ucp_store.catalog import models as m
 from ucp_store.catalog.db import open_catalog
@@ -92,7 +92,7 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
     ``sqlite_journal`` (a SQLite catalog): ``'auto'`` runs WAL, or the rollback journal (DELETE) when the
     catalog is on a network or cluster filesystem (NFS, Lustre, GPFS, CephFS, SMB, FUSE, ...: WAL needs every
     process on one host); ``'wal'`` / ``'delete'`` force that mode (``ucp --sqlite-journal``)."""
-    url = url or os.environ.get("UCP_STORE") or DEFAULT_STORE
+    url = url or config.store_url() or DEFAULT_STORE
     location = Location.parse(url, catalog)
     if not create and location.catalog_url.startswith("sqlite"):
         # opening must not conjure an empty SQLite catalog out of a typo'd path

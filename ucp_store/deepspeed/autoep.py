@@ -44,7 +44,7 @@ import torch
 
 from ucp_store import safe_pickle as sp
 from ucp_store.deepspeed.files import MODEL_RE, ZERO3_MODEL_RE
-from ucp_store.deepspeed.merge import ParamRecord, _numel
+from ucp_store.deepspeed.merge import ParamRecord, numel_of
 from ucp_store.deepspeed.reader import DeepSpeedReader, release_pages
 from ucp_store.errors import ConfigurationError, SourceFormatError
 from ucp_store.patterns import Expert
@@ -298,14 +298,14 @@ class DeepSpeedAutoEPReader(DeepSpeedReader):
                 off = 0
                 for name, shape in shapes[sg].items():
                     offs[name] = off
-                    off += math.ceil(_numel(shape) / self.edp)
+                    off += math.ceil(numel_of(shape) / self.edp)
             self.__dict__["_z3_offsets"] = offs
         return offs
 
     def _expert_record(self, spec: dict) -> ParamRecord:
         ax = spec["autoep"]
         name, g, local = spec["name"], spec["group"], ax["local_shape"]
-        n = _numel(local)
+        n = numel_of(local)
         blocks: dict[str, list[torch.Tensor]] = {}
         steps: list = []
         used: list[tuple[torch.Tensor, int, int]] = []

@@ -363,7 +363,7 @@ def with_placement(pattern: dict | None, placement: dict | None) -> dict | None:
     return out
 
 
-def _numel(shape) -> int:
+def numel_of(shape) -> int:
     return int(math.prod(int(x) for x in shape))
 
 

@@ -35,7 +35,7 @@ from ucp_store.deepspeed.files import (
     ZERO3_MODEL_RE,
     pipeline_placement,
 )
-from ucp_store.deepspeed.merge import ParamRecord, Rule, UniversalInfo, _numel, merge_tp_slices, pattern_for
+from ucp_store.deepspeed.merge import ParamRecord, Rule, UniversalInfo, merge_tp_slices, numel_of, pattern_for
 from ucp_store.deepspeed.merge import with_placement as _with_placement
 from ucp_store.errors import SourceFormatError
 from ucp_store.patterns import Averaged
@@ -74,7 +74,7 @@ def release_pages(t: torch.Tensor | None, start: int = 0, numel: int | None = No
 
 
 
-def _lp_dtype(ds_config: dict | None) -> torch.dtype:
+def lp_dtype(ds_config: dict | None) -> torch.dtype:
     cfg = ds_config or {}
     if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled"):
         return torch.bfloat16
@@ -83,7 +83,7 @@ def _lp_dtype(ds_config: dict | None) -> torch.dtype:
     return torch.float32
 
 
-def _step_value(v):
+def step_value(v):
     if isinstance(v, torch.Tensor):
         return v.detach().clone(), "tensor"
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -231,7 +231,7 @@ class DeepSpeedTagFolder:
             raise SourceFormatError(f"{self.tag_dir}: model states say dp_world_size={dpws} but there are optimizer "
                                     f"files for {self.dp} DP ranks; some DP rank files are missing")
         self.ds_config = first_ms.get("ds_config") if isinstance(first_ms.get("ds_config"), dict) else {}
-        self.lp_dtype = _lp_dtype(self.ds_config)
+        self.lp_dtype = lp_dtype(self.ds_config)
         self.global_steps = first_ms.get("global_steps")
         uci = None
         for sd in self.model_states.values():
@@ -513,7 +513,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
         used: list[tuple[torch.Tensor, int, int]] = []
         for tp in range(self.tp):
             mp = pp * self.tp + tp
-            want = _numel(spec["shapes"][tp])
+            want = numel_of(spec["shapes"][tp])
             frags, got = self._gather_fragments([(mp, dp) for dp in range(self.dp)], g, name, repr(name),
                                                 steps, used)
             if got == 0:
@@ -602,7 +602,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
     def _merge_steps(self, name, steps):
         vals = []
         for v, key in steps:
-            t, typ = _step_value(v)
+            t, typ = step_value(v)
             if t is not None:
                 vals.append((t, typ, key))
         if not vals:
@@ -626,7 +626,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
                 off = 0
                 for name, shape in group.items():
                     offs[(sg, name)] = off
-                    off += math.ceil(_numel(shape) / self.dp)
+                    off += math.ceil(numel_of(shape) / self.dp)
             offsets.append(offs)
         for spec in self.params:
             if wanted is not None and spec["name"] not in wanted:
@@ -637,7 +637,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
             per_state: dict[str, list[torch.Tensor]] = {}
             steps, used = [], []
             for tp in range(self.tp):
-                n = _numel(spec["shapes"][tp])
+                n = numel_of(spec["shapes"][tp])
                 part = math.ceil(n / self.dp)
                 off = offsets[tp][(sg, name)]
                 frags: dict[str, list[torch.Tensor]] = {}
@@ -737,7 +737,7 @@ class DeepSpeedReader(DeepSpeedTagFolder):
             slices = []
             for tp in range(self.tp):
                 shp = tuple(int(x) for x in (self._ms(tp, 0).get("frozen_param_shapes") or {}).get(name, shape))
-                n = _numel(shp)
+                n = numel_of(shp)
                 part = math.ceil(n / self.dp)
                 frs = []
                 for dp in range(self.dp):

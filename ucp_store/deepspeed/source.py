@@ -51,8 +51,8 @@ from ucp_store.deepspeed.merge import (
     ParamRecord,
     Rule,
     UniversalInfo,
-    _numel,
     merge_tp_slices,
+    numel_of,
     pattern_for,
     with_placement,
 )
@@ -205,7 +205,7 @@ class DeepSpeedSource:
         if self.world == 1:
             return param_groups(r.records(), None, self._note)
         order = r.param_names()
-        sizes = [_numel(p["shapes"][0]) for p in r.params]
+        sizes = [numel_of(p["shapes"][0]) for p in r.params]
         mine = set(_share(order, sizes, self.rank, self.world))
         recs: Iterator[ParamRecord] = r.records(names=mine, include_weights=False)
         if self.rank == 0:

@@ -29,7 +29,7 @@ import torch
 from ucp_store import safe_pickle as sp
 from ucp_store.deepspeed.files import SHARDED_KEYS, UCI
 from ucp_store.deepspeed.merge import UniversalInfo, with_placement
-from ucp_store.deepspeed.reader import DeepSpeedReader, _lp_dtype, _step_value
+from ucp_store.deepspeed.reader import DeepSpeedReader, lp_dtype, step_value
 from ucp_store.deepspeed.write_plan import (
     FrozenSpec,
     ParamSpec,
@@ -65,7 +65,7 @@ class _MemReader(DeepSpeedReader):
         self.zero_stage, self.tp, self.pp, self.dp, self.prefix = zero_stage, tp, pp, dp, prefix
         first = model_states[next(iter(model_states))]
         self.ds_config = first.get("ds_config") if isinstance(first.get("ds_config"), dict) else {}
-        self.lp_dtype = _lp_dtype(self.ds_config)
+        self.lp_dtype = lp_dtype(self.ds_config)
         self.ds_version = None if first.get("ds_version") is None else str(first.get("ds_version"))
         self.global_steps = first.get("global_steps")
         self.uci = first.get(UCI) if isinstance(first.get(UCI), dict) else None
@@ -339,7 +339,7 @@ class _ShareWriter:
                 raise SourceFormatError(f"{files.optim_name}: fragment of {name!r} [{start}, {start + n}) lies "
                                         f"outside the flat {state} partition ({t.numel()} elements)")
             self._shard(name, state, t.narrow(0, start, n), shape, pattern, frag, base + j)
-        step_t, typ = _step_value(st)
+        step_t, typ = step_value(st)
         if typ is not None:
             res.steps[name] = typ
             if k == 0 and self.snap.tp_rank == 0:
@@ -372,7 +372,7 @@ class _ShareWriter:
                 raise SourceFormatError(f"{self.files.optim_name}: {name!r} partition [{off}, {off + part}) outside "
                                         f"sub-group {sg} ({t.numel()} elements)")
             self._shard(name, state, t.narrow(0, off, part), shape, pattern, frag, base + j)
-        step_t, typ = _step_value(st.get("step"))
+        step_t, typ = step_value(st.get("step"))
         if typ is not None:
             res.steps[name] = typ
             if lo == 0:

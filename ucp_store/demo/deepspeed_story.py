@@ -54,8 +54,8 @@ def _torchrun(console, out: str, nproc: int, jobs: list[dict]) -> None:
                         f"{(res.stdout + res.stderr)[-4000:]}")
 
 
-def _ucp(ucp_main, console, store: str, *argv: str, capture: bool = False) -> str:
-    from ucp_store.demo.tour import _ucp as run_ucp
+def run_ucp(ucp_main, console, store: str, *argv: str, capture: bool = False) -> str:
+    from ucp_store.demo.tour import run_ucp as run_ucp
 
     return run_ucp(ucp_main, console, store, *argv, capture=capture)
 
@@ -63,15 +63,15 @@ def _ucp(ucp_main, console, store: str, *argv: str, capture: bool = False) -> st
 def main(args) -> int:
     """The DeepSpeed story into DIR/deepspeed (see the module docstring); returns 0 or raises."""
     _need_deepspeed()
-    from ucp_store.demo.run import _console, _prepare_dir
+    from ucp_store.demo.run import make_console, prepare_dir
 
-    console = _console()
-    _prepare_dir(os.path.abspath(args.dir))
+    console = make_console()
+    prepare_dir(os.path.abspath(args.dir))
     out = os.path.join(os.path.abspath(args.dir), "deepspeed")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     store = os.path.join(out, "store")
-    ucp = functools.partial(_ucp, args.ucp_main, console, store)  # ucp(*argv): one command of the tour
+    ucp = functools.partial(run_ucp, args.ucp_main, console, store)  # ucp(*argv): one command of the tour
     ds = os.path.join(out, "ds")
     tag = f"global_step{STEPS}"
     model = {"model": "mlp", "zero": 2, "dtype": "bf16", "seed": 1234}

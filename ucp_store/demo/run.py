@@ -52,14 +52,14 @@ PLAN_KEY = "2x1"  # the resumed mesh whose reads plan.png draws and `ucp plan` p
 PLAN_PARAM = "tok_embeddings.weight"
 
 
-def _console():
+def make_console():
     from rich.console import Console
 
     width = shutil.get_terminal_size((140, 40)).columns if sys.stdout.isatty() else 140
     return Console(width=max(120, width), highlight=False)
 
 
-def _prepare_dir(path: str) -> None:
+def prepare_dir(path: str) -> None:
     """Make `path` an empty demo folder; a previous demo's folder is cleared, anything else is refused."""
     if os.path.exists(path):
         if not os.path.isdir(path):
@@ -296,8 +296,8 @@ def run_demo(args: Any) -> int:
     compare them, write the figures, tour the store with the `ucp` commands, then give the verdict."""
     _check_args(args)
     out = os.path.abspath(args.dir)
-    _prepare_dir(out)
-    console = _console()
+    prepare_dir(out)
+    console = make_console()
     resume, saves = _saves(args.steps)
     t_start = time.perf_counter()
     setup = _create_store(args, out, resume, saves)

@@ -38,7 +38,7 @@ def _shell_join(argv: list[str]) -> str:
     return " ".join(out)
 
 
-def _ucp(ucp_main: UcpMain, console, store: str, *argv: str, capture: bool = False) -> str:
+def run_ucp(ucp_main: UcpMain, console, store: str, *argv: str, capture: bool = False) -> str:
     """Print `ucp --store STORE ARGV...` as typed, run it with `ucp_main` (the CLI's entry point, handed down
     by `ucp demo` so that the demo does not import the CLI that imports it); returns its stdout when `capture`
     (else prints it)."""
@@ -71,13 +71,13 @@ def tour(ucp_main: UcpMain, console, store: str, run: str, step: int, topology,
         max(infos, key=lambda i: (len(i.shape), i.nbytes))
     rows, cols = emb.shape[0], emb.shape[-1]
     console.print("\n[bold]a tour of the store[/] (each command as you would type it)")
-    _ucp(ucp_main, console, store, "ls")
-    _ucp(ucp_main, console, store, "ls", run)
-    _ucp(ucp_main, console, store, "show", ref)
-    _ucp(ucp_main, console, store, "verify", ref)
-    _ucp(ucp_main, console, store, "read", ref, emb.name, "--state", emb.state,
+    run_ucp(ucp_main, console, store, "ls")
+    run_ucp(ucp_main, console, store, "ls", run)
+    run_ucp(ucp_main, console, store, "show", ref)
+    run_ucp(ucp_main, console, store, "verify", ref)
+    run_ucp(ucp_main, console, store, "read", ref, emb.name, "--state", emb.state,
          "--slice", f"{min(2, rows)}:{min(5, rows)},0:{min(6, cols)}")
-    _ucp(ucp_main, console, store, "plan", ref, "--tp", str(topology.tp), "--dp", str(topology.dp))
+    run_ucp(ucp_main, console, store, "plan", ref, "--tp", str(topology.tp), "--dp", str(topology.dp))
     if loaded is not None:
         label, info = loaded
         total = sum(i.nbytes for i in infos)
@@ -86,7 +86,7 @@ def tour(ucp_main: UcpMain, console, store: str, run: str, step: int, topology,
                       f"DTensors' boxes "
                       f"instead: rank 0 of the resumed {label} run read {info.get('bytes_read', 0) / 2**20:.1f} MiB "
                       f"of the {total / 2**20:.1f} MiB; plan.png shows its chunks)")
-    _ucp(ucp_main, console, store, "query",
+    run_ucp(ucp_main, console, store, "query",
          "SELECT t.name, json_extract(t.pattern, '$.mesh.dims') AS mesh, json_extract(t.pattern, '$.placements') "
          "AS placements FROM tensors t JOIN checkpoints c ON c.id = t.checkpoint_id JOIN runs r ON r.id = c.run_id "
          f"WHERE r.name = '{run}' AND c.step = {step} AND t.state = 'weight' AND t.name NOT LIKE '%norm%' "

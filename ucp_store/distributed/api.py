@@ -73,7 +73,7 @@ def collective_errors(what: str):
                        f"UCP_DIST_TIMEOUT={default_timeout():g} s): {str(exc).splitlines()[0][:300]}") from exc
 
 
-class _Ctx:
+class Ctx:
     """Process-group facts for one call: rank, world size and the bounded-timeout gloo group."""
 
     def __init__(self, group=None, *, tag: str = "control", timeout: float | None = None):
@@ -211,7 +211,7 @@ class WriteItem:
 
 
 @dataclass
-class _SavePlan:
+class SavePlan:
     items: list[WriteItem]
     sources: list[tuple[torch.Tensor, tuple]]  # per item: (local tensor, local box slices); () for 0-d
     objects: list[dict]
@@ -228,7 +228,7 @@ class _SavePlan:
         return tuple((it, src.dtype, str(src.device)) for it, (src, _) in zip(self.items, self.sources))
 
 
-def _describe_leaves(leaves, ctx: _Ctx, mesh) -> tuple[list[_Tensor], dict, dict, list, dict]:
+def _describe_leaves(leaves, ctx: Ctx, mesh) -> tuple[list[_Tensor], dict, dict, list, dict]:
     """This rank's DTensors (with their meshes), plain tensors and JSON values (each with its content digest)."""
     from ucp_store.distributed import perrank
 
@@ -256,7 +256,7 @@ def _describe_leaves(leaves, ctx: _Ctx, mesh) -> tuple[list[_Tensor], dict, dict
     return dtensors, meshes, plain, digests, {"values": values, "topology": topology}
 
 
-def _plan_save(state_dict: Any, ctx: _Ctx, mesh=None, *, cache: bool = False) -> _SavePlan:
+def plan_save(state_dict: Any, ctx: Ctx, mesh=None, *, cache: bool = False) -> SavePlan:
     """Flatten, describe, and decide who writes what.
 
     First save of a layout (or after any change of it): every rank sends its proposal (the boxes of its
@@ -288,7 +288,7 @@ def _plan_save(state_dict: Any, ctx: _Ctx, mesh=None, *, cache: bool = False) ->
     if cached is not None:  # every rank of the group holds one: the same collectives on every rank
         hex_digests = [[list(p), k, d.hex()] for p, k, d in digests]
         if error is not None or cached["key"] != key:  # every rank aborts; the fresh planning reports errors
-            return _SavePlan([], [], [], {}, None, [], check={"key_ok": False, "digests": hex_digests,
+            return SavePlan([], [], [], {}, None, [], check={"key_ok": False, "digests": hex_digests,
                                                                   "cache": cached})
         plan = _build_plan(leaves, dtensors, plain, extra, meshes, cached["share"], cached.get("coord"), ctx)
         plan.check = {"key_ok": True, "digests": hex_digests, "cache": cached}
@@ -319,7 +319,7 @@ def _plan_save(state_dict: Any, ctx: _Ctx, mesh=None, *, cache: bool = False) ->
 _PLANS: dict[Any, dict] = {}
 
 
-def _group_key(ctx: _Ctx) -> Any:
+def _group_key(ctx: Ctx) -> Any:
     try:
         hash(ctx.group)
         return ctx.group
@@ -345,7 +345,7 @@ def _layout_key(leaves, dtensors: list[_Tensor], plain: dict, topology: dict, wo
     return hashlib.blake2b(json.dumps(parts, default=str).encode(), digest_size=16).hexdigest()
 
 
-def _exchange(proposal: dict, ctx: _Ctx) -> tuple[dict, dict | None]:
+def _exchange(proposal: dict, ctx: Ctx) -> tuple[dict, dict | None]:
     """Proposals to the coordinator, each rank's share back (JSON bytes, length first; no pickle)."""
     if ctx.dist is None:
         shares, info = _coordinate([proposal], ctx.world)
@@ -479,7 +479,7 @@ def _dtensor_holders(everyone: list[dict]) -> tuple[dict, dict, dict]:
 
 
 def _build_plan(leaves, dtensors: list[_Tensor], plain: dict, extra: dict, meshes: dict, share: dict,
-                coord_info: dict | None, ctx: _Ctx) -> _SavePlan:
+                coord_info: dict | None, ctx: Ctx) -> SavePlan:
     """This rank's plan from its share: the boxes it writes (in the state dict's order), the empty arrays it
     records, its per-rank objects; on the coordinator also the manifest (values are this save's)."""
     from ucp_store.distributed.rankstate import PerRankManifest
@@ -528,10 +528,10 @@ def _build_plan(leaves, dtensors: list[_Tensor], plain: dict, extra: dict, meshe
                       "extra": {"dist": {"world_size": ctx.world, "meshes": list(meshes.values()),
                                          "topology": per_rank["topology"],
                                          "per_rank_keys": [k["text"] for k in per_rank["keys"]]}}}
-    return _SavePlan(items, sources, objects, provenance, per_rank, rank_objects)
+    return SavePlan(items, sources, objects, provenance, per_rank, rank_objects)
 
 
-def confirm_cached_plan(plan: _SavePlan, state_dict: Any, ctx: _Ctx, mesh=None) -> _SavePlan:
+def confirm_cached_plan(plan: SavePlan, state_dict: Any, ctx: Ctx, mesh=None) -> SavePlan:
     """``plan`` with its cache check settled now, before anything is written: every rank's check (did its
     layout hold, its content digests: JSON bytes) goes to the coordinator, which decides with
     ``_plan_still_holds`` and broadcasts one byte. When the plan no longer holds, every rank drops the cache
@@ -551,7 +551,7 @@ def confirm_cached_plan(plan: _SavePlan, state_dict: Any, ctx: _Ctx, mesh=None) 
         plan.check = None  # settled: the commit carries no second check
         return plan
     _PLANS.pop(_group_key(ctx), None)
-    return _plan_save(state_dict, ctx, mesh, cache=True)  # no plan cached on any rank: plans afresh
+    return plan_save(state_dict, ctx, mesh, cache=True)  # no plan cached on any rank: plans afresh
 
 
 def _plan_still_holds(check: dict, checks: list[dict]) -> bool:
@@ -570,7 +570,7 @@ def _plan_still_holds(check: dict, checks: list[dict]) -> bool:
 
 
 # ----------------------------------------------------------------------------------------- save
-def _open(store, *, create: bool):
+def resolve_store(store, *, create: bool):
     from ucp_store.store import Store, open_store
 
     if isinstance(store, Store):
@@ -580,7 +580,7 @@ def _open(store, *, create: bool):
     raise ConfigurationError(f"store must be a URL, a path or a Store, got {type(store).__name__}")
 
 
-def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *, run: str, step: int,
+def write_plan(store, plan: SavePlan, staged: list[torch.Tensor], ctx: Ctx, *, run: str, step: int,
                 message: str | None, parent: str | None, progress: bool) -> str:
     """Begin/join, write every staged box, rank 0 writes the objects, commit (all ranks or none)."""
     from ucp_store.progress import track
@@ -622,7 +622,7 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
             writer.abort()
             raise error
         try:
-            _set_region_hashes(writer, [writer.region_digests()])
+            set_region_hashes(writer, [writer.region_digests()])
         except BaseException:
             writer.abort()
             raise
@@ -643,21 +643,21 @@ def _write_plan(store, plan: _SavePlan, staged: list[torch.Tensor], ctx: _Ctx, *
     try:
         with collective_errors(f"save of {run}@{step} (commit)"):
             if plan.check is None:
-                _set_region_hashes(writer, ctx.gather(writer.region_digests()))
+                set_region_hashes(writer, ctx.gather(writer.region_digests()))
             else:  # a cached plan: its check rides this gather (no planning collective of its own)
                 parts = ctx.gather((writer.region_digests(), {k: plan.check[k] for k in ("key_ok", "digests")}))
                 if not _plan_still_holds(plan.check, [p[1] for p in parts]):
                     _PLANS.pop(_group_key(ctx), None)
                     raise StalePlanError(f"save of {run}@{step}: the state dict's layout or which entries are equal "
                                        "on every rank changed since the cached plan; aborted to plan afresh")
-                _set_region_hashes(writer, [p[0] for p in parts])
+                set_region_hashes(writer, [p[0] for p in parts])
             return distributed_commit(writer, group=ctx.group)
     except UcpError:
         writer.abort()
         raise
 
 
-def _set_region_hashes(writer, parts: list[dict]) -> None:
+def set_region_hashes(writer, parts: list[dict]) -> None:
     """Combine every rank's chunk digests into each array's content hash (no read-back of what was written).
 
     An array whose boxes did not fall on whole chunks on some rank (None) keeps the read-back hash."""
@@ -680,13 +680,13 @@ def _set_region_hashes(writer, parts: list[dict]) -> None:
                 writer.set_chunk_digests(key[0], key[1], digests)
 
 
-def _open_everywhere(store, create: bool, ctx: _Ctx):
+def open_everywhere(store, create: bool, ctx: Ctx):
     """The store a save writes to. One rank: the opened store. Several: an opener that only the coordinator
     (group rank 0) calls, inside ``distributed_begin``; the other ranks never touch the catalog (they get
     the store's location and settings in begin's one broadcast)."""
     if ctx.dist is None:
-        return _open(store, create=create)
-    return lambda: _open(store, create=create)
+        return resolve_store(store, create=create)
+    return lambda: resolve_store(store, create=create)
 
 
 def _stale_opener():
@@ -708,15 +708,15 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
     rank and its coordinates in ``mesh`` (a ``DeviceMesh``; default: the mesh of the state dict's DTensors
     that spans every rank). Equal contents are stored once. ``load`` restores it by policy."""
     wait()  # an async save in flight commits first
-    ctx = _Ctx(group)
+    ctx = Ctx(group)
     for _ in range(2):  # a cached plan that no longer holds is dropped on every rank: the second plans afresh
-        plan = _plan_save(state_dict, ctx, mesh, cache=True)
-        st = _open_everywhere(store, create, ctx)
+        plan = plan_save(state_dict, ctx, mesh, cache=True)
+        st = open_everywhere(store, create, ctx)
         if plan.check is not None and not plan.check["key_ok"] and ctx.rank == 0:
             st = _stale_opener  # begin's broadcast tells every rank, before anyone writes
         staged = [_host(src[sl] if sl else src) for src, sl in plan.sources]
         try:
-            return _write_plan(st, plan, staged, ctx, run=run, step=step, message=message, parent=parent,
+            return write_plan(st, plan, staged, ctx, run=run, step=step, message=message, parent=parent,
                                progress=progress)
         except StalePlanError:  # every rank raised it (the commit's check, or begin's broadcast)
             _PLANS.pop(_group_key(ctx), None)
@@ -777,7 +777,7 @@ def _catalog_view_of(ck) -> _View:
     return _View(ck, infos, values, tensor_paths, manifest)
 
 
-def _view_everywhere(store, ref: str, ctx: _Ctx, what: str) -> _View:
+def _view_everywhere(store, ref: str, ctx: Ctx, what: str) -> _View:
     """The version's view on every rank, with ONE catalog client: the coordinator (group rank 0) opens the
     store, resolves ``ref`` and reads the rows, the manifest and every per-rank object it names; one broadcast
     (JSON bytes) hands them to the other ranks, which read arrays through a store without a catalog. A failure
@@ -785,11 +785,11 @@ def _view_everywhere(store, ref: str, ctx: _Ctx, what: str) -> _View:
     from ucp_store.distributed import coord
 
     if ctx.dist is None:
-        return _catalog_view(_open(store, create=False), ref)
+        return _catalog_view(resolve_store(store, create=False), ref)
     view, error, payload = None, None, None
     if ctx.rank == 0:
         try:
-            view = _catalog_view(_open(store, create=False), ref)
+            view = _catalog_view(resolve_store(store, create=False), ref)
             names = {STATE_DICT_OBJECT}
             if view.manifest is not None:
                 names.update(e.object for k in view.manifest.keys for e in k.entries)
@@ -849,7 +849,7 @@ def load(state_dict: dict, *, store: Any = None, ref: str, strict: bool = True, 
     topologies; with ``strict``, so does a saved per-rank key that no rank loaded (nothing is silently
     dropped; ``strict=False`` lists them in ``unexpected``)."""
     wait()  # an async save in flight commits first
-    ctx = _Ctx(group)
+    ctx = Ctx(group)
     error: BaseException | None = None
     result = LoadResult("")
     consumed: set[int] = set()
@@ -891,11 +891,11 @@ def _check_consumed(view: _View, used: set[int], strict: bool, ref: str, result:
     result.unexpected += [f"{t} [per-rank]" for t in left]
 
 
-def _load_here(state_dict, ctx: _Ctx, view: _View, ref: str, strict: bool, progress: bool, per_rank, mesh,
+def _load_here(state_dict, ctx: Ctx, view: _View, ref: str, strict: bool, progress: bool, per_rank, mesh,
                result: LoadResult) -> tuple[_View, set[int]]:
     """This rank's part of ``load``: plan the per-rank restore, read its boxes, put everything in place."""
     from ucp_store.distributed import perrank
-    from ucp_store.io.read import _box_sink, _Reader
+    from ucp_store.io.read import Reader, box_sink
     from ucp_store.patterns import Box
     from ucp_store.progress import track
 
@@ -919,11 +919,11 @@ def _load_here(state_dict, ctx: _Ctx, view: _View, ref: str, strict: bool, progr
         if info is not None and tuple(info.shape) != t.shape:
             raise ShapeMismatch(f"load {ref}: {t.what} has shape {list(t.shape)} in the state dict but "
                                 f"{list(info.shape)} in checkpoint {ck.id}")
-    reader = _Reader(ck, infos=infos)
+    reader = Reader(ck, infos=infos)
     for t in track([t for t in tensors if t.key in infos], f"load {ref}", enabled=progress and ctx.rank == 0):
         info = infos[t.key]
         for region in t.regions:
-            reader.submit(info, Box(region.global_box), _box_sink(t.local, Box(region.local_box)))
+            reader.submit(info, Box(region.global_box), box_sink(t.local, Box(region.local_box)))
     reader.drain()
     result.bytes_read = reader.bytes_copied
     for leaf in leaves:
@@ -1003,7 +1003,7 @@ def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progres
     from ucp_store.distributed import perrank
     from ucp_store.progress import track
 
-    ctx = _Ctx(group)
+    ctx = Ctx(group)
     error: BaseException | None = None
     mine: list[Mismatch] = []
     checked = 0

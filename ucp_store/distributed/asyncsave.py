@@ -45,7 +45,7 @@ import torch
 from ucp_store._killpoints import killpoint
 from ucp_store.distributed import inflight
 from ucp_store.distributed import snapshot as snap_mod
-from ucp_store.distributed.api import _Ctx, _open_everywhere, _plan_save, _SavePlan, _write_plan, confirm_cached_plan
+from ucp_store.distributed.api import Ctx, SavePlan, confirm_cached_plan, open_everywhere, plan_save, write_plan
 from ucp_store.distributed.inflight import AsyncSaveHandle, wait
 from ucp_store.distributed.statedict import path_text
 from ucp_store.errors import ConfigurationError, UcpError
@@ -145,7 +145,7 @@ class _Stager:
         """What the writer process maps: the arena's description, or the shared tensors themselves."""
         return self.arena.describe() if self.arena is not None else self.buffers
 
-    def stage(self, plan: _SavePlan, *, shared: bool, copy: bool = True,
+    def stage(self, plan: SavePlan, *, shared: bool, copy: bool = True,
               views: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """This rank's boxes copied into the staging buffers (made, and their pages mapped, when the layout is
         new). ``copy=False`` (``prepare_async``) only makes the buffers. ``views``: copy these instead of the
@@ -198,7 +198,7 @@ _STAGER = _Stager()
 class _WriterProcess:
     """One persistent writer process for this rank, and the thread that waits for its answers."""
 
-    def __init__(self, ctx: _Ctx):
+    def __init__(self, ctx: Ctx):
         import torch.multiprocessing as mp
 
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), 0
@@ -274,11 +274,11 @@ def _writer_main(requests, responses, rank: int, world: int, addr: str, port: in
             continue
         try:
             snap_mod.lower_writer_priority(payload.get("nice", 0))  # the trainer's processes get the CPU first
-            ctx = _Ctx(None, tag="async-writer")
-            plan = _SavePlan(payload["items"], [], payload["objects"], payload["provenance"], payload["per_rank"],
+            ctx = Ctx(None, tag="async-writer")
+            plan = SavePlan(payload["items"], [], payload["objects"], payload["provenance"], payload["per_rank"],
                              payload["rank_objects"])
-            st = _open_everywhere(payload["store"], True, ctx)
-            cid = _write_plan(st, plan, buffers, ctx, run=payload["run"], step=payload["step"],
+            st = open_everywhere(payload["store"], True, ctx)
+            cid = write_plan(st, plan, buffers, ctx, run=payload["run"], step=payload["step"],
                               message=payload["message"], parent=payload["parent"], progress=False)
             responses.put(("ok", cid))
         except BaseException as exc:  # noqa: BLE001 - reported to the trainer
@@ -302,7 +302,7 @@ atexit.register(close)
 
 
 # ----------------------------------------------------------------------------------------- the call
-def _writer_for(ctx: _Ctx) -> _WriterProcess:
+def _writer_for(ctx: Ctx) -> _WriterProcess:
     key = (ctx.rank, ctx.world)
     writer = _WRITERS.get(key)
     if writer is None or not writer.proc.is_alive():
@@ -329,10 +329,10 @@ def prepare_async(state_dict: dict, *, mode: str = "thread", group=None, mesh=No
     wait()
     for opt in _optimizers(optimizer):
         snap_mod.install_gate(opt)
-    ctx = _Ctx(group)
-    plan = _plan_save(state_dict, ctx, mesh)
+    ctx = Ctx(group)
+    plan = plan_save(state_dict, ctx, mesh)
     _STAGER.stage(plan, shared=mode == "process", copy=False)
-    _Ctx(group, tag="async")
+    Ctx(group, tag="async")
     if mode == "process":
         _writer_for(ctx).share(_STAGER.shared_spec(), _STAGER.generation)
 
@@ -373,9 +373,9 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
         snap_mod.install_gate(opt)
     gated = snap_mod.gated_optimizers()
     lazy = bool(gated) if lazy is None else bool(lazy)
-    ctx = _Ctx(group)
+    ctx = Ctx(group)
     # a cached plan (the layout of the last save) is checked in a few small collectives; a new layout plans
-    plan = confirm_cached_plan(_plan_save(state_dict, ctx, mesh, cache=True), state_dict, ctx, mesh)
+    plan = confirm_cached_plan(plan_save(state_dict, ctx, mesh, cache=True), state_dict, ctx, mesh)
     handle = AsyncSaveHandle(run, step, mode)
     job = {"store": store, "create": create, "run": run, "step": step, "message": message, "parent": parent,
            "group": group, "nice": writer_nice}
@@ -391,7 +391,7 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     return handle
 
 
-def _process_job(plan: _SavePlan, job: dict) -> dict:
+def _process_job(plan: SavePlan, job: dict) -> dict:
     store = job["store"]
     return {"items": plan.items, "objects": plan.objects, "provenance": plan.provenance,
             "per_rank": plan.per_rank, "rank_objects": plan.rank_objects,
@@ -400,16 +400,16 @@ def _process_job(plan: _SavePlan, job: dict) -> dict:
             "nice": job["nice"]}
 
 
-def _write_thread(handle: AsyncSaveHandle, plan: _SavePlan, staged: list[torch.Tensor], bg: _Ctx, job: dict) -> None:
+def _write_thread(handle: AsyncSaveHandle, plan: SavePlan, staged: list[torch.Tensor], bg: Ctx, job: dict) -> None:
     """The thread mode's writer (on the background thread, at the writer's priority)."""
     snap_mod.lower_writer_priority(job["nice"])
-    st = _open_everywhere(job["store"], job["create"], bg)
-    cid = _write_plan(st, plan, staged, bg, run=job["run"], step=job["step"], message=job["message"],
+    st = open_everywhere(job["store"], job["create"], bg)
+    cid = write_plan(st, plan, staged, bg, run=job["run"], step=job["step"], message=job["message"],
                       parent=job["parent"], progress=False)
     handle._finish(cid, None)
 
 
-def _start_eager(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict) -> threading.Thread | None:
+def _start_eager(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict) -> threading.Thread | None:
     """Today's path: every box copied into the staging buffers before the call returns."""
     mode = handle.mode
     # process mode, new layout: shared pages fault in far slower than private ones, so the caller stages
@@ -418,7 +418,7 @@ def _start_eager(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict)
     buffers = _Stager().stage(plan, shared=False) if cold_process else _STAGER.stage(plan, shared=mode == "process")
     handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
     if mode == "thread":
-        bg = _Ctx(job["group"], tag="async")  # its own gloo group: its collectives never interleave with the caller's
+        bg = Ctx(job["group"], tag="async")  # its own gloo group: its collectives never interleave with the caller's
         staged = list(buffers)
 
         def work() -> None:
@@ -447,7 +447,7 @@ def _start_eager(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict)
     return threading.Thread(target=share, daemon=True, name="ucp-async-share")
 
 
-def _lazy_jobs(plan: _SavePlan, eager: tuple[str, ...]) -> tuple[list[snap_mod.Job], dict[int, torch.Tensor]]:
+def _lazy_jobs(plan: SavePlan, eager: tuple[str, ...]) -> tuple[list[snap_mod.Job], dict[int, torch.Tensor]]:
     """The boxes the background copies (each with its owner's version now), and those copied now."""
     paths = {tuple(o["tensor"]): path_text(tuple(o["path"])) for o in plan.objects if "tensor" in o}
     jobs: list[snap_mod.Job] = []
@@ -464,7 +464,7 @@ def _lazy_jobs(plan: _SavePlan, eager: tuple[str, ...]) -> tuple[list[snap_mod.J
     return jobs, now
 
 
-def _start_lazy(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict, gated: list,
+def _start_lazy(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict, gated: list,
                 eager: tuple[str, ...]) -> threading.Thread:
     """The lazy path: only the eager boxes now; a thread copies the rest (the gates wait for it), every rank
     agrees the snapshot is sound, then it writes (thread mode) or hands the buffers to the writer process."""
@@ -472,7 +472,7 @@ def _start_lazy(handle: AsyncSaveHandle, plan: _SavePlan, ctx: _Ctx, job: dict, 
     ordered, gates = snap_mod.order_jobs(jobs, gated)
     snap = handle.snapshot = snap_mod.Snapshot(ordered, gates, on_copy=lambda n: killpoint("async.mid_copy"))
     snap_mod.set_current(snap)
-    bg = _Ctx(job["group"], tag="async")
+    bg = Ctx(job["group"], tag="async")
     shared = handle.mode == "process"
     writer = _writer_for(ctx) if shared else None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ucp_store.distributed.api import _Ctx, _open, load, save
+from ucp_store.distributed.api import Ctx, load, resolve_store, save
 from ucp_store.errors import ConfigurationError, ReferenceNotFound
 
 if TYPE_CHECKING:
@@ -82,10 +82,10 @@ class Checkpointer:
     def _retain(self) -> None:
         if self.keep_last is None and self.keep_every is None:
             return
-        ctx = _Ctx(self.group)
+        ctx = Ctx(self.group)
         if ctx.rank != 0:
             return
-        st = _open(self.store_arg, create=False)
+        st = resolve_store(self.store_arg, create=False)
         if not self._policy_set:
             st.set_retention(self.run, keep_last=self.keep_last, keep_every=self.keep_every)
             self._policy_set = True
@@ -106,7 +106,7 @@ class Checkpointer:
         from ucp_store.errors import CatalogError
 
         try:
-            st = _open(self.store_arg, create=False)
+            st = resolve_store(self.store_arg, create=False)
             versions = st.list_checkpoints(self.run)
         except (ReferenceNotFound, CatalogError):
             return None
@@ -117,7 +117,7 @@ class Checkpointer:
         """Load the newest committed version into ``state_dict`` in place; returns its step (None: nothing).
         ``per_rank`` and ``mesh``: as ``ucp_store.distributed.load`` takes them."""
         self._finish_pending()
-        ctx = _Ctx(self.group)
+        ctx = Ctx(self.group)
         # the coordinator alone asks the catalog (one client per job); the others take its answer
         step = ctx.gather(self.latest_step() if ctx.rank == 0 else None)[0]
         if step is None:

@@ -52,7 +52,7 @@ import torch
 from ucp_store import config, dtypes
 from ucp_store.io import format as fmt
 from ucp_store.io.crc import value as _crc
-from ucp_store.io.location import Location, _safe_rel
+from ucp_store.io.location import Location, safe_rel
 from ucp_store.io.pools import LazyPool
 
 _MISSING = (1 << 64) - 1
@@ -73,7 +73,7 @@ _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
-_READ_POOL = LazyPool("ucp-read", "UCP_READ_THREADS", lambda cpus: max(2, min(16, 2 * cpus)))
+_READ_POOL = LazyPool("ucp-read", "read_threads", lambda cpus: max(2, min(16, 2 * cpus)))
 _threads = _READ_POOL.size
 _get_pool = _READ_POOL.get
 
@@ -184,7 +184,7 @@ _SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
 
 # The pool whole reads run on when several are in flight at once (``read_streamed``); apart from the read
 # pool (its tasks may wait on the read pool's, never the reverse).
-_STREAM_POOL = LazyPool("ucp-stream", "UCP_READ_STREAM_THREADS", lambda cpus: 2 * _threads())
+_STREAM_POOL = LazyPool("ucp-stream", "stream_threads", lambda cpus: 2 * _threads())
 get_stream_pool = _STREAM_POOL.get
 
 
@@ -309,7 +309,7 @@ def open_reader(location: Location, rel: str, layout: fmt.ArrayLayout, context, 
                 hit = _chain_checks[key] = (codecs, is_local_chain(codecs, layout))
             local = hit[1]
         if local:
-            return LocalArray(os.path.join(location.root, _safe_rel(rel)), layout)
+            return LocalArray(os.path.join(location.root, safe_rel(rel)), layout)
         location.check_regular_tree(rel)
     return fmt.open_array(location, rel, layout, context)
 
@@ -333,28 +333,28 @@ class _Pending:
 
 
 _scratch = threading.local()
-_PAGE = 4096
+PAGE = 4096
 # On some CPUs (``rep movsb`` with FSRM) the kernel's copy to user memory and glibc's memcpy slow down by
 # an order of magnitude when the destination sits a few bytes after the source modulo a 4 KiB page (the
 # band's width and the slowdown vary by CPU and kernel: tools/bench_align.py measures them,
 # docs/perf-notes-io.md has the figures). A chunk's file offset moves by 4 bytes (its crc) per chunk, so a
 # read straight into the destination would hit that band for some chunks of every shard: those chunks are
 # read into scratch placed at the file offset's page position (distance 0) and copied with torch's copy
-# loop, which does not slow down. ``_bad_distance`` counts every distance from 1 to ``_BAD_DISTANCE - 1``
+# loop, which does not slow down. ``bad_distance`` counts every distance from 1 to ``_BAD_DISTANCE - 1``
 # (1-63 bytes, a cache line) as slow: wider than the bands measured, because a chunk that needlessly goes
 # through scratch costs one extra copy, while one that hits the band costs many times its read.
 _BAD_DISTANCE = 64
 
 
-def _bad_distance(dst_addr: int, file_off: int) -> bool:
-    return 0 < (dst_addr - file_off) % _PAGE < _BAD_DISTANCE
+def bad_distance(dst_addr: int, file_off: int) -> bool:
+    return 0 < (dst_addr - file_off) % PAGE < _BAD_DISTANCE
 
 
 def _scratch_buffer(nbytes: int) -> tuple[np.ndarray, int]:
     """This thread's scratch (at least ``nbytes`` + a page) and its address."""
     hit = getattr(_scratch, "buf", None)
-    if hit is None or hit[0].nbytes < nbytes + _PAGE:
-        buf = np.empty(max(nbytes + _PAGE, 1 << 20), np.uint8)
+    if hit is None or hit[0].nbytes < nbytes + PAGE:
+        buf = np.empty(max(nbytes + PAGE, 1 << 20), np.uint8)
         hit = _scratch.buf = (buf, buf.ctypes.data)
     return hit
 
@@ -365,16 +365,16 @@ def _placed(buf: np.ndarray, addr: int, pos: int, file_off: int, nbytes: int,
 
     ``shift`` 0: the kernel copies at distance 0. ``_HALF_PAGE`` when the copy out of scratch would
     otherwise run at a slow distance: both copies then run at about half a page."""
-    p = pos + (file_off + shift - addr - pos) % _PAGE
+    p = pos + (file_off + shift - addr - pos) % PAGE
     return buf[p:p + nbytes], p + nbytes
 
 
-_HALF_PAGE = _PAGE // 2
+_HALF_PAGE = PAGE // 2
 
 
 def _copy_distance_slow(dst: np.ndarray, src: np.ndarray) -> bool:
     """True when numpy's copy of ``src`` into ``dst`` would run at a slow distance on every row."""
-    return dst.strides == src.strides and _bad_distance(dst.__array_interface__["data"][0],
+    return dst.strides == src.strides and bad_distance(dst.__array_interface__["data"][0],
                                                         src.__array_interface__["data"][0])
 
 
@@ -385,7 +385,7 @@ _PIECE = 16384  # elements per torch copy call: below torch's grain size, so one
                 # an OpenMP team for one chunk's copy can take milliseconds)
 
 
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` (same shape and itemsize, any strides): numpy's copy (glibc memcpy) where every
     row keeps one distance between destination and source that is not a slow one (``_BAD_DISTANCE``),
     else torch's copy loop in pieces of at most ``_PIECE`` elements, which does not slow down."""
@@ -404,7 +404,7 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     per = src.size // max(src.shape[0], 1)
     if per > _PIECE and src.ndim > 1:
         for i in range(src.shape[0]):
-            _copy(dst[i], src[i])
+            copy_into(dst[i], src[i])
         return
     td, ts = torch.from_numpy(dst.view(ints)), torch.from_numpy(src.view(ints))
     step = max(1, _PIECE // max(per, 1))
@@ -710,7 +710,7 @@ class LocalArray:
                 self._check_entry((i,) + (0,) * (self.ndim - 1), key, off, nb, expect, data_end)
             a = (lo - i * c0) * self._row_bytes
             b = a + flat.nbytes
-            whole = a == 0 and b == expect - 4 and not 0 < (addr - off) % _PAGE < _BAD_DISTANCE
+            whole = a == 0 and b == expect - 4 and not 0 < (addr - off) % PAGE < _BAD_DISTANCE
             slow = False
             if whole:
                 # the whole chunk (a ZeRO fragment of a chunk's size): its bytes straight into ``flat``, its
@@ -721,11 +721,11 @@ class LocalArray:
                 # rows and those after them (with the crc) land at their own place in it. When ``flat`` sits at
                 # a slow distance from the rows' offset, the whole chunk goes to scratch half a page off instead
                 # and the rows are copied out (both copies then run at about half a page).
-                slow = 0 < (addr - off - a) % _PAGE < _BAD_DISTANCE
+                slow = 0 < (addr - off - a) % PAGE < _BAD_DISTANCE
                 hit = getattr(_scratch, "buf", None)
-                if hit is None or hit[0].nbytes < expect + _PAGE:
+                if hit is None or hit[0].nbytes < expect + PAGE:
                     hit = _scratch_buffer(expect)
-                p = (off + (_HALF_PAGE if slow else 0) - hit[1]) % _PAGE
+                p = (off + (_HALF_PAGE if slow else 0) - hit[1]) % PAGE
                 region = hit[0][p:p + expect]
                 post = region[b:]
                 pre = region[:a]
@@ -869,11 +869,11 @@ class LocalArray:
             a = (box[0][0] - idx[0] * chunk[0]) * self._row_bytes
             b = (box[0][1] - idx[0] * chunk[0]) * self._row_bytes
             dst = out.reshape(-1).view(np.uint8)
-            if b - a < 2048 or not _bad_distance(dst.ctypes.data, entry[4] + off + a):
+            if b - a < 2048 or not bad_distance(dst.ctypes.data, entry[4] + off + a):
                 dst[...] = mem[a:b]
                 return
         src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, chunk))
-        _copy(out, mem.view(self.dtype).reshape(chunk)[src])
+        copy_into(out, mem.view(self.dtype).reshape(chunk)[src])
 
     def _shard_of(self, idx: tuple) -> tuple[str, str, int]:
         """A chunk's shard file (key ``c/i/j``, path) and its entry in that shard's index."""
@@ -916,7 +916,7 @@ class LocalArray:
             src = tuple(slice(lo - i * c, hi - i * c) for (lo, hi), i, c in zip(box, idx, self.chunk_shape))
             view = enc[:-4].view(self.dtype).reshape(self.chunk_shape)[src]
             same_strides = out.strides == view.strides
-            if same_strides and _bad_distance(out.__array_interface__["data"][0],
+            if same_strides and bad_distance(out.__array_interface__["data"][0],
                                               view.__array_interface__["data"][0]):
                 enc, _ = _placed(buf, addr, 0, off, expect, _HALF_PAGE)
             got = self._preadv(fd, [enc.data], off, flags, key)
@@ -933,7 +933,7 @@ class LocalArray:
         if same_strides:  # the placement above keeps this copy at a fast distance
             out[...] = view
         else:
-            _copy(out, view)
+            copy_into(out, view)
         return True
 
     def _check_entry(self, idx: tuple, key: str, off: int, nb: int, expect: int, data_end: int) -> None:
@@ -1108,14 +1108,14 @@ class LocalArray:
         n = len(run)
         crcs = np.empty(n, "<u4")
         crc_bytes = crcs.view(np.uint8)
-        n_scratch = sum(1 for it in run if it[2] is None or _bad_distance(it[3], it[0]))
+        n_scratch = sum(1 for it in run if it[2] is None or bad_distance(it[3], it[0]))
         if n_scratch:
-            buf, addr = _scratch_buffer(n_scratch * (expect + _PAGE))
+            buf, addr = _scratch_buffer(n_scratch * (expect + PAGE))
         pos = 0
         iov: list[Any] = []
         via: list[Any] = []  # per chunk: None (read in place) or its scratch bytes
         for k, (off, _idx, mem, maddr, _src, _dst) in enumerate(run):  # noqa: B007
-            if mem is not None and not _bad_distance(maddr, off):
+            if mem is not None and not bad_distance(maddr, off):
                 iov.append(mem)
                 iov.append(crc_bytes[4 * k:4 * k + 4])
                 via.append(None)
@@ -1150,8 +1150,8 @@ class LocalArray:
                                      f"{key}")
             if enc is not None:
                 if mem is not None:
-                    _copy(mem, data)
+                    copy_into(mem, data)
                 else:
                     whole = data.view(self.dtype).reshape(chunk)
-                    _copy(dst, whole if src is None else whole[src])
+                    copy_into(dst, whole if src is None else whole[src])
         return True

@@ -19,10 +19,10 @@ order, edge chunks padded with the fill value (0) to the full chunk shape, chunk
 array left out of the index.
 tests/test_localwrite.py reads the files back through TensorStore and ``localread`` and checks that.
 
-Shard files run on a small thread pool (``UCP_WRITE_THREADS``, default 2-8 by CPU count): the copies,
+Shard files run on a small thread pool (``config`` ``write_threads``, default 2-8 by CPU count): the copies,
 xxh3, ``writev`` and ``fsync`` release the GIL. The scratch buffer sits at the file offset's position
 in its page, so the kernel's copy into the page cache never runs at the distances at which some CPUs'
-copies crawl (``localread._BAD_DISTANCE``); the gather into it uses ``localread._copy``, which avoids them too.
+copies crawl (``localread._BAD_DISTANCE``); the gather into it uses ``localread.copy_into``, which avoids them too.
 
 :func:`local_folder` is the one place that decides: a folder store, the store's own uncompressed chain,
 a little-endian host, and the ``local_write`` setting on (``ucp_store.config``). :func:`whole_shards` says
@@ -45,8 +45,8 @@ import numpy as np
 from ucp_store import config
 from ucp_store.io import format as fmt
 from ucp_store.io.crc import value as _crc
-from ucp_store.io.localread import _PAGE, _bad_distance, _copy, is_local_chain
-from ucp_store.io.location import Location, _safe_rel
+from ucp_store.io.localread import PAGE, bad_distance, copy_into, is_local_chain
+from ucp_store.io.location import Location, safe_rel
 from ucp_store.io.pools import LazyPool
 
 __all__ = ["local_folder", "whole_shards", "shard_boxes", "write_shard_file", "sync_dirs", "submit", "WriteLog",
@@ -106,7 +106,7 @@ def local_folder(location: Location, rel: str, layout: fmt.ArrayLayout) -> str |
     if (location.kind != "file" or not layout.sharded or sys.byteorder != "little"
             or not config.current().local_write or not is_local_chain(layout.codecs(), layout)):
         return None
-    return os.path.join(location.root, _safe_rel(rel))
+    return os.path.join(location.root, safe_rel(rel))
 
 
 def whole_shards(layout: fmt.ArrayLayout, offset: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -126,7 +126,7 @@ def shard_boxes(layout: fmt.ArrayLayout, offset: tuple[int, ...], shape: tuple[i
                                for o, n, sh in zip(offset, shape, layout.shard_shape)))
 
 
-_WRITE_POOL = LazyPool("ucp-write", "UCP_WRITE_THREADS", lambda cpus: max(2, min(8, cpus)))
+_WRITE_POOL = LazyPool("ucp-write", "write_threads", lambda cpus: max(2, min(8, cpus)))
 _threads = _WRITE_POOL.size
 
 
@@ -157,20 +157,20 @@ class _Batch:
         self.nbytes = 0
         buf = getattr(_scratch, "arena", None)
         if buf is None:
-            buf = _scratch.arena = np.empty(_BATCH_BYTES + 2 * _PAGE, np.uint8)
+            buf = _scratch.arena = np.empty(_BATCH_BYTES + 2 * PAGE, np.uint8)
         self.arena = buf
         self.used = 0  # scratch bytes of the arena handed out since the last write
 
     def scratch(self, file_off: int, nbytes: int) -> np.ndarray:
         """``nbytes`` of scratch whose address equals ``file_off`` modulo a page, not overlapping any queued."""
-        if nbytes + _PAGE > self.arena.nbytes:  # a chunk larger than the arena: one of its own
-            buf = np.empty(nbytes + _PAGE, np.uint8)
-            p = (file_off - buf.ctypes.data) % _PAGE
+        if nbytes + PAGE > self.arena.nbytes:  # a chunk larger than the arena: one of its own
+            buf = np.empty(nbytes + PAGE, np.uint8)
+            p = (file_off - buf.ctypes.data) % PAGE
             return buf[p:p + nbytes]
-        p = self.used + (file_off - self.arena.ctypes.data - self.used) % _PAGE
+        p = self.used + (file_off - self.arena.ctypes.data - self.used) % PAGE
         if p + nbytes > self.arena.nbytes:
             self.write()  # the queued chunks leave the arena free
-            p = (file_off - self.arena.ctypes.data) % _PAGE
+            p = (file_off - self.arena.ctypes.data) % PAGE
         self.used = p + nbytes
         return self.arena[p:p + nbytes]
 
@@ -272,14 +272,14 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
             hi = [min(a + c, s) for a, c, s in zip(lo, chunk, layout.shape)]
             src = data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset))]
             full = all(b - a == c for a, b, c in zip(lo, hi, chunk))
-            if full and src.flags.c_contiguous and not _bad_distance(pos, src.ctypes.data):
+            if full and src.flags.c_contiguous and not bad_distance(pos, src.ctypes.data):
                 enc = src.reshape(-1).view(np.uint8)  # in place: no copy
             else:
                 enc = batch.scratch(pos, cbytes)
                 view = enc.view(data.dtype).reshape(chunk)
                 if not full:
                     enc[:] = 0  # the fill value pads an edge chunk to the full chunk shape
-                _copy(view[tuple(slice(0, b - a) for a, b in zip(lo, hi))], src)
+                copy_into(view[tuple(slice(0, b - a) for a, b in zip(lo, hi))], src)
             batch.add(enc, _crc(enc).to_bytes(4, "little"))
             index[k] = (pos, cbytes + 4)
             pos += cbytes + 4

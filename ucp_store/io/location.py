@@ -65,7 +65,7 @@ def _ts():
     return ts
 
 
-def _safe_rel(rel: str) -> str:
+def safe_rel(rel: str) -> str:
     norm = posixpath.normpath(rel)
     if rel.startswith("/") or norm == ".." or norm.startswith("../") or "\\" in rel or "\x00" in rel:
         raise InvalidNameError(f"path {rel!r} would escape the store root")
@@ -138,7 +138,7 @@ class Location:
     # --- paths ----------------------------------------------------------------------------------
     def kvstore(self, rel: str = "") -> dict:
         """TensorStore kvstore spec for a folder under the root (trailing slash: a directory)."""
-        rel = _safe_rel(rel) if rel else ""
+        rel = safe_rel(rel) if rel else ""
         if self.kind == "file":
             path = os.path.join(self.root, rel) if rel else self.root
             return {"driver": "file", "path": path.rstrip("/") + "/"}
@@ -152,7 +152,7 @@ class Location:
 
     def display(self, rel: str) -> str:
         """The path or URL a person can use to find ``rel`` (``ucp show`` prints it)."""
-        rel = _safe_rel(rel)
+        rel = safe_rel(rel)
         if self.kind == "file":
             return os.path.join(self.root, rel)
         return f"s3://{self.bucket}/{posixpath.join(self.root, rel)}"
@@ -169,7 +169,7 @@ class Location:
     def list_dirs(self, rel: str) -> list[str]:
         """Immediate child names (folders or objects' first path component) of ``rel``. In a folder store a
         symbolic link (or any non-folder) at ``rel`` lists nothing: it is never followed out of the store."""
-        rel = _safe_rel(rel)
+        rel = safe_rel(rel)
         if self.kind == "file":
             fd = self._open_dir(rel, "list")
             if fd is None:
@@ -185,7 +185,7 @@ class Location:
     def is_dir(self, rel: str) -> bool:
         """Whether ``rel`` is a real folder of a folder store (not a link, a file, a FIFO or missing); on a
         bucket every prefix counts as one."""
-        rel = _safe_rel(rel)
+        rel = safe_rel(rel)
         if self.kind != "file":
             return True
         fd = self._open_dir(rel, "list")
@@ -198,7 +198,7 @@ class Location:
         """Refuse (InvalidNameError naming it) a folder store whose folder ``rel`` or one above it under the
         root is a symbolic link: gc and rm call this before they change a row, so a sweep that could
         not run leaves the catalog as it was."""
-        rel = _safe_rel(rel)
+        rel = safe_rel(rel)
         if self.kind == "file":
             fd = self._open_parent(f"{rel}/-", "delete")
             if fd is not None:
@@ -207,7 +207,7 @@ class Location:
     def check_regular(self, rel: str) -> None:
         """Refuse a file of a folder store that is there but is no regular file (a FIFO, socket, device or
         link planted in the store), before anything opens it: opening a FIFO would wait forever."""
-        rel = _safe_rel(rel)
+        rel = safe_rel(rel)
         if self.kind != "file":
             return
         try:
@@ -222,7 +222,7 @@ class Location:
         """:meth:`check_regular` for every file under folder ``rel`` (links not followed): the reader that is
         not ours (TensorStore, for compressed or foreign chains) opens shard files itself, and a FIFO among
         them would block it forever."""
-        rel = _safe_rel(rel)
+        rel = safe_rel(rel)
         if self.kind != "file":
             return
         top = os.path.join(self.root, rel)
@@ -242,7 +242,7 @@ class Location:
     def tree_bytes(self, rel: str) -> int | None:
         """Bytes of the regular files under ``rel`` (a file or folder; links count 0 and are not followed);
         None on a bucket (not listed with sizes)."""
-        rel = _safe_rel(rel)
+        rel = safe_rel(rel)
         if self.kind != "file":
             return None
         return self._file_tree(rel, delete=False)
@@ -250,7 +250,7 @@ class Location:
     def delete_tree(self, rel: str) -> int | None:
         """Delete ``rel`` and everything under it; returns the bytes of the regular files deleted (None on a
         bucket). In a folder store a link at ``rel`` or under it is removed itself, never followed."""
-        rel = _safe_rel(rel)
+        rel = safe_rel(rel)
         if not rel or rel == ".":
             raise InvalidNameError("refusing to delete the store root")
         if self.kind == "file":
@@ -263,7 +263,7 @@ class Location:
     def remove_empty_dir(self, rel: str) -> None:
         """Remove the folder ``rel`` if it is empty. A bucket has no folders (a prefix with no keys is
         gone already), so this does nothing there."""
-        rel = _safe_rel(rel)
+        rel = safe_rel(rel)
         if not rel or rel == ".":
             raise InvalidNameError("refusing to remove the store root")
         if self.kind == "file":

@@ -19,23 +19,20 @@ _all: list[LazyPool] = []
 
 
 class LazyPool:
-    """A ``ThreadPoolExecutor`` made on the first :meth:`get`, with ``size()`` threads: the integer in the
-    environment variable ``env`` when set (at least 1), else ``default(cpu count)``."""
+    """A ``ThreadPoolExecutor`` made on the first :meth:`get`, with ``size()`` threads: the ``setting`` of
+    ``ucp_store.config`` when set, else ``default(cpu count)``."""
 
-    def __init__(self, prefix: str, env: str, default: Callable[[int], int]):
-        self.prefix, self.env, self.default = prefix, env, default
+    def __init__(self, prefix: str, setting: str, default: Callable[[int], int]):
+        self.prefix, self.setting, self.default = prefix, setting, default
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         _all.append(self)
 
     def size(self) -> int:
-        value = os.environ.get(self.env)
-        if value:
-            try:
-                return max(1, int(value))
-            except ValueError:
-                raise ValueError(f"{self.env}={value!r}: expected a number of threads") from None
-        return self.default(os.cpu_count() or 1)
+        from ucp_store import config
+
+        value = getattr(config.current(), self.setting)
+        return int(value) if value is not None else self.default(os.cpu_count() or 1)
 
     def get(self) -> ThreadPoolExecutor:
         pool = self._pool

@@ -59,7 +59,7 @@ _held: OrderedDict[tuple, tuple] = OrderedDict()
 _held_lock = threading.Lock()
 
 
-_get_small_pool = LazyPool("ucp-small-read", "UCP_SMALL_READ_THREADS", lambda cpus: max(4, min(32, 4 * cpus))).get
+_get_small_pool = LazyPool("ucp-small-read", "small_read_threads", lambda cpus: max(4, min(32, 4 * cpus))).get
 
 
 def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:
@@ -74,7 +74,7 @@ def _target_dtype(dtype, state: str, stored: str) -> torch.dtype:
 _layouts: dict[tuple, tuple[Any, fmt.ArrayLayout]] = {}  # catalog geometry + id(codecs) -> (codecs, layout)
 
 
-class _Reader:
+class Reader:
     """Opens each array once and keeps bounded windows of reads in flight (``_window.FutureWindow``): one
     for TensorStore futures (``window_bytes``), one for small local reads on the small-read pool."""
 
@@ -326,7 +326,7 @@ def _to_torch(data: np.ndarray) -> torch.Tensor:
     return dtypes.to_torch(np.require(data, requirements="C"))
 
 
-class _Sink:
+class Sink:
     """Copies a read into ``target`` (a view of the destination); the local path reads into it directly."""
 
     __slots__ = ("target",)
@@ -338,12 +338,12 @@ class _Sink:
         self.target.copy_(_to_torch(data).reshape(self.target.shape))
 
 
-def _box_sink(dest: torch.Tensor, dst_box) -> _Sink:
-    return _Sink(dest[dst_box.slices()] if dest.dim() else dest)
+def box_sink(dest: torch.Tensor, dst_box) -> Sink:
+    return Sink(dest[dst_box.slices()] if dest.dim() else dest)
 
 
-def _flat_sink(dest_flat: torch.Tensor, start: int, stop: int) -> _Sink:
-    return _Sink(dest_flat[start:stop])
+def _flat_sink(dest_flat: torch.Tensor, start: int, stop: int) -> Sink:
+    return Sink(dest_flat[start:stop])
 
 
 @dataclass
@@ -384,7 +384,7 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
     ``into``: ``{buffer key: tensor}`` to read group buffers straight into (a live optimizer's flat
     partition: host memory, contiguous, the planned dtype and size; zeroed first, as a new buffer would be)
     instead of allocating them. With ``only``, only the buffers those tensor-states use are allocated."""
-    reader = _Reader(checkpoint, infos=None if infos is None else _by_key(infos))
+    reader = Reader(checkpoint, infos=None if infos is None else _by_key(infos))
     out = ShardState(plan)
     wanted = None if only is None else set(only)
     used = None if wanted is None else {tp.buffer for tp in plan.tensors
@@ -447,7 +447,7 @@ def _new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> None:
+def _submit_tensor(reader: Reader, out: ShardState, tp: TensorPlan, dtype) -> None:
     info = reader.infos.get((tp.name, tp.state))
     if info is None:
         raise UcpError(f"plan names tensor {tp.name!r} state {tp.state!r}, which checkpoint {reader.checkpoint.id} "
@@ -477,13 +477,13 @@ def _submit_tensor(reader: _Reader, out: ShardState, tp: TensorPlan, dtype) -> N
                     continue
                 if t.shape != shape:
                     if not t.flags.c_contiguous:
-                        reader.submit(info, r.box, _box_sink(dest, r.dst))
+                        reader.submit(info, r.box, box_sink(dest, r.dst))
                         continue
                     t = t.reshape(shape)
                 reader.submit_into(info, handle, r.box, t, None)
             return
         for r in tp.reads:
-            reader.submit(info, r.box, _box_sink(dest, r.dst))
+            reader.submit(info, r.box, box_sink(dest, r.dst))
         return
     flat: np.ndarray | None = None
     if tp.buffer is None:  # ZeRO-3 weight: the parameter's own partition
@@ -546,7 +546,7 @@ class LazyShardState(ShardState):
             self.buffer(tp.buffer)
             return self.views[key]
         if key not in self.tensors:
-            reader = _Reader(self._checkpoint, infos=self._infos)
+            reader = Reader(self._checkpoint, infos=self._infos)
             _submit_tensor(reader, self, tp, self._dtype)
             reader.drain()
             self.bytes_read += reader.bytes_copied
@@ -556,7 +556,7 @@ class LazyShardState(ShardState):
         if key not in self._loaded_buffers:
             b = next(b for b in self.plan.buffers if b.key == key)
             self.buffers[key] = torch.zeros(b.numel, dtype=_target_dtype(self._dtype, b.state, b.dtype))
-            reader = _Reader(self._checkpoint, infos=self._infos)
+            reader = Reader(self._checkpoint, infos=self._infos)
             for tp in self.plan.tensors:
                 if tp.buffer == key:
                     _submit_tensor(reader, self, tp, self._dtype)
@@ -573,10 +573,10 @@ def read_tensors(checkpoint, infos: Iterable[TensorInfo]) -> dict[tuple[str, str
     shard file read in file order as one stream (``LocalArray.read_streamed``): from a cold cache, large
     sequential requests to several files at once are what a disk serves fastest (tools/bench_cold.py), and
     on a warm one the reads in flight keep the cores busy. Small reads and TensorStore's go through
-    ``_Reader`` as before."""
+    ``Reader`` as before."""
     # every result is kept, so a window on the reads in flight would save no memory; without one
     # TensorStore keeps every core busy
-    reader = _Reader(checkpoint, window_bytes=None)
+    reader = Reader(checkpoint, window_bytes=None)
     out: dict[tuple[str, str], torch.Tensor] = {}
     whole: list[tuple[TensorInfo, Box, Any]] = []  # (info, box, future) of the large local reads
     try:

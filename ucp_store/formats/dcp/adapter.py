@@ -123,7 +123,7 @@ class _Entry:
     state: str | None = None
 
 
-def _classify(md: Any, optim_prefixes: Iterable[str] | None, model_prefix: str | None) -> dict[str, _Entry]:
+def classify(md: Any, optim_prefixes: Iterable[str] | None, model_prefix: str | None) -> dict[str, _Entry]:
     """Every key -> what it becomes (tensor-state, array object, or a non-tensor value decided later)."""
     from ucp_store.safe_pickle import DcpTensorStorageMetadata as TensorStorageMetadata
 
@@ -548,7 +548,7 @@ class DcpSource:
                  per_rank: Iterable[str] | None = None):
         self.folder = os.path.abspath(folder)
         self.md = read_dcp_metadata(self.folder)
-        self.entries = _classify(self.md, optim_prefixes, model_prefix)
+        self.entries = classify(self.md, optim_prefixes, model_prefix)
         self._storage: dict[tuple[str, tuple], Any] = {}
         self._bytes_info: dict[str, Any] = {}
         for idx, info in self.md.storage_data.items():
@@ -701,7 +701,7 @@ class DcpSource:
                 self._objects[e.key] = t.clone() if t.data_ptr() else t
                 continue
             pos += 1
-            if e.name is None or e.state is None:  # _classify names every tensor entry
+            if e.name is None or e.state is None:  # classify names every tensor entry
                 raise UcpError(f"{self.folder}: DCP key {e.key!r} was classified as a tensor without a name/state")
             yield TensorRecord(e.name, e.state, t, position=pos)
 
@@ -768,7 +768,7 @@ def import_dcp(store, folder: str, run: str, step: int, *, message: str | None =
 
 
 # --------------------------------------------------------------------------------------------- export
-def _object(checkpoint, name: str) -> Any:
+def read_object(checkpoint, name: str) -> Any:
     """One stored object (JSON value or array) without reading every object of the checkpoint."""
     from sqlalchemy import select
 
@@ -866,11 +866,11 @@ def _plan(checkpoint, states: Iterable[str] | None) -> tuple[dict, dict[str, tup
         if not keep_optim and path[0] in optim_heads:
             continue
         if kind == "array":
-            set_element(sd, path, _object(checkpoint, key))
+            set_element(sd, path, read_object(checkpoint, key))
         elif kind == "value":
-            set_element(sd, path, from_jsonable(_object(checkpoint, key)))
+            set_element(sd, path, from_jsonable(read_object(checkpoint, key)))
         elif kind == "opaque":
-            raw = _object(checkpoint, key)
+            raw = read_object(checkpoint, key)
             raw = raw.numpy().tobytes() if isinstance(raw, torch.Tensor) else bytes(raw)
             if "sha256" in v and hashlib.sha256(raw).hexdigest() != v["sha256"]:
                 raise UcpError(f"checkpoint {checkpoint.run}@{checkpoint.step}: opaque DCP entry {key!r} does not "

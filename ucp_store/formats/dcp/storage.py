@@ -199,7 +199,7 @@ class _PlanData:
 
 def _stand_in_metadata(plans: list[SavePlan]) -> Any:
     """The keys of every plan as ``adapters.dcp``'s allow-listed Metadata stand-in, so that the one key ->
-    (name, state) rule of ``ucp import dcp`` (``_classify``) decides here too."""
+    (name, state) rule of ``ucp import dcp`` (``classify``) decides here too."""
     from ucp_store.safe_pickle import DcpBytesStorageMetadata, DcpMetadata, DcpTensorStorageMetadata
 
     sdm: dict[str, Any] = {}
@@ -267,11 +267,11 @@ def _plan_keys(plans: list[SavePlan], target_bytes: int | None = None
                ) -> tuple[dict[str, _Key], dict[tuple[int, int], bool], Any]:
     """Every DCP key -> what it becomes (checked: names, shapes, tiling), which items each rank keeps, and
     the stand-in metadata (for the key paths). ``target_bytes``: the store's chunk target."""
-    from ucp_store.formats.dcp.adapter import _classify
+    from ucp_store.formats.dcp.adapter import classify
     from ucp_store.io.chunking import DEFAULT_TARGET
 
     md = _stand_in_metadata(plans)
-    classes = _classify(md, None, None)
+    classes = classify(md, None, None)
     boxes, keep = _tensor_boxes(plans)
     keys: dict[str, _Key] = {}
     for key, e in classes.items():
@@ -315,7 +315,7 @@ def _catalog_commit(writer, keys: dict[str, _Key], paths: dict[str, Any], result
                     version: str | None) -> None:
     """The coordinator records every rank's writes and commits: arrays hashed from the gathered chunk
     digests, shipped tensors and opaque bytes written here, the ``_dcp`` index last; one transaction."""
-    from ucp_store.distributed.api import _set_region_hashes
+    from ucp_store.distributed.api import set_region_hashes
     from ucp_store.formats.dcp.index import INDEX_OBJECT
 
     tensor_keys = {k: v for k, v in keys.items() if v.kind == "tensor"}
@@ -345,7 +345,7 @@ def _catalog_commit(writer, keys: dict[str, _Key], paths: dict[str, Any], result
                 writer.write_object(key, np.frombuffer(raw, dtype=np.uint8).copy())
                 index[key] = {"kind": "opaque", "path": paths.get(key, [key]), "nbytes": len(raw),
                               "sha256": hashlib.sha256(raw).hexdigest(), "why": _OPAQUE_WHY, "source_transforms": []}
-    _set_region_hashes(writer, _merge_digests(digests))
+    set_region_hashes(writer, _merge_digests(digests))
     for key, v in keys.items():
         if v.kind in ("tensor", "whole"):
             index[key] = {"kind": "tensor", "name": v.name, "state": v.state, "path": paths.get(key, [key])}
@@ -742,10 +742,10 @@ class UcpStorageReader(StorageReader):
                         storage_meta=StorageMeta(checkpoint_id=ck.id), version=None)
 
     def _object(self, ck, name: str) -> Any:
-        from ucp_store.formats.dcp.adapter import _object
+        from ucp_store.formats.dcp.adapter import read_object
 
         if name not in self._objects:
-            self._objects[name] = _object(ck, name)
+            self._objects[name] = read_object(ck, name)
         return self._objects[name]
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -781,11 +781,11 @@ class UcpStorageReader(StorageReader):
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         from ucp_store.geometry import Box
-        from ucp_store.io.read import _Reader, _Sink
+        from ucp_store.io.read import Reader, Sink
 
         ck = self._checkpoint()
         infos = {(i.name, i.state): i for i in ck.tensors()}
-        reader = _Reader(ck, infos=infos)
+        reader = Reader(ck, infos=infos)
         done: list[tuple[Any, torch.Tensor]] = []
         for item in plan.items:
             key = item.storage_index.fqn
@@ -801,7 +801,7 @@ class UcpStorageReader(StorageReader):
                 target.copy_(self._object(ck, s.name)[box])
             else:
                 info = infos[(s.name, s.state)]
-                reader.submit(info, Box(tuple((b.start, b.stop) for b in box)), _Sink(target))
+                reader.submit(info, Box(tuple((b.start, b.stop) for b in box)), Sink(target))
             done.append((item, target))
         reader.drain()
         for item, target in done:
