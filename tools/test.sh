@@ -23,8 +23,8 @@ if [ -z "${UCP_TEST_POSTGRES_URL:-}" ] && [ "$(id -u)" = 0 ]; then
 fi
 
 # Static checks first: a finding fails the run (rules and strictness in pyproject.toml).
-echo "ruff check ucp_store; mypy (files from pyproject: ucp_store, strict on the pure modules)"
-.venv/bin/ruff check ucp_store
+echo "ruff check ucp_store tests tools; mypy (files from pyproject: ucp_store, strict on the pure modules)"
+.venv/bin/ruff check ucp_store tests tools
 .venv/bin/mypy
 
 export UCP_PROGRESS=0
