@@ -64,7 +64,8 @@ for i in range(int(os.environ["N"])):
     ck2 = store.checkpoint("r@1")
     t4 = time.perf_counter(); sh = ck2.load_shard(topo, 1); t5 = time.perf_counter()
     n = p.num_reads
-    for k, v in (("fetch", t1 - t0), ("plan", t2 - t1), ("exec", t3 - t2), ("exec_cpu", c3 - c2), ("load_shard", t5 - t4)):
+    for k, v in (("fetch", t1 - t0), ("plan", t2 - t1), ("exec", t3 - t2), ("exec_cpu", c3 - c2),
+                 ("load_shard", t5 - t4)):
         best[k] = min(best.get(k, 1e9), v / n)
 print(json.dumps(best))
 '''
@@ -86,7 +87,8 @@ files = sorted(glob.glob(S + "/arrays/*/*.zarr"), key=lambda p: p)
 plan = []
 for f in files:
     meta = json.load(open(f + "/zarr.json"))
-    chunk = meta["codecs"][0]["configuration"]["chunk_shape"][0] if meta["codecs"][0]["name"] == "sharding_indexed" else meta["shape"][0]
+    codec = meta["codecs"][0]
+    chunk = codec["configuration"]["chunk_shape"][0] if codec["name"] == "sharding_indexed" else meta["shape"][0]
     per = 128 // chunk
     k = 32 // chunk                      # the chunk holding rows 32..63 (its first one, when chunk < 32)
     n = max(1, 32 // chunk)              # chunks the 32 rows span
@@ -218,7 +220,8 @@ import ucp_store
 store = ucp_store.open_store(sys.argv[1], create=True)
 with store.begin("r", 1) as w:
     for i in range(1000):
-        w.write(f"layers.{i}.w", "fp32", torch.randn(128, 128), pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
+        w.write(f"layers.{i}.w", "fp32", torch.randn(128, 128),
+                pattern={"kind": "partitioned", "dim": 0, "placement": {"layer": i}})
 print(list(store.checkpoint("r@1").info("layers.0.w", "fp32").chunk_shape))
 '''
 for who, tree in (("before", BEFORE), ("after", HERE)):

@@ -9,6 +9,7 @@ memory; crc32c where installed, else google_crc32c).
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,14 +59,17 @@ s = ucp_store.open_store(sys.argv[1] + "/store", create=True); s.save("p", 1, {"
 save_file({"w": w}, sys.argv[1] + "/w.safetensors")
 print(s.checkpoint("p@1").tensor("w", "fp32").info.chunk_shape)
 '''
-print("chunks", subprocess.run([py, "-c", mk, S], check=True, capture_output=True, text=True, env={**os.environ, "T": HERE}).stdout.strip())
+made = subprocess.run([py, "-c", mk, S], check=True, capture_output=True, text=True, env={**os.environ, "T": HERE})
+print("chunks", made.stdout.strip())
 res = {}
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 for r in range(rounds):
     for name, t in trees.items():
-        out = subprocess.run([py, "-c", child], env={"T": t, "S": S, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+        out = subprocess.run([py, "-c", child], env={"T": t, "S": S, "PATH": "/usr/bin:/bin"}, capture_output=True,
+                             text=True)
         if out.returncode:
-            print(out.stderr); sys.exit(1)
+            print(out.stderr)
+            sys.exit(1)
         got = json.loads(out.stdout.strip().splitlines()[-1])
         print(r, name, {k: round(v * 1e6, 1) for k, v in got.items()}, flush=True)
         for k, v in got.items():
@@ -77,4 +81,4 @@ for name in trees:
     u, st, c = (res[(name, k)] for k in ("ucp_row_held", "safetensors_row_held", "ceiling_crc32c_chunk"))
     print(f"{name:24}{u*1e6:10.1f}{st*1e6:10.1f}{c*1e6:10.1f}{u/st:8.2f}{c/st:11.2f}   per-process ucp/st: "
           + ", ".join(f"{x:.2f}" for x in res[(name, "ratios")]))
-import shutil; shutil.rmtree(S, ignore_errors=True)
+shutil.rmtree(S, ignore_errors=True)
