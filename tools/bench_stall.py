@@ -13,7 +13,8 @@ Per method (rank 0's clock; the FSDP collectives keep the ranks in step):
 
 - **blocked**: the save call plus what the pre-step gate adds to the next step (``handle.gate_wait_s``);
 - **whole stall**: everything the steps around a save took beyond the no-save step time (the median of a
-  loop without saves), plus the call and the final wait for the save to finish, per save.
+  loop without saves run right before that method's saves), plus the call and the final wait for the save
+  to finish, per save.
 
 Output: the per-method figures and the ratios the issue's goals name (lazy blocked / sync save, lazy blocked
 / DCP's blocked, whole stall beside DCP's). The machine may be shared: ratios of one run are what to read.
@@ -164,7 +165,9 @@ def _rank_main(rank, args, port) -> None:
     for method in args.methods.split(","):
         if method != "none":
             dist.barrier()
-            out["methods"][method] = _run_method(method, args, store, model, opt, x, base)
+            # the no-save step time next to each method's saves: a shared host drifts over a run
+            near = statistics.median([_step(model, opt, x) for _ in range(args.base_steps)])
+            out["methods"][method] = {**_run_method(method, args, store, model, opt, x, near), "base_s": near}
     with open(os.path.join(args.dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     import ucp_store.distributed as ucpd
