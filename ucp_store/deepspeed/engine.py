@@ -58,7 +58,8 @@ of any TP.
 
 Durability: the save's writer defers it (``CheckpointWriter.defer_durability``): no fsync per file; once
 its writes returned, every rank fsyncs all it wrote in one parallel pass on a thread, beside the one
-agreement round (an all_gather of every rank's outcome, metadata and chunk digests) and the objects; then
+agreement round (a gather to rank 0 of every rank's outcome, metadata and chunk digests, and a scatter back of
+each rank's outcome and digests: JSON bytes, never a pickle) and the objects; then
 one gather of every rank's rows to rank 0, ONE catalog transaction that records them and commits, and one
 broadcast of the outcome (:func:`ucp_store.distributed.commit.distributed_commit`). No row is recorded before
 every rank's pass is done.
@@ -440,9 +441,9 @@ class UcpCheckpointEngine(_Base):
             if error is not None:
                 raise error
             return
-        from ucp_store.distributed.commit import gather_errors
+        from ucp_store.distributed import coord
 
-        failures = gather_errors(error, self.group)
+        failures = coord.errors_everywhere(error, self.group)  # JSON bytes through rank 0, never a pickle
         if error is not None:
             raise error
         if failures:
@@ -520,6 +521,37 @@ class UcpCheckpointEngine(_Base):
         return commit
 
 
+def _store_everywhere(store, create: bool, group):
+    """The store the engine saves into. One process: ``store`` opened (a URL or path; a ``Store`` as it is).
+    Several (``group``, the save's gloo group): rank 0 alone opens it and touches the catalog; one broadcast
+    (JSON bytes: location and settings, or rank 0's error, raised on every rank) gives the other ranks a store
+    without a catalog (``coord.detached_store``), for the array I/O of their share. A collective of ``group``."""
+    from ucp_store.distributed import coord
+    from ucp_store.store import open_store
+
+    def opened():
+        return open_store(os.fspath(store), create=create) if isinstance(store, (str, os.PathLike)) else store
+
+    if group is None:
+        return opened()
+    import torch.distributed as tdist
+
+    mine, error, payload = None, None, None
+    if tdist.get_rank(group) == 0:
+        try:
+            mine = opened()
+            payload = coord.encode({"store": coord.store_facts(mine)})
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+            error = exc
+            payload = coord.encode(coord.error_payload(exc))
+    answer = coord.decode(coord.broadcast_bytes(payload, group))
+    if error is not None:
+        raise error
+    if "error" in answer:
+        coord.raise_remote(answer, "ucp_store.deepspeed.attach (opening the store)")
+    return mine if mine is not None else coord.detached_store(answer["store"])
+
+
 def attach(engine, store, run: str, *, background: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
            message: str | None = None, progress: bool = True, create: bool = True,
            durability: str = "blocking") -> UcpCheckpointEngine:
@@ -532,22 +564,25 @@ def attach(engine, store, run: str, *, background: bool = False, timeout_s: floa
     page cache, as DeepSpeed's torch.save engine returns) and the ranks agreed; the fsync pass and the commit
     finish on a thread, and the version is listed only once durable (``wait()`` joins it, the next save
     waits for it first; a crash before then lists nothing). Returns the engine object (``last_id``: the
-    version id of the last save; ``wait()``: join a background save)."""
+    version id of the last save; ``wait()``: join a background save).
+
+    One catalog client per job: over several ranks only rank 0 opens ``store`` and touches the catalog (here,
+    at each save's begin and commit, and in ``load``); the other ranks get its location and settings in one
+    broadcast and hold a store without a catalog (``coord.detached_store``)."""
     import deepspeed.comm as dist
 
-    from ucp_store import names, open_store
+    from ucp_store import names
 
     names.run_name(run)
     if durability not in DURABILITY:
         raise ConfigurationError(f"durability={durability!r}: expected one of {', '.join(DURABILITY)}")
-    if isinstance(store, (str, os.PathLike)):
-        store = open_store(os.fspath(store), create=create)
     engine_topology(engine)  # refuse what is not supported before the first save
     group = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         import torch.distributed as tdist
 
         group = tdist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
+    store = _store_everywhere(store, create, group)
     ce = UcpCheckpointEngine(engine, store, run, background=background, timeout_s=timeout_s, message=message,
                              progress=progress, group=group, durability=durability)
     old = engine.checkpoint_engine

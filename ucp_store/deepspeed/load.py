@@ -144,8 +144,10 @@ def load(engine, ref: str, *, store=None, load_optimizer_states: bool = True, lo
 
 def _open_version(engine, ref: str, store) -> LoadSource:
     """Open ``ref`` in ``store`` (default: the store the engine's ucp checkpoint engine saves into), after
-    that engine's background save is durable; refuse a version without a DeepSpeed layout."""
-    from ucp_store import open_store
+    that engine's background save is durable; refuse a version without a DeepSpeed layout.
+
+    Over several ranks only the coordinator (rank 0) opens the store and reads the version's rows and objects;
+    the others get them in one broadcast (``coord.version_everywhere``) and never touch the catalog."""
     from ucp_store.deepspeed.engine import UcpCheckpointEngine
 
     ce = getattr(engine, "checkpoint_engine", None)
@@ -156,15 +158,35 @@ def _open_version(engine, ref: str, store) -> LoadSource:
     if store is None:
         raise ConfigurationError(
             "ucp_store.deepspeed.load: give store= (no ucp engine is attached to this engine)")
-    if isinstance(store, (str, os.PathLike)):
-        store = open_store(os.fspath(store))
-    ck = store.checkpoint(ref)
-    objs = ck.objects()
+    ck, objs = open_version_everywhere(store, ref, f"load of {ref}")
     layout = objs.get("deepspeed/layout")
     if not isinstance(layout, dict):
         raise UcpError(f"{ref}: version {ck.id} holds no DeepSpeed checkpoint (no deepspeed/layout object); save it "
                        "through the ucp engine or `ucp import deepspeed`")
     return LoadSource(ref, ck, objs, layout)
+
+
+def open_version_everywhere(store, ref: str, what: str) -> tuple[Any, dict[str, Any]]:
+    """``(checkpoint, objects)`` of ``ref`` in ``store`` (a ``Store`` or URL) on every rank. One process:
+    opened here. Several (``torch.distributed`` initialised): a collective of every rank, on the bounded
+    gloo control group, in which rank 0 alone opens the store and reads the catalog; the other ranks get
+    the rows and objects in one broadcast of JSON bytes and read arrays through a store without a catalog
+    (their ``store`` is not opened: it may be the detached store an attached engine holds there)."""
+    import torch.distributed as tdist
+
+    def open_version():
+        from ucp_store import open_store
+
+        st = open_store(os.fspath(store)) if isinstance(store, (str, os.PathLike)) else store
+        return st.checkpoint(ref)
+
+    if not (tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1):
+        ck = open_version()
+        return ck, ck.objects()
+    from ucp_store.distributed import coord
+    from ucp_store.distributed.commit import control_group
+
+    return coord.version_everywhere(open_version, control_group(), what)
 
 
 def _engine_target(engine, topology) -> EngineTarget:

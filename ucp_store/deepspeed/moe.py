@@ -514,15 +514,13 @@ def load_engine(engine, ref: str, *, store=None) -> None:
 
 
 def _open_moe_version(ref: str, store) -> tuple[Any, dict[str, Any]]:
-    """(checkpoint, objects) of ``ref``, refusing a version that is not an MoE import of the separate form."""
-    from ucp_store import open_store
+    """(checkpoint, objects) of ``ref``, refusing a version that is not an MoE import of the separate form.
+    Over several ranks only rank 0 opens the store and reads the catalog (``load.open_version_everywhere``)."""
+    from ucp_store.deepspeed.load import open_version_everywhere
 
     if store is None:
         raise ConfigurationError("load_engine: give store=")
-    if isinstance(store, (str, os.PathLike)):
-        store = open_store(os.fspath(store))
-    ck = store.checkpoint(ref)
-    objs = ck.objects()
+    ck, objs = open_version_everywhere(store, ref, f"load_engine of {ref}")
     moe = objs.get("deepspeed/moe")
     if not isinstance(moe, dict):
         raise UcpError(f"{ref}: version {ck.id} is not an imported DeepSpeed MoE checkpoint (no deepspeed/moe object)")

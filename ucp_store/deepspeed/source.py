@@ -180,11 +180,13 @@ class DeepSpeedSource:
                               self.world)
                 hashes = hash_files(self.tag_dir, mine, workers=self.workers)
                 if self.world > 1:
-                    import torch.distributed as dist
+                    # every rank's share to rank 0 alone (JSON bytes, never a pickle): only the coordinator
+                    # records the provenance (distributed_begin); the others keep their own share's hashes
+                    from ucp_store.distributed import coord
 
-                    parts: list = [None] * self.world
-                    dist.all_gather_object(parts, hashes, group=self.group)
-                    hashes = {k: v for p in parts for k, v in p.items()}
+                    parts = coord.gather_bytes(coord.encode(hashes), self.group)
+                    if parts is not None:
+                        hashes = {k: v for p in parts for k, v in coord.decode(p).items()}
             self._provenance = {
                 "source_kind": self.kind, "source_path": self.tag_dir, "source_topology": r.topology,
                 "source_hashes": hashes, "library_versions": {"deepspeed": r.ds_version},
@@ -273,7 +275,11 @@ def main(argv=None) -> int:
 
         dist.init_process_group("gloo")
     try:
-        store = open_store(args.store, create=True)
+        # an opener, not a store: under torchrun only the coordinator (rank 0) opens the catalog, inside the
+        # import's begin; the other ranks get the store's location in its broadcast and never connect
+        def store():
+            return open_store(args.store, create=True)
+
         t0 = time.time()
         cid = import_deepspeed(store, args.tag_dir, args.run, args.step, lp_weights=args.lp_weights,
                                hash_sources=not args.no_hash, progress=False)

@@ -5,20 +5,24 @@
 layer dicts) into ``write_shard`` calls on the logical arrays, with the file importer's names, states,
 patterns, positions and objects, so that the version equals ``ucp import deepspeed`` of the files.
 
-Ranks exchange metadata only (parameter names, shapes, fragment addresses: one ``all_gather_object``),
-never tensors. A save runs in phases that hand each other the records of :mod:`ucp_store.deepspeed.write_plan`:
+Ranks exchange metadata only (parameter names, shapes, fragment addresses), never tensors, as JSON bytes
+(``coord.to_wire``; never a pickle) through rank 0: a gather and a broadcast to plan, a gather and a scatter
+to agree. A save runs in phases that hand each other the records of :mod:`ucp_store.deepspeed.write_plan`:
 
 1. *stage*: the staged state dicts sorted by file (:class:`StagedFiles`), this rank's :class:`RankPart`;
-2. *plan*: every rank's part (one all_gather), the global :class:`SavePlan` (and at TP > 1 its ``TPPlan``);
+2. *plan*: every rank's part (gathered to rank 0, broadcast back), the global :class:`SavePlan` (and at TP > 1
+   its ``TPPlan``);
 3. *begin*: the writer (all ranks join one pending checkpoint);
 4. *write*: every fragment this rank holds (:class:`_ShareWriter`, its findings a :class:`ShareResult`);
-5. *agree*: one all_gather of every rank's :class:`RankReport` (outcome, metadata, chunk digests);
+5. *agree*: every rank's :class:`RankReport` gathered to rank 0 (outcome, metadata, chunk digests), each rank's
+   outcome and chunk digests scattered back;
 6. *objects*: the low-precision weights that are not the fp32 master cast down (rare), rank 0's objects;
 7. *commit*: durable, then committed (:class:`PendingCommit`, which the caller may run later, on a thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -131,11 +135,11 @@ def write_rank_share(target: SaveTarget, staged: dict[str, Any], snap: RankSnaps
         raise error
     # the fsync pass over all of it runs on a thread from here, beside the agreement, weights and objects
     syncing = writer.make_durable_async() if error is None else None
-    reports = _agree(target, writer, share, files, snap, error, tp0)
+    agreed = _agree(target, writer, share, files, snap, error, tp0)
     try:
-        _write_lp_weights(writer, plan, snap, reports)
+        _write_lp_weights(writer, plan, snap, agreed.lp_differs)
         if snap.rank == 0:
-            _write_objects(target, writer, plan, files, reports, t0)
+            _write_objects(target, writer, plan, files, agreed.reports, t0)
         writer.drain()  # the low-precision weights are live module state: written before returning
     except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the commit
         error = exc
@@ -181,14 +185,28 @@ def _local_part(snap: RankSnapshot, files: StagedFiles, zero: int) -> RankPart:
 
 
 def _exchange(group: Any, local: RankPart) -> list[RankPart]:
-    """Every rank's part, by rank (one ``all_gather_object`` on the save's group)."""
+    """Every rank's part, by rank: one gather of JSON bytes to rank 0 and one broadcast of them all (every rank
+    plans the whole save: a fragment's offset is what the lower DP ranks hold). Never a pickle."""
     if group is None:
         return [local]
-    import torch.distributed as dist
+    from ucp_store.distributed import coord
 
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, local, group=group)
-    return parts
+    parts = coord.gather_bytes(coord.encode(_part_to_wire(local)), group)
+    everything = coord.broadcast_bytes(None if parts is None else b"[" + b",".join(parts) + b"]", group)
+    return [_part_from_wire(d) for d in coord.decode(everything)]
+
+
+def _part_to_wire(part: RankPart) -> dict:
+    from ucp_store.distributed import coord
+
+    return {f.name: coord.to_wire(getattr(part, f.name), f"rank {part.rank}'s save part: {f.name}")
+            for f in dataclasses.fields(RankPart)}
+
+
+def _part_from_wire(data: dict) -> RankPart:
+    from ucp_store.distributed import coord
+
+    return RankPart(**{k: coord.from_wire(v) for k, v in data.items()})
 
 
 def _plan(parts: list[RankPart], topo: Topology) -> SavePlan:
@@ -438,11 +456,21 @@ class _ShareWriter:
 
 
 # ------------------------------------------------------------------------- phase 5: agree
+@dataclass
+class Agreement:
+    """What the agreement hands the later phases: every rank's report (on rank 0, which writes the objects
+    from them; this rank's alone elsewhere) and the parameters whose low-precision weights differ on any rank."""
+
+    reports: list[RankReport]
+    lp_differs: list[str]
+
+
 def _agree(target: SaveTarget, writer, share: _ShareWriter, files: StagedFiles, snap: RankSnapshot,
-           error: BaseException | None, tp0: float) -> list[RankReport]:
-    """One all_gather both agrees that every rank's writes returned (the barrier the origin ranks' hashing
-    needs) and brings every rank's metadata and chunk digests; raises (after aborting) if any rank failed.
-    Hands every rank's chunk digests to the writer: the origin ranks hash without reading back."""
+           error: BaseException | None, tp0: float) -> Agreement:
+    """One gather of every rank's :class:`RankReport` (JSON bytes) to rank 0, and one scatter back of the outcome,
+    the low-precision findings and, to each rank, the merged chunk digests of the arrays it wrote: it both
+    agrees that every rank's writes returned (the barrier the origin ranks' hashing needs) and lets the origin
+    ranks hash without reading back. Raises (after aborting) if any rank failed."""
     per_file = {}
     if files.model_sd is not None and files.model_name is not None:  # classify sets both or neither
         per_file[files.model_name] = _file_record(files.model_sd, files.model_name, [])
@@ -451,33 +479,57 @@ def _agree(target: SaveTarget, writer, share: _ShareWriter, files: StagedFiles, 
                       files=per_file, notes=[] if tpx is None else tpx.notes, rng=snap.rng, client=snap.client,
                       digests=writer.shard_digests(),
                       error=None if error is None else f"{type(error).__name__}: {error}")
-    reports: list[Any] = [mine]
-    if target.group is not None:
-        import torch.distributed as dist
-
-        reports = [None] * len(share.plan.parts)
-        dist.all_gather_object(reports, mine, group=target.group)
+    if target.group is None:
+        reports, outcome = [mine], _outcome([mine])[0]
+    else:
+        reports, outcome = _agree_everywhere(target.group, mine)
         target.stats["agreed_s"] = time.perf_counter() - tp0
-        failed = [(r.rank, r.error) for r in reports if r.error is not None]
-        if failed:
-            writer.abort()
-            raise UcpError(f"save of {target.run}@{int(snap.step)} failed on some rank ("
-                           + "; ".join(f"rank {r}: {msg}" for r, msg in failed)
-                           + "); aborted (nothing listed)") from error
+    if outcome["failed"]:
+        writer.abort()
+        raise UcpError(f"save of {target.run}@{int(snap.step)} failed on some rank ("
+                       + "; ".join(f"rank {r}: {msg}" for r, msg in outcome["failed"])
+                       + "); aborted (nothing listed)") from error
+    for key, d in outcome["digests"].items():
+        writer.set_chunk_digests(key[0], key[1], d)
+    return Agreement(reports, list(outcome["lp_differs"]))
+
+
+def _outcome(reports: list[RankReport]) -> list[dict]:
+    """Rank 0's answer to each rank of the agreement: the failures, the low-precision findings, and every
+    rank's chunk digests merged, for the arrays that rank wrote."""
+    failed = [(r.rank, r.error) for r in reports if r.error is not None]
+    differs = sorted({n for r in reports for n in r.lp_differs})
     merged: dict[Any, dict] = {}
     for r in reports:
         for key, d in r.digests.items():
             merged.setdefault(key, {}).update(d)
-    for key, d in merged.items():
-        writer.set_chunk_digests(key[0], key[1], d)
-    return reports
+    return [{"failed": failed, "lp_differs": differs, "digests": {k: merged[k] for k in r.digests}} for r in reports]
+
+
+def _agree_everywhere(group: Any, mine: RankReport) -> tuple[list[RankReport], dict]:
+    """The agreement's two collectives (a gather to rank 0, a scatter back; JSON bytes, never a pickle)."""
+    import torch.distributed as dist
+
+    from ucp_store.distributed import coord
+
+    wire = {f.name: getattr(mine, f.name) for f in dataclasses.fields(RankReport)}
+    parts = coord.gather_bytes(coord.encode(coord.to_wire(wire, f"rank {mine.rank}'s save report")), group)
+    reports, answers = [mine], None
+    if parts is not None:
+        try:
+            reports = [RankReport(**coord.from_wire(coord.decode(p))) for p in parts]
+            outcomes = _outcome(reports)
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it (no rank left waiting)
+            outcomes = [{"failed": [(0, f"{type(exc).__name__}: {exc}")], "lp_differs": [], "digests": {}}] * len(parts)
+        answers = [coord.encode(coord.to_wire(o)) for o in outcomes]
+    outcome = coord.from_wire(coord.decode(coord.scatter_bytes(answers, group)))
+    return (reports if dist.get_rank(group) == 0 else [mine]), outcome
 
 
 # ------------------------------------------------------------------------- phase 6: objects
-def _write_lp_weights(writer, plan: SavePlan, snap: RankSnapshot, reports: list[RankReport]) -> None:
+def _write_lp_weights(writer, plan: SavePlan, snap: RankSnapshot, differs: list[str]) -> None:
     """DP rank 0 of each stage: the low-precision weights that are not the fp32 master cast down (any rank's
-    check found it), this TP rank's slice by the parameter's pattern."""
-    differs = sorted({n for r in reports for n in r.lp_differs})
+    check found it: ``differs``), this TP rank's slice by the parameter's pattern."""
     if snap.dp_rank != 0 or not differs:
         return
     tpx = plan.tp

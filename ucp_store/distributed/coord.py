@@ -12,7 +12,11 @@ in a uint8 tensor, never pickles: a rank unpickling another rank's bytes would r
 - :func:`store_facts` / :func:`detached_store`: a store's location and settings, and a :class:`Store` on a
   non-coordinator rank built from them that does array I/O with no catalog (any catalog use is an error
   naming the rank's role);
-- :func:`detached_checkpoint`: a committed version's rows and objects as the coordinator read them.
+- :func:`detached_checkpoint`: a committed version's rows and objects as the coordinator read them;
+  :func:`version_everywhere`: a version on every rank, opened and read by the coordinator alone;
+- :func:`to_wire` / :func:`from_wire`: records with tuples, tuple-keyed dicts, bytes and small tensors as JSON
+  values (tagged), for the ranks' exchanges that carry more than plain JSON; :func:`errors_everywhere`: every
+  rank's failure on every rank.
 
 Every collective here runs on the group the caller passes: the bounded-timeout gloo control group of
 ``ucp_store.distributed.commit.control_group``, so a dead rank is an error, never a hang.
@@ -30,7 +34,8 @@ import torch.distributed as dist
 from ucp_store.errors import UcpError
 
 __all__ = ["NoCatalog", "broadcast_bytes", "decode", "detached_checkpoint", "detached_store", "encode",
-           "gather_bytes", "info_from_json", "info_to_json", "scatter_bytes", "store_facts"]
+           "errors_everywhere", "from_wire", "gather_bytes", "info_from_json", "info_to_json", "scatter_bytes",
+           "store_facts", "to_wire", "version_everywhere", "version_payload"]
 
 #: counters of this process's coordinator payloads (tools/bench_scale.py real reports them)
 STATS: dict[str, int] = {"broadcast_bytes": 0, "gathered_bytes": 0, "scattered_bytes": 0}
@@ -241,3 +246,135 @@ def read_prefetched(ck, names) -> dict:
                             array_url=store.array_url(value["path"]))
         out[name] = dtypes.to_torch(np.asarray(data))
     return out
+
+
+# ----------------------------------------------------------------------------------------- tagged JSON
+# The records ranks exchange (a DeepSpeed save's per-rank parts and reports) hold tuples, dicts keyed by
+# tuples or integers, byte digests and scalar step tensors: JSON has none of them. ``to_wire`` spells each
+# as a one-key dict (the tags below) so that ``from_wire`` rebuilds the same Python values, and refuses
+# anything else by name: a pickle is never the fallback.
+_TUPLE, _MAP, _BYTES = "__ucp_tuple__", "__ucp_map__", "__ucp_bytes__"
+_TENSOR, _NDARRAY = "__ucp_tensor__", "__ucp_np__"
+_TAGS = (_TUPLE, _MAP, _BYTES, _TENSOR, _NDARRAY)
+_WIRE_TENSOR_MAX = 64 << 20  # bytes: steps, RNG states and small objects travel; model state never does
+
+
+def to_wire(obj: Any, where: str = "payload") -> Any:
+    """``obj`` as plain JSON values, with tuples, non-string-keyed dicts, bytes and small tensors and numpy
+    arrays (their exact bytes) tagged;
+    anything else raises ``UcpError`` naming ``where`` (the path in the record)."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (bytes, bytearray)):
+        return {_BYTES: bytes(obj).hex()}
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        if t.numel() * t.element_size() > _WIRE_TENSOR_MAX:
+            raise UcpError(f"{where}: a tensor of {t.numel() * t.element_size()} bytes cannot travel in a coordinator "
+                           f"payload (at most {_WIRE_TENSOR_MAX})")
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {_TENSOR: [str(t.dtype).removeprefix("torch."), list(t.shape), raw.hex()]}
+    if type(obj).__module__ == "numpy" and hasattr(obj, "dtype") and hasattr(obj, "tobytes"):
+        import numpy as np
+
+        a = np.ascontiguousarray(obj)
+        if a.nbytes > _WIRE_TENSOR_MAX or a.dtype.hasobject:
+            raise UcpError(f"{where}: a numpy {a.dtype} array of {a.nbytes} bytes cannot travel in a coordinator "
+                           "payload")
+        return {_NDARRAY: [a.dtype.str, list(a.shape), a.tobytes().hex()]}
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return {_TUPLE: [to_wire(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [to_wire(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
+            return {k: to_wire(v, f"{where}.{k}") for k, v in obj.items()}
+        return {_MAP: [[to_wire(k, f"{where} key"), to_wire(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
+    raise UcpError(f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} cannot travel in a coordinator "
+                   "payload (JSON values, tuples, bytes and small tensors only; never a pickle)")
+
+
+def from_wire(obj: Any) -> Any:
+    """The value :func:`to_wire` encoded."""
+    if isinstance(obj, list):
+        return [from_wire(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        (tag, value), = obj.items()
+        if tag == _TUPLE:
+            return tuple(from_wire(v) for v in value)
+        if tag == _MAP:
+            return {_hashable(from_wire(k)): from_wire(v) for k, v in value}
+        if tag == _BYTES:
+            return bytes.fromhex(value)
+        if tag == _TENSOR:
+            dtype, shape, raw = value
+            data = bytes.fromhex(raw)
+            dt = getattr(torch, dtype)
+            flat = torch.frombuffer(bytearray(data), dtype=dt) if data else torch.empty(0, dtype=dt)
+            return flat.reshape(shape)
+        if tag == _NDARRAY:
+            import numpy as np
+
+            dtype, shape, raw = value
+            return np.frombuffer(bytes.fromhex(raw), dtype=np.dtype(dtype)).reshape(shape).copy()
+    return {k: from_wire(v) for k, v in obj.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+# ----------------------------------------------------------------------------------------- versions
+def version_payload(ck, objects: bool = True) -> dict:
+    """The coordinator's answer that :func:`detached_checkpoint` rebuilds a committed version from on the
+    other ranks: its store's facts, id, run, step, every tensor row and (``objects``) every stored object."""
+    from sqlalchemy import select
+
+    from ucp_store.catalog import models as m
+
+    names: list[str] = []
+    if objects:
+        with ck.store.catalog.session() as s:
+            names = list(s.scalars(select(m.StoredObject.name).where(m.StoredObject.checkpoint_id == ck.id)))
+    return {"store": store_facts(ck.store), "id": ck.id, "run": ck.run, "step": ck.step,
+            "infos": [info_to_json(i) for i in ck.tensors()], "objects": object_rows(ck, names)}
+
+
+def version_everywhere(open_version, group, what: str):
+    """``(checkpoint, objects)`` of one committed version on every rank of ``group``, with ONE catalog client.
+
+    Group rank 0 calls ``open_version()`` (opening the store and resolving the reference: its catalog alone
+    is touched), reads the version's rows and objects and broadcasts them (JSON bytes); the other ranks get a
+    :func:`detached_checkpoint` reading arrays with no catalog, and the objects read from the answer. A
+    failure on the coordinator raises on every rank (in its own class). A collective of ``group``."""
+    me = dist.get_rank(group)
+    ck, error, payload = None, None, None
+    if me == 0:
+        try:
+            ck = open_version()
+            payload = encode(version_payload(ck))
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+            error = exc
+            payload = encode(error_payload(exc))
+    answer = decode(broadcast_bytes(payload, group))
+    if error is not None:
+        raise error
+    if "error" in answer:
+        raise_remote(answer, what)
+    if ck is None:
+        ck = detached_checkpoint(detached_store(answer["store"]), answer)
+        return ck, read_prefetched(ck, list(answer["objects"]))
+    return ck, ck.objects()
+
+
+def errors_everywhere(error: BaseException | None, group=None) -> list[tuple[int, str]]:
+    """Every rank's error message as ``(group rank, message)`` on every rank (empty when none failed): one
+    gather of JSON bytes to rank 0 and one broadcast of the failures (``commit.gather_errors`` without the
+    pickle). A collective of ``group``."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    parts = gather_bytes(encode(mine), group)
+    failures = None if parts is None else encode([[r, m] for r, m in enumerate(decode(p) for p in parts)
+                                                  if m is not None])
+    return [(int(r), str(m)) for r, m in decode(broadcast_bytes(failures, group))]

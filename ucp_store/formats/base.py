@@ -345,10 +345,36 @@ def _dist_group(distributed: bool | None, group: Any):
     return dist, dist.get_rank(group), world
 
 
-def import_source(store: "Store", source: Source, run: str, step: int, *, message: str | None = None,
-                  parent: str | None = "auto", progress: bool = True, distributed: bool | None = None,
-                  group: Any = None, inflight_bytes: int | None = None, total: int | None = None,
-                  prefetch: bool | None = None) -> str:
+def _gather_objects(objs: Mapping[str, Any], group: Any, rank: int) -> list[bytes] | None:
+    """Every rank's objects on rank 0 (None elsewhere): one gather of JSON bytes (``coord.to_wire``: tuples,
+    bytes, tensors and arrays tagged; never a pickle). A rank whose objects cannot travel sends its error
+    instead, so that no rank is left waiting; :func:`_decode_objects` on rank 0 raises it."""
+    from ucp_store.distributed import coord
+
+    try:
+        data = coord.encode({"objects": coord.to_wire(dict(objs), f"rank {rank}'s import objects")})
+    except Exception as exc:  # noqa: BLE001 - raised on rank 0 after the gather
+        data = coord.encode(coord.error_payload(exc))
+    return coord.gather_bytes(data, group)
+
+
+def _decode_objects(parts: list[bytes] | None) -> list[dict]:
+    from ucp_store.distributed import coord
+
+    assert parts is not None  # rank 0's gather
+    out = []
+    for r, p in enumerate(parts):
+        answer = coord.decode(p)
+        if "error" in answer:
+            raise UcpError(f"import: rank {r}'s objects cannot be gathered: {answer['error']}")
+        out.append(coord.from_wire(answer["objects"]))
+    return out
+
+
+def import_source(store: "Store | Callable[[], Store]", source: Source, run: str, step: int, *,
+                  message: str | None = None, parent: str | None = "auto", progress: bool = True,
+                  distributed: bool | None = None, group: Any = None, inflight_bytes: int | None = None,
+                  total: int | None = None, prefetch: bool | None = None) -> str:
     """Store ``source`` as ``run@step``; returns the committed version id (the same on every rank).
 
     ``distributed=None`` runs over torch.distributed when it is initialised with more than one rank
@@ -365,6 +391,8 @@ def import_source(store: "Store", source: Source, run: str, step: int, *, messag
     if total is None:
         total = getattr(source, "total", None)
     if dist is None:
+        if callable(store):
+            store = store()
         writer = store.begin(run, step, parent=parent, message=msg, provenance=prov)
         try:
             write_records(writer, _records(source, prefetch), inflight_bytes=inflight_bytes, progress=show,
@@ -392,10 +420,11 @@ def import_source(store: "Store", source: Source, run: str, step: int, *, messag
         writer.abort()
         raise ImportFailedError(f"import of {source.describe()} failed on some rank; aborted (nothing listed)") \
             from error
-    parts: list = [None] * world
-    dist.all_gather_object(parts, dict(objs), group=group)
+    # every rank's objects to rank 0 alone, as JSON bytes (never a pickle); rank 0 merges and writes them
+    gathered = _gather_objects(objs, group, rank)
     if rank == 0:
         try:
+            parts = _decode_objects(gathered)
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
             merged = merge_objects(parts, partitioned=bool(getattr(source, "objects_partitioned", False)),
                                    global_ranks=ranks, kind=source.kind)
