@@ -90,12 +90,30 @@ class Ctx:
             self.world = dist.get_world_size(self.group)
 
     def gather(self, obj: Any, what: str = "collective") -> list:
+        """Every rank's ``obj`` (a JSON value: tuples come back as lists), by rank, on every rank: for small
+        values alone (each rank receives all of them); :meth:`agree` and :meth:`settle` send the coordinator's
+        decision instead. JSON bytes, never a pickle."""
+        return self.agree(obj, lambda everyone: everyone, what)
+
+    def agree(self, obj: Any, decide, what: str = "collective") -> Any:
+        """``decide(every rank's obj)``, run by the coordinator, on every rank (``commit.agree``: one gather of
+        JSON bytes, one broadcast of the answer, on the bounded-timeout control group)."""
         if self.dist is None:
-            return [obj]
-        out: list = [None] * self.world
+            return decide([obj])
+        from ucp_store.distributed.commit import agree
+
         with collective_errors(what):
-            self.dist.all_gather_object(out, obj, group=self.group)
-        return out
+            return agree(obj, decide, self.group)
+
+    def settle(self, obj: Any, decide, what: str = "collective") -> Any:
+        """``decide(every rank's obj)[rank]``: the coordinator decides one answer per rank and each rank
+        receives only its own (``commit.settle``: one gather, one scatter of JSON bytes)."""
+        if self.dist is None:
+            return decide([obj])[0]
+        from ucp_store.distributed.commit import settle
+
+        with collective_errors(what):
+            return settle(obj, decide, self.group)
 
     def raise_if_any_failed(self, error: BaseException | None, what: str) -> None:
         """A collective: every rank raises when any rank failed (naming each failing rank)."""
@@ -107,12 +125,18 @@ class Ctx:
 
         with collective_errors(what):
             failures = gather_errors(error, self.group)
-        if not failures:
-            return
-        if error is not None:  # this rank's own error, in its own class; the others name it below
-            raise error
-        detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
-        raise UcpError(f"{what} failed on {len(failures)} rank(s): {detail}") from error
+        raise_failures(failures, error, what)
+
+
+def raise_failures(failures: list, error: BaseException | None, what: str) -> None:
+    """Raise when ``failures`` (``(rank, message)`` of every failed rank, the same on every rank) is not empty:
+    this rank's own ``error`` in its own class, else an error naming each failing rank."""
+    if not failures:
+        return
+    if error is not None:
+        raise error
+    detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
+    raise UcpError(f"{what} failed on {len(failures)} rank(s): {detail}")
 
 
 # ----------------------------------------------------------------------------------------- tensors
@@ -627,34 +651,111 @@ def write_plan(store, plan: SavePlan, staged: list[torch.Tensor], ctx: Ctx, *, r
             writer.abort()
             raise
         return writer.commit().id
-    from ucp_store.distributed.commit import all_ok, distributed_commit
+    from ucp_store.distributed.commit import distributed_commit
 
-    try:
-        with collective_errors(f"save of {run}@{step}"):
-            ok = all_ok(error is None, ctx.group)
+    mine = _CommitPart.of(writer, plan, error)
+    if mine.error is not None and error is None:
+        error = mine.error_exc
+    try:  # one round to the coordinator: every rank's outcome, digests and cached-plan check; its answer back
+        answer = ctx.settle(mine.to_json(), lambda parts: _decide_commit(plan.check, parts),
+                            f"save of {run}@{step} (commit)")
     except UcpError:
         writer.abort()
         raise
-    if not ok:
+    if answer["failed"]:
         writer.abort()
         if error is not None:
             raise error
         raise UcpError(f"save of {run}@{step} failed on another rank; aborted (nothing listed)")
+    if answer["stale"]:
+        writer.abort()
+        _PLANS.pop(_group_key(ctx), None)
+        raise StalePlanError(f"save of {run}@{step}: the state dict's layout or which entries are equal "
+                             "on every rank changed since the cached plan; aborted to plan afresh")
     try:
+        _apply_hashes(writer, answer)
         with collective_errors(f"save of {run}@{step} (commit)"):
-            if plan.check is None:
-                set_region_hashes(writer, ctx.gather(writer.region_digests()))
-            else:  # a cached plan: its check rides this gather (no planning collective of its own)
-                parts = ctx.gather((writer.region_digests(), {k: plan.check[k] for k in ("key_ok", "digests")}))
-                if not _plan_still_holds(plan.check, [p[1] for p in parts]):
-                    _PLANS.pop(_group_key(ctx), None)
-                    raise StalePlanError(f"save of {run}@{step}: the state dict's layout or which entries are equal "
-                                       "on every rank changed since the cached plan; aborted to plan afresh")
-                set_region_hashes(writer, [p[0] for p in parts])
             return distributed_commit(writer, group=ctx.group)
     except UcpError:
         writer.abort()
         raise
+
+
+@dataclass
+class _CommitPart:
+    """What one rank sends the coordinator at a multi-rank save's commit (one gather, JSON): its error, the unit
+    digests of every array it wrote boxes of, the dtype and shape of the arrays it is origin of (element 0:
+    it records their hash), and a cached plan's check."""
+
+    error: str | None
+    digests: list  # [name, state, {unit: hex digest} | None]
+    origin: list  # [name, state, dtype, shape]
+    check: dict | None
+    error_exc: BaseException | None = None
+
+    @classmethod
+    def of(cls, writer, plan: SavePlan, error: BaseException | None) -> _CommitPart:
+        check = None if plan.check is None else {k: plan.check[k] for k in ("key_ok", "digests")}
+        if error is not None:
+            return cls(f"{type(error).__name__}: {error}", [], [], check)
+        try:
+            digests = [[k[0], k[1], None if d is None else {str(u): v.hex() for u, v in d.items()}]
+                       for k, d in writer.region_digests().items()]
+            origin = [[k[0], k[1], writer._sharded[k][2].dtype, list(writer._sharded[k][2].shape)]
+                      for k in sorted(writer._origin)]
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+            return cls(f"{type(exc).__name__}: {exc}", [], [], check, exc)
+        return cls(None, digests, origin, check)
+
+    def to_json(self) -> dict:
+        return {"error": self.error, "digests": self.digests, "origin": self.origin, "check": self.check}
+
+
+def _decide_commit(check: dict | None, parts: list[dict]) -> list[dict]:
+    """The coordinator's answer to every rank's :class:`_CommitPart`: whether any rank failed, whether a cached
+    plan still holds (``_plan_still_holds``), and to each origin rank the content hashes of its arrays
+    (``fmt.chunk_tree_hash``: ``units_hash`` of every rank's unit digests, merged) or, where some unit is
+    missing, the merged digests (the origin reads back only the rest). An array that some rank could not
+    digest (None) gets neither: its origin reads it back."""
+    from ucp_store.io import format as fmt
+
+    world = len(parts)
+    if any(p["error"] is not None for p in parts):
+        return [{"failed": True, "stale": False}] * world
+    if check is not None and not _plan_still_holds(check, [p["check"] or {"key_ok": False} for p in parts]):
+        return [{"failed": False, "stale": True}] * world
+    merged: dict[tuple[str, str], dict | None] = {}
+    for p in parts:
+        for name, state, digests in p["digests"]:
+            key = (name, state)
+            so_far = merged.get(key, {})
+            if digests is None or so_far is None:
+                merged[key] = None
+            elif key in merged:
+                so_far.update(digests)
+            else:
+                merged[key] = dict(digests)
+    answers: list[dict] = [{"failed": False, "stale": False, "hashes": [], "digests": []} for _ in parts]
+    for rank, p in enumerate(parts):
+        for name, state, dtype, shape in p["origin"]:
+            hexes = merged.get((name, state))
+            if not hexes:
+                continue
+            digests = {int(u): bytes.fromhex(d) for u, d in hexes.items()}
+            h = fmt.units_hash(dtype, tuple(shape), digests)  # fmt.chunk_tree_hash of the array's layout
+            if h is not None:
+                answers[rank]["hashes"].append([name, state, h])
+            else:  # the origin reads back only the units of the content hash that no box held whole
+                answers[rank]["digests"].append([name, state, hexes])
+    return answers
+
+
+def _apply_hashes(writer, answer: dict) -> None:
+    """The coordinator's hashes (or merged digests) of the arrays this rank is origin of, for ``finish_shards``."""
+    for name, state, h in answer["hashes"]:
+        writer.set_region_hash(name, state, h)
+    for name, state, hexes in answer["digests"]:
+        writer.set_chunk_digests(name, state, {int(u): bytes.fromhex(d) for u, d in hexes.items()})
 
 
 def set_region_hashes(writer, parts: list[dict]) -> None:
@@ -863,19 +964,21 @@ def load(state_dict: dict, *, store: Any = None, ref: str, strict: bool = True, 
         if error is not None:
             raise error
         parts = [consumed]
-    else:  # one collective: every rank's error (all raise) and the per-rank keys it used
-        msgs = ctx.gather((None if error is None else f"{type(error).__name__}: {error}", sorted(consumed)),
-                          f"load of {ref}")
-        failures = [(r, m) for r, (m, _) in enumerate(msgs) if m is not None]
-        if failures:
-            if error is not None:
-                raise error
-            detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
-            raise UcpError(f"load of {ref} failed on {len(failures)} rank(s): {detail}")
-        parts = [set(c) for _, c in msgs]
+    else:  # one round: every rank's error and the per-rank keys it used to the coordinator; the failures and
+        # the keys any rank used back (all raise alike)
+        failures, used = ctx.agree([None if error is None else f"{type(error).__name__}: {error}", sorted(consumed)],
+                                   _load_outcome, f"load of {ref}")
+        raise_failures(failures, error, f"load of {ref}")
+        parts = [set(used)]
     if view is not None and view.manifest is not None:
         _check_consumed(view, set().union(*parts), strict, ref, result)
     return result
+
+
+def _load_outcome(parts: list[list]) -> list:
+    """The coordinator's answer to every rank's ``[error message | None, per-rank key indices used]``: the
+    ``[rank, message]`` of each failure and the indices some rank used."""
+    return [[[r, m] for r, (m, _) in enumerate(parts) if m is not None], sorted({i for _, used in parts for i in used})]
 
 
 def _check_consumed(view: _View, used: set[int], strict: bool, ref: str, result: LoadResult) -> None:
@@ -1026,10 +1129,19 @@ def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progres
             checked += _verify_tensor(ck, infos, t, ctx.rank, mine)
     except BaseException as exc:  # noqa: BLE001
         error = exc
-    ctx.raise_if_any_failed(error, f"verify of {ref}")
-    parts = ctx.gather(([m.__dict__ for m in mine], checked))
-    everything = [Mismatch(**d) for ms, _ in parts for d in ms]
-    return VerifyReport(ck_id, everything, sum(c for _, c in parts))
+    # one round: every rank's error, mismatches and count to the coordinator; the failures and the report back
+    failures, everything, total = ctx.agree(
+        [None if error is None else f"{type(error).__name__}: {error}", [m.__dict__ for m in mine], checked],
+        _verify_outcome, f"verify of {ref}")
+    raise_failures(failures, error, f"verify of {ref}")
+    return VerifyReport(ck_id, [Mismatch(**d) for d in everything], total)
+
+
+def _verify_outcome(parts: list[list]) -> list:
+    """The coordinator's answer to every rank's ``[error message | None, mismatches, elements checked]``: the
+    ``[rank, message]`` of each failure, every rank's mismatches (in rank order) and the elements checked."""
+    return [[[r, m] for r, (m, _, _) in enumerate(parts) if m is not None], [d for _, ms, _ in parts for d in ms],
+            sum(c for _, _, c in parts)]
 
 
 def _verify_tensor(ck, infos: dict, t: _Tensor, rank: int, mine: list[Mismatch]) -> int:

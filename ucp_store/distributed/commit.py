@@ -19,6 +19,8 @@ from __future__ import annotations
 import datetime as _dt
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,8 @@ import torch.distributed as dist
 from ucp_store import config
 from ucp_store.errors import ConfigurationError, UcpError
 
-__all__ = ["all_ok", "control_group", "default_timeout", "distributed_begin", "distributed_commit", "gather_errors"]
+__all__ = ["agree", "all_ok", "control_group", "default_timeout", "distributed_begin", "distributed_commit",
+           "gather_errors", "settle"]
 
 _GROUPS: dict[tuple, object] = {}
 _GROUPS_LOCK = threading.Lock()
@@ -63,10 +66,66 @@ def all_ok(ok: bool, group=None) -> bool:
 
 
 def gather_errors(error: BaseException | None, group=None) -> list[tuple[int, str]]:
-    """Every rank's error message as ``(rank, message)`` (empty when none failed); a collective."""
-    parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, None if error is None else f"{type(error).__name__}: {error}", group=group)
-    return [(r, msg) for r, msg in enumerate(parts) if msg is not None]
+    """Every rank's error message as ``(rank, message)`` (empty when none failed); a collective.
+
+    Each rank's message goes to the coordinator (one gather of JSON bytes), which broadcasts the failures:
+    no rank receives more than the failures, and no pickle is exchanged."""
+    failed = agree(_message(error), lambda msgs: [[r, m] for r, m in enumerate(msgs) if m is not None], group)
+    return [(int(r), str(m)) for r, m in failed]
+
+
+def agree(mine: Any, decide: Callable[[list], Any], group=None) -> Any:
+    """``decide(every rank's mine)``, run by the coordinator (group rank 0), on every rank: one gather of JSON
+    bytes to the coordinator, one broadcast of its answer (four collectives: ``coord.gather_bytes`` and
+    ``coord.broadcast_bytes``; no rank but the coordinator receives more than the answer). ``mine`` and the
+    answer are JSON values (tuples come back as lists). When ``decide`` fails, every rank raises."""
+    from ucp_store.distributed import coord
+
+    parts = coord.gather_bytes(coord.encode(mine), group)
+    failure, payload = _decided(parts, lambda everyone: [decide(everyone)], 1)
+    answer = coord.decode(coord.broadcast_bytes(None if parts is None else payload[0], group))
+    return _answered(answer, failure, "agreeing with the other ranks")
+
+
+def settle(mine: Any, decide: Callable[[list], list], group=None) -> Any:
+    """``decide(every rank's mine)[r]`` on rank ``r``: ``decide`` runs on the coordinator (group rank 0) and
+    returns one answer per rank; one gather of JSON bytes to the coordinator, one scatter of the answers
+    (four collectives: ``coord.gather_bytes`` and ``coord.scatter_bytes``), so each rank receives its own
+    answer alone. When ``decide`` fails, every rank raises."""
+    from ucp_store.distributed import coord
+
+    parts = coord.gather_bytes(coord.encode(mine), group)
+    failure, payload = _decided(parts, decide, None if parts is None else len(parts))
+    answer = coord.decode(coord.scatter_bytes(None if parts is None else payload, group))
+    return _answered(answer, failure, "settling with the other ranks")
+
+
+def _decided(parts: list[bytes] | None, decide: Callable[[list], list],
+             count: int | None) -> tuple[BaseException | None, list[bytes]]:
+    """On the coordinator (``parts`` not None): the ``count`` encoded answers ``{"ok": ...}`` that ``decide``
+    returns over the decoded parts, or, when it fails, its error as each answer (the other ranks must not
+    wait for one)."""
+    from ucp_store.distributed import coord
+
+    if parts is None:
+        return None, []
+    try:
+        answers = decide([coord.decode(p) for p in parts])
+        if len(answers) != count:
+            raise UcpError(f"the coordinator decided {len(answers)} answer(s), expected {count}")
+        return None, [coord.encode({"ok": a}) for a in answers]
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+        return exc, [coord.encode(coord.error_payload(exc))] * (count or 0)
+
+
+def _answered(answer: dict, failure: BaseException | None, what: str) -> Any:
+    from ucp_store.distributed import coord
+
+    if failure is not None:
+        raise failure
+    if "error" in answer:
+        coord.raise_remote(answer, what)
+    return answer["ok"]
 
 
 def _all_ok(ok: bool, group=None) -> bool:
