@@ -12,6 +12,18 @@ Phases (``spec["phases"]``), each run by every rank in order: ``{"op": "save" | 
 DDP-style state (every tensor replicated on every rank, ``_ddp_state``), ``change`` alters its layout;
 ``app`` sets PostgreSQL's ``application_name`` on the catalog URL
 (rank 0 then counts the server's connections under that name while every rank still holds its pools).
+
+Faults (issue 27 item 5): ``{"op": "save_kill_rank", "rank": R, "at": "dist.mid_write:2"}`` is a save in
+which rank ``R`` SIGKILLs itself at the kill point ``at`` (``ucp_store._killpoints``; ``name:N`` is its N-th
+hit), or ``"after": SECONDS`` into the phase (a timer in that rank). It must be the last phase: the process
+group is broken afterwards, so every surviving rank records its outcome (the error it raised, when) and
+stops. The launcher expects rank ``R`` to die of SIGKILL (anything else fails the launch) and appends
+``{"op": "save_kill_rank", "killed": true, "reaped_at": T}`` to its results. ``spec["dist_timeout"]`` sets
+``UCP_DIST_TIMEOUT`` in every rank. ``spec["gc"] = {"interval": S, "mode": "cli" | "api", "start": "now"}``
+runs gc over the store in a loop while the ranks run (``ucp gc``, a process per run; or ``Store.gc()`` in a
+loop in one other process), from rank 0's first finished phase (or at once) until the last rank exits
+(:class:`GcDriver`); each run's start, end, exit status and output tail go to ``<out>/gc.json``. Every phase
+records ``t_start`` / ``t_end`` (``time.time()``, comparable across the ranks and the gc runs).
 """
 
 from __future__ import annotations
@@ -178,6 +190,21 @@ def _server_connections(spec: dict, app: str) -> int:
         return int(cur.fetchone()[0])
 
 
+def _arm_kill(ph: dict, rank: int) -> None:
+    """In the rank a ``save_kill_rank`` phase names: arm its kill point, or a timer that SIGKILLs this rank
+    ``after`` seconds into the phase (what a node loss or the OOM killer does: no ``finally`` runs)."""
+    if ph["op"] != "save_kill_rank" or rank != ph["rank"]:
+        return
+    if ph.get("at"):
+        from ucp_store import _killpoints
+
+        _killpoints.rearm(ph["at"])
+    else:
+        timer = threading.Timer(float(ph["after"]), os.kill, (os.getpid(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+
 def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters) -> dict:
     import torch.distributed as dist
 
@@ -202,9 +229,10 @@ def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters
     for k in coord.STATS:
         coord.STATS[k] = 0
     t0 = time.perf_counter()
-    out: dict = {"op": ph["op"], "tensors": ph["tensors"]}
+    out: dict = {"op": ph["op"], "tensors": ph["tensors"], "t_start": time.time()}
+    _arm_kill(ph, rank)
     try:
-        if ph["op"] == "save":
+        if ph["op"] in ("save", "save_kill_rank"):
             out["id"] = ucpd.save(sd, store=store_url, run=spec.get("run", "scale"), step=ph.get("step", 0),
                                   progress=False)
         elif ph["op"] == "async_save":  # the collectives its call waits for, apart from the background's
@@ -225,13 +253,14 @@ def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters
     except BaseException as exc:  # noqa: BLE001 - recorded for the test
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["wall_s"] = time.perf_counter() - t0
+    out["t_end"] = time.time()
     out["collectives"] = dict(counters.collectives)
     out["connects"] = counters.connects
     out["statements"] = counters.statements
     out["catalog_opens"] = list(counters.catalog_opens)
     out["payload"] = dict(coord.STATS)
     out["bytes_written"] = _Written.total
-    if app and spec.get("catalog", "").startswith("postgresql"):
+    if app and spec.get("catalog", "").startswith("postgresql") and ph["op"] != "save_kill_rank":
         dist.barrier()  # every rank still holds whatever pools it opened
         if rank == 0:
             out["server_connections"] = _server_connections(spec, app)
@@ -249,6 +278,8 @@ def rank_main(spec: dict, rank: int, world: int, port: int) -> int:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if spec.get("dist_timeout"):  # read at each collective group's creation (config.dist_timeout)
+        os.environ["UCP_DIST_TIMEOUT"] = str(spec["dist_timeout"])
     counters = Counters()
     catalog_file = None if spec.get("catalog") else os.path.join(spec["store"], "catalog.db")
     dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -259,22 +290,118 @@ def rank_main(spec: dict, rank: int, world: int, port: int) -> int:
     results = []
     for ph in spec["phases"]:
         results.append(_phase(ph, spec, rank, world, mesh, counters))
-    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+        _write_results(spec, rank, results)  # after each phase: a killed rank leaves the phases it finished
+        if ph["op"] == "save_kill_rank":
+            # a rank died: the group is broken, and tearing it down could wait on the dead peer; exit as a job
+            # whose launcher restarts it would (the launcher's os._exit skips the rest)
+            return 0
     dist.destroy_process_group()
     return 0
 
 
-def launch(spec: dict, world: int, timeout: float = 600) -> list[list[dict]]:
-    """Fork ``world`` ranks running ``spec``; their results (rank order). Raises if a rank fails or hangs."""
-    import torch  # noqa: F401 - loaded once, before the forks
-    import torch.distributed.tensor  # noqa: F401
+def _write_results(spec: dict, rank: int, results: list[dict]) -> None:
+    path = os.path.join(spec["out"], f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f)
+    os.replace(path + ".tmp", path)  # whole or absent, even if this rank is killed while writing
 
 
+class GcDriver:
+    """gc run again and again over the spec's store while the ranks save, from rank 0's first finished phase
+    (the store and its catalog exist) until :meth:`stop`. ``spec["gc"]["mode"]``: ``"cli"`` (default) runs
+    ``ucp gc`` as a process per run, ``interval`` seconds apart; ``"api"`` runs one process calling
+    ``Store.gc()`` in a loop (:func:`gc_loop`: many more runs per second, no interpreter start between them).
+    Each run's ``t_start``, ``t_end`` (``time.time()``), exit status (``rc``) and output tail are kept."""
+
+    def __init__(self, spec: dict) -> None:
+        self.spec, self.runs = spec, []
+        self.mode = spec["gc"].get("mode", "cli")
+        self.interval = float(spec["gc"].get("interval", 0.5))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gc-driver", daemon=True)
+
+    def start(self) -> GcDriver:
+        self._thread.start()
+        return self
+
+    def command(self) -> list[str]:
+        if self.mode == "api":
+            return [sys.executable, os.path.abspath(__file__), "--gc-loop", self.spec["store"],
+                    self.spec.get("catalog") or "", self._go(), os.path.join(self.spec["out"], "gc.stop"),
+                    str(self.interval)]
+        cmd = [sys.executable, "-m", "ucp_store.cli", "--store", self.spec["store"], "--no-progress"]
+        if self.spec.get("catalog"):
+            cmd += ["--catalog", self.spec["catalog"]]
+        return [*cmd, "gc", "--json"]
+
+    def _go(self) -> str:
+        """The file whose existence starts the runs: rank 0's results after its first phase (the store and its
+        catalog exist by then), or none (``"start": "now"``: the store exists already)."""
+        return "" if self.spec["gc"].get("start") == "now" else os.path.join(self.spec["out"], "rank0.json")
+
+    def _loop(self) -> None:
+        import subprocess
+
+        if self.spec["gc"].get("start") != "now" and self.mode == "cli":
+            while not self._stop.is_set() and not os.path.exists(self._go()):
+                time.sleep(0.05)
+        while not self._stop.is_set():
+            t = time.time()
+            proc = subprocess.run(self.command(), capture_output=True, text=True)
+            if self.mode == "api":  # one line per run, then the loop's own exit status
+                self.runs += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+                if proc.returncode:
+                    self.runs.append({"t_start": t, "t_end": time.time(), "rc": proc.returncode,
+                                      "stderr": proc.stderr[-1500:]})
+                return
+            self.runs.append({"t_start": t, "t_end": time.time(), "rc": proc.returncode,
+                              "stdout": proc.stdout[-400:], "stderr": proc.stderr[-1500:]})
+            self._stop.wait(self.interval)
+
+    def stop(self) -> list[dict]:
+        with open(os.path.join(self.spec["out"], "gc.stop"), "w"):
+            pass
+        self._stop.set()
+        self._thread.join()
+        with open(os.path.join(self.spec["out"], "gc.json"), "w") as f:
+            json.dump(self.runs, f)
+        return self.runs
+
+
+def gc_loop(store: str, catalog: str, go_file: str, stop_file: str, interval: float) -> int:
+    """``Store.gc()`` over ``store`` from when ``go_file`` exists (at once if empty) until ``stop_file`` does
+    (the driver's ``api`` mode, its own process, its imports done before the wait): one JSON line per run
+    (times, what it removed, or the error). Exit status 1 if any run failed."""
+    from ucp_store.store import open_store
+
+    while go_file and not os.path.exists(go_file):
+        if os.path.exists(stop_file):
+            return 0
+        time.sleep(0.05)
+    st = open_store(store, catalog=catalog or None)
+    failed = 0
+    while not os.path.exists(stop_file):
+        t, rec = time.time(), {}
+        try:
+            rep = st.gc()
+            rec = {"rc": 0, "removed_pending": rep.removed_pending, "removed_checkpoints": rep.removed_checkpoints,
+                   "removed_arrays": rep.removed_arrays}
+        except Exception as exc:  # noqa: BLE001 - recorded, the loop goes on
+            failed, rec = 1, {"rc": 1, "stderr": f"{type(exc).__name__}: {exc}"[:1500]}
+        print(json.dumps({"t_start": t, "t_end": time.time(), **rec}), flush=True)
+        time.sleep(interval)
+    return failed
+
+
+def _doomed(spec: dict) -> set[int]:
+    """The ranks a ``save_kill_rank`` phase kills."""
+    return {int(ph["rank"]) for ph in spec["phases"] if ph["op"] == "save_kill_rank"}
+
+
+def _fork_ranks(spec: dict, world: int) -> list[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.makedirs(spec["out"], exist_ok=True)
     pids = []
     for r in range(world):
         pid = os.fork()
@@ -287,31 +414,66 @@ def launch(spec: dict, world: int, timeout: float = 600) -> list[list[dict]]:
             finally:
                 os._exit(code)
         pids.append(pid)
+    return pids
+
+
+def _reap(pids: list[int], doomed: set[int], timeout: float) -> tuple[list[int], dict[int, float]]:
+    """Wait for every rank; returns the ranks that failed and, for each rank killed as planned, when it was
+    reaped (``time.time()``). A planned victim that exits any other way has failed (its kill never came)."""
     deadline = time.monotonic() + timeout
-    failed = []
+    failed, killed = [], {}
     left = dict.fromkeys(pids)
     while left:
         for pid in list(left):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 del left[pid]
-                if status != 0:
-                    failed.append(pids.index(pid))
+                r = pids.index(pid)
+                if r in doomed and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+                    killed[r] = time.time()
+                elif status != 0 or r in doomed:
+                    failed.append(r)
         if time.monotonic() > deadline:
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
             raise RuntimeError(f"scale ranks {[pids.index(p) for p in left]} still running after {timeout} s")
         time.sleep(0.05)
+    return failed, killed
+
+
+def launch(spec: dict, world: int, timeout: float = 600) -> list[list[dict]]:
+    """Fork ``world`` ranks running ``spec``; their results (rank order). Raises if a rank fails or hangs (a
+    rank that a ``save_kill_rank`` phase kills must die of SIGKILL; its results end with that phase, marked
+    ``killed``)."""
+    import torch  # noqa: F401 - loaded once, before the forks
+    import torch.distributed.tensor  # noqa: F401
+
+    os.makedirs(spec["out"], exist_ok=True)
+    pids = _fork_ranks(spec, world)
+    gc = GcDriver(spec).start() if spec.get("gc") else None  # after the forks: no rank inherits its thread
+    try:
+        failed, killed = _reap(pids, _doomed(spec), timeout)
+    finally:
+        if gc is not None:
+            gc.stop()
     if failed:
         raise RuntimeError(f"scale rank(s) {sorted(failed)} failed (see stderr)")
     out = []
     for r in range(world):
-        with open(os.path.join(spec["out"], f"rank{r}.json")) as f:
-            out.append(json.load(f))
+        path = os.path.join(spec["out"], f"rank{r}.json")
+        got = []
+        if r not in killed or os.path.exists(path):
+            with open(path) as f:
+                got = json.load(f)
+        if r in killed:
+            got.append({"op": "save_kill_rank", "killed": True, "reaped_at": killed[r], "error": None})
+        out.append(got)
     return out
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--gc-loop":
+        sys.exit(gc_loop(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])))
     spec_ = json.loads(sys.argv[1])
     print(json.dumps(launch(spec_, spec_["world"], spec_.get("launch_timeout", 600))))
