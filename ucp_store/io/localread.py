@@ -142,7 +142,7 @@ def _populate(entry: tuple, off: int, nbytes: int) -> None:
 # file over the span the runs cover starts the whole span's reads at once (on a warm cache it finds the
 # pages present). None where the platform has no such advice. (Whole reads of several arrays,
 # ``read_streamed``, skip it: each file is then read in order as one stream, which the kernel's
-# sequential readahead already serves in large requests; see docs/perf-notes-io.md.)
+# sequential readahead already serves in large requests; see docs/perf.md.)
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
@@ -175,7 +175,7 @@ SEGMENT_MIN_BYTES = 8 << 20  # a file is split into segments no smaller than thi
 # is read in file order as one stream (a file larger than this in streams of about this size), no WILLNEED;
 # the concurrency comes from the reads in flight: several files read at once in large sequential requests
 # keep a disk's queue full without turning any one file's reads random (tools/bench_cold.py;
-# docs/perf-notes-io.md).
+# docs/perf.md).
 STREAM_BYTES = 64 << 20
 _streamed = threading.local()
 SEGMENTS_PER_THREAD = 2  # segments per pool thread (balance: a thread that finishes early takes another)
@@ -337,7 +337,7 @@ PAGE = 4096
 # On some CPUs (``rep movsb`` with FSRM) the kernel's copy to user memory and glibc's memcpy slow down by
 # an order of magnitude when the destination sits a few bytes after the source modulo a 4 KiB page (the
 # band's width and the slowdown vary by CPU and kernel: tools/bench_align.py measures them,
-# docs/perf-notes-io.md has the figures). A chunk's file offset moves by 4 bytes (its crc) per chunk, so a
+# docs/perf.md has the figures). A chunk's file offset moves by 4 bytes (its crc) per chunk, so a
 # read straight into the destination would hit that band for some chunks of every shard: those chunks are
 # read into scratch placed at the file offset's page position (distance 0) and copied with torch's copy
 # loop, which does not slow down. ``bad_distance`` counts every distance from 1 to ``_BAD_DISTANCE - 1``

@@ -416,7 +416,7 @@ def execute(checkpoint, plan: Plan, *, dtype=None, only: Iterable[tuple[str, str
 # reads, which otherwise fault them 4 KiB at a time (tools/bench_reshard.py). Smaller ones are left
 # uninitialised (zeroing a small ZeRO-3 partition costs more than its read), and so are those from
 # _HUGE_BYTES that whole-row reads fill in place with preadv: numpy asks for transparent huge pages there,
-# so the reads fault in 2 MiB pages instead of 4 KiB ones (figures: docs/perf-notes-io.md).
+# so the reads fault in 2 MiB pages instead of 4 KiB ones (figures: docs/perf.md).
 _ZEROED_MIN_BYTES = 1 << 20
 _HUGE_BYTES = 4 << 20
 
