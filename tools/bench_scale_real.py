@@ -8,6 +8,14 @@ bytes broadcast (``ucp_store.distributed.coord.STATS``).
 
     python tools/bench_scale_real.py --ranks 4 16 64 --postgres-url postgresql+psycopg2://ucp:ucp@127.0.0.1:5433/ucp_scale
 
+``--faults`` (issue 27 item 5): per rank count and catalog, a launch that saves step 1 and then SIGKILLs
+one rank (``--victim``, default the middle one) in the save of step 2, and a restarted launch that saves
+``--saves`` times and loads the last while ``ucp gc`` runs in a loop; prints each survivor's error and its
+delay after the death, what the catalog lists, the gc runs that overlapped a save, and every committed
+version's ``Checkpoint.verify`` problems (docs/scale.md, "Faults at 64 ranks").
+
+    python tools/bench_scale_real.py --faults --ranks 64 --dist-timeout 30 --postgres-url ...
+
 ``tools/bench_scale.py ranks`` is meant to call :func:`run_ranks`.
 """
 
@@ -99,6 +107,86 @@ def run_ranks(args: argparse.Namespace) -> dict:
     return out
 
 
+def _kill_run(spec: dict, world: int, victim: int, tensors: int) -> dict:
+    """Step 1 saved, then ``victim`` SIGKILLed in the save of step 2 (after two boxes, ``dist.mid_write:2``):
+    each survivor's error and how long after the death it came; what the catalog lists afterwards."""
+    from ucp_store.store import open_store
+
+    phases = [{"op": "save", "tensors": tensors, "step": 1},
+              {"op": "save_kill_rank", "tensors": tensors, "step": 2, "rank": victim, "at": "dist.mid_write:2"}]
+    results = _launch({**spec, "phases": phases, "out": spec["out"] + "-kill"}, world)
+    reaped = results[victim][-1]["reaped_at"]
+    survivors = [r[-1] for i, r in enumerate(results) if i != victim]
+    errors = [p["error"] or "" for p in survivors]
+    after = sorted(p["t_end"] - reaped for p in survivors)
+    st = open_store(spec["store"], catalog=spec.get("catalog"))
+    try:
+        rows = st.list_checkpoints(include_pending=True)
+        listed = [c["step"] for c in st.list_checkpoints()]
+    finally:
+        st.catalog.close()
+    return {"victim": victim, "first_save_s": max(r[0]["wall_s"] for r in results),
+            "survivors": len(survivors), "ucp_errors": sum(e.startswith("UcpError:") and "a rank died" in e
+                                                          for e in errors),
+            "error_example": min(errors, key=len)[:240], "error_after_kill_s": {
+                "min": after[0], "median": after[len(after) // 2], "max": after[-1]},
+            "listed_steps": listed, "catalog_rows": [(c["step"], c["status"]) for c in rows]}
+
+
+def _restart_run(spec: dict, world: int, tensors: int, saves: int) -> dict:
+    """The job restarted: ``saves`` saves (steps 2..) and a load of the last, while ``ucp gc`` (the CLI, a
+    process per run) runs in a loop; then every committed version is verified from this process."""
+    from ucp_store.store import open_store
+
+    steps = list(range(2, 2 + saves))
+    phases = [{"op": "save", "tensors": tensors, "step": s} for s in steps] + [
+        {"op": "load", "tensors": tensors, "step": steps[-1]}]
+    out = spec["out"] + "-restart"
+    results = _launch({**spec, "phases": phases, "out": out, "gc": {"interval": 0.2, "start": "now"}}, world)
+    with open(os.path.join(out, "gc.json")) as f:
+        gc_runs = json.load(f)
+    windows = [(p["t_start"], p["t_end"]) for p in results[0][:saves]]
+    st = open_store(spec["store"], catalog=spec.get("catalog"))
+    try:
+        committed = st.list_checkpoints()
+        problems = {c["step"]: len(st.checkpoint(c["id"]).verify()) for c in committed}
+    finally:
+        st.catalog.close()
+    return {"save_s": [max(r[i]["wall_s"] for r in results) for i in range(saves)],
+            "save_errors": [p["error"] for r in results for p in r if p["error"]][:3],
+            "load_exact": all(r[-1].get("exact") for r in results),
+            "gc_runs": len(gc_runs), "gc_failed": sum(g["rc"] != 0 for g in gc_runs),
+            "gc_during_saves": sum(any(g["t_start"] < e and g["t_end"] > b for b, e in windows) for g in gc_runs),
+            "committed_steps": [c["step"] for c in committed],
+            "returned_ids_listed": {r[i]["id"] for r in results for i in range(saves)} <= {c["id"] for c in committed},
+            "verify_problems": problems}
+
+
+def run_faults(args: argparse.Namespace) -> dict:
+    """Issue 27 item 5 at ``--ranks`` (each): a rank killed mid-save, then the job restarted with gc running."""
+    out: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "dist_timeout": args.dist_timeout,
+                 "runs": []}
+    catalogs = [("sqlite", None)] + ([("postgresql", args.postgres_url)] if args.postgres_url else [])
+    for world in args.ranks:
+        for label, url in catalogs:
+            with tempfile.TemporaryDirectory(prefix="ucp-faults-") as tmp:
+                tag = f"{os.getpid()}x{world}{label[0]}{int(time.time())}"
+                spec = {"store": os.path.join(tmp, "store"), "out": os.path.join(tmp, "out"), "run": "scale",
+                        "timeout": args.timeout, "dist_timeout": args.dist_timeout}
+                victim = world // 2 if args.victim is None else args.victim
+                with (_schema(url, f"faults_{tag}") if url else contextlib.nullcontext()) as spec["catalog"]:
+                    if spec["catalog"] is None:
+                        del spec["catalog"]
+                    t0 = time.perf_counter()
+                    kill = _kill_run(spec, world, victim, args.tensors)
+                    restart = _restart_run(spec, world, args.tensors, args.saves)
+                run = {"ranks": world, "catalog": label, "launch_s": time.perf_counter() - t0, "kill": kill,
+                       "restart": restart}
+                out["runs"].append(run)
+                print(json.dumps(run, indent=1), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64])
@@ -106,10 +194,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--postgres-url", default=None)
     ap.add_argument("--timeout", type=int, default=600, help="collective timeout, seconds (default 600)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--faults", action="store_true", help="issue 27 item 5: a rank killed mid-save, then the job "
+                    "restarted with ucp gc running while it saves (see run_faults)")
+    ap.add_argument("--dist-timeout", type=int, default=30, help="--faults: UCP_DIST_TIMEOUT, seconds (default 30)")
+    ap.add_argument("--victim", type=int, default=None, help="--faults: the rank killed (default ranks // 2)")
+    ap.add_argument("--saves", type=int, default=4, help="--faults: saves of the restarted job (default 4)")
     args = ap.parse_args(argv)
     if any(n < 2 for n in args.ranks):
         ap.error("--ranks must be >= 2")
-    res = run_ranks(args)
+    res = run_faults(args) if args.faults else run_ranks(args)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(res, f, indent=1)
