@@ -32,7 +32,7 @@ class TensorInfo:
                      chunk_shape: tuple[int, ...], shard_shape: tuple[int, ...], array: str, array_id: str,
                      codecs: list[Any], nbytes: int, content_hash: str, position: int) -> "TensorInfo":
         """Build from catalog columns, bypassing the dataclass ``__init__``: a frozen dataclass sets each
-        field through ``object.__setattr__`` (4 us a record here), a third of fetching 100k rows. The
+        field through ``object.__setattr__``, which was a third of fetching 100k rows (docs/perf.md). The
         instance is as frozen as any other."""
         obj = object.__new__(cls)
         object.__setattr__(obj, "__dict__", {

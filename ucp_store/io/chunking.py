@@ -26,15 +26,11 @@ __all__ = ["MIB", "MIN_TARGET", "MAX_TARGET", "DEFAULT_TARGET", "DEFAULT_SHARD_T
 MIB = 1 << 20
 MIN_TARGET = MIB // 8  # 128 KiB: with the local read path a row read costs about its chunk (tools/bench_store.py)
 MAX_TARGET = 8 * MIB
-# 256 KiB (was 1 MiB). A large parameter's chunks hold whole rows ([8, 8192] for a 256 MiB fp32 one), so a
-# held row read touches one chunk and checks its crc32c in place through a held mapping, then copies only
-# the row: the chunk's crc is most of that read. tools/bench_store.py (0.5 GiB, best of 5, one run) with
-# crc32c: a row 22.8 us at 256 KiB vs 51.1 us at 1 MiB (1.97x vs 4.42x safetensors' held get_slice); whole
-# reads 4.75 vs 4.85 GB/s warm (-2%; -7% in another run) and the same cold (0.92x a raw read both); a
-# column of the parameter 40 vs 31 ms. Re-sharding loads (tools/bench_reshard.py --layers 4, best of two runs
-# each) were level: TP 4 -> 3 101 vs 101 ms, 8 -> 2 157 vs 163, 1 -> 8 41 vs 39, and amplification without
-# declared targets 1.18 vs 1.25. 128 KiB gained nothing more on rows (19.7 vs 20.2 us) and cost whole
-# reads 12%. Stores record their target at creation (store.py): older ones keep theirs.
+# 256 KiB: a large parameter's chunks hold whole rows ([8, 8192] for a 256 MiB fp32 one), so a held row
+# read touches one chunk and checks its crc32c in place, and the chunk's crc is most of that read: a smaller
+# chunk makes partial reads cheaper while whole reads and re-sharding loads stay level; below it whole reads
+# start to pay (figures: docs/perf.md, "chunk policy"). Stores record their target at creation (store.py):
+# older ones keep theirs.
 DEFAULT_TARGET = MIB // 4
 DEFAULT_SHARD_TARGET = 512 * MIB
 MAX_POW2_SPLIT = 64

@@ -2,11 +2,9 @@
 that computes it for the local read and write paths (TensorStore computes its own).
 
 ``crc32c`` (the ICRAR package, numcodecs' own CRC32C backend) where it runs on the CPU's CRC instructions:
-tools/bench_crc32c.py measured it at about 28 GB/s on buffers larger than the cache, where
-``google_crc32c`` fell to about 6 GB/s (4 MiB: 148 vs 682 us), and it releases the GIL (two threads, twice
-the rate; ``google_crc32c`` held it). A held row read of a 1 MiB chunk, which is mostly that chunk's crc,
-went from 133 to 50 us (tools/bench_row_ab.py). Small buffers cost the same in both. ``google_crc32c``
-(zarr's dependency) otherwise: a CPU without CRC instructions, or no ``crc32c`` wheel.
+it keeps its speed on buffers larger than the cache and releases the GIL, so the crc of a held row read and
+of the read path's chunks runs on several threads (figures: docs/perf.md, tools/bench_crc32c.py).
+``google_crc32c`` (zarr's dependency) otherwise: a CPU without CRC instructions, or no ``crc32c`` wheel.
 """
 
 from __future__ import annotations
