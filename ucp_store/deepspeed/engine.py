@@ -441,9 +441,9 @@ class UcpCheckpointEngine(_Base):
             if error is not None:
                 raise error
             return
-        from ucp_store.distributed import coord
+        from ucp_store.distributed.commit import gather_errors
 
-        failures = coord.errors_everywhere(error, self.group)  # JSON bytes through rank 0, never a pickle
+        failures = gather_errors(error, self.group)  # JSON bytes through rank 0, never a pickle
         if error is not None:
             raise error
         if failures:

@@ -6,8 +6,9 @@ layer dicts) into ``write_shard`` calls on the logical arrays, with the file imp
 patterns, positions and objects, so that the version equals ``ucp import deepspeed`` of the files.
 
 Ranks exchange metadata only (parameter names, shapes, fragment addresses), never tensors, as JSON bytes
-(``coord.to_wire``; never a pickle) through rank 0: a gather and a broadcast to plan, a gather and a scatter
-to agree. A save runs in phases that hand each other the records of :mod:`ucp_store.deepspeed.write_plan`:
+(``coord.to_wire``; never a pickle) through rank 0: a gather and a broadcast to plan (``commit.agree``), a
+gather and a scatter to agree (``commit.settle``). A save runs in phases that hand each other the records of
+:mod:`ucp_store.deepspeed.write_plan`:
 
 1. *stage*: the staged state dicts sorted by file (:class:`StagedFiles`), this rank's :class:`RankPart`;
 2. *plan*: every rank's part (gathered to rank 0, broadcast back), the global :class:`SavePlan` (and at TP > 1
@@ -185,15 +186,14 @@ def _local_part(snap: RankSnapshot, files: StagedFiles, zero: int) -> RankPart:
 
 
 def _exchange(group: Any, local: RankPart) -> list[RankPart]:
-    """Every rank's part, by rank: one gather of JSON bytes to rank 0 and one broadcast of them all (every rank
-    plans the whole save: a fragment's offset is what the lower DP ranks hold). Never a pickle."""
+    """Every rank's part, by rank: one gather of JSON bytes to rank 0 and one broadcast of them all
+    (``commit.agree``; every rank plans the whole save: a fragment's offset is what the lower DP ranks hold).
+    Never a pickle."""
     if group is None:
         return [local]
-    from ucp_store.distributed import coord
+    from ucp_store.distributed.commit import agree
 
-    parts = coord.gather_bytes(coord.encode(_part_to_wire(local)), group)
-    everything = coord.broadcast_bytes(None if parts is None else b"[" + b",".join(parts) + b"]", group)
-    return [_part_from_wire(d) for d in coord.decode(everything)]
+    return [_part_from_wire(d) for d in agree(_part_to_wire(local), lambda parts: parts, group)]
 
 
 def _part_to_wire(part: RankPart) -> dict:
@@ -482,7 +482,11 @@ def _agree(target: SaveTarget, writer, share: _ShareWriter, files: StagedFiles, 
     if target.group is None:
         reports, outcome = [mine], _outcome([mine])[0]
     else:
-        reports, outcome = _agree_everywhere(target.group, mine)
+        try:
+            reports, outcome = _agree_everywhere(target.group, mine)
+        except BaseException:
+            writer.abort()
+            raise
         target.stats["agreed_s"] = time.perf_counter() - tp0
     if outcome["failed"]:
         writer.abort()
@@ -507,23 +511,20 @@ def _outcome(reports: list[RankReport]) -> list[dict]:
 
 
 def _agree_everywhere(group: Any, mine: RankReport) -> tuple[list[RankReport], dict]:
-    """The agreement's two collectives (a gather to rank 0, a scatter back; JSON bytes, never a pickle)."""
-    import torch.distributed as dist
-
+    """The agreement's collectives (``commit.settle``: a gather to rank 0, a scatter back; JSON bytes, never a
+    pickle). Returns every rank's report on rank 0 (this rank's alone elsewhere) and this rank's outcome."""
     from ucp_store.distributed import coord
+    from ucp_store.distributed.commit import settle
+
+    reports = [mine]
+
+    def decide(parts: list) -> list:
+        reports[:] = [RankReport(**coord.from_wire(p)) for p in parts]
+        return [coord.to_wire(o) for o in _outcome(reports)]
 
     wire = {f.name: getattr(mine, f.name) for f in dataclasses.fields(RankReport)}
-    parts = coord.gather_bytes(coord.encode(coord.to_wire(wire, f"rank {mine.rank}'s save report")), group)
-    reports, answers = [mine], None
-    if parts is not None:
-        try:
-            reports = [RankReport(**coord.from_wire(coord.decode(p))) for p in parts]
-            outcomes = _outcome(reports)
-        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it (no rank left waiting)
-            outcomes = [{"failed": [(0, f"{type(exc).__name__}: {exc}")], "lp_differs": [], "digests": {}}] * len(parts)
-        answers = [coord.encode(coord.to_wire(o)) for o in outcomes]
-    outcome = coord.from_wire(coord.decode(coord.scatter_bytes(answers, group)))
-    return (reports if dist.get_rank(group) == 0 else [mine]), outcome
+    outcome = coord.from_wire(settle(coord.to_wire(wire, f"rank {mine.rank}'s save report"), decide, group))
+    return reports, outcome
 
 
 # ------------------------------------------------------------------------- phase 6: objects

@@ -15,8 +15,7 @@ in a uint8 tensor, never pickles: a rank unpickling another rank's bytes would r
 - :func:`detached_checkpoint`: a committed version's rows and objects as the coordinator read them;
   :func:`version_everywhere`: a version on every rank, opened and read by the coordinator alone;
 - :func:`to_wire` / :func:`from_wire`: records with tuples, tuple-keyed dicts, bytes and small tensors as JSON
-  values (tagged), for the ranks' exchanges that carry more than plain JSON; :func:`errors_everywhere`: every
-  rank's failure on every rank.
+  values (tagged), for the ranks' exchanges that carry more than plain JSON.
 
 Every collective here runs on the group the caller passes: the bounded-timeout gloo control group of
 ``ucp_store.distributed.commit.control_group``, so a dead rank is an error, never a hang.
@@ -34,7 +33,7 @@ import torch.distributed as dist
 from ucp_store.errors import UcpError
 
 __all__ = ["NoCatalog", "broadcast_bytes", "decode", "detached_checkpoint", "detached_store", "encode",
-           "errors_everywhere", "from_wire", "gather_bytes", "info_from_json", "info_to_json", "scatter_bytes",
+           "from_wire", "gather_bytes", "info_from_json", "info_to_json", "scatter_bytes",
            "store_facts", "to_wire", "version_everywhere", "version_payload"]
 
 #: counters of this process's coordinator payloads (tools/bench_scale.py real reports them)
@@ -368,13 +367,3 @@ def version_everywhere(open_version, group, what: str):
         return ck, read_prefetched(ck, list(answer["objects"]))
     return ck, ck.objects()
 
-
-def errors_everywhere(error: BaseException | None, group=None) -> list[tuple[int, str]]:
-    """Every rank's error message as ``(group rank, message)`` on every rank (empty when none failed): one
-    gather of JSON bytes to rank 0 and one broadcast of the failures (``commit.gather_errors`` without the
-    pickle). A collective of ``group``."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    parts = gather_bytes(encode(mine), group)
-    failures = None if parts is None else encode([[r, m] for r, m in enumerate(decode(p) for p in parts)
-                                                  if m is not None])
-    return [(int(r), str(m)) for r, m in decode(broadcast_bytes(failures, group))]
