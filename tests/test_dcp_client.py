@@ -58,7 +58,11 @@ def test_torchtune_resumes_through_the_backend_on_the_same_and_other_meshes(tmp_
 
 @pytest.mark.xfail(strict=True, reason="backend: classify() finds no model prefix when the optimizer states "
                                         "are keyed by parameter index (torchtune saves optimizer.state_dict()), "
-                                        "so the sharded model.* DTensors are refused")
+                                        "so the sharded model.* DTensors are refused",
+                   raises=AssertionError)
 def test_torchtune_saves_through_the_backend_unchanged(tmp_path):
     proc, result = _run(tmp_path)
-    assert proc.returncode == 0, result.get("checks")
+    failed = " ".join(c["detail"] for c in result.get("checks", []) if not c["ok"])
+    if proc.returncode != 0 and "a sharded tensor that is no model or optimizer state" not in failed:
+        pytest.fail(f"failed, but not with the known classification error: {failed or proc.stderr[-3000:]}")
+    assert proc.returncode == 0, failed

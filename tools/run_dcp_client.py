@@ -105,10 +105,11 @@ def _checkpoint_group() -> None:
 
     ``async_save`` runs DCP's collectives (plan gather, result gather, commit broadcast) in a thread while
     the next epoch trains. On GPUs the recipe's group is ``cuda:nccl,cpu:gloo``: FSDP talks over NCCL and
-    DCP over gloo, so the two never meet (``async_save`` requires the CPU backend for this reason). On a
+    DCP over gloo, so the two never meet (``async_save`` refuses a group without a CPU backend). On a
     CPU-only run both go over the one gloo group from two threads, in an order that differs between
-    ranks, and the ranks wait on each other until gloo's timeout (observed: FSDP's all-gather timing out
-    on both ranks; DCP's own ``FileSystemWriter`` shares the same calls). ``DistributedCheckpointer`` takes a
+    ranks, and the ranks wait on each other until a timeout (observed through the backend: FSDP's
+    all-gather timed out on both ranks after the writer's 300 s; DCP's ``FileSystemWriter`` is saved
+    through the same collectives, not tried: gloo's default wait is 30 minutes). ``DistributedCheckpointer`` takes a
     ``process_group`` but ``CheckpointClient`` never passes one; here it gets a new gloo group, made
     collectively when the client first builds its checkpointer (at the first save or load, on every rank)."""
     import torch.distributed as dist
