@@ -659,7 +659,7 @@ def write_plan(store, plan: SavePlan, staged: list[torch.Tensor], ctx: Ctx, *, r
     try:  # one round to the coordinator: every rank's outcome, digests and cached-plan check; its answer back
         answer = ctx.settle(mine.to_json(), lambda parts: _decide_commit(plan.check, parts),
                             f"save of {run}@{step} (commit)")
-    except UcpError:
+    except BaseException:  # a failed round, or the coordinator's own failure to decide (raised on every rank)
         writer.abort()
         raise
     if answer["failed"]:
