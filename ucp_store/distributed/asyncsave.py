@@ -208,7 +208,8 @@ class _WriterProcess:
             with socket.socket() as s:
                 s.bind(("", 0))
                 port = s.getsockname()[1]
-        addr, port = ctx.gather((addr, port))[0] if ctx.dist is not None else (addr, port)
+        # rank 0's address for the writer processes' own group (only its answer travels back)
+        addr, port = ctx.agree([addr, port], lambda everyone: everyone[0]) if ctx.dist is not None else (addr, port)
         mpctx = mp.get_context("spawn")
         self.requests = mpctx.Queue()
         self.responses = mpctx.Queue()

@@ -119,7 +119,7 @@ class Checkpointer:
         self._finish_pending()
         ctx = Ctx(self.group)
         # the coordinator alone asks the catalog (one client per job); the others take its answer
-        step = ctx.gather(self.latest_step() if ctx.rank == 0 else None)[0]
+        step = ctx.agree(self.latest_step() if ctx.rank == 0 else None, lambda everyone: everyone[0])
         if step is None:
             return None
         load(state_dict, store=self.store_arg, ref=f"{self.run}@{step}", strict=strict, group=self.group,
