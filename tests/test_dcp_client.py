@@ -4,8 +4,8 @@ docs/dcp-backend.md "A real client").
 
 torchtune and its imports are not project dependencies: the tool installs them into a side folder
 (default ``~/.cache/ucp_store/dcp-client/lib``). These tests run only when asked, with that folder named
-in ``$UCP_DCP_CLIENT_LIB``: each starts torchrun several times (20-50 s a run on 2 busy cores, the
-first test 2-4 minutes), too long for CI, which never sets it (a folder left on the machine by an earlier
+in ``$UCP_DCP_CLIENT_LIB``: each starts torchrun several times (5-60 s a run with the load of the
+2 cores, the file 1-5 minutes), and CI never sets it (a folder left on the machine by an earlier
 run does not turn them on).
 
     UCP_DCP_CLIENT_LIB=~/.cache/ucp_store/dcp-client/lib .venv/bin/python -m pytest -q tests/test_dcp_client.py
