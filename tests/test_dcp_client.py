@@ -46,23 +46,12 @@ def _run(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict
 
 def test_torchtune_resumes_through_the_backend_on_the_same_and_other_meshes(tmp_path):
     """Save at FSDP=2 after epoch 0, resume at FSDP=2 (losses bit for bit), on 1 rank and on TP=2 (within
-    1e-4). With the harness's stand-in for the classification fix (see the next test)."""
-    proc, result = _run(tmp_path, "--model-prefix-workaround")
+    1e-4). torchtune saves the optimizer's own state dict (states keyed by parameter number), which the
+    backend's key classification once refused."""
+    proc, result = _run(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     checks = {c["what"]: c for c in result["checks"]}
     assert len(checks) == 5 and all(c["ok"] for c in checks.values()), checks
     runs = {r["name"]: r for r in result["runs"]}
     assert sorted(runs["resume"]["losses"]) == ["3", "4"]
     assert runs["resume"]["losses"] == {k: v for k, v in runs["reference"]["losses"].items() if k in ("3", "4")}
-
-
-@pytest.mark.xfail(strict=True, reason="backend: classify() finds no model prefix when the optimizer states "
-                                        "are keyed by parameter index (torchtune saves optimizer.state_dict()), "
-                                        "so the sharded model.* DTensors are refused",
-                   raises=AssertionError)
-def test_torchtune_saves_through_the_backend_unchanged(tmp_path):
-    proc, result = _run(tmp_path)
-    failed = " ".join(c["detail"] for c in result.get("checks", []) if not c["ok"])
-    if proc.returncode != 0 and "a sharded tensor that is no model or optimizer state" not in failed:
-        pytest.fail(f"failed, but not with the known classification error: {failed or proc.stderr[-3000:]}")
-    assert proc.returncode == 0, failed

@@ -219,6 +219,21 @@ def test_global_plan_keeps_replicas_once_and_checks_tiling():
                     SavePlan([_item("model.w", [2, 0], [2, 4], [4, 4], torch.float16)])])
 
 
+def test_index_keyed_optimizer_state_keeps_the_model_prefix():
+    """An optimizer's own ``state_dict()`` keys its states by parameter number (torchtune saves
+    ``{"model": ..., "optimizer": optimizer.state_dict()}``): those numbers name no parameter, yet the sharded
+    ``model.*`` tensors are still model state (they were refused as "no model or optimizer state")."""
+    paths = {"model.w": ("model", "w"), "optimizer.state.0.exp_avg": ("optimizer", "state", 0, "exp_avg")}
+    plans = [SavePlan([_item("model.w", [0, 0], [2, 4], [4, 4]), _item("optimizer.state.0.exp_avg", [0, 0], [2, 4],
+                                                                      [4, 4])], planner_data=paths),
+             SavePlan([_item("model.w", [2, 0], [2, 4], [4, 4]), _item("optimizer.state.0.exp_avg", [2, 0], [2, 4],
+                                                                      [4, 4])], planner_data=paths)]
+    keys, _, _ = _plan_keys(plans)
+    assert (keys["model.w"].name, keys["model.w"].state) == ("w", "weight")
+    opt = keys["optimizer.state.0.exp_avg"]
+    assert (opt.name, opt.state, opt.points()) == ("0", "exp_avg", {0: [2]})
+
+
 @pytest.mark.parametrize("split", [0, 1])
 def test_chunks_follow_row_and_column_splits(tmp_path, split):
     """An FSDP Shard(0) save loaded by TP Shard(1), and the reverse: a half of either dim is whole chunks

@@ -125,31 +125,6 @@ def _checkpoint_group() -> None:
     ckpt.DistributedCheckpointer.__init__ = init_with_group  # type: ignore[method-assign]
 
 
-def _model_prefix_workaround(prefix: str = "model") -> None:
-    """``--model-prefix-workaround``: a harness-side stand-in for a backend fix, never on by default.
-
-    torchtune saves ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), ...}``: the
-    optimizer's raw state dict, whose states are keyed by parameter index (``optimizer.state.0.exp_avg``),
-    not by FQN as ``get_optimizer_state_dict`` gives. The writer's ``prepare_global_plan`` classifies keys
-    with ``classify(md, None, None)``, which finds the model prefix only through an optimizer FQN
-    (``model.<fqn>`` for some ``optimizer.state.<fqn>.*``) or, without optimizer states, when every other
-    tensor sits under one head. Neither holds, so ``model.tok_embeddings.weight`` (an FSDP-sharded DTensor)
-    counts as "no model or optimizer state" and the save fails. This wraps ``classify`` so that, when
-    the detection finds no model prefix, it is asked again with ``model_prefix=prefix``."""
-    import ucp_store.formats.dcp.adapter as adapter
-
-    classify = adapter.classify
-
-    def classify_with_prefix(md: Any, optim_prefixes: Any, model_prefix: Any) -> Any:
-        out = classify(md, optim_prefixes, model_prefix)
-        if model_prefix is None and not any(e.kind == "tensor" and e.state == adapter._MODEL_STATE
-                                            for e in out.values()):
-            out = classify(md, optim_prefixes, prefix)
-        return out
-
-    adapter.classify = classify_with_prefix  # type: ignore[assignment]
-
-
 class ByteTokenizer:
     """The recipe asks its tokenizer only for ``pad_id`` (the data comes tokenised)."""
 
@@ -255,8 +230,6 @@ def worker(cfg_path: str) -> None:
         install()
     _cpu_fixes()
     _checkpoint_group()
-    if os.environ.get("UCP_CLIENT_MODEL_PREFIX") == "1":
-        _model_prefix_workaround()
     if os.environ.get("UCP_CLIENT_STOP_AFTER_SAVE") == "1":
         _stop_after_first_save()
     cfg = OmegaConf.load(cfg_path)
@@ -349,7 +322,6 @@ class Options:
     rtol: float
     timeout: float
     baseline: bool = False  # DCP's FileSystemWriter/Reader, the backend not substituted
-    workaround: bool = False  # _model_prefix_workaround
 
 
 class RunFailed(Exception):
@@ -363,7 +335,6 @@ class RunFailed(Exception):
 def _env(opt: Options, work: Path, run: Run | None) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", UCP_PROGRESS="0",
                UCP_CLIENT_BASELINE="1" if opt.baseline else "0",
-               UCP_CLIENT_MODEL_PREFIX="1" if opt.workaround else "0",
                PYTHONPATH=os.pathsep.join([str(HERE), str(opt.lib), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if run is not None:
         env["UCP_CLIENT_STORE"] = str(work / run.store)
@@ -476,8 +447,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per epoch (N = M)")
     ap.add_argument("--rtol", type=float, default=1e-4, help="tolerance for the runs on another mesh")
     ap.add_argument("--baseline", action="store_true", help="DCP's own filesystem storage (no backend)")
-    ap.add_argument("--model-prefix-workaround", action="store_true",
-                    help="work around the backend's key classification (see _model_prefix_workaround)")
     ap.add_argument("--keep", type=Path, default=None, help="work folder to keep (default: a temp folder)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run")
     ap.add_argument("--json", type=Path, default=None, help="write the losses and checks here")
@@ -493,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     ensure_side_packages(args.lib)
-    opt = Options(args.lib, args.steps, args.rtol, args.timeout, args.baseline, args.model_prefix_workaround)
+    opt = Options(args.lib, args.steps, args.rtol, args.timeout, args.baseline)
     with tempfile.TemporaryDirectory(prefix="ucp-dcp-client-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

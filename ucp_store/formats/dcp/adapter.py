@@ -166,11 +166,14 @@ def classify(md: Any, optim_prefixes: Iterable[str] | None, model_prefix: str | 
     rest_keys = [k for k in tensor_keys if k not in out]
     if model_prefix is None:
         model_prefix = ""
+        # an optimizer's own state_dict() keys its states by parameter number (torchtune saves it so): those
+        # name no parameter, so the model prefix is found as when there is no optimizer state
+        named = {f for f in optim_fqns if not f.isdigit()}
         for cand in ("model", "model_state", "module"):
-            if optim_fqns and any(f"{cand}.{f}" in sdm for f in optim_fqns):
+            if named and any(f"{cand}.{f}" in sdm for f in named):
                 model_prefix = cand
                 break
-            if not optim_fqns and cand in heads and rest_keys and all(
+            if not named and cand in heads and rest_keys and all(
                     paths[k][0] == cand and len(paths[k]) == 2 for k in rest_keys):
                 model_prefix = cand
                 break
