@@ -249,7 +249,7 @@ def test_chunks_follow_row_and_column_splits(tmp_path, split):
     w = st.begin("r", 1)
     try:
         w.open_regions([keys["model.w"].region()])
-        chunk = w._sharded[(keys["model.w"].name, keys["model.w"].state)][2].chunk_shape
+        chunk = w.shards.sharded[(keys["model.w"].name, keys["model.w"].state)][2].chunk_shape
     finally:
         w.abort()
     assert all((n // 2) % c == 0 for n, c in zip(shape, chunk)), chunk

@@ -154,7 +154,7 @@ def test_deferred_durability_fsyncs_every_file_and_folder_before_any_row(tmp_pat
                                                                        real_submit(fn, folder, *a))[1])
 
     def arm(w):
-        assert w.defer_durability() and w._array_context() is store.unsynced_context
+        assert w.defer_durability() and w.durability.array_context() is store.unsynced_context
         real_insert = type(w)._insert_rows
 
         def insert_rows(s, rows, lost, self=w):  # the one place rows are recorded (flush's and commit's txn)

@@ -82,7 +82,7 @@ def test_writer_aligned_shards_divide_split_points_over_the_shard_target():
     it (200 rows), so no shard file straddles two ranks' boxes (``min(shard, 600)`` kept 256: 512..768
     straddled 600)."""
     from ucp_store.io import format as fmt
-    from ucp_store.save.writer import _writer_aligned_shards
+    from ucp_store.save.shards import writer_aligned_shards as _writer_aligned_shards
 
     layout = fmt.ArrayLayout("float32", (1200, 4), (8, 4), (256, 4), "none")
     assert _writer_aligned_shards(layout, {0: [600]}) == (200, 4)

@@ -435,7 +435,7 @@ def test_dedup_looks_up_only_the_hashes_a_save_writes(tmp_path):
     many lookups reads them all once instead of querying per write."""
     from sqlalchemy import event
 
-    from ucp_store.save import writer as writer_mod
+    from ucp_store.save import dedup as writer_mod
 
     store = ucp_store.open_store(str(tmp_path / "store"), create=True)
     store.save("a", 1, {f"t{i}": torch.full((4,), float(i)) for i in range(20)})
@@ -455,7 +455,7 @@ def test_dedup_looks_up_only_the_hashes_a_save_writes(tmp_path):
     assert ids[("b", "same")] == ids[("a", "t3")] and ids[("b", "new")] != ids[("a", "t3")]
     assert len(hash_queries) == 2 and all(" IN (" in q for q in hash_queries), hash_queries
     hash_queries.clear()
-    many = writer_mod._TARGETED_LOOKUPS + 5
+    many = writer_mod.TARGETED_LOOKUPS + 5
     store.save("c", 1, {f"u{i}": torch.full((4,), 100.0 + i) for i in range(many)})
-    assert len(hash_queries) == writer_mod._TARGETED_LOOKUPS + 1  # then one read of every committed hash
+    assert len(hash_queries) == writer_mod.TARGETED_LOOKUPS + 1  # then one read of every committed hash
     assert " IN (" not in hash_queries[-1]

@@ -81,13 +81,13 @@ def test_the_copies_stay_within_the_window(local):
     """A write waits for room in the window of writes in flight before it copies: the bytes the writer holds
     never pass the window (one tensor larger than the window passes alone)."""
     w = local.begin("r", 1)
-    w._window.max_bytes = 3 << 20
+    w.arrays.window.max_bytes = 3 << 20
     seen = []
     real = w._snapshot
 
     def snapshot(array, dtype):
         out = real(array, dtype)
-        seen.append(w._window.bytes + array.nbytes)  # held once this copy is submitted
+        seen.append(w.arrays.window.bytes + array.nbytes)  # held once this copy is submitted
         return out
 
     w._snapshot = snapshot

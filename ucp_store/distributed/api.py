@@ -701,8 +701,8 @@ class _CommitPart:
         try:
             digests = [[k[0], k[1], None if d is None else {str(u): v.hex() for u, v in d.items()}]
                        for k, d in writer.region_digests().items()]
-            origin = [[k[0], k[1], writer._sharded[k][2].dtype, list(writer._sharded[k][2].shape)]
-                      for k in sorted(writer._origin)]
+            origin = [[k[0], k[1], writer.shards.sharded[k][2].dtype, list(writer.shards.sharded[k][2].shape)]
+                      for k in sorted(writer.shards.origin)]
         except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
             return cls(f"{type(exc).__name__}: {exc}", [], [], check, exc)
         return cls(None, digests, origin, check)
@@ -771,7 +771,7 @@ def set_region_hashes(writer, parts: list[dict]) -> None:
                 merged[key] = None
             else:
                 merged.setdefault(key, {}).update(digests)
-    for key, (_, _, layout, _) in writer._sharded.items():
+    for key, (_, _, layout, _) in writer.shards.sharded.items():
         digests = merged.get(key)
         if digests:
             h = fmt.chunk_tree_hash(layout, digests)

@@ -180,14 +180,15 @@ def _dedup_joined(writer, rows: list[dict]) -> list[str]:
     array whose content a committed version (or an earlier array of this save) already holds is dropped
     and its rows point at that one. Returns the folders of the dropped arrays (removed after the commit)."""
     arrays = [r for r in rows if r.get("_table") == "array" and r.get("content_hash")]
-    writer._lookup_hashes([a["content_hash"] for a in arrays if a["content_hash"] not in writer._local_arrays])
+    known = writer.dedup.local_arrays
+    writer.dedup.lookup_hashes([a["content_hash"] for a in arrays if a["content_hash"] not in known])
     remap: dict[str, str] = {}
     for a in arrays:
-        existing = writer._dedup(a["content_hash"], a["dtype"], a["shape"])
+        existing = writer.dedup.find(a["content_hash"], a["dtype"], a["shape"])
         if existing is not None and existing != a["id"]:
             remap[a["id"]] = existing
         else:
-            writer._local_arrays[a["content_hash"]] = a["id"]
+            writer.dedup.local_arrays[a["content_hash"]] = a["id"]
     if not remap:
         return []
     dropped = [r["path"] for r in arrays if r["id"] in remap]
@@ -221,8 +222,8 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
     if not synced:
         if error is None:
             try:
-                writer._drain()
-                writer._make_durable()
+                writer.arrays.drain()
+                writer.durability.make_durable()
             except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
                 error = exc
         if not _all_ok(error is None, group):
@@ -232,7 +233,7 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
     if error is None:
         try:
             if rank == 0:  # hash its origin arrays and make all durable now, beside the other ranks
-                if writer._origin:
+                if writer.shards.origin:
                     writer.finish_shards(record=False)
                 writer._settle()
             else:

@@ -39,11 +39,11 @@ from ucp_store.io import format as fmt
 from ucp_store.registry.context import StoreContext, as_store_context
 from ucp_store.save.arrays import ArrayWriter, plan_array_layout
 from ucp_store.save.checks import MAX_ELEMENTS, check_extent, layer_of
-from ucp_store.save.dedup import TARGETED_LOOKUPS, Deduplicator
+from ucp_store.save.dedup import Deduplicator
 from ucp_store.save.durable import Durability
 from ucp_store.save.objects import ObjectWriter
 from ucp_store.save.rows import CatalogRecorder, check_row_dict, row_to_dict, take
-from ucp_store.save.shards import ShardWriter, writer_aligned_shards
+from ucp_store.save.shards import ShardWriter
 
 if TYPE_CHECKING:  # pragma: no cover
     from ucp_store.store import Store
@@ -51,11 +51,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["MAX_ELEMENTS", "CheckpointWriter", "check_extent", "check_row_dict", "layer_of", "row_to_dict"]
 
 ROW_BATCH = 512  # rows a writer holds before ``write`` records them (``flush``)
-
-# the names these had when they lived here (tests read them from this module)
-_TARGETED_LOOKUPS = TARGETED_LOOKUPS
-_writer_aligned_shards = writer_aligned_shards
-
 
 class CheckpointWriter:
     """Writes tensor-states and objects into one pending checkpoint; ``commit`` makes it visible.
@@ -83,18 +78,7 @@ class CheckpointWriter:
                                   durability=self.durability, rows=self._rows, positions=positions)
         self.objects = ObjectWriter(checkpoint_id, self.arrays, self._rows)
         self.recorder = CatalogRecorder(ctx, checkpoint_id)
-        # the collaborators' parts under the names they had on this class, for the callers that still use
-        # them (``distributed.commit``, ``deepspeed.write``, tests); new code uses the collaborators
         self._snapshot = self.arrays.snapshot  # a test replaces it on one writer
-        self._window = self.arrays.window
-        self._drain = self.arrays.drain
-        self._make_durable = self.durability.make_durable
-        self._array_context = self.durability.array_context
-        self._dedup = self.dedup.find
-        self._lookup_hashes = self.dedup.lookup_hashes
-        self._local_arrays = self.dedup.local_arrays
-        self._sharded = self.shards.sharded
-        self._origin = self.shards.origin
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
     def __enter__(self) -> "CheckpointWriter":
