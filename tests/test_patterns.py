@@ -32,6 +32,7 @@ from ucp_store.patterns import (
     writer_copies,
     zero_group_layout,
 )
+from ucp_store.patterns.parse import parse_record
 from ucp_store.topology import AXES, Topology
 
 TPS = (1, 2, 3, 4, 8)
@@ -524,7 +525,7 @@ def test_placement_parsed_apart_equals_whole_record(base, placement):
 
     record = {**base, "placement": placement}
     pat.clear_caches()
-    whole = pat._parse(record, "t", inner=False)
+    whole = parse_record(record, "t", inner=False)
     pat.clear_caches()
     assert pat.parse_pattern(record, name="t") == whole
     assert pat.parse_pattern(dict(record), name="t") == whole  # warm

@@ -49,6 +49,10 @@ def test_no_class_over_30_methods(mods):
     assert [f"{x.where}.{x.name}: {x.size}" for x in structure.wide_classes(mods)] == []
 
 
+def test_no_private_name_is_imported_from_another_module(mods):
+    assert [f"{x.where} <- {x.name}" for x in structure.private_imports(mods)] == []
+
+
 def test_one_package_per_integration(mods):
     """Every DeepSpeed module lives in ucp_store.deepspeed (the demo's DeepSpeed story and its training
     harness belong to ``ucp demo``); the torch.distributed API is not named ``dist`` (a name .gitignore

@@ -1,6 +1,7 @@
 """The package's structure from its AST: import graph, cycles, long functions, wide classes.
 
-    python tools/structure.py                 # summary: modules, cycles, functions > 100 lines, classes > 30 methods
+    python tools/structure.py                 # summary: modules, cycles, functions > 100 lines, classes > 30
+                                              # methods, private names imported across modules
     python tools/structure.py --graph         # every module and the package modules it imports
     python tools/structure.py --layers        # imports between top-level packages (the map in docs/structure.md)
     python tools/structure.py --dot out.dot   # the graph for graphviz (one node per top-level package)
@@ -177,6 +178,17 @@ def wide_classes(mods: dict[str, Module], limit: int = MAX_CLASS_METHODS) -> lis
     return sorted(out, key=lambda x: -x.size)
 
 
+def private_imports(mods: dict[str, Module], package: str = PACKAGE) -> list[Long]:
+    """``from ucp_store.x import _name``: a module reaching into another's private names (size 0)."""
+    out = []
+    for mod in mods.values():
+        for node in ast.walk(ast.parse(mod.path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
+                out += [Long(mod.name, f"{node.module}.{a.name}", 0) for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    return sorted(out, key=lambda x: (x.where, x.name))
+
+
 def top(name: str, depth: int = 2) -> str:
     return ".".join(name.split(".")[:depth])
 
@@ -205,6 +217,9 @@ def summary(mods: dict[str, Module]) -> str:
     wide = wide_classes(mods)
     lines.append(f"classes over {MAX_CLASS_METHODS} methods: {len(wide)}")
     lines += [f"  {x.where}.{x.name}: {x.size}" for x in wide]
+    private = private_imports(mods)
+    lines.append(f"private names imported from another module: {len(private)}")
+    lines += [f"  {x.where} <- {x.name}" for x in private]
     return "\n".join(lines)
 
 

@@ -405,7 +405,7 @@ def import_source(store: "Store | Callable[[], Store]", source: Source, run: str
             raise
         return writer.commit().id
 
-    from ucp_store.distributed.commit import _all_ok, distributed_begin, distributed_commit
+    from ucp_store.distributed.commit import all_ok, distributed_begin, distributed_commit
 
     writer = distributed_begin(store, run, step, group=group, parent=parent, message=msg, provenance=prov)
     error: BaseException | None = None
@@ -416,7 +416,7 @@ def import_source(store: "Store | Callable[[], Store]", source: Source, run: str
         objs = source.objects()
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
-    if not _all_ok(error is None, group):
+    if not all_ok(error is None, group):
         writer.abort()
         raise ImportFailedError(f"import of {source.describe()} failed on some rank; aborted (nothing listed)") \
             from error
@@ -432,7 +432,7 @@ def import_source(store: "Store | Callable[[], Store]", source: Source, run: str
                 writer.write_object(k, v)
         except BaseException as exc:  # noqa: BLE001
             error = exc
-    if not _all_ok(error is None, group):
+    if not all_ok(error is None, group):
         writer.abort()
         raise ImportFailedError(f"import of {source.describe()} failed while writing its objects; aborted") from error
     return distributed_commit(writer, group=group)

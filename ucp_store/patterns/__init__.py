@@ -88,8 +88,6 @@ from ucp_store.patterns.layout import (
     writer_copies,
 )
 from ucp_store.patterns.parse import (
-    _check_shape,
-    _parse,
     check_pattern,
     clear_parse_caches,
     parse_pattern,
@@ -137,9 +135,6 @@ __all__ = [
     "average_replicas",
     "clear_caches",
 ]
-
-# kept importable for the tests that compare a whole-record parse with the memoised one
-_ = (_parse, _check_shape)
 
 
 def clear_caches() -> None:

@@ -27,7 +27,7 @@ from ucp_store.patterns.kinds import (
     Vocab,
     is_expert,
 )
-from ucp_store.patterns.parse import _check_shape, _who, parse_pattern, without_placement
+from ucp_store.patterns.parse import check_shape, parse_pattern, who, without_placement
 from ucp_store.patterns.placement import holds, stages_of_placement
 from ucp_store.topology import Topology
 
@@ -62,7 +62,7 @@ def _divisors(n: int, limit: int = 8) -> str:
 
 def _even_widths(n: int, tp: int, name: str | None, what: str) -> tuple[int, ...]:
     if n % tp:
-        raise TopologyError(f"{_who(name)} {what} of size {n} cannot be split {tp} ways: give widths for tp={tp} "
+        raise TopologyError(f"{who(name)} {what} of size {n} cannot be split {tp} ways: give widths for tp={tp} "
                             f"or use tp in {_divisors(n)}")
     return (n // tp,) * tp
 
@@ -73,7 +73,7 @@ def _full_copy(shape: tuple[int, ...]) -> LocalLayout:
 
 
 _LAYOUT_CACHE: dict[tuple[Any, ...], LocalLayout] = {}
-_LAYOUT_CACHE_MAX = 200_000
+LAYOUT_CACHE_MAX = 200_000
 
 
 def tp_layout(pattern: Any, shape: Sequence[int], tp: int, tp_rank: int, *, ep: int = 1, ep_rank: int = 0,
@@ -85,9 +85,9 @@ def tp_layout(pattern: Any, shape: Sequence[int], tp: int, tp_rank: int, *, ep: 
     hit = _LAYOUT_CACHE.get(key)
     if hit is not None:
         return hit
-    _check_shape(p, shape, name)
+    check_shape(p, shape, name)
     out = _layout(p, shape, tp, tp_rank, ep, ep_rank, vocab_multiple, name)
-    if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_MAX:
+    if len(_LAYOUT_CACHE) >= LAYOUT_CACHE_MAX:
         _LAYOUT_CACHE.clear()
     _LAYOUT_CACHE[key] = out
     return out
@@ -143,7 +143,7 @@ def _layout(p: Pattern, shape: tuple[int, ...], tp: int, r: int, ep: int, ep_ran
                 if s % tp:
                     common = math.gcd(*p.sizes)
                     raise TopologyError(
-                        f"{_who(name)} dim {d}: fused sub-parameter {j} of size {s} (sizes {list(p.sizes)}) cannot "
+                        f"{who(name)} dim {d}: fused sub-parameter {j} of size {s} (sizes {list(p.sizes)}) cannot "
                         f"be split {tp} ways: give widths for tp={tp} or use tp in {_divisors(common)}")
                 sub_widths.append((s // tp,) * tp)
         extent = sum(wj[r] for wj in sub_widths)
@@ -162,7 +162,7 @@ def _layout(p: Pattern, shape: tuple[int, ...], tp: int, r: int, ep: int, ep_ran
     if isinstance(p, Expert):
         e, n = p.dim, p.num_experts
         if n % ep:
-            raise TopologyError(f"{_who(name)}: {n} experts cannot be split over ep={ep}; use ep in {_divisors(n)}")
+            raise TopologyError(f"{who(name)}: {n} experts cannot be split over ep={ep}; use ep in {_divisors(n)}")
         per = n // ep
         e0 = ep_rank * per
         inner = _layout(p.inner, shape[:e] + shape[e + 1:], tp, r, 1, 0, vmult, name)
@@ -175,10 +175,10 @@ def _layout(p: Pattern, shape: tuple[int, ...], tp: int, r: int, ep: int, ep_ran
         # one expert's whole tensor, laid out over TP by ``inner``; only its owner ep rank holds it
         # (``holds``), which this layout does not check
         if p.num_experts % ep:
-            raise TopologyError(f"{_who(name)}: {p.num_experts} experts cannot be split over ep={ep}; "
+            raise TopologyError(f"{who(name)}: {p.num_experts} experts cannot be split over ep={ep}; "
                                 f"use ep in {_divisors(p.num_experts)}")
         return _layout(p.inner, shape, tp, r, 1, 0, vmult, name)
-    raise PatternError(f"{_who(name)}: unknown pattern kind {p.kind!r}")
+    raise PatternError(f"{who(name)}: unknown pattern kind {p.kind!r}")
 
 
 def is_writer(pattern: Any, topology: Topology, rank: int, *, flat: bool = False, name: str | None = None) -> bool:

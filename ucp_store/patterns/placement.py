@@ -7,7 +7,7 @@ from typing import Any
 
 from ucp_store.errors import PatternError, TopologyError
 from ucp_store.patterns.kinds import ExpertMember, Placement
-from ucp_store.patterns.parse import _who, parse_pattern
+from ucp_store.patterns.parse import parse_pattern, who
 from ucp_store.topology import Topology
 
 __all__ = ["placement_stages", "stages_of_placement", "holds", "expert_held", "stage_local_name", "canonical_names"]
@@ -27,7 +27,7 @@ def stages_of_placement(pl: Placement | None, topology: Topology, name: str | No
         if topology.pp == 1:
             return (0,)  # one stage holds every layer, whatever ``layers`` says
         if pl.layer >= topology.layers:
-            raise TopologyError(f"{_who(name)} is placed on layer {pl.layer} but the topology has "
+            raise TopologyError(f"{who(name)} is placed on layer {pl.layer} but the topology has "
                                 f"layers={topology.layers}; set 'layers' to the model's number of layers")
         return (topology.stage_of_layer(pl.layer),)
     return tuple(sorted({0 if s == "first" else topology.pp - 1 for s in pl.stages}))
@@ -47,7 +47,7 @@ def expert_held(p: ExpertMember, ep: int, ep_rank: int, name: str | None = None)
     """Does ep rank ``ep_rank`` of ``ep`` hold expert ``p.expert``? ``TopologyError`` when ep does not
     divide the experts."""
     if p.num_experts % ep:
-        raise TopologyError(f"{_who(name)}: {p.num_experts} experts cannot be split over ep={ep}")
+        raise TopologyError(f"{who(name)}: {p.num_experts} experts cannot be split over ep={ep}")
     return p.owner(ep) == ep_rank
 
 
@@ -63,7 +63,7 @@ def stage_local_name(name: str, pattern: Any, topology: Topology, stage: int | N
     if stage is None:
         stage = stages[0]
     elif stage not in stages:
-        raise TopologyError(f"{_who(name)} is not held by stage {stage} (held by {list(stages)})")
+        raise TopologyError(f"{who(name)} is not held by stage {stage} (held by {list(stages)})")
     template = None
     if pl is not None:
         template = pl.local_name
@@ -80,7 +80,7 @@ def stage_local_name(name: str, pattern: Any, topology: Topology, stage: int | N
     try:
         return template.format(local=local, layer=layer if layer is not None else "", stage=stage)
     except (KeyError, IndexError, ValueError) as e:
-        raise PatternError(f"{_who(name)}: placement.local_name {template!r} is not a valid template "
+        raise PatternError(f"{who(name)}: placement.local_name {template!r} is not a valid template "
                            f"(fields: {{local}}, {{layer}}, {{stage}}): {e}") from None
 
 

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from ucp_store.errors import TopologyError
 from ucp_store.geometry import Box, FlatRange, flat_range_to_boxes, row_major_strides, split_contiguous, uncovered
-from ucp_store.patterns.layout import _LAYOUT_CACHE_MAX, LocalLayout, is_writer, local_layout
+from ucp_store.patterns.layout import LAYOUT_CACHE_MAX, LocalLayout, is_writer, local_layout
 from ucp_store.patterns.placement import holds
 from ucp_store.topology import Topology
 
@@ -99,7 +99,7 @@ def flat_layout(layout: LocalLayout, fragment: Fragment) -> FlatLayout:
     copies.sort(key=lambda fc: fc.flat.start)
     padding = uncovered(((fc.flat.start, fc.flat.stop) for fc in copies), fragment.slot)
     out = FlatLayout(fragment.slot, tuple(copies), padding)
-    if len(_FLAT_CACHE) >= _LAYOUT_CACHE_MAX:
+    if len(_FLAT_CACHE) >= LAYOUT_CACHE_MAX:
         _FLAT_CACHE.clear()
     _FLAT_CACHE[key] = out
     return out
