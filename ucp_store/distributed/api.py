@@ -30,7 +30,6 @@ Without a process group (or with a world of one) everything runs locally with no
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections.abc import Iterable
@@ -43,6 +42,7 @@ import torch
 from ucp_store import dtypes
 from ucp_store._killpoints import killpoint
 from ucp_store.distributed import layout as lay
+from ucp_store.distributed.commit import collective_errors
 from ucp_store.distributed.inflight import wait
 from ucp_store.distributed.statedict import Leaf, flatten, from_json, json_value, path_text, set_leaf
 from ucp_store.errors import (
@@ -61,18 +61,6 @@ STATE_DICT_OBJECT = "dist.state_dict"
 
 
 # ----------------------------------------------------------------------------------------- context
-@contextlib.contextmanager
-def collective_errors(what: str):
-    """Turn a failed collective (a rank died, or the bounded timeout passed) into a ``UcpError`` naming ``what``."""
-    try:
-        yield
-    except RuntimeError as exc:
-        from ucp_store.distributed.commit import default_timeout
-
-        raise UcpError(f"{what}: a collective with the other ranks failed (a rank died, or none answered within "
-                       f"UCP_DIST_TIMEOUT={default_timeout():g} s): {str(exc).splitlines()[0][:300]}") from exc
-
-
 class Ctx:
     """Process-group facts for one call: rank, world size and the bounded-timeout gloo group."""
 

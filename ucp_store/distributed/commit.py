@@ -16,6 +16,7 @@ objects of a job whose default backend is NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import threading
 import time
@@ -41,6 +42,16 @@ def default_timeout() -> float:
     return config.dist_timeout()
 
 
+@contextlib.contextmanager
+def collective_errors(what: str):
+    """Turn a failed collective (a rank died, or the bounded timeout passed) into a ``UcpError`` naming ``what``."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise UcpError(f"{what}: a collective with the other ranks failed (a rank died, or none answered within "
+                       f"UCP_DIST_TIMEOUT={default_timeout():g} s): {str(exc).splitlines()[0][:300]}") from exc
+
+
 def control_group(group=None, *, timeout: float | None = None, tag: str = "control"):
     """A gloo group over ``group``'s ranks (default: the world) whose collectives time out after ``timeout`` s.
 
@@ -55,9 +66,27 @@ def control_group(group=None, *, timeout: float | None = None, tag: str = "contr
     with _GROUPS_LOCK:
         pg = _GROUPS.get(key)
         if pg is None:
-            pg = dist.new_group(list(ranks), backend="gloo", timeout=_dt.timedelta(seconds=seconds))
-            _GROUPS[key] = pg
+            pg = _GROUPS[key] = _new_group(ranks, seconds, tag)
     return pg
+
+
+def _new_group(ranks: tuple[int, ...], seconds: float, tag: str):
+    """``dist.new_group`` bounded like every other collective here: its rendezvous waits on the default
+    group's store, whose own timeout (often minutes) would otherwise decide how long the survivors of a rank
+    that died right then wait, and torch's store or gloo error would name neither the call nor the cause."""
+    store = None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        before = store.timeout  # type: ignore[attr-defined]  # a property torch.distributed.Store has, unstubbed
+        store.set_timeout(_dt.timedelta(seconds=seconds))
+    except Exception:  # noqa: BLE001 - a launcher without a default store: the group's own timeout applies
+        store = None
+    try:
+        with collective_errors(f"creating the {tag} group of ranks {list(ranks)[:8]}"):
+            return dist.new_group(list(ranks), backend="gloo", timeout=_dt.timedelta(seconds=seconds))
+    finally:
+        if store is not None:
+            store.set_timeout(before)
 
 
 def all_ok(ok: bool, group=None) -> bool:
