@@ -534,21 +534,11 @@ def _store_everywhere(store, create: bool, group):
 
     if group is None:
         return opened()
-    import torch.distributed as tdist
+    def work():
+        st = opened()
+        return st, {"store": coord.store_facts(st)}
 
-    mine, error, payload = None, None, None
-    if tdist.get_rank(group) == 0:
-        try:
-            mine = opened()
-            payload = coord.encode({"store": coord.store_facts(mine)})
-        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
-            error = exc
-            payload = coord.encode(coord.error_payload(exc))
-    answer = coord.decode(coord.broadcast_bytes(payload, group))
-    if error is not None:
-        raise error
-    if "error" in answer:
-        coord.raise_remote(answer, "ucp_store.deepspeed.attach (opening the store)")
+    mine, answer = coord.from_coordinator(work, group, "ucp_store.deepspeed.attach (opening the store)")
     return mine if mine is not None else coord.detached_store(answer["store"])
 
 

@@ -182,21 +182,12 @@ def distributed_begin(store, run: str, step: int, *, group=None, **kwargs):
     from ucp_store.distributed import coord
     from ucp_store.save.writer import CheckpointWriter
 
-    rank = dist.get_rank(group)
-    writer, error, payload = None, None, None
-    if rank == 0:
-        try:
-            st = store() if callable(store) else store
-            writer = st.begin(run, step, **kwargs)
-            payload = coord.encode({"id": writer.id, "store": coord.store_facts(st)})
-        except BaseException as exc:  # noqa: BLE001 - the other ranks must learn about it
-            error = exc
-            payload = coord.encode(coord.error_payload(exc))
-    answer = coord.decode(coord.broadcast_bytes(payload, group))
-    if error is not None:
-        raise error
-    if "error" in answer:
-        coord.raise_remote(answer, f"the begin of the save of {run}@{step}")
+    def work():
+        st = store() if callable(store) else store
+        begun = st.begin(run, step, **kwargs)
+        return begun, {"id": begun.id, "store": coord.store_facts(st)}
+
+    writer, answer = coord.from_coordinator(work, group, f"the begin of the save of {run}@{step}")
     if writer is None:
         writer = CheckpointWriter(coord.detached_store(answer["store"]), str(answer["id"]), owner=False)
     if dist.get_world_size(group) > 1:

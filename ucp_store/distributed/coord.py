@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from ucp_store.errors import UcpError
 
 __all__ = ["NoCatalog", "broadcast_bytes", "decode", "detached_checkpoint", "detached_store", "encode",
-           "from_wire", "gather_bytes", "info_from_json", "info_to_json", "scatter_bytes",
+           "from_wire", "from_coordinator", "gather_bytes", "info_from_json", "info_to_json", "scatter_bytes",
            "store_facts", "to_wire", "version_everywhere", "version_payload"]
 
 #: counters of this process's coordinator payloads (tools/bench_scale.py real reports them)
@@ -111,6 +112,27 @@ def scatter_bytes(parts: list[bytes] | None, group=None) -> bytes:
     mine = _unframe(out)
     STATS["scattered_bytes"] += len(mine)
     return mine
+
+
+def from_coordinator(work: Callable[[], tuple[Any, dict]], group, what: str) -> tuple[Any, dict]:
+    """``(value, answer)`` on every rank of ``group``: group rank 0 alone runs ``work()``, which returns its own
+    ``value`` and the ``answer`` (a JSON dict) the others need, and broadcasts that answer; the other ranks
+    get ``(None, answer)``. A failure of ``work`` raises on every rank: in its own class on rank 0, through
+    :func:`raise_remote` naming ``what`` elsewhere. A collective of ``group``."""
+    value, error, payload = None, None, None
+    if dist.get_rank(group) == 0:
+        try:
+            value, answer = work()
+            payload = encode(answer)
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+            error = exc
+            payload = encode(error_payload(exc))
+    answer = decode(broadcast_bytes(payload, group))
+    if error is not None:
+        raise error
+    if "error" in answer:
+        raise_remote(answer, what)
+    return value, answer
 
 
 def error_payload(exc: BaseException) -> dict:
@@ -348,20 +370,11 @@ def version_everywhere(open_version, group, what: str):
     is touched), reads the version's rows and objects and broadcasts them (JSON bytes); the other ranks get a
     :func:`detached_checkpoint` reading arrays with no catalog, and the objects read from the answer. A
     failure on the coordinator raises on every rank (in its own class). A collective of ``group``."""
-    me = dist.get_rank(group)
-    ck, error, payload = None, None, None
-    if me == 0:
-        try:
-            ck = open_version()
-            payload = encode(version_payload(ck))
-        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
-            error = exc
-            payload = encode(error_payload(exc))
-    answer = decode(broadcast_bytes(payload, group))
-    if error is not None:
-        raise error
-    if "error" in answer:
-        raise_remote(answer, what)
+    def work():
+        opened = open_version()
+        return opened, version_payload(opened)
+
+    ck, answer = from_coordinator(work, group, what)
     if ck is None:
         ck = detached_checkpoint(detached_store(answer["store"]), answer)
         return ck, read_prefetched(ck, list(answer["objects"]))
