@@ -30,6 +30,7 @@ MAX_CLASS_METHODS = 30
 class Module:
     name: str
     path: Path
+    tree: ast.Module
     imports: set[str] = field(default_factory=set)
     deferred: set[str] = field(default_factory=set)  # the subset imported inside a function
 
@@ -93,10 +94,10 @@ def _targets(node: ast.Import | ast.ImportFrom, me: str, is_pkg: bool, known: se
 
 def load_modules(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Module]:
     paths = sorted((root / package).rglob("*.py"))
-    mods = {module_name(p, root): Module(module_name(p, root), p) for p in paths}
+    mods = {module_name(p, root): Module(module_name(p, root), p, ast.parse(p.read_text(), str(p))) for p in paths}
     known = set(mods)
     for mod in mods.values():
-        tree = ast.parse(mod.path.read_text(), str(mod.path))
+        tree = mod.tree
         is_pkg = mod.path.name == "__init__.py"
         for node, in_func in _walk_imports(tree):
             found = _targets(node, mod.name, is_pkg, known)
@@ -157,8 +158,7 @@ def cycles(mods: dict[str, Module]) -> list[list[str]]:
 def long_functions(mods: dict[str, Module], limit: int = MAX_FUNCTION_LINES) -> list[Long]:
     out = []
     for mod in mods.values():
-        tree = ast.parse(mod.path.read_text())
-        for node in ast.walk(tree):
+        for node in ast.walk(mod.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 size = (node.end_lineno or node.lineno) - node.lineno + 1
                 if size > limit:
@@ -169,8 +169,7 @@ def long_functions(mods: dict[str, Module], limit: int = MAX_FUNCTION_LINES) -> 
 def wide_classes(mods: dict[str, Module], limit: int = MAX_CLASS_METHODS) -> list[Long]:
     out = []
     for mod in mods.values():
-        tree = ast.parse(mod.path.read_text())
-        for node in ast.walk(tree):
+        for node in ast.walk(mod.tree):
             if isinstance(node, ast.ClassDef):
                 n = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
                 if n > limit:
@@ -182,7 +181,7 @@ def private_imports(mods: dict[str, Module], package: str = PACKAGE) -> list[Lon
     """``from ucp_store.x import _name``: a module reaching into another's private names (size 0)."""
     out = []
     for mod in mods.values():
-        for node in ast.walk(ast.parse(mod.path.read_text())):
+        for node in ast.walk(mod.tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
                 out += [Long(mod.name, f"{node.module}.{a.name}", 0) for a in node.names
                         if a.name.startswith("_") and not a.name.startswith("__")]
