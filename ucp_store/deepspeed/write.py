@@ -137,8 +137,22 @@ def write_rank_share(target: SaveTarget, staged: dict[str, Any], snap: RankSnaps
     # the fsync pass over all of it runs on a thread from here, beside the agreement, weights and objects
     syncing = writer.make_durable_async() if error is None else None
     agreed = _agree(target, writer, share, files, snap, error, tp0)
+    # TP slices of low-precision weights may cut shard files too: one more exchange, on every rank alike (the
+    # agreement gave all of them the same findings)
+    lp_exchange = multi and bool(agreed.lp_differs) and plan.tp is not None
+    if lp_exchange:
+        writer.hold_straddling()
     try:
         _write_lp_weights(writer, plan, snap, agreed.lp_differs)
+    except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the commit
+        error = exc
+    if lp_exchange:
+        from ucp_store.distributed.commit import exchange_straddling
+
+        error = exchange_straddling(writer, target.group, error)
+    try:
+        if error is not None:
+            raise error
         if snap.rank == 0:
             _write_objects(target, writer, plan, files, agreed.reports, t0)
         writer.drain()  # the low-precision weights are live module state: written before returning
@@ -292,8 +306,21 @@ class _ShareWriter:
     def run(self) -> BaseException | None:
         """Write it all and wait for the writes; returns the failure (every rank must learn of it), if any."""
         stats = self.target.stats
+        error: BaseException | None = None
         try:
             self._write_all()
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+            error = exc
+        if self.target.group is not None:  # every rank: the shard files its fragments only cut, to one writer each
+            from ucp_store.distributed.commit import exchange_straddling
+
+            try:
+                error = exchange_straddling(self.writer, self.target.group, error)
+            except BaseException as exc:  # noqa: BLE001
+                error = exc
+        if error is not None:
+            return error
+        try:
             stats["submit_s"] = time.perf_counter() - self.tp0
             self.writer.drain()  # every array write of this rank has returned (its bytes are in the page cache)
             stats["writes_s"] = time.perf_counter() - self.tp0

@@ -279,8 +279,8 @@ def plan_save(state_dict: Any, ctx: Ctx, mesh=None, *, cache: bool = False) -> S
     of the same layout runs no planning collective; its digests ride the commit's digest gather, where a
     changed decision (or a rank whose layout changed) makes every rank abort and plan afresh
     (``StalePlanError`` on every rank, retried by ``save``; ``async_save``, which commits where it cannot
-    retry, settles the check before it returns: ``confirm_cached_plan``). ``cache=False`` always plans, and
-    leaves the plan cached."""
+    retry, settles the check before it begins: in its writer thread, ``settle_cached_plan``, or in the call,
+    ``confirm_cached_plan``). ``cache=False`` always plans, and leaves the plan cached."""
     error: BaseException | None = None
     proposal: dict = {"error": None}
     leaves: list[Leaf] = []
@@ -332,11 +332,23 @@ _PLANS: dict[Any, dict] = {}
 
 
 def _group_key(ctx: Ctx) -> Any:
+    """The plan cache's key: the group's ranks, so that the caller's control group and an async save's own
+    group (the same ranks, another tag) share one plan."""
+    import torch.distributed as dist
+
     try:
-        hash(ctx.group)
-        return ctx.group
-    except TypeError:
-        return id(ctx.group)
+        return ("ranks", tuple(dist.get_process_group_ranks(ctx.group)))
+    except Exception:  # noqa: BLE001 - a group torch cannot list: the group itself
+        try:
+            hash(ctx.group)
+            return ctx.group
+        except TypeError:
+            return id(ctx.group)
+
+
+def forget_plan(ctx: Ctx) -> None:
+    """Drop the plan cached for ``ctx``'s ranks (every rank does, so the next save plans afresh on all)."""
+    _PLANS.pop(_group_key(ctx), None)
 
 
 def _layout_key(leaves, dtensors: list[_Tensor], plain: dict, topology: dict, world: int) -> str:
@@ -566,6 +578,28 @@ def confirm_cached_plan(plan: SavePlan, state_dict: Any, ctx: Ctx, mesh=None) ->
     return plan_save(state_dict, ctx, mesh, cache=True)  # no plan cached on any rank: plans afresh
 
 
+def settle_cached_plan(plan: SavePlan, ctx: Ctx) -> str:
+    """The verdict on a cached plan, the same on every rank, from one round on ``ctx`` (an async save's own
+    group, off the caller's thread: the check ``confirm_cached_plan`` runs in the call): ``"holds"``,
+    ``"replan"`` (every rank's layout changed: each can plan afresh from what it took at the call) or
+    ``"stale"`` (the layout changed on some ranks only, or which entries are equal on every rank changed).
+    Four small collectives; a plan made afresh (no check) holds without any."""
+    if plan.check is None or ctx.dist is None:
+        return "holds"
+    from ucp_store.distributed import coord
+
+    mine = coord.encode({k: plan.check[k] for k in ("key_ok", "digests")})
+    with collective_errors("async save (the cached plan's check, in the background)"):
+        parts = coord.gather_bytes(mine, ctx.group)
+        verdict = None
+        if parts is not None:
+            checks = [coord.decode(p) for p in parts]
+            verdict = (b"r" if not any(c["key_ok"] for c in checks) else
+                       b"h" if _plan_still_holds(plan.check, checks) else b"s")
+        answer = coord.broadcast_bytes(verdict, ctx.group)
+    return {b"h": "holds", b"r": "replan", b"s": "stale"}[answer]
+
+
 def _plan_still_holds(check: dict, checks: list[dict]) -> bool:
     """After a cached plan's writes, from every rank's check: did every rank's layout hold, and does this
     save's content decision (which leaves are equal on every rank, and which ranks share contents) equal
@@ -608,7 +642,7 @@ def write_plan(store, plan: SavePlan, staged: list[torch.Tensor], ctx: Ctx, *, r
         # distributed_begin raises on every rank when rank 0 cannot begin or a rank cannot join
         with collective_errors(f"save of {run}@{step} (begin)"):
             writer = distributed_begin(store, run, step, group=ctx.group, parent=parent, message=msg,
-                                       provenance=plan.provenance)
+                                       provenance=plan.provenance, straddling=False)  # boxes of whole files
     error = None
     try:
         pairs = list(zip(plan.items, staged))

@@ -114,6 +114,30 @@ def scatter_bytes(parts: list[bytes] | None, group=None) -> bytes:
     return mine
 
 
+def all_to_all_bytes(parts: list[list[Any]], recv: list[int], group=None) -> list[memoryview]:
+    """Each rank's ``parts[r]`` (numpy arrays, sent as their raw bytes, in order) to rank ``r``, in one
+    ``all_to_all_single``; ``recv[s]``: the bytes this rank gets from rank ``s`` (the caller knows them).
+    Returns, per sending rank, what arrived."""
+    import numpy as np
+
+    send = [sum(int(a.nbytes) for a in p) for p in parts]
+    inp = torch.empty(sum(send), dtype=torch.uint8)
+    pos = 0
+    for p in parts:
+        for a in p:
+            n = int(a.nbytes)
+            inp[pos:pos + n] = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            pos += n
+    out = torch.empty(sum(recv), dtype=torch.uint8)
+    dist.all_to_all_single(out, inp, list(recv), send, group=group)
+    STATS["all_to_all_bytes"] = STATS.get("all_to_all_bytes", 0) + sum(send)
+    raw, arrived, pos = out.numpy().data, [], 0
+    for n in recv:
+        arrived.append(raw[pos:pos + n])
+        pos += n
+    return arrived
+
+
 def from_coordinator(work: Callable[[], tuple[Any, dict]], group, what: str) -> tuple[Any, dict]:
     """``(value, answer)`` on every rank of ``group``: group rank 0 alone runs ``work()``, which returns its own
     ``value`` and the ``answer`` (a JSON dict) the others need, and broadcasts that answer; the other ranks

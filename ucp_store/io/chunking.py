@@ -204,6 +204,11 @@ def _shard_shape(shape: tuple[int, ...], chunk: Sequence[int], itemsize: int, sh
     return tuple(math.ceil(s / c) * c for s, c in zip(shard, chunk))
 
 
+def shard_shape(shape: Sequence[int], chunk: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:
+    """Shard files of about ``target_bytes`` over inner chunks ``chunk`` (the rule ``choose_chunking`` uses)."""
+    return _shard_shape(tuple(int(s) for s in shape), chunk, itemsize, target_bytes)
+
+
 def choose_chunking(
     shape: Sequence[int],
     itemsize: int,

@@ -25,6 +25,7 @@ from ucp_store.io import format as fmt
 from ucp_store.io import localwrite
 from ucp_store.io.location import array_path
 from ucp_store.registry.context import StoreContext
+from ucp_store.save import straddle
 from ucp_store.save.arrays import ArrayWriter
 from ucp_store.save.checks import check_extent, layer_of, validate_pattern
 from ucp_store.save.dedup import Deduplicator
@@ -53,6 +54,23 @@ def writer_aligned_shards(layout: fmt.ArrayLayout, source_points: Mapping[int, I
             k, cap = g // c, max(1, shard[d] // c)
             shard[d] = c * max(n for i in range(1, math.isqrt(k) + 1) if k % i == 0 for n in (i, k // i) if n <= cap)
     return tuple(shard)
+
+
+#: shard files of an array written as flat fragments by ``dp`` ranks hold about 1/(FRAGMENT_FILES x dp) of it
+FRAGMENT_FILES = 8
+
+
+def fragment_shards(layout: fmt.ArrayLayout, dp: int) -> tuple[int, ...]:
+    """Shard extents for an array that ``dp`` ranks write as ZeRO flat fragments: about 1/(8 dp) of it each
+    (whole inner chunks, never larger than planned). A fragment edge cuts at most a file or two; those go to
+    one writer each (:mod:`ucp_store.save.straddle`), so the bytes that move stay a small part of the array."""
+    from ucp_store.io.chunking import shard_shape
+
+    if dp <= 1 or not layout.shape or not layout.nbytes:
+        return layout.shard_shape
+    target = max(1, layout.nbytes // (FRAGMENT_FILES * dp))
+    small = shard_shape(layout.shape, layout.chunk_shape, layout.itemsize, target)
+    return tuple(min(a, b) for a, b in zip(small, layout.shard_shape))
 
 
 class ShardWriter:
@@ -87,6 +105,9 @@ class ShardWriter:
         # writes it: one writer per object)
         self._uncreated: set[tuple[str, str]] = set()
         self._local_folders: dict[tuple[str, str], str | None] = {}  # localwrite folder of an array, or None
+        #: ``hold_straddling`` (a multi-rank save): the pieces of shard files this rank's boxes only cut, kept for
+        #: the exchange that hands each file to its one writer (``write_owned``); None: written in place
+        self.straddling: list[straddle.Piece] | None = None
 
     def write_shard(self, name: str, state: str, local: torch.Tensor, *, shape, pattern: dict | None,
                     topology, rank: int, fragment=None, targets: Iterable = (), position: int | None = None,
@@ -125,20 +146,16 @@ class ShardWriter:
                 raise ShapeMismatch(f"{what}: rank {rank} fragment has {flat.size} elements, expected {fragment.slot}")
             copies = [(fc.logical, flat[fc.flat.start:fc.flat.stop].reshape(fc.logical.shape)) for fc in
                       pat.fragment_writer_copies(pattern, shape, topology, rank, fragment, name=name)]
-        folder = self._local_folder((name, state), rel, layout) if self.durability.deferred else None
-        for box, data in copies:
+        key = (name, state)
+        for box, whole_box in copies:
             offset = tuple(lo for lo, _ in box.ranges)
-            localwrite.log_box(rel, layout, offset, tuple(data.shape))
-            if folder is not None and localwrite.whole_shards(layout, offset, tuple(data.shape)):
-                # whole shards of a local store with deferred durability: their files straight from memory; the
-                # write pool digests each chunk from the copy it writes (not this thread, one more pass over it)
-                self._submit_local_shards(folder, layout, offset, data,
-                                          self._shard_digests.setdefault((name, state), {}) if digest else None, what)
-            else:
-                self.arrays.window.submit(handle[box.slices()].write(data), data.nbytes, (data, what))
-                if digest:
-                    fmt.box_unit_digests(dtype, shape, offset, data, self._shard_digests.setdefault((name, state), {}))
-            written += data.size
+            written += whole_box.size
+            data: np.ndarray | None = whole_box
+            if self.straddling is not None and shape:
+                # a multi-rank save: the parts of shard files this box only cuts go to each file's one writer
+                offset, data = self._hold_pieces(key, layout, offset, whole_box, digest)
+            if data is not None:
+                self._write_box(key, handle, layout, rel, offset, data, digest, what)
             killpoint("write.shard_box")
         self.sharded.setdefault((name, state), (aid, rel, layout, pattern))
         if position is not None:
@@ -146,6 +163,70 @@ class ShardWriter:
         if any(all(lo == 0 for lo, _ in box.ranges) for box, _ in copies) or (not shape and copies):
             self.origin.add((name, state))  # this rank records the row (it wrote element 0)
         return written
+
+    def _write_box(self, key: tuple[str, str], handle, layout: fmt.ArrayLayout, rel: str, offset: tuple[int, ...],
+                   data: np.ndarray, digest: bool, what: str) -> None:
+        """One box of a ``write_shard`` (or an owner's assembled shard file) into the array."""
+        localwrite.log_box(rel, layout, offset, tuple(data.shape))
+        folder = self._local_folder(key, rel, layout) if self.durability.deferred else None
+        if folder is not None and localwrite.whole_shards(layout, offset, tuple(data.shape)):
+            # whole shards of a local store with deferred durability: their files straight from memory; the
+            # write pool digests each chunk from the copy it writes (not this thread, one more pass over it)
+            self._submit_local_shards(folder, layout, offset, data,
+                                      self._shard_digests.setdefault(key, {}) if digest else None, what)
+            return
+        box = tuple(slice(o, o + n) for o, n in zip(offset, data.shape))
+        self.arrays.window.submit(handle[box].write(data), data.nbytes, (data, what))
+        if digest:
+            fmt.box_unit_digests(layout.dtype, layout.shape, offset, data, self._shard_digests.setdefault(key, {}))
+
+    def _hold_pieces(self, key: tuple[str, str], layout: fmt.ArrayLayout, offset: tuple[int, ...],
+                     data: np.ndarray, digest: bool) -> tuple[tuple[int, ...], np.ndarray | None]:
+        """Keep (copied: the caller's memory may go) the parts of ``data`` in shard files it only cuts, for
+        the exchange; returns the box of the whole shard files it covers (data None when none)."""
+        assert self.straddling is not None
+        whole, parts = straddle.split_box(layout.shape, layout.shard_shape, offset, data.shape)
+        for index, (at, extent) in parts:
+            sl = tuple(slice(a - o, a - o + e) for a, o, e in zip(at, offset, extent))
+            self.straddling.append(straddle.Piece(key[0], key[1], index, at, np.array(data[sl]), digest))
+        if whole is None:
+            return offset, None
+        at, extent = whole
+        return at, data[tuple(slice(a - o, a - o + e) for a, o, e in zip(at, offset, extent))]
+
+    def take_straddling(self) -> list[straddle.Piece]:
+        """The pieces held for the exchange; holding ends (later boxes are written in place)."""
+        pieces, self.straddling = self.straddling or [], None
+        return pieces
+
+    def write_owned(self, pieces: Iterable[straddle.Piece]) -> None:
+        """Write the shard files this rank owns from every rank's pieces of them (its own among them): each
+        assembled into the whole file and written once, or, where the pieces leave part of it unwritten, piece
+        by piece, one after another (still this one writer)."""
+        groups: dict[tuple, list[straddle.Piece]] = {}
+        for p in pieces:
+            groups.setdefault(p.key, []).append(p)
+        for (name, state, _), group in sorted(groups.items(), key=lambda kv: kv[0]):
+            key = (name, state)
+            what = f"tensor {name!r} state {state!r}"
+            _, rel, layout, _ = self.sharded[key]  # the owner holds a piece of each file it owns: it opened the array
+            handle = self._handles[key]
+            digest = any(p.digest for p in group)
+            whole = straddle.assemble(layout.shape, layout.shard_shape, group)
+            if whole is not None:
+                (at, _), data = whole
+                self._write_box(key, handle, layout, rel, at, data, digest, what)
+                continue
+            for p in group:
+                localwrite.log_box(rel, layout, p.offset, tuple(p.data.shape))
+                handle[tuple(slice(o, o + n) for o, n in zip(p.offset, p.data.shape))].write(p.data).result()
+                if digest:
+                    fmt.box_unit_digests(layout.dtype, layout.shape, p.offset, p.data,
+                                         self._shard_digests.setdefault(key, {}))
+
+    def numpy_dtype(self, name: str, state: str) -> np.dtype:
+        """The numpy dtype of the data of a sharded array this writer opened."""
+        return dtypes.numpy_dtype(self.sharded[(name, state)][2].dtype)
 
     def write_region(self, name: str, state: str, local: torch.Tensor | np.ndarray, *, shape, offset,
                      pattern: dict | None, boundaries: Mapping[int, Iterable[int]] | None = None,
@@ -358,8 +439,11 @@ class ShardWriter:
             units = {d: a for d, a in enumerate(align) if points[d]}
         layout = self.arrays.layout(shape, dtype, pattern, units=units)
         source_points = {d: p for d, p in enumerate(split_points(pattern, shape, [topology])) if p} if shape else {}
-        layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape,
-                                 writer_aligned_shards(layout, source_points), layout.compression)
+        shards = writer_aligned_shards(layout, source_points)
+        if topology.zero_stage and topology.dp > 1:  # written as flat fragments: smaller files, few of them cut
+            shards = fragment_shards(fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape, shards,
+                                                     layout.compression), topology.dp)
+        layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape, shards, layout.compression)
         # every rank derives the same array id, so all of them open one array
         aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
         return layout, array_path(self.id, aid), aid

@@ -263,6 +263,19 @@ class CheckpointWriter:
         ``zarr.json`` has two writers (a conditional create-or-open that S3 and NFS do not make atomic)."""
         self.shards.origin_metadata = True
 
+    def hold_straddling(self) -> None:
+        """For one rank of a multi-rank save that writes with ``write_shard`` (``distributed_begin`` calls it):
+        the parts of a box inside shard files it only cuts (a ZeRO fragment ending mid-row) are kept, not
+        written, until ``ucp_store.distributed.commit.exchange_straddling`` hands each such file to its one writer."""
+        if self.shards.straddling is None:
+            self.shards.straddling = []
+
+    @property
+    def exchange_due(self) -> bool:
+        """True while ``hold_straddling`` is on and its exchange has not run (the same on every rank); the
+        exchange takes the pieces from ``self.shards`` (``take_straddling``, ``write_owned``)."""
+        return self.shards.straddling is not None
+
     def finish_shards(self, *, record: bool = True) -> None:
         """After all ranks wrote (barrier first): hash and record the arrays this rank is origin of.
         ``record=False``: their rows stay with the writer (for :meth:`commit` or :meth:`export_rows`)."""
