@@ -5,6 +5,7 @@ Plain helper functions live in ``tests/ucp_test_helpers.py``.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,10 @@ def _ucp_env(monkeypatch):
     monkeypatch.setenv("UCP_PROGRESS", "0")
     monkeypatch.delenv("UCP_STORE", raising=False)
     monkeypatch.delenv("UCP_CATALOG", raising=False)
+    yield
+    snap = sys.modules.get("ucp_store.distributed.snapshot")
+    if snap is not None:  # a test's optimizer gate would make every later async_save in this worker lazy
+        snap.remove_gate()
 
 
 @pytest.fixture

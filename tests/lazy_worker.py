@@ -100,6 +100,8 @@ def role_mutate(spec, rank):
     ev = _held()
     case = spec["case"]
     gate = None if case == "step" else opt  # "step": an optimizer without the gate steps before the copy
+    # the plan of this layout made at setup (the last job's is another layout): the call below copies lazily
+    ucpd.prepare_async(sd, optimizer=gate)
     handle = ucpd.async_save(sd, store=spec["store"], run=spec["run"], step=1, optimizer=gate, lazy=True)
     if rank == spec["culprit"]:
         p = model.layers["1"].feed_forward.w2.weight

@@ -236,7 +236,8 @@ def _phase(ph: dict, spec: dict, rank: int, world: int, mesh, counters: Counters
             out["id"] = ucpd.save(sd, store=store_url, run=spec.get("run", "scale"), step=ph.get("step", 0),
                                   progress=False)
         elif ph["op"] == "async_save":  # the collectives its call waits for, apart from the background's
-            handle = ucpd.async_save(sd, store=store_url, run=spec.get("run", "scale"), step=ph.get("step", 0))
+            handle = ucpd.async_save(sd, store=store_url, run=spec.get("run", "scale"), step=ph.get("step", 0),
+                                     check=ph.get("check", "background"))
             out["call_collectives"] = dict(counters.caller)
             out["id"] = handle.result()
         else:

@@ -1,10 +1,11 @@
 """``async_save``: stage the state in host memory, return, and write + commit in the background.
 
-The call blocks only for planning (one small gather on the control group) and the copy of this rank's
-boxes into a staging buffer (host memory, pinned when the tensors are on a GPU, copied with
-``non_blocking`` and one synchronise). The buffers are kept and reused by the next call with the same
-layout. After the call returns, training may change its tensors at will: the background writer only
-reads the staging buffers, so the committed version is the state at the moment of the call.
+The call blocks only for planning (none once the plan of the layout is cached: its check runs in the writer
+thread, ``check="background"``) and the copy of this rank's boxes into a staging buffer (host memory,
+pinned when the tensors are on a GPU, copied with ``non_blocking`` and one synchronise). The buffers are
+kept and reused by the next call with the same layout. After the call returns, training may change its
+tensors at will: the background writer only reads the staging buffers, so the committed version is the
+state at the moment of the call.
 
 Two background modes:
 - ``"thread"``: a thread of this process writes and commits (TensorStore and hashing release the GIL for
@@ -45,14 +46,24 @@ import torch
 from ucp_store._killpoints import killpoint
 from ucp_store.distributed import inflight
 from ucp_store.distributed import snapshot as snap_mod
-from ucp_store.distributed.api import Ctx, SavePlan, confirm_cached_plan, open_everywhere, plan_save, write_plan
+from ucp_store.distributed.api import (
+    Ctx,
+    SavePlan,
+    confirm_cached_plan,
+    forget_plan,
+    open_everywhere,
+    plan_save,
+    settle_cached_plan,
+    write_plan,
+)
 from ucp_store.distributed.inflight import AsyncSaveHandle, wait
 from ucp_store.distributed.statedict import path_text
-from ucp_store.errors import ConfigurationError, UcpError
+from ucp_store.errors import ConfigurationError, StalePlanError, UcpError
 
 __all__ = ["AsyncSaveHandle", "async_save", "close", "prepare_async", "wait"]
 
 _MODES = ("thread", "process")
+_CHECKS = ("background", "call")
 
 
 # ----------------------------------------------------------------------------------------- staging
@@ -341,7 +352,7 @@ def prepare_async(state_dict: dict, *, mode: str = "thread", group=None, mesh=No
 def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
                parent: str | None = "auto", group=None, mode: str = "thread", create: bool = True,
                mesh=None, lazy: bool | None = None, optimizer=None, eager: tuple[str, ...] | list[str] = (),
-               writer_nice: int = 10) -> AsyncSaveHandle:
+               writer_nice: int = 10, check: str = "background") -> AsyncSaveHandle:
     """Like ``save``, but return before the data is written; write and commit in the background.
 
     ``mode`` is ``"thread"`` or ``"process"`` (see the module docstring). Call on every rank. The returned
@@ -360,9 +371,19 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     ``eager``: fnmatch patterns of dotted state-dict paths copied at the call (BatchNorm's
     ``running_mean``, ``running_var`` and ``num_batches_tracked`` always are). ``writer_nice``: the
     scheduling niceness of the background writer's threads (hashing and writes; 0 leaves it), so the
-    training threads get the CPU first; the snapshot copy itself keeps the caller's priority."""
+    training threads get the CPU first; the snapshot copy itself keeps the caller's priority.
+
+    ``check``: where a cached plan (the layout of the last save) is checked against every rank's state.
+    ``"background"`` (thread mode): the call runs no collective at all; the writer thread checks before it
+    writes. When every rank's layout changed, each rank copied its state at the call and the background plans
+    afresh; when it changed on some ranks only, or which entries are equal on every rank changed, that save
+    fails (``StalePlanError`` from ``result()``, nothing listed) and the next one plans afresh in its call.
+    ``"call"`` (and process mode): the check is four small collectives in the call, and a changed plan is
+    made there, so no save fails for it."""
     if mode not in _MODES:
         raise ConfigurationError(f"async_save: mode={mode!r}; expected one of {', '.join(_MODES)}")
+    if check not in _CHECKS:
+        raise ConfigurationError(f"async_save: check={check!r}; expected one of {', '.join(_CHECKS)}")
     if isinstance(eager, str):
         raise ConfigurationError(f"async_save: eager={eager!r}; expected a list of fnmatch patterns")
     store_mod = sys.modules.get("ucp_store.store")  # not imported yet: ``store`` cannot be a Store (and the
@@ -375,11 +396,17 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     gated = snap_mod.gated_optimizers()
     lazy = bool(gated) if lazy is None else bool(lazy)
     ctx = Ctx(group)
-    # a cached plan (the layout of the last save) is checked in a few small collectives; a new layout plans
-    plan = confirm_cached_plan(plan_save(state_dict, ctx, mesh, cache=True), state_dict, ctx, mesh)
+    plan = plan_save(state_dict, ctx, mesh, cache=True)  # a cached plan: no collective; a first layout plans
+    frozen = None
+    if check == "call" or mode == "process":  # the cached plan's check: four small collectives, here
+        plan = confirm_cached_plan(plan, state_dict, ctx, mesh)
+    elif plan.check is not None and not plan.check["key_ok"]:
+        # this rank's layout changed: it keeps a copy of its state, from which the background plans afresh when
+        # every rank's did (its check finds out); the others run no collective in their call
+        frozen = _freeze(state_dict)
     handle = AsyncSaveHandle(run, step, mode)
     job = {"store": store, "create": create, "run": run, "step": step, "message": message, "parent": parent,
-           "group": group, "nice": writer_nice}
+           "group": group, "nice": writer_nice, "frozen": frozen, "mesh": mesh}
     thread: threading.Thread | None
     if lazy:
         thread = _start_lazy(handle, plan, ctx, job, gated, tuple(eager))
@@ -401,9 +428,42 @@ def _process_job(plan: SavePlan, job: dict) -> dict:
             "nice": job["nice"]}
 
 
+def _freeze(obj: Any) -> Any:
+    """A copy of a state dict at the call (tensors cloned, DTensors as DTensors; containers rebuilt)."""
+    import copy
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _freeze(v)) for k, v in obj.items()) if type(obj) is dict else \
+            {k: _freeze(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_freeze(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _settle_in_background(plan: SavePlan, staged: list[torch.Tensor], bg: Ctx,
+                          job: dict) -> tuple[SavePlan, list[torch.Tensor]]:
+    """``check="background"``: the cached plan's check, before anything is begun (``settle_cached_plan``).
+    Holds: write as planned. Every rank's layout changed: plan afresh from the copies taken at the call.
+    Otherwise: every rank fails this save (``StalePlanError``) and drops the plan."""
+    verdict = settle_cached_plan(plan, bg)
+    if verdict == "holds":
+        plan.check = None  # settled: the commit carries no second check
+        return plan, staged
+    forget_plan(bg)  # on every rank: the next save (or the planning below) plans afresh
+    if verdict == "replan" and job.get("frozen") is not None:
+        fresh = plan_save(job["frozen"], bg, job.get("mesh"), cache=True)
+        return fresh, [src[sl] if sl else src for src, sl in fresh.sources]
+    raise StalePlanError(f"async save of {job['run']}@{job['step']}: the state dict's layout changed on some ranks "
+                         "only, or which entries are equal on every rank changed, since the cached plan; aborted "
+                         "(nothing listed). The next save plans afresh (check='call' plans in the call instead).")
+
+
 def _write_thread(handle: AsyncSaveHandle, plan: SavePlan, staged: list[torch.Tensor], bg: Ctx, job: dict) -> None:
     """The thread mode's writer (on the background thread, at the writer's priority)."""
     snap_mod.lower_writer_priority(job["nice"])
+    plan, staged = _settle_in_background(plan, staged, bg, job)
     st = open_everywhere(job["store"], job["create"], bg)
     cid = write_plan(st, plan, staged, bg, run=job["run"], step=job["step"], message=job["message"],
                       parent=job["parent"], progress=False)

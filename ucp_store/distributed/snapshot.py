@@ -39,7 +39,7 @@ import torch
 from ucp_store.errors import ConflictError
 
 __all__ = ["EAGER_SUFFIXES", "Job", "Snapshot", "SnapshotChangedError", "gated_optimizers", "install_gate",
-           "is_eager", "lower_priority", "lower_writer_priority", "order_jobs", "storage_key"]
+           "is_eager", "lower_priority", "lower_writer_priority", "order_jobs", "remove_gate", "storage_key"]
 
 #: state dict entries forward changes in place (BatchNorm and its kin in training mode): copied at the call
 EAGER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
@@ -256,6 +256,16 @@ def install_gate(opt: torch.optim.Optimizer) -> None:
     with _GATE_LOCK:
         if opt not in _GATES:
             _GATES[opt] = opt.register_step_pre_hook(_pre_step)
+
+
+def remove_gate(opt: torch.optim.Optimizer | None = None) -> None:
+    """Remove the pre-step gate of ``opt`` (of every optimizer when None): later ``async_save`` calls are then
+    lazy only when asked (``lazy=True``) or gated again."""
+    with _GATE_LOCK:
+        for o in [opt] if opt is not None else list(_GATES.keys()):
+            handle = _GATES.pop(o, None)
+            if handle is not None:
+                handle.remove()
 
 
 def gated_optimizers() -> list[torch.optim.Optimizer]:
