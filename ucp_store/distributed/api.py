@@ -234,6 +234,8 @@ class SavePlan:
     rank_objects: list[tuple[str, Any]] = field(default_factory=list)
     #: a cached plan's check (this rank's layout held, its digests), sent with the commit's digest gather
     check: dict | None = None
+    #: the identity of the state dict's tensors this cached plan was built over (``_identity``), or None
+    ident: tuple | None = None
 
     def signature(self) -> tuple:
         """What the staging buffers depend on: the items and their dtypes."""
@@ -247,8 +249,6 @@ def _describe_leaves(leaves, ctx: Ctx, mesh) -> tuple[list[_Tensor], dict, dict,
     dtensors: list[_Tensor] = []
     meshes: dict[str, dict] = {}
     plain: dict[tuple, _Tensor] = {}
-    values: dict[tuple, Any] = {}
-    digests: list[tuple[tuple, str, bytes]] = []
     for leaf in leaves:
         if leaf.is_tensor and _is_dtensor(leaf.value):
             t = _describe(leaf)
@@ -258,14 +258,27 @@ def _describe_leaves(leaves, ctx: Ctx, mesh) -> tuple[list[_Tensor], dict, dict,
                 ranks = lay.mesh_facts(m).ranks
                 meshes.setdefault(repr(ranks), {"shape": t.pattern["mesh"]["shape"],
                                                 "dims": list(m.mesh_dim_names or ()), "ranks": ranks})
-        elif leaf.is_tensor:  # one rank alone has nothing to compare: no digest
+        elif leaf.is_tensor:
             plain[leaf.path] = _describe(leaf)
-            digests.append((leaf.path, "tensor", perrank.digest_tensor(leaf.value) if ctx.world > 1 else b""))
+    digests, values = _contents(leaves, ctx)
+    topology = perrank.live_topology(leaves, mesh, ctx, what="save")
+    return dtensors, meshes, plain, digests, {"values": values, "topology": topology}
+
+
+def _contents(leaves, ctx: Ctx) -> tuple[list[tuple[tuple, str, bytes]], dict[tuple, Any]]:
+    """The content digest of every plain tensor and JSON value (in leaf order), and the values."""
+    from ucp_store.distributed import perrank
+
+    values: dict[tuple, Any] = {}
+    digests: list[tuple[tuple, str, bytes]] = []
+    for leaf in leaves:
+        if leaf.is_tensor:
+            if not _is_dtensor(leaf.value):  # one rank alone has nothing to compare: no digest
+                digests.append((leaf.path, "tensor", perrank.digest_tensor(leaf.value) if ctx.world > 1 else b""))
         else:
             values[leaf.path] = json_value(leaf)
             digests.append((leaf.path, "value", perrank.digest_value(values[leaf.path]) if ctx.world > 1 else b""))
-    topology = perrank.live_topology(leaves, mesh, ctx, what="save")
-    return dtensors, meshes, plain, digests, {"values": values, "topology": topology}
+    return digests, values
 
 
 def plan_save(state_dict: Any, ctx: Ctx, mesh=None, *, cache: bool = False) -> SavePlan:
@@ -290,10 +303,23 @@ def plan_save(state_dict: Any, ctx: Ctx, mesh=None, *, cache: bool = False) -> S
     extra: dict = {"values": {}}
     digests: list = []
     key = ""
+    ident = None
     try:
         leaves = flatten(state_dict)
-        dtensors, meshes, plain, digests, extra = _describe_leaves(leaves, ctx, mesh)
-        key = _layout_key(leaves, dtensors, plain, extra["topology"].to_json(), ctx.world)
+        ident = _identity(leaves, mesh) if cache and ctx.dist is not None else None
+        memo = _DESCRIBED.get(_group_key(ctx)) if ident is not None else None
+        if memo is not None and memo["ident"] == ident:
+            # the same tensor objects over the same storage as the last call: their description stands, only
+            # the contents (plain tensors' digests, values) are this call's
+            dtensors, meshes, plain, key = memo["dtensors"], memo["meshes"], memo["plain"], memo["key"]
+            digests, values = _contents(leaves, ctx)
+            extra = {"values": values, "topology": memo["topology"]}
+        else:
+            dtensors, meshes, plain, digests, extra = _describe_leaves(leaves, ctx, mesh)
+            key = _layout_key(leaves, dtensors, plain, extra["topology"].to_json(), ctx.world)
+            if ident is not None:
+                _DESCRIBED[_group_key(ctx)] = {"ident": ident, "dtensors": dtensors, "meshes": meshes, "plain": plain,
+                                               "key": key, "topology": extra["topology"]}
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
     cached = _PLANS.get(_group_key(ctx)) if ctx.dist is not None and cache else None
@@ -304,6 +330,7 @@ def plan_save(state_dict: Any, ctx: Ctx, mesh=None, *, cache: bool = False) -> S
                                                                   "cache": cached})
         plan = _build_plan(leaves, dtensors, plain, extra, meshes, cached["share"], cached.get("coord"), ctx)
         plan.check = {"key_ok": True, "digests": hex_digests, "cache": cached}
+        plan.ident = ident
         return plan
     if error is None:
         proposal = {"error": None, "topology": extra["topology"].to_json(),
@@ -329,6 +356,28 @@ def plan_save(state_dict: Any, ctx: Ctx, mesh=None, *, cache: bool = False) -> S
 
 #: the last plan per control group (issue 27 2b), reused while the state dict's layout holds
 _PLANS: dict[Any, dict] = {}
+#: per control group, the last cached-plan call's description of the state dict's tensors (``_identity``)
+_DESCRIBED: dict[Any, dict] = {}
+
+
+def _identity(leaves, mesh) -> tuple:
+    """When a description of the state dict's tensors can be reused: every leaf's path, and per tensor where
+    its (local shard's) data lives, its shape, strides, dtype and device, and for a DTensor its mesh, placements
+    and global shape. ``get_state_dict`` hands out new tensor objects over the same storage each call, so
+    storage, not the object, is what must match; a swap (``p.data = x``, a reload that assigns) describes
+    afresh. The description holds views of the storage it describes, so no other tensor can take its address
+    while it is kept."""
+    out: list = [id(mesh)]
+    for leaf in leaves:
+        v = leaf.value
+        if not leaf.is_tensor:
+            out.append(leaf.path)
+            continue
+        local = getattr(v, "_local_tensor", None)  # a DTensor's shard without to_local()'s autograd call
+        dt = (id(v.device_mesh), tuple(v.placements), tuple(v.shape)) if local is not None else None
+        t = v if local is None else local
+        out.append((leaf.path, leaf.key, dt, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device))
+    return tuple(out)
 
 
 def _group_key(ctx: Ctx) -> Any:
@@ -346,9 +395,13 @@ def _group_key(ctx: Ctx) -> Any:
             return id(ctx.group)
 
 
-def forget_plan(ctx: Ctx) -> None:
-    """Drop the plan cached for ``ctx``'s ranks (every rank does, so the next save plans afresh on all)."""
-    _PLANS.pop(_group_key(ctx), None)
+def forget_plan(ctx: Ctx, *, plan: bool = True, description: bool = False) -> None:
+    """Drop the plan cached for ``ctx``'s ranks (every rank does, so the next save plans afresh on all), and
+    with ``description`` the description of the last state dict (it holds that state's tensors)."""
+    if plan:
+        _PLANS.pop(_group_key(ctx), None)
+    if description:
+        _DESCRIBED.pop(_group_key(ctx), None)
 
 
 def _layout_key(leaves, dtensors: list[_Tensor], plain: dict, topology: dict, world: int) -> str:
@@ -502,12 +555,12 @@ def _dtensor_holders(everyone: list[dict]) -> tuple[dict, dict, dict]:
     return holders, sizes, empty
 
 
-def _build_plan(leaves, dtensors: list[_Tensor], plain: dict, extra: dict, meshes: dict, share: dict,
-                coord_info: dict | None, ctx: Ctx) -> SavePlan:
-    """This rank's plan from its share: the boxes it writes (in the state dict's order), the empty arrays it
-    records, its per-rank objects; on the coordinator also the manifest (values are this save's)."""
-    from ucp_store.distributed.rankstate import PerRankManifest
-
+def _boxes(leaves, dtensors: list[_Tensor], plain: dict, share: dict) -> tuple[list[WriteItem], list[tuple]]:
+    """The boxes this rank writes (in the state dict's order) and where each comes from. A function of the
+    tensors' description and the share alone: a call over the same tensors and plan reuses the last answer."""
+    memo = _BOXES.get(id(share))
+    if memo is not None and memo[0] is share and memo[1] is dtensors and memo[2] is plain:
+        return memo[3], memo[4]
     mine = {(tuple(k), tuple(tuple(b) for b in box)) for k, box in share["boxes"]}
     empty = {tuple(k) for k in share["empty"]}
     items: list[WriteItem] = []
@@ -528,6 +581,22 @@ def _build_plan(leaves, dtensors: list[_Tensor], plain: dict, extra: dict, meshe
                 origin = all(lo == 0 for lo, _ in region.global_box)
                 items.append(WriteItem(*t.key, t.shape, region.offset, t.pattern, t.boundaries, origin))
                 sources.append((t.local, region.local_slices()))
+    _BOXES.clear()  # the last one only: it holds views of the tensors it describes
+    _BOXES[id(share)] = (share, dtensors, plain, items, sources)
+    return items, sources
+
+
+#: the last ``_boxes`` answer, by its share's id (the entry holds the share, so the id stays its own)
+_BOXES: dict[int, tuple] = {}
+
+
+def _build_plan(leaves, dtensors: list[_Tensor], plain: dict, extra: dict, meshes: dict, share: dict,
+                coord_info: dict | None, ctx: Ctx) -> SavePlan:
+    """This rank's plan from its share: the boxes it writes (in the state dict's order), the empty arrays it
+    records, its per-rank objects; on the coordinator also the manifest (values are this save's)."""
+    from ucp_store.distributed.rankstate import PerRankManifest
+
+    items, sources = _boxes(leaves, dtensors, plain, share)
     rank_objects = []
     for name, path in share["writes"]:
         path = tuple(path)

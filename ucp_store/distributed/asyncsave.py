@@ -36,9 +36,11 @@ import atexit
 import math
 import mmap
 import os
+import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -313,6 +315,46 @@ def close() -> None:
 atexit.register(close)
 
 
+# ----------------------------------------------------------------------------------------- background threads
+class _Worker:
+    """One long-lived daemon thread that runs what is handed to it, in order: a call hands its background work
+    over with a queue put instead of starting a thread (whose start-up handshake the caller would wait for)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, daemon=True, name=self.name)
+                self._thread.start()
+        self._queue.put(fn)
+
+    def _loop(self) -> None:
+        while True:
+            fn = self._queue.get()
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001, S110 - each job hands its own error to its handle
+                pass
+
+
+#: the snapshot copy keeps the caller's priority; the writers run at the niceness each save asked for (a thread
+#: cannot raise its priority back once lowered)
+_SNAPSHOT_WORKER = _Worker("ucp-async-snapshot")
+_WRITE_WORKERS: dict[int, _Worker] = {}
+
+
+def _write_worker(nice: int) -> _Worker:
+    w = _WRITE_WORKERS.get(nice)
+    if w is None:
+        w = _WRITE_WORKERS[nice] = _Worker(f"ucp-async-save-nice{nice}")
+    return w
+
+
 # ----------------------------------------------------------------------------------------- the call
 def _writer_for(ctx: Ctx) -> _WriterProcess:
     key = (ctx.rank, ctx.world)
@@ -407,14 +449,14 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     handle = AsyncSaveHandle(run, step, mode)
     job = {"store": store, "create": create, "run": run, "step": step, "message": message, "parent": parent,
            "group": group, "nice": writer_nice, "frozen": frozen, "mesh": mesh}
-    thread: threading.Thread | None
+    launch: Callable[[], None] | None
     if lazy:
-        thread = _start_lazy(handle, plan, ctx, job, gated, tuple(eager))
+        launch = _start_lazy(handle, plan, ctx, job, gated, tuple(eager))
     else:
-        thread = _start_eager(handle, plan, ctx, job)
+        launch = _start_eager(handle, plan, ctx, job)
     inflight.set_pending(handle)
-    if thread is not None:
-        thread.start()
+    if launch is not None:
+        launch()
     handle.blocked_s = time.perf_counter() - t0
     return handle
 
@@ -454,6 +496,7 @@ def _settle_in_background(plan: SavePlan, staged: list[torch.Tensor], bg: Ctx,
     forget_plan(bg)  # on every rank: the next save (or the planning below) plans afresh
     if verdict == "replan" and job.get("frozen") is not None:
         fresh = plan_save(job["frozen"], bg, job.get("mesh"), cache=True)
+        forget_plan(bg, plan=False, description=True)  # the plan stays; its description would hold the copies
         return fresh, [src[sl] if sl else src for src, sl in fresh.sources]
     raise StalePlanError(f"async save of {job['run']}@{job['step']}: the state dict's layout changed on some ranks "
                          "only, or which entries are equal on every rank changed, since the cached plan; aborted "
@@ -470,7 +513,7 @@ def _write_thread(handle: AsyncSaveHandle, plan: SavePlan, staged: list[torch.Te
     handle._finish(cid, None)
 
 
-def _start_eager(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict) -> threading.Thread | None:
+def _start_eager(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict) -> Callable[[], None] | None:
     """Today's path: every box copied into the staging buffers before the call returns."""
     mode = handle.mode
     # process mode, new layout: shared pages fault in far slower than private ones, so the caller stages
@@ -488,7 +531,7 @@ def _start_eager(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict) -
             except BaseException as exc:  # noqa: BLE001 - handed to result()
                 handle._finish(None, exc)
 
-        return threading.Thread(target=work, daemon=True, name="ucp-async-save")
+        return lambda: _write_worker(job["nice"]).submit(work)
     # started after staging (on the first call): its interpreter boots after this call returns, not
     # beside the copy (on a busy host the import competed with the staging for the CPU)
     writer = _writer_for(ctx)
@@ -505,45 +548,80 @@ def _start_eager(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict) -
         except BaseException as exc:  # noqa: BLE001 - handed to result()
             handle._finish(None, exc)
 
-    return threading.Thread(target=share, daemon=True, name="ucp-async-share")
+    return threading.Thread(target=share, daemon=True, name="ucp-async-share").start
 
 
-def _lazy_jobs(plan: SavePlan, eager: tuple[str, ...]) -> tuple[list[snap_mod.Job], dict[int, torch.Tensor]]:
-    """The boxes the background copies (each with its owner's version now), and those copied now."""
+#: tensors up to this size are copied at the call (a version check and samples would cost as much)
+TINY_BYTES = 64
+
+#: the last lazy call's jobs, kept while the plan is over the same tensors (``SavePlan.ident``) and the gated
+#: optimizers hold the same parameters: (index, view, owner, what, samples?) in copy order, the gates, the
+#: boxes copied at the call
+_JOBS: dict[str, Any] = {}
+
+
+def _opt_sig(opt: torch.optim.Optimizer) -> tuple:
+    return id(opt), tuple(len(g["params"]) for g in opt.param_groups), len(opt.state)
+
+
+def _lazy_jobs(plan: SavePlan, eager: tuple[str, ...],
+               gated: list) -> tuple[list[snap_mod.Job], dict[int, int], dict[int, torch.Tensor]]:
+    """The boxes the background copies, in copy order (each with its owner's version now), the gates' counts,
+    and the boxes copied now. The order, the gates and which boxes are eager depend only on the tensors and the
+    optimizers, so a call over the same ones (the same ``plan.ident``) reuses them and reads only the versions
+    and samples now."""
+    key = None if plan.ident is None else (plan.ident, eager, tuple(_opt_sig(o) for o in gated))
+    if key is None or _JOBS.get("key") != key:
+        jobs, now_idx = _describe_jobs(plan, eager)
+        ordered, gates = snap_mod.order_jobs(jobs, gated)
+        template = [(j.index, j.src, j.owner, j.what, j.samples is not None) for j in ordered]
+        if key is not None:
+            _JOBS.clear()
+            _JOBS.update(key=key, template=template, gates=gates, now=now_idx)
+    else:
+        template, gates, now_idx = _JOBS["template"], _JOBS["gates"], _JOBS["now"]
+    ordered = [snap_mod.Job(i, view, owner, owner._version, what, snap_mod.take_samples(view) if sample else None)
+               for i, view, owner, what, sample in template]
+    now: dict[int, torch.Tensor] = {}
+    for i in now_idx:  # forward changes it: copied now (a device buffer synchronously: these are small)
+        src, sl = plan.sources[i]
+        view = src[sl] if sl else src
+        now[i] = view.to("cpu", copy=True) if view.is_cuda else view.clone()
+    return ordered, gates, now
+
+
+def _describe_jobs(plan: SavePlan, eager: tuple[str, ...]) -> tuple[list[snap_mod.Job], list[int]]:
+    """Every box of the plan as a job (versions now), but those copied at the call (their indexes)."""
     paths = {tuple(o["tensor"]): path_text(tuple(o["path"])) for o in plan.objects if "tensor" in o}
     jobs: list[snap_mod.Job] = []
-    now: dict[int, torch.Tensor] = {}
+    now: list[int] = []
     for i, (it, (src, sl)) in enumerate(zip(plan.items, plan.sources)):
         path = paths.get((it.name, it.state), f"{it.name} [{it.state}]")
         view = src[sl] if sl else src
-        if snap_mod.is_eager(path, eager):
-            # forward changes it: copied now (a device buffer synchronously: these are small)
-            now[i] = view.to("cpu", copy=True) if view.is_cuda else view.clone()
-        else:
-            jobs.append(snap_mod.Job(i, view, src, src._version, f"state dict entry {path!r}",
-                                     snap_mod.take_samples(view)))
+        # a tiny tensor (an optimizer's step count) is copied now: as cheap as sampling it for the guard
+        if snap_mod.is_eager(path, eager) or view.numel() * view.element_size() <= TINY_BYTES:
+            now.append(i)
+            continue
+        jobs.append(snap_mod.Job(i, view, src, src._version, f"state dict entry {path!r}", snap_mod.take_samples(view)))
     return jobs, now
 
 
 def _start_lazy(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict, gated: list,
-                eager: tuple[str, ...]) -> threading.Thread:
-    """The lazy path: only the eager boxes now; a thread copies the rest (the gates wait for it), every rank
-    agrees the snapshot is sound, then it writes (thread mode) or hands the buffers to the writer process."""
-    jobs, now = _lazy_jobs(plan, eager)
-    ordered, gates = snap_mod.order_jobs(jobs, gated)
+                eager: tuple[str, ...]) -> Callable[[], None]:
+    """The lazy path: only the eager boxes now; the snapshot thread copies the rest (the gates wait for it),
+    then the writer thread agrees with every rank that the snapshot is sound and writes (thread mode) or hands
+    the buffers to the writer process. Returns what starts it."""
+    ordered, gates, now = _lazy_jobs(plan, eager, gated)
     snap = handle.snapshot = snap_mod.Snapshot(ordered, gates, on_copy=lambda n: killpoint("async.mid_copy"))
     snap_mod.set_current(snap)
-    bg = Ctx(job["group"], tag="async")
     shared = handle.mode == "process"
     writer = _writer_for(ctx) if shared else None
 
-    def work() -> None:
+    def copy() -> None:  # the snapshot thread, at the caller's priority
+        staged: list[torch.Tensor] = []
+        error: BaseException | None = None
         try:
-            try:
-                buffers = _STAGER.stage(plan, shared=shared, copy=False)  # made when the layout is new
-            except BaseException as exc:
-                snap.fail(exc)
-                raise
+            buffers = _STAGER.stage(plan, shared=shared, copy=False)  # made when the layout is new
             handle.staged_bytes = sum(b.numel() * b.element_size() for b in buffers)
             snap.run(buffers)
             staged = list(buffers)
@@ -552,8 +630,16 @@ def _start_lazy(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict, ga
                     buffers[i].copy_(t)
                 else:
                     staged[i] = t
+        except BaseException as exc:  # noqa: BLE001 - every rank learns of it below
+            snap.fail(exc)
+            error = exc
+        _write_worker(job["nice"]).submit(lambda: write(staged, error or snap.error))
+
+    def write(staged: list[torch.Tensor], error: BaseException | None) -> None:  # the writer thread
+        try:
+            bg = Ctx(job["group"], tag="async")  # its own gloo group: never interleaved with the caller's
             # every rank learns of a changed tensor before anything is begun: all raise, nothing is listed
-            bg.raise_if_any_failed(snap.error, f"async save of {job['run']}@{job['step']} (snapshot)")
+            bg.raise_if_any_failed(error, f"async save of {job['run']}@{job['step']} (snapshot)")
             if writer is None:
                 _write_thread(handle, plan, staged, bg, job)
             else:
@@ -561,4 +647,4 @@ def _start_lazy(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict, ga
         except BaseException as exc:  # noqa: BLE001 - handed to result()
             handle._finish(None, exc)
 
-    return threading.Thread(target=work, daemon=True, name="ucp-async-snapshot")
+    return lambda: _SNAPSHOT_WORKER.submit(copy)

@@ -16,6 +16,7 @@ Paths keep their element types (a list index stays an int), so a load finds each
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -107,13 +108,21 @@ def flatten(state_dict: Any) -> list[Leaf]:
                                      f"to tensor {leaf.key[0]!r} state {leaf.key[1]!r}; rename one of them")
         seen[leaf.key] = leaf.path
         try:
-            names.tensor_name(leaf.key[0])
-            names.state_name(leaf.key[1])
+            _check_key(leaf.key)
         except InvalidNameError as exc:
             raise InvalidNameError(f"state dict entry {path_text(leaf.path)!r}: {exc}") from None
     return leaves
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _check_key(key: tuple[str, str]) -> None:
+    """The names' checks, once per key (every save of a state dict checks the same keys again; a failed check
+    raises and is not cached)."""
+    names.tensor_name(key[0])
+    names.state_name(key[1])
+
+
+@functools.lru_cache(maxsize=1 << 16)
 def _tensor_key(path: tuple, opt: tuple | None, opt_prefix: tuple) -> tuple[str, str]:
     rel = path[len(opt_prefix):]
     if opt == ("nested",) and len(rel) == 3 and rel[0] == "state":
