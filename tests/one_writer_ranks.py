@@ -87,7 +87,9 @@ def rank_main(spec: dict, rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def launch(spec: dict) -> list[dict]:
+def launch(spec: dict, main=None) -> list[dict]:
+    """Fork ``spec["world"]`` ranks running ``main(spec, rank, world, port)`` (default: this file's
+    ``rank_main``), each writing ``out/rank<r>.json``; returns those records (tests/plan_reuse_ranks.py too)."""
     import torch  # noqa: F401 - loaded once, before the forks
     import torch.distributed.tensor  # noqa: F401
 
@@ -103,7 +105,7 @@ def launch(spec: dict) -> list[dict]:
         if pid == 0:
             code = 1
             try:
-                rank_main(spec, r, world, port)
+                (main or rank_main)(spec, r, world, port)
                 code = 0
             except BaseException:  # noqa: BLE001 - the parent reports the failed rank
                 traceback.print_exc()

@@ -4,19 +4,18 @@
 
 Between saves the state changes in place (the description is reused: the same storage), then a plain tensor and
 a DTensor's shard are swapped for new storage (``.data = ...``: described afresh), then ``get_state_dict``-style
-new wrapper objects over the same storage are handed in (reused). Prints the per-rank records as JSON."""
+new wrapper objects over the same storage are handed in (reused). Prints the per-rank records as JSON
+(the ranks forked by ``one_writer_ranks.launch``)."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
 import os
-import socket
 import sys
-import traceback
 
 
-def rank_main(spec: dict, rank: int, world: int, port: int) -> dict:
+def rank_main(spec: dict, rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -63,42 +62,12 @@ def rank_main(spec: dict, rank: int, world: int, port: int) -> dict:
         exact = all(torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)) for k in want)
         records.append({"step": step, "change": change, "described": described[0] - before, "exact": bool(exact)})
     dist.destroy_process_group()
-    return {"records": records}
-
-
-def launch(spec: dict) -> list[dict]:
-    import torch  # noqa: F401 - loaded once, before the forks
-    import torch.distributed.tensor  # noqa: F401
-
-    world = 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.makedirs(spec["out"], exist_ok=True)
-    pids = []
-    for r in range(world):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                out = rank_main(spec, r, world, port)
-                with open(os.path.join(spec["out"], f"rank{r}.json"), "w") as f:
-                    json.dump(out, f)
-                code = 0
-            except BaseException:  # noqa: BLE001 - the parent reports the failed rank
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    failed = [r for r, pid in enumerate(pids) if os.waitpid(pid, 0)[1]]
-    if failed:
-        raise RuntimeError(f"rank(s) {failed} failed (see stderr)")
-    out = []
-    for r in range(world):
-        with open(os.path.join(spec["out"], f"rank{r}.json")) as f:
-            out.append(json.load(f))
-    return out
+    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
+        json.dump({"records": records}, f)
 
 
 if __name__ == "__main__":
-    print(json.dumps(launch(json.loads(sys.argv[1]))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from one_writer_ranks import launch
+
+    print(json.dumps(launch({"world": 2, **json.loads(sys.argv[1])}, rank_main)))
