@@ -440,7 +440,9 @@ class ShardWriter:
         layout = self.arrays.layout(shape, dtype, pattern, units=units)
         source_points = {d: p for d, p in enumerate(split_points(pattern, shape, [topology])) if p} if shape else {}
         shards = writer_aligned_shards(layout, source_points)
-        if topology.zero_stage and topology.dp > 1:  # written as flat fragments: smaller files, few of them cut
+        if self.straddling is not None and topology.zero_stage and topology.dp > 1:
+            # flat fragments from several ranks: smaller files, so few bytes of cut ones move to their owner (one
+            # writer, as a single-process import is, keeps the planned files)
             shards = fragment_shards(fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape, shards,
                                                      layout.compression), topology.dp)
         layout = fmt.ArrayLayout(layout.dtype, layout.shape, layout.chunk_shape, shards, layout.compression)
