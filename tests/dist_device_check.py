@@ -12,7 +12,8 @@ the others to report). Each rank, on a DeviceMesh of ``--device`` over the N ran
   for world 1, so the parameters are DTensors on the device all the same), and trains 2 AdamW steps;
 - ``save`` of ``{"model": ..., "optim": ...}`` from ``get_state_dict`` (device tensors, staged to host);
 - ``async_save`` in thread and process mode: the state is mutated right after the call returns and the
-  committed version must still be the state at the call;
+  committed version must still be the state at the call; and the lazy snapshot (``lazy``: the optimizer's
+  step gated on the background copy), with a training step right after the call;
 - zeroes the state dict, ``load`` in place, and checks every tensor bit for bit (on the device and through
   ``.cpu()``), that the loaded tensors are the same objects, on the same device, with the same mesh and
   placements, and that ``verify`` is clean;
@@ -275,9 +276,16 @@ def role_main(spec, rank, out, checks: Checks):
         run = f"{RUN}-async-{mode}"
         _sync(cuda)
         t0 = time.perf_counter()
-        handle = ucpd.async_save(sd, store=store, run=run, step=STEPS, mode=mode)
+        if mode == "lazy":  # the lazy snapshot (on a GPU: a side stream into pinned memory, events, no sync)
+            handle = ucpd.async_save(sd, store=store, run=run, step=STEPS, mode="thread", optimizer=opt, lazy=True)
+        else:
+            handle = ucpd.async_save(sd, store=store, run=run, step=STEPS, mode=mode)
         timings[f"async_{mode}_blocked_s"] = time.perf_counter() - t0
-        n = _mutate(sd)  # training goes on: every floating tensor changes in place, on the device
+        if mode == "lazy":  # training goes on: forward and backward beside the copy, the step gated on it
+            train_step(model, opt, *batch(cfg, STEPS, dp_rank=dp_rank, dp=spec["dp"], device=device))
+            n = len(leaves)
+        else:
+            n = _mutate(sd)  # training goes on: every floating tensor changes in place, on the device
         _sync(cuda)
         acid = handle.result(timeout=spec["async_timeout"])
         ucpd.wait()
@@ -574,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--out", required=True, help="folder for the store, per-rank JSON and summary.json")
     ap.add_argument("--layout", choices=("auto", "fsdp", "tp"), default="auto")
-    ap.add_argument("--modes", default="thread,process", help="async_save modes to check (comma-separated)")
+    ap.add_argument("--modes", default="thread,process,lazy",
+                    help="async_save modes to check (comma-separated; lazy: the lazy snapshot in thread mode)")
     ap.add_argument("--cross", action="store_true",
                     help="then load the checkpoint on CPU/gloo ranks of another world size and layout")
     ap.add_argument("--cross-world", type=int, default=2)

@@ -21,6 +21,7 @@ Output: the per-method figures and the ratios the issue's goals name (lazy block
 
     .venv/bin/python tools/bench_stall.py                 # defaults: width 1024, 8 layers, batch 64
     .venv/bin/python tools/bench_stall.py --methods sync,ucp_lazy --saves 2
+    .venv/bin/python tools/bench_stall.py --isolate --saves 5   # a fresh pair of ranks per method
 """
 
 from __future__ import annotations
@@ -216,6 +217,24 @@ def _report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _launch(args, methods: str) -> dict:
+    """Two rank processes running ``methods`` in order; rank 0's figures."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "UCP_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    common = ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch), "--every",
+              str(args.every), "--saves", str(args.saves), "--base-steps", str(args.base_steps), "--dir", args.dir,
+              "--methods", methods]
+    procs = [subprocess.Popen([sys.executable, __file__, *common, "--rank", str(r), "--port", str(port)], env=env)
+             for r in range(2)]
+    rc = [p.wait() for p in procs]
+    if any(rc):
+        sys.exit(f"bench_stall: error: a rank failed: exit codes {rc}")
+    with open(os.path.join(args.dir, "rank0.json")) as f:
+        return json.load(f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--width", type=int, default=1024)
@@ -227,6 +246,8 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS[1:]))
     ap.add_argument("--dir", default="/tmp/bench_stall", help="scratch folder (emptied first)")
     ap.add_argument("--json", default=None, help="also write rank 0's figures here")
+    ap.add_argument("--isolate", action="store_true",
+                    help="run each method in its own pair of rank processes (else all in one pair, in order)")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -238,17 +259,13 @@ def main() -> None:
         return
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "UCP_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--port", str(port)],
-                              env=env) for r in range(2)]
-    rc = [p.wait() for p in procs]
-    if any(rc):
-        sys.exit(f"bench_stall: error: a rank failed: exit codes {rc}")
-    with open(os.path.join(args.dir, "rank0.json")) as f:
-        r0 = json.load(f)
+    if args.isolate:  # each method in a fresh pair of ranks: what one method leaves behind cannot tax another
+        r0: dict = {}
+        for m in args.methods.split(","):
+            got = _launch(args, m)
+            r0 = {**got, "methods": {**r0.get("methods", {}), **got["methods"]}} if r0 else got
+    else:
+        r0 = _launch(args, args.methods)
     print(_report(r0))
     if args.json:
         with open(args.json, "w") as f:
