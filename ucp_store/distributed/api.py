@@ -630,35 +630,25 @@ def confirm_cached_plan(plan: SavePlan, state_dict: Any, ctx: Ctx, mesh=None) ->
     ``_plan_still_holds`` and broadcasts one byte. When the plan no longer holds, every rank drops the cache
     and plans afresh. For ``async_save``: a save that commits in the background cannot retry, and four small
     collectives (no per-box proposals) are what its call then waits for."""
-    if plan.check is None or ctx.dist is None:
-        return plan
-    from ucp_store.distributed import coord
-
-    mine = coord.encode({k: plan.check[k] for k in ("key_ok", "digests")})
-    with collective_errors("async save (the cached plan's check)"):
-        parts = coord.gather_bytes(mine, ctx.group)
-        verdict = None if parts is None else b"1" if _plan_still_holds(plan.check, [coord.decode(p) for p in parts]) \
-            else b"0"
-        holds = coord.broadcast_bytes(verdict, ctx.group) == b"1"
-    if holds:
+    if settle_cached_plan(plan, ctx, "async save (the cached plan's check)") == "holds":
         plan.check = None  # settled: the commit carries no second check
         return plan
     _PLANS.pop(_group_key(ctx), None)
     return plan_save(state_dict, ctx, mesh, cache=True)  # no plan cached on any rank: plans afresh
 
 
-def settle_cached_plan(plan: SavePlan, ctx: Ctx) -> str:
-    """The verdict on a cached plan, the same on every rank, from one round on ``ctx`` (an async save's own
-    group, off the caller's thread: the check ``confirm_cached_plan`` runs in the call): ``"holds"``,
-    ``"replan"`` (every rank's layout changed: each can plan afresh from what it took at the call) or
-    ``"stale"`` (the layout changed on some ranks only, or which entries are equal on every rank changed).
-    Four small collectives; a plan made afresh (no check) holds without any."""
+def settle_cached_plan(plan: SavePlan, ctx: Ctx, what: str = "async save (the cached plan's check)") -> str:
+    """The verdict on a cached plan, the same on every rank, from one round on ``ctx`` (in an async save's
+    writer thread on its own group, or in the call: ``confirm_cached_plan``): ``"holds"``, ``"replan"``
+    (every rank's layout changed: each can plan afresh from what it took at the call) or ``"stale"`` (the
+    layout changed on some ranks only, or which entries are equal on every rank changed). Four small
+    collectives; a plan made afresh (no check) holds without any."""
     if plan.check is None or ctx.dist is None:
         return "holds"
     from ucp_store.distributed import coord
 
     mine = coord.encode({k: plan.check[k] for k in ("key_ok", "digests")})
-    with collective_errors("async save (the cached plan's check, in the background)"):
+    with collective_errors(what):
         parts = coord.gather_bytes(mine, ctx.group)
         verdict = None
         if parts is not None:

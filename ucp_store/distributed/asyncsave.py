@@ -489,7 +489,7 @@ def _settle_in_background(plan: SavePlan, staged: list[torch.Tensor], bg: Ctx,
     """``check="background"``: the cached plan's check, before anything is begun (``settle_cached_plan``).
     Holds: write as planned. Every rank's layout changed: plan afresh from the copies taken at the call.
     Otherwise: every rank fails this save (``StalePlanError``) and drops the plan."""
-    verdict = settle_cached_plan(plan, bg)
+    verdict = settle_cached_plan(plan, bg, "async save (the cached plan's check, in the background)")
     if verdict == "holds":
         plan.check = None  # settled: the commit carries no second check
         return plan, staged
@@ -555,7 +555,7 @@ def _start_eager(handle: AsyncSaveHandle, plan: SavePlan, ctx: Ctx, job: dict) -
 TINY_BYTES = 64
 
 #: the last lazy call's jobs, kept while the plan is over the same tensors (``SavePlan.ident``) and the gated
-#: optimizers hold the same parameters: (index, view, owner, what, samples?) in copy order, the gates, the
+#: optimizers hold the same parameters: (index, view, owner, what) in copy order, the gates, the
 #: boxes copied at the call
 _JOBS: dict[str, Any] = {}
 
@@ -574,14 +574,14 @@ def _lazy_jobs(plan: SavePlan, eager: tuple[str, ...],
     if key is None or _JOBS.get("key") != key:
         jobs, now_idx = _describe_jobs(plan, eager)
         ordered, gates = snap_mod.order_jobs(jobs, gated)
-        template = [(j.index, j.src, j.owner, j.what, j.samples is not None) for j in ordered]
+        template = [(j.index, j.src, j.owner, j.what) for j in ordered]
         if key is not None:
             _JOBS.clear()
             _JOBS.update(key=key, template=template, gates=gates, now=now_idx)
     else:
         template, gates, now_idx = _JOBS["template"], _JOBS["gates"], _JOBS["now"]
-    ordered = [snap_mod.Job(i, view, owner, owner._version, what, snap_mod.take_samples(view) if sample else None)
-               for i, view, owner, what, sample in template]
+    ordered = [snap_mod.Job(i, view, owner, owner._version, what, snap_mod.take_samples(view))
+               for i, view, owner, what in template]
     now: dict[int, torch.Tensor] = {}
     for i in now_idx:  # forward changes it: copied now (a device buffer synchronously: these are small)
         src, sl = plan.sources[i]
@@ -591,7 +591,8 @@ def _lazy_jobs(plan: SavePlan, eager: tuple[str, ...],
 
 
 def _describe_jobs(plan: SavePlan, eager: tuple[str, ...]) -> tuple[list[snap_mod.Job], list[int]]:
-    """Every box of the plan as a job (versions now), but those copied at the call (their indexes)."""
+    """Every box of the plan as a job to order (its version and samples are read by ``_lazy_jobs``), but those
+    copied at the call (their indexes)."""
     paths = {tuple(o["tensor"]): path_text(tuple(o["path"])) for o in plan.objects if "tensor" in o}
     jobs: list[snap_mod.Job] = []
     now: list[int] = []
@@ -602,7 +603,7 @@ def _describe_jobs(plan: SavePlan, eager: tuple[str, ...]) -> tuple[list[snap_mo
         if snap_mod.is_eager(path, eager) or view.numel() * view.element_size() <= TINY_BYTES:
             now.append(i)
             continue
-        jobs.append(snap_mod.Job(i, view, src, src._version, f"state dict entry {path!r}", snap_mod.take_samples(view)))
+        jobs.append(snap_mod.Job(i, view, src, src._version, f"state dict entry {path!r}"))
     return jobs, now
 
 

@@ -217,12 +217,9 @@ class ShardWriter:
                 (at, _), data = whole
                 self._write_box(key, handle, layout, rel, at, data, digest, what)
                 continue
-            for p in group:
-                localwrite.log_box(rel, layout, p.offset, tuple(p.data.shape))
-                handle[tuple(slice(o, o + n) for o, n in zip(p.offset, p.data.shape))].write(p.data).result()
-                if digest:
-                    fmt.box_unit_digests(layout.dtype, layout.shape, p.offset, p.data,
-                                         self._shard_digests.setdefault(key, {}))
+            for p in group:  # one after another: each a read-modify-write of the same file
+                self._write_box(key, handle, layout, rel, p.offset, p.data, digest, what)
+                self.arrays.drain()
 
     def numpy_dtype(self, name: str, state: str) -> np.dtype:
         """The numpy dtype of the data of a sharded array this writer opened."""

@@ -12,6 +12,7 @@ the pieces' descriptions through the coordinator, one all-to-all of their bytes)
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,17 +96,8 @@ def _per_shard(shard_shape: Sequence[int], offset: tuple[int, ...], extent: tupl
             parts.append((x // s, x, end - x))
             x = end
         ranges.append(parts)
-    out = []
-    for combo in _product(ranges):
-        out.append((tuple(c[0] for c in combo), (tuple(c[1] for c in combo), tuple(c[2] for c in combo))))
-    return out
-
-
-def _product(ranges: list[list]) -> list[tuple]:
-    out: list[tuple] = [()]
-    for parts in ranges:
-        out = [prev + (p,) for prev in out for p in parts]
-    return out
+    return [(tuple(c[0] for c in combo), (tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
+            for combo in itertools.product(*ranges)]
 
 
 def assign_owners(per_rank: Sequence[Sequence[tuple[str, str, Sequence[int], int]]]) -> dict[tuple, int]:
