@@ -254,3 +254,24 @@ def test_chunks_follow_row_and_column_splits(tmp_path, split):
         w.abort()
     assert all((n // 2) % c == 0 for n, c in zip(shape, chunk)), chunk
     assert math.prod(chunk) * 4 == st.settings["chunk_target_bytes"], chunk
+
+
+def test_a_folder_store_is_opened_once_per_process_and_afresh_when_remade(tmp_path):
+    """Writers and readers built from a folder share one open Store (a loop makes one per dcp.save); a store
+    removed and created again at the same folder is opened afresh, so nothing reaches the old catalog."""
+    import shutil
+
+    path = str(tmp_path / "s")
+    open_store(path, create=True)
+    sd = {"x": torch.arange(4.0)}
+    w1, w2 = UcpStorageWriter(path, run="r", step=1), UcpStorageWriter(path, run="r", step=2)
+    dcp.save(sd, storage_writer=w1, no_dist=True)
+    dcp.save(sd, storage_writer=w2, no_dist=True)
+    assert w1.store is w2.store
+    assert UcpStorageReader(path, "r@2").store is w1.store
+    shutil.rmtree(path)
+    open_store(path, create=True)
+    w3 = UcpStorageWriter(path, run="r", step=1)
+    dcp.save(sd, storage_writer=w3, no_dist=True)  # step 1 again: a new catalog, not the removed one
+    assert w3.store is not w1.store
+    assert [c["step"] for c in open_store(path).list_checkpoints("r")] == [1]

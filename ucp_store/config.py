@@ -77,6 +77,8 @@ class Settings:
     - ``export_threads`` (None): threads of the Hugging Face export's pool; None: twice the CPUs, 2 to 16.
     - ``read_threads``, ``small_read_threads``, ``stream_threads``, ``write_threads`` (None: sized by the
       CPU count, see ``io.pools``): the I/O thread pools, each sized once, when it is first used.
+    - ``sync_threads`` (None: 16): concurrent fsyncs of a deferred-durability pass (``save.durable``; the
+      journal commits them together, so more in flight costs one commit, not one each).
     """
 
     store: str | None = None
@@ -92,6 +94,7 @@ class Settings:
     small_read_threads: int | None = None
     stream_threads: int | None = None
     write_threads: int | None = None
+    sync_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("local_read", "local_write"):
@@ -102,7 +105,8 @@ class Settings:
         if self.dist_timeout is not None:
             _positive_seconds(self.dist_timeout, "setting dist_timeout")
         _positive_int(self.import_inflight_bytes, "import_inflight_bytes", "a number of bytes")
-        for name in ("export_threads", "read_threads", "small_read_threads", "stream_threads", "write_threads"):
+        for name in ("export_threads", "read_threads", "small_read_threads", "stream_threads", "write_threads",
+                     "sync_threads"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), name, "a number of threads (or None)")
         for name in ("store", "catalog", "kill_at"):

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from ucp_store.errors import WriteError
 from ucp_store.io import localwrite
+from ucp_store.io.pools import LazyPool
 from ucp_store.registry.context import StoreContext
 
 __all__ = ["SYNC_WORKERS", "Durability"]
 
 SYNC_WORKERS = 16  # concurrent fsyncs of a deferred-durability pass (the journal commits them together)
+# one pool for every pass: a pool made per pass started its 16 threads on every save (tens of ms)
+_SYNC_POOL = LazyPool("ucp-fsync", "sync_threads", lambda cpus: SYNC_WORKERS)
 
 
 class Durability:
@@ -27,6 +30,7 @@ class Durability:
         self.id = checkpoint_id
         self._context: Any = None
         self._unsynced: set[str] | None = None
+        self._files: set[tuple[str, str]] = set()  # (array folder, file name): fsynced alone (``touch_file``)
         #: folders whose entries localwrite changed: fsynced once in ``sync_dirs``
         self.local_dirs: set[str] = set()
 
@@ -50,28 +54,39 @@ class Durability:
         if self._unsynced is not None:
             self._unsynced.add(rel)
 
+    def touch_file(self, rel: str, name: str) -> None:
+        """Only file ``name`` of array folder ``rel`` was written: the next pass fsyncs it and the folders that
+        hold it, not every file under ``rel``. Why: the origin writes each zarr.json last, into folders that
+        every rank's shard files fill; walking them made the commit fsync the whole save again."""
+        if self._unsynced is not None:
+            self._files.add((rel, name))
+
+    def _take(self) -> tuple[list[str], list[tuple[str, str]]]:
+        rels, files = sorted(self._unsynced or ()), sorted(self._files)
+        if self._unsynced is not None:
+            self._unsynced = set()
+        self._files = set()
+        return rels, files
+
     def make_durable(self) -> None:
-        """fsync every file and folder under the array folders written since the last pass, and the folders
-        that hold them (the checkpoint's folder, the arrays folder), in parallel."""
-        if not self._unsynced:
-            return
-        rels, self._unsynced = sorted(self._unsynced), set()
-        self._sync_rels(rels)
+        """fsync every file and folder under the array folders written since the last pass, each file touched
+        alone, and the folders that hold them (the checkpoint's folder, the arrays folder), in parallel."""
+        rels, files = self._take()
+        if rels or files:
+            self._sync_rels(rels, files)
 
     def make_durable_async(self) -> Future:
         """Start the pass over what was written until now on a thread; returns its Future (``result()``
         re-raises a failure). What is written later goes to the next pass."""
-        rels = sorted(self._unsynced or ())
-        if self._unsynced is not None:
-            self._unsynced = set()
+        rels, files = self._take()
         done: Future = Future()
-        if not rels:
+        if not rels and not files:
             done.set_result(None)
             return done
 
         def run() -> None:
             try:
-                self._sync_rels(rels)
+                self._sync_rels(rels, files)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the pass
                 done.set_exception(exc)
             else:
@@ -80,16 +95,20 @@ class Durability:
         threading.Thread(target=run, name="ucp-durable", daemon=True).start()
         return done
 
-    def _sync_rels(self, rels: list[str]) -> None:
+    def _sync_rels(self, rels: list[str], files: list[tuple[str, str]]) -> None:
         root = self.ctx.location.root
         paths: list[str] = []
         for rel in rels:
             top = os.path.join(root, rel)
-            for folder, _, files in os.walk(top):
-                paths.extend(os.path.join(folder, f) for f in files)
+            for folder, _, names in os.walk(top):
+                paths.extend(os.path.join(folder, f) for f in names)
                 paths.append(folder)
-        paths.extend(sorted({os.path.dirname(os.path.join(root, rel).rstrip("/")) for rel in rels}))
-        paths.append(os.path.join(root, os.path.dirname(os.path.dirname(rels[0].rstrip("/")))))
+        walked = set(rels)
+        paths.extend(os.path.join(root, rel, name) for rel, name in files if rel not in walked)
+        paths.extend(sorted({os.path.join(root, rel) for rel, _ in files} - {os.path.join(root, r) for r in rels}))
+        every = rels + [rel for rel, _ in files]
+        paths.extend(sorted({os.path.dirname(os.path.join(root, rel).rstrip("/")) for rel in every}))
+        paths.append(os.path.join(root, os.path.dirname(os.path.dirname(every[0].rstrip("/")))))
 
         def sync(path: str) -> None:
             try:
@@ -102,8 +121,11 @@ class Durability:
                 os.close(fd)
 
         try:
-            with ThreadPoolExecutor(SYNC_WORKERS, thread_name_prefix="ucp-fsync") as pool:
-                list(pool.map(sync, paths))
+            if len(paths) <= 2:
+                for path in paths:
+                    sync(path)
+            else:
+                list(_SYNC_POOL.get().map(sync, paths))
         except OSError as exc:
             raise WriteError(f"making the arrays of checkpoint {self.id} durable failed: {exc}") from None
 

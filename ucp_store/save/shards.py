@@ -466,7 +466,8 @@ class ShardWriter:
             for f, (key, rel, _) in zip(futures, todo):
                 fmt.created(f, self.ctx.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
         for key, rel, _ in todo:
-            self.durability.touch(rel)  # an fsync pass that ran since the array was opened did not see this file
+            if self.durability.deferred:  # an fsync pass that ran since the array was opened did not see this file
+                self.durability.touch_file(rel, "zarr.json")
             localwrite.log_object(rel, "zarr.json")
             self._uncreated.discard(key)
 

@@ -83,13 +83,55 @@ _SAVED_BY = "ucp_store.formats.dcp.storage"
 # ------------------------------------------------------------------------------------------------ store
 def _open(store: Any, *, create: bool):
     """A Store from a Store, a folder or a URL."""
-    from ucp_store.store import Store, open_store
+    from ucp_store.store import Store
 
     if isinstance(store, Store):
         return store
     if isinstance(store, (str, os.PathLike)):
-        return open_store(os.fspath(store), create=create)
+        return _shared_store(os.fspath(store), None, create)
     raise ConfigurationError(f"store: expected a Store, a folder or a store URL, got {type(store).__name__}")
+
+
+_SHARED: dict[tuple, tuple[Any, Any]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _catalog_identity(store) -> tuple | None:
+    """(device, inode) of a store's SQLite catalog file; None for another catalog or a missing file."""
+    from sqlalchemy.engine import make_url
+
+    url = store.location.catalog_url
+    if not url.startswith("sqlite"):
+        return None
+    try:
+        st = os.stat(make_url(url).database or "")
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _shared_store(url: str, catalog: str | None, create: bool):
+    """The Store at ``url``, opened once per process for an SQLite catalog.
+
+    Why: a loop builds a new writer or reader for every ``dcp.save`` / ``dcp.load``, and opening a store
+    (engine, revision check, settings; SQLAlchemy's compiled-statement cache is per engine) cost each
+    call more than its catalog transaction. The cached Store is used again only while its catalog file is
+    the same file (a store removed and made again at the path is opened afresh) and in the process that
+    opened it (an SQLite connection must not cross a fork). Other catalogs (PostgreSQL) open per call."""
+    from ucp_store.store import open_store
+
+    key = (os.getpid(), url, catalog)
+    with _SHARED_LOCK:
+        hit = _SHARED.get(key)
+        if hit is not None and hit[1] is not None and _catalog_identity(hit[0]) == hit[1]:
+            return hit[0]
+        store = open_store(url, catalog=catalog, create=create)
+        ident = _catalog_identity(store)
+        if ident is not None:
+            if len(_SHARED) >= 16:
+                _SHARED.pop(next(iter(_SHARED)))
+            _SHARED[key] = (store, ident)
+        return store
 
 
 class _StoreRef:
@@ -116,9 +158,7 @@ class _StoreRef:
 
     def get(self):
         if self._store is None:
-            from ucp_store.store import open_store
-
-            self._store = open_store(self.url, catalog=self.catalog, create=self.create)
+            self._store = _shared_store(self.url, self.catalog, self.create)
         return self._store
 
     def __getstate__(self) -> dict:
