@@ -1,6 +1,7 @@
 """Benchmark: ucp_store's DCP storage backend against DCP's FileSystemWriter / FileSystemReader (issue 29).
 
-    .venv/bin/python tools/bench_dcp_storage.py [--mb 256] [--tensors 16] [--world 2] [--repeat 3] [--dir DIR]
+    .venv/bin/python tools/bench_dcp_storage.py [--mb 256 | --mb 128,1024] [--tensors 16] [--world 2] [--repeat 3]
+                                                [--dir DIR]
 
 ``world`` gloo ranks (plain processes) hold the same state: ``tensors`` 2-D fp32 DTensors of ``mb`` MiB in
 all, sharded by rows (``Shard(0)``). In one run, each figure the best of ``repeat``, every rank timed
@@ -16,6 +17,9 @@ between barriers (the slowest rank counts):
 - ``async_save``: how long ``dcp.async_save`` (thread executor) blocks the caller, for both writers.
 
 Page cache: warm (each figure the best of several runs); the ceiling writes and fsyncs as the saves do.
+Every method, the ceiling included, writes new files each time, after its previous save was removed
+(untimed): the steady state of a job with retention. A file rewritten in place (``O_TRUNC``) frees its
+pages inside the timed write and got them back at once, which made the ceiling cheaper than any save.
 """
 
 from __future__ import annotations
@@ -170,22 +174,12 @@ def _rank(rank, spec, port):
     dist.destroy_process_group()
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
-        _rank(int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]))
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mb", type=int, default=256)
-    ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed)")
-    args = ap.parse_args()
+def _one_size(args, mb: int, d: str) -> dict:
+    """Run the ranks for one state size; the slowest rank's figures."""
     from ucp_test_helpers import free_port
 
-    d = args.dir or tempfile.mkdtemp(prefix="ucp-bench-dcp-")
     os.makedirs(d, exist_ok=True)
-    spec = {"mb": args.mb, "tensors": args.tensors, "world": args.world, "repeat": args.repeat, "dir": d,
+    spec = {"mb": mb, "tensors": args.tensors, "world": args.world, "repeat": args.repeat, "dir": d,
             "out": os.path.join(d, "out")}
     os.makedirs(spec["out"], exist_ok=True)
     port = free_port()
@@ -193,26 +187,63 @@ def main() -> int:
              for r in range(args.world)]
     rcs = [p.wait() for p in procs]
     if any(rcs):
-        print(f"ranks failed: {rcs}", file=sys.stderr)
-        return 1
+        raise SystemExit(f"ranks failed: {rcs}")
     ranks = [json.load(open(os.path.join(spec["out"], f"rank{r}.json"))) for r in range(args.world)]
     worst = {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_s") or k.endswith("_amp")}
-    total = sum(r["bytes_per_rank"] for r in ranks) / (1 << 20)
-    print(f"{args.world} gloo ranks, {total:.0f} MiB of fp32 in {args.tensors} row-sharded tensors, best of "
+    worst["exact"] = all(r["load_exact"] for r in ranks)
+    worst["total_mb"] = sum(r["bytes_per_rank"] for r in ranks) / (1 << 20)
+    return worst
+
+
+def _report(args, w: dict) -> None:
+    print(f"{args.world} gloo ranks, {w['total_mb']:.0f} MiB of fp32 in {args.tensors} row-sharded tensors, best of "
           f"{args.repeat}, slowest rank:")
-    print(f"  ceiling (write+fsync per rank) {worst['ceiling_s']:.3f} s")
+    print(f"  ceiling (write+fsync per rank) {w['ceiling_s']:.3f} s")
     for name in ("dcp", "ucp"):
-        print(f"  {name} save {worst[f'{name}_save_s']:.3f} s = {worst['ceiling_s'] / worst[f'{name}_save_s']:.2f}x "
-              "of the ceiling")
-    print(f"  resharded load (rows -> columns): dcp {worst['dcp_load_s']:.3f} s (read amplification "
-          f"{worst['dcp_load_amp']:.2f}), ucp {worst['ucp_load_s']:.3f} s ({worst['ucp_load_amp']:.2f}): "
-          f"ucp {worst['dcp_load_s'] / worst['ucp_load_s']:.2f}x DCP; bit-exact: {all(r['load_exact'] for r in ranks)}")
-    print(f"  reverse (columns -> rows) read amplification: dcp {worst['dcp_reverse_amp']:.2f}, "
-          f"ucp {worst['ucp_reverse_amp']:.2f}")
-    print(f"  async_save (thread) blocks: dcp {worst['dcp_async_block_s'] * 1e3:.1f} ms, ucp "
-          f"{worst['ucp_async_block_s'] * 1e3:.1f} ms")
-    if not args.dir:
-        shutil.rmtree(d, ignore_errors=True)
+        print(f"  {name} save {w[f'{name}_save_s']:.3f} s = {w['ceiling_s'] / w[f'{name}_save_s']:.2f}x of the ceiling")
+    print(f"  resharded load (rows -> columns): dcp {w['dcp_load_s']:.3f} s (read amplification "
+          f"{w['dcp_load_amp']:.2f}), ucp {w['ucp_load_s']:.3f} s ({w['ucp_load_amp']:.2f}): "
+          f"ucp {w['dcp_load_s'] / w['ucp_load_s']:.2f}x DCP; bit-exact: {w['exact']}")
+    print(f"  reverse (columns -> rows) read amplification: dcp {w['dcp_reverse_amp']:.2f}, "
+          f"ucp {w['ucp_reverse_amp']:.2f}")
+    print(f"  async_save (thread) blocks: dcp {w['dcp_async_block_s'] * 1e3:.1f} ms, ucp "
+          f"{w['ucp_async_block_s'] * 1e3:.1f} ms", flush=True)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        _rank(int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", default="256", help="state size in MiB; a comma list runs each size in turn and ends "
+                                                "with a table (e.g. 128,1024)")
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed)")
+    args = ap.parse_args()
+    sizes = [int(x) for x in str(args.mb).split(",") if x.strip()]
+    d = args.dir or tempfile.mkdtemp(prefix="ucp-bench-dcp-")
+    rows = []
+    try:
+        for mb in sizes:
+            w = _one_size(args, mb, os.path.join(d, f"{mb}mb"))
+            _report(args, w)
+            rows.append((mb, w))
+            if not args.dir:  # the next size starts from pages this one freed, as each save does
+                shutil.rmtree(os.path.join(d, f"{mb}mb"), ignore_errors=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(d, ignore_errors=True)
+    if len(rows) > 1:
+        print("\n| state | ceiling | DCP save / ceiling | ucp save / ceiling | resharded load: ucp vs DCP | "
+              "read amplification (DCP, ucp) | async_save blocks (DCP, ucp) |")
+        print("|---|---|---|---|---|---|---|")
+        for mb, w in rows:
+            print(f"| {mb} MiB | {w['ceiling_s']:.3f} s | {w['ceiling_s'] / w['dcp_save_s']:.2f}x | "
+                  f"{w['ceiling_s'] / w['ucp_save_s']:.2f}x | {w['dcp_load_s'] / w['ucp_load_s']:.2f}x | "
+                  f"{w['dcp_load_amp']:.2f}, {w['ucp_load_amp']:.2f} | {w['dcp_async_block_s'] * 1e3:.0f} ms, "
+                  f"{w['ucp_async_block_s'] * 1e3:.0f} ms |")
     return 0
 
 
