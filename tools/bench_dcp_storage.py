@@ -8,6 +8,8 @@ all, sharded by rows (``Shard(0)``). In one run, each figure the best of ``repea
 between barriers (the slowest rank counts):
 
 - ``ceiling``: each rank writes its shard bytes to its own file with ``write`` + ``fsync``;
+- ``checked ceiling``: the same, plus the work the format asks of every byte (each chunk gathered from
+  the source in the store's chunk shape, its crc32c, the content hash's unit digests), in one thread;
 - ``save``: ``dcp.save`` through ``FileSystemWriter`` and through ``UcpStorageWriter`` (a new version
   each time), as a fraction of the ceiling;
 - ``resharded load``: into the same tensors sharded by columns (``Shard(1)``), with ``FileSystemReader``
@@ -65,6 +67,7 @@ def _state(spec, mesh, placement):
 
 def _rank(rank, spec, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(spec["world"]))
+    import numpy as np
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -74,11 +77,15 @@ def _rank(rank, spec, port):
     from torch.distributed.tensor import Shard
 
     from ucp_store.formats.dcp.storage import UcpStorageReader, UcpStorageWriter
+    from ucp_store.io import format as fmt
+    from ucp_store.io.crc import value as crc32c
 
     dist.init_process_group("gloo", rank=rank, world_size=spec["world"])
     mesh = init_device_mesh("cpu", (spec["world"],))
     sd = {"model": _state(spec, mesh, Shard(0))}
     local = [t.to_local() for t in sd["model"].values()]
+    local_np = {k: v.to_local().numpy() for k, v in sd["model"].items()}
+    offsets = [rank * (v.shape[0] // spec["world"]) for v in sd["model"].values()]
     mine = sum(t.numel() * t.element_size() for t in local)
     d = spec["dir"]
     store = os.path.join(d, "store")
@@ -89,6 +96,30 @@ def _rank(rank, spec, port):
         with open(os.path.join(d, f"ceil{rank}.bin"), "xb") as f:
             for t in local:
                 f.write(memoryview(t.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    scratch = np.empty(mine, np.uint8)
+    chunks: dict[str, tuple[int, ...]] = {}  # the chunk shape the store chose for each tensor (after a ucp save)
+
+    def checked_ceiling():
+        """The ceiling plus the work the format asks of every byte: each chunk gathered from the source, its
+        crc32c, the content hash's unit digests (``format.box_unit_digests``, the writers' own); one file,
+        one write, one fsync."""
+        pos, digests = 0, {}
+        for (name, t), row0 in zip(sd["model"].items(), offsets):
+            a = local_np[name]
+            c0, c1 = chunks[name]
+            for i in range(0, a.shape[0], c0):
+                for j in range(0, a.shape[1], c1):
+                    tile = a[i:i + c0, j:j + c1]
+                    dst = scratch[pos:pos + tile.nbytes].view(a.dtype).reshape(tile.shape)
+                    np.copyto(dst, tile)
+                    crc32c(dst)
+                    pos += tile.nbytes
+            fmt.box_unit_digests("float32", tuple(t.shape), (row0, 0), a, digests)
+        with open(os.path.join(d, f"ceil{rank}.bin"), "xb") as f:
+            f.write(memoryview(scratch[:pos]))
             f.flush()
             os.fsync(f.fileno())
 
@@ -104,7 +135,7 @@ def _rank(rank, spec, port):
         just freed (a file rewritten in place, or written while old ones pile up, costs another amount)."""
         if rank != 0:
             return
-        if fn is ceiling:
+        if fn is ceiling or fn is checked_ceiling:
             for p in (os.path.join(d, f"ceil{r}.bin") for r in range(spec["world"])):
                 if os.path.exists(p):
                     os.unlink(p)
@@ -119,7 +150,8 @@ def _rank(rank, spec, port):
             s.gc()
 
     def timed(fn):
-        fresh()
+        if fn is not checked_ceiling:  # it runs after the ucp saves: the state must stay their last one's
+            fresh()
         drop_last(fn)
         return _timed(fn, dist)
 
@@ -131,6 +163,10 @@ def _rank(rank, spec, port):
     res["ceiling_s"] = min(timed(ceiling) for _ in rep)
     res["dcp_save_s"] = min(timed(fs_save) for _ in rep)
     res["ucp_save_s"] = min(timed(ucp_save) for _ in rep)
+    from ucp_store import open_store
+
+    chunks.update({i.name: tuple(i.chunk_shape) for i in open_store(store).checkpoint("b@latest").tensors()})
+    res["checked_ceiling_s"] = min(timed(checked_ceiling) for _ in rep)
     target = {"model": _state(spec, mesh, None)}
     target = {"model": {k: v.redistribute(mesh, [Shard(1)]) for k, v in target["model"].items()}}
     need = sum(t.to_local().numel() * 4 for t in target["model"].values())
@@ -198,9 +234,11 @@ def _one_size(args, mb: int, d: str) -> dict:
 def _report(args, w: dict) -> None:
     print(f"{args.world} gloo ranks, {w['total_mb']:.0f} MiB of fp32 in {args.tensors} row-sharded tensors, best of "
           f"{args.repeat}, slowest rank:")
-    print(f"  ceiling (write+fsync per rank) {w['ceiling_s']:.3f} s")
+    print(f"  ceiling (write+fsync per rank) {w['ceiling_s']:.3f} s; with the format's checks (chunk gather, "
+          f"crc32c, unit digests) {w['checked_ceiling_s']:.3f} s = {w['ceiling_s'] / w['checked_ceiling_s']:.2f}x")
     for name in ("dcp", "ucp"):
-        print(f"  {name} save {w[f'{name}_save_s']:.3f} s = {w['ceiling_s'] / w[f'{name}_save_s']:.2f}x of the ceiling")
+        print(f"  {name} save {w[f'{name}_save_s']:.3f} s = {w['ceiling_s'] / w[f'{name}_save_s']:.2f}x of the "
+              f"ceiling, {w['checked_ceiling_s'] / w[f'{name}_save_s']:.2f}x of the checked one")
     print(f"  resharded load (rows -> columns): dcp {w['dcp_load_s']:.3f} s (read amplification "
           f"{w['dcp_load_amp']:.2f}), ucp {w['ucp_load_s']:.3f} s ({w['ucp_load_amp']:.2f}): "
           f"ucp {w['dcp_load_s'] / w['ucp_load_s']:.2f}x DCP; bit-exact: {w['exact']}")
@@ -236,12 +274,14 @@ def main() -> int:
         if not args.dir:
             shutil.rmtree(d, ignore_errors=True)
     if len(rows) > 1:
-        print("\n| state | ceiling | DCP save / ceiling | ucp save / ceiling | resharded load: ucp vs DCP | "
-              "read amplification (DCP, ucp) | async_save blocks (DCP, ucp) |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| state | ceiling | checked ceiling / ceiling | DCP save / ceiling | ucp save / ceiling | "
+              "ucp save / checked ceiling | resharded load: ucp vs DCP | read amplification (DCP, ucp) | "
+              "async_save blocks (DCP, ucp) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for mb, w in rows:
-            print(f"| {mb} MiB | {w['ceiling_s']:.3f} s | {w['ceiling_s'] / w['dcp_save_s']:.2f}x | "
-                  f"{w['ceiling_s'] / w['ucp_save_s']:.2f}x | {w['dcp_load_s'] / w['ucp_load_s']:.2f}x | "
+            print(f"| {mb} MiB | {w['ceiling_s']:.3f} s | {w['ceiling_s'] / w['checked_ceiling_s']:.2f}x | "
+                  f"{w['ceiling_s'] / w['dcp_save_s']:.2f}x | {w['ceiling_s'] / w['ucp_save_s']:.2f}x | "
+                  f"{w['checked_ceiling_s'] / w['ucp_save_s']:.2f}x | {w['dcp_load_s'] / w['ucp_load_s']:.2f}x | "
                   f"{w['dcp_load_amp']:.2f}, {w['ucp_load_amp']:.2f} | {w['dcp_async_block_s'] * 1e3:.0f} ms, "
                   f"{w['ucp_async_block_s'] * 1e3:.0f} ms |")
     return 0
