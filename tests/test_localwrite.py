@@ -137,3 +137,39 @@ def test_boxes_that_share_a_shard_go_through_tensorstore(tmp_path, monkeypatch):
     assert calls == [(0, 0)]  # only v's one whole shard
     assert ck.verify() == []
     assert torch.equal(ck.tensor("w", "fp32").read(), t) and torch.equal(ck.tensor("v", "fp32").read(), t)
+
+
+# (shape, dtype, chunk from the content hash's tile, shard rows in chunks, fused): the units are digested
+# per chunk where units nest in chunks (contiguous runs, or regrouped tile by tile), per box otherwise
+DIGEST_CASES = [
+    ((1024, 2048), "float32", lambda t: (16 * t[0], t[1]), 2, "runs"),         # units span the chunk's width
+    ((2048, 2048), "float32", lambda t: (4 * t[0], 4 * t[1]), 2, "split"),     # units regrouped in cache
+    ((2048, 2048), "float32", lambda t: (3 * t[0], 2 * t[1]), 2, "split"),     # edge chunks (2048 % 96)
+    ((2048, 1024), "bfloat16", lambda t: t, 4, "runs"),                          # a chunk is one unit
+    ((64, 32, 512), "float32", lambda t: (2 * t[0], t[1], 2 * t[2]), 3, "split"),
+    ((1 << 21,), "float32", lambda t: (4 * t[0],), 2, "runs"),
+    ((3000, 1024), "float32", lambda t: (512, 1024), 2, None),                   # units do not nest
+]
+
+
+@pytest.mark.parametrize(("shape", "dtype", "chunk_of", "rows", "fused"), DIGEST_CASES)
+def test_unit_digests_per_chunk_equal_the_box_digests(tmp_path, shape, dtype, chunk_of, rows, fused):
+    itemsize = dtypes.itemsize(dtype)
+    chunk = tuple(chunk_of(fmt.tile_shape(shape, itemsize)))
+    shard = (rows * chunk[0],) + tuple(-(-s // c) * c for s, c in zip(shape[1:], chunk[1:]))
+    layout = fmt.ArrayLayout(dtype, shape, chunk, shard)
+    runs = localwrite._unit_runs(layout)
+    assert (None if runs is None else ("runs" if runs[4] is None else "split")) == fused
+    a = _data(shape, dtype)
+    zero = (0,) * len(shape)
+    got: dict = {}
+    want: dict = {}
+    os.makedirs(tmp_path / "a")
+    for s in localwrite.shard_boxes(layout, zero, shape):
+        localwrite.write_shard_file(str(tmp_path / "a"), layout, s, a, zero, got)
+        lo = tuple(i * n for i, n in zip(s, shard))
+        box = a[tuple(slice(o, o + n) for o, n in zip(lo, shard))]
+        fmt.box_unit_digests(dtype, shape, lo, box, want)
+    assert got and got == want
+    fmt.read_missing_units(dtype, shape, got, lambda box: a[tuple(slice(*r) for r in box)])
+    assert fmt.units_hash(dtype, shape, got) == fmt.content_hash(a)

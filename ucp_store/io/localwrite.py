@@ -32,6 +32,7 @@ writes merge writers).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -41,6 +42,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ucp_store import config
 from ucp_store.io import format as fmt
@@ -233,6 +235,35 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+@functools.lru_cache(maxsize=1024)
+def _unit_runs(layout: fmt.ArrayLayout) -> tuple | None:
+    """How a full chunk's bytes split into whole units of the content hash, when units nest in chunks (tile
+    extents divide chunk extents in every dim): ``(tile, unit strides, run bytes, ((byte offset, unit index
+    delta), ...), split)``, where ``split`` is None when every unit is already a contiguous run of the
+    chunk's C-order bytes, else ``(shape, axes)`` that regroup the chunk's bytes tile by tile. None when
+    units do not nest (a unit wider than a chunk).
+
+    Why: each chunk is gathered into scratch for its crc anyway; digesting its units there, hot in cache
+    (regrouped by one in-cache copy when they are not contiguous), replaces a second gather of the whole
+    box from memory (``format.box_unit_digests``), which cost a fifth of the local write path's CPU."""
+    tile, chunk, item = fmt.tile_shape(layout.shape, layout.itemsize), layout.chunk_shape, layout.itemsize
+    if len(tile) != len(chunk) or any(c % t for c, t in zip(chunk, tile)):
+        return None
+    grid = [-(-s // t) for s, t in zip(layout.shape, tile)]
+    strides = tuple(math.prod(grid[d + 1:]) for d in range(len(grid)))
+    run = math.prod(tile) * item
+    per = [c // t for c, t in zip(chunk, tile)]
+    runs = tuple((k * run, sum(i * st for i, st in zip(idx, strides)))
+                 for k, idx in enumerate(itertools.product(*(range(n) for n in per))))
+    j = next((d for d in range(len(chunk)) if tile[d] < chunk[d]), None)
+    if j is None or all(tile[d] == chunk[d] for d in range(j + 1, len(chunk))):
+        return tile, strides, run, runs, None
+    tb = tile[:-1] + (tile[-1] * item,)  # the last dim in bytes
+    shape = tuple(x for n, t in zip(per, tb) for x in (n, t))
+    axes = tuple(range(0, 2 * len(per), 2)) + tuple(range(1, 2 * len(per), 2))
+    return tile, strides, run, runs, (shape, axes)
+
+
 def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...], data: np.ndarray,
                      offset: tuple[int, ...], digests: dict | None, dirs: set | None = None,
                      durable: bool = True) -> int:
@@ -259,6 +290,7 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     made = not os.path.isdir(parent)
     if made:
         os.makedirs(parent, exist_ok=True)
+    fused = _unit_runs(layout) if digests is not None else None  # units digested chunk by chunk, else per box
     tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.part"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -281,6 +313,8 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
                     enc[:] = 0  # the fill value pads an edge chunk to the full chunk shape
                 copy_into(view[tuple(slice(0, b - a) for a, b in zip(lo, hi))], src)
             batch.add(enc, _crc(enc).to_bytes(4, "little"))
+            if fused is not None:
+                _chunk_units(fused, layout, lo, full, enc, src, digests)  # type: ignore[arg-type]
             index[k] = (pos, cbytes + 4)
             pos += cbytes + 4
             if _start_writeback is not None and pos - flushed >= WRITEBACK_BYTES:
@@ -289,7 +323,7 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
                 flushed = pos
         raw = index.reshape(-1).view(np.uint8)
         batch.add(raw, _crc(raw).to_bytes(4, "little"))
-        if digests is not None:
+        if digests is not None and fused is None:
             _digest_units(layout, shard, data, offset, digests)
         batch.write()
         if durable:
@@ -316,6 +350,29 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     else:
         dirs.update(changed)
     return pos + raw.nbytes + 4
+
+
+def _chunk_units(fused: tuple, layout: fmt.ArrayLayout, lo: list[int], full: bool, enc: np.ndarray, src: np.ndarray,
+                 digests: dict) -> None:
+    """The content hash's units of one chunk (``_unit_runs``): from its encoded bytes when it is full, else
+    (an edge chunk, padded in ``enc``) from the source through ``format.box_unit_digests``."""
+    tile, strides, run, runs, split = fused
+    if not full:
+        fmt.box_unit_digests(layout.dtype, layout.shape, tuple(lo), src, digests)
+        return
+    if split is not None:  # regroup tile by tile, in cache, into this thread's second scratch
+        buf = getattr(_scratch, "tiles", None)
+        if buf is None or buf.nbytes < enc.nbytes:
+            buf = _scratch.tiles = np.empty(enc.nbytes, np.uint8)
+        shape, axes = split
+        out = buf[:enc.nbytes]
+        np.copyto(out.reshape([shape[a] for a in axes]), enc.reshape(shape).transpose(axes))
+        enc = out
+    base = sum(a // t * st for a, t, st in zip(lo, tile, strides))
+    mv = enc.reshape(-1).view(np.uint8).data
+    digest = xxhash.xxh3_128_digest
+    for off, du in runs:
+        digests[base + du] = digest(mv[off:off + run])
 
 
 def _digest_units(layout: fmt.ArrayLayout, shard: tuple[int, ...], data: np.ndarray, offset: tuple[int, ...],
