@@ -31,6 +31,9 @@ class Durability:
         self._context: Any = None
         self._unsynced: set[str] | None = None
         self._files: set[tuple[str, str]] = set()  # (array folder, file name): fsynced alone (``touch_file``)
+        #: folders whose entries the local write path changed while deferred (new sub-folders, renamed shard
+        #: files): fsynced by the next pass; the write pool's threads add to it
+        self.changed_dirs: set[str] = set()
         #: folders whose entries localwrite changed: fsynced once in ``sync_dirs``
         self.local_dirs: set[str] = set()
 
@@ -61,32 +64,34 @@ class Durability:
         if self._unsynced is not None:
             self._files.add((rel, name))
 
-    def _take(self) -> tuple[list[str], list[tuple[str, str]]]:
+    def _take(self) -> tuple[list[str], list[tuple[str, str]], list[str]]:
         rels, files = sorted(self._unsynced or ()), sorted(self._files)
         if self._unsynced is not None:
             self._unsynced = set()
         self._files = set()
-        return rels, files
+        dirs = sorted(set(self.changed_dirs))  # copied, then cleared: the set object stays the writers'
+        self.changed_dirs.difference_update(dirs)
+        return rels, files, dirs
 
     def make_durable(self) -> None:
         """fsync every file and folder under the array folders written since the last pass, each file touched
         alone, and the folders that hold them (the checkpoint's folder, the arrays folder), in parallel."""
-        rels, files = self._take()
-        if rels or files:
-            self._sync_rels(rels, files)
+        rels, files, dirs = self._take()
+        if rels or files or dirs:
+            self._sync_rels(rels, files, dirs)
 
     def make_durable_async(self) -> Future:
         """Start the pass over what was written until now on a thread; returns its Future (``result()``
         re-raises a failure). What is written later goes to the next pass."""
-        rels, files = self._take()
+        rels, files, dirs = self._take()
         done: Future = Future()
-        if not rels and not files:
+        if not rels and not files and not dirs:
             done.set_result(None)
             return done
 
         def run() -> None:
             try:
-                self._sync_rels(rels, files)
+                self._sync_rels(rels, files, dirs)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the pass
                 done.set_exception(exc)
             else:
@@ -95,7 +100,7 @@ class Durability:
         threading.Thread(target=run, name="ucp-durable", daemon=True).start()
         return done
 
-    def _sync_rels(self, rels: list[str], files: list[tuple[str, str]]) -> None:
+    def _sync_rels(self, rels: list[str], files: list[tuple[str, str]], dirs: list[str]) -> None:
         root = self.ctx.location.root
         paths: list[str] = []
         for rel in rels:
@@ -106,9 +111,11 @@ class Durability:
         walked = set(rels)
         paths.extend(os.path.join(root, rel, name) for rel, name in files if rel not in walked)
         paths.extend(sorted({os.path.join(root, rel) for rel, _ in files} - {os.path.join(root, r) for r in rels}))
+        paths.extend(sorted(set(dirs) - set(paths)))
         every = rels + [rel for rel, _ in files]
-        paths.extend(sorted({os.path.dirname(os.path.join(root, rel).rstrip("/")) for rel in every}))
-        paths.append(os.path.join(root, os.path.dirname(os.path.dirname(every[0].rstrip("/")))))
+        if every:
+            paths.extend(sorted({os.path.dirname(os.path.join(root, rel).rstrip("/")) for rel in every}))
+            paths.append(os.path.join(root, os.path.dirname(os.path.dirname(every[0].rstrip("/")))))
 
         def sync(path: str) -> None:
             try:

@@ -172,10 +172,11 @@ class ShardWriter:
         if folder is not None and localwrite.whole_shards(layout, offset, tuple(data.shape)):
             # whole shards of a local store with deferred durability: their files straight from memory; the
             # write pool digests each chunk from the copy it writes (not this thread, one more pass over it)
-            self._submit_local_shards(folder, layout, offset, data,
+            self._submit_local_shards(folder, rel, layout, offset, data,
                                       self._shard_digests.setdefault(key, {}) if digest else None, what)
             return
         box = tuple(slice(o, o + n) for o, n in zip(offset, data.shape))
+        self.durability.touch(rel)  # TensorStore writes shard files this writer does not name: the pass walks rel
         self.arrays.window.submit(handle[box].write(data), data.nbytes, (data, what))
         if digest:
             fmt.box_unit_digests(layout.dtype, layout.shape, offset, data, self._shard_digests.setdefault(key, {}))
@@ -255,10 +256,11 @@ class ShardWriter:
             folder = self._local_folder(key, rel, layout)
             if folder is not None and localwrite.whole_shards(layout, offset, tuple(array.shape)):
                 # this rank owns whole shard files: written here, each chunk copied once (crc, digest, writev)
-                self._submit_local_shards(folder, layout, offset, array, self._unit_digests.setdefault(key, {}),
-                                          what)
+                self._submit_local_shards(folder, rel, layout, offset, array,
+                                          self._unit_digests.setdefault(key, {}), what)
             else:
                 box = tuple(slice(o, o + n) for o, n in zip(offset, array.shape))
+                self.durability.touch(rel)  # TensorStore's shard files: the pass walks rel
                 future = handle[box].write(array) if box else handle.write(array)
                 self.arrays.window.submit(future, array.nbytes, (array, what))
                 self._digest_region(key, layout, offset, array)
@@ -272,14 +274,18 @@ class ShardWriter:
             folder = self._local_folders[key] = localwrite.local_folder(self.ctx.location, rel, layout)
         return folder
 
-    def _submit_local_shards(self, folder: str, layout: fmt.ArrayLayout, offset: tuple[int, ...], array: np.ndarray,
-                             digests: dict | None, what: str) -> None:
+    def _submit_local_shards(self, folder: str, rel: str, layout: fmt.ArrayLayout, offset: tuple[int, ...],
+                             array: np.ndarray, digests: dict | None, what: str) -> None:
         """The shard files of a ``localwrite.whole_shards`` box, on the write pool. Durable per file (folders
-        once, in ``_drain``), or, when this writer defers durability, left to ``flush``'s single pass."""
+        once, in ``_drain``), or, when this writer defers durability, left to ``flush``'s single pass, which
+        fsyncs exactly these files and the folders whose entries they changed (not every rank's files)."""
         deferred = self.durability.deferred
-        dirs: set[str] = set() if deferred else self.durability.local_dirs
+        dirs: set[str] = self.durability.changed_dirs if deferred else self.durability.local_dirs
         shape = tuple(array.shape)
+        per = [sh // c for sh, c in zip(layout.shard_shape, layout.chunk_shape)]
         for shard in localwrite.shard_boxes(layout, offset, shape):
+            if deferred:
+                self.durability.touch_file(rel, layout.shard_key(tuple(s * p for s, p in zip(shard, per))))
             future = localwrite.submit(localwrite.write_shard_file, folder, layout, shard, array, offset, digests,
                                        dirs, not deferred)
             self.arrays.window.submit(future, min(array.nbytes, math.prod(layout.shard_shape) * array.itemsize),
@@ -305,12 +311,12 @@ class ShardWriter:
                                      writer_aligned_shards(layout, points), layout.compression)
             aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
             rel = array_path(self.id, aid)
-            self.durability.touch(rel)
             if (create is None and self.origin_metadata) or (create is not None and key not in create):
                 future = None
             else:
                 future = fmt.create_array(self.ctx.location, rel, layout, self.durability.array_context(), shared=True,
                                           wait=False)
+                self.durability.touch_file(rel, "zarr.json")
                 localwrite.log_object(rel, "zarr.json")
             pending.append((key, aid, rel, layout, pattern, future))
         for key, aid, rel, layout, pattern, future in pending:
@@ -380,7 +386,6 @@ class ShardWriter:
             shape = tuple(int(s) for s in shape)
             dt = dtypes.zarr_name(dtype, what=f"tensor {name!r} state {state!r}")
             layout, rel, aid = self._shard_layout(name, state, shape, dt, pattern, topology, targets)
-            self.durability.touch(rel)
             if (create is None and self.origin_metadata) or (create is not None and key not in create):
                 self._handles[key] = self._uncreated_array(key, rel, layout)
                 self._opened[key] = (layout, rel, aid)
@@ -397,6 +402,7 @@ class ShardWriter:
             handles = [fmt.created(f, self.ctx.location, rel, f"tensor {key[0]!r} state {key[1]!r}")
                        for f, (key, _, rel, _) in zip(futures, pending)]
         for (key, layout, rel, aid), handle in zip(pending, handles):
+            self.durability.touch_file(rel, "zarr.json")
             localwrite.log_object(rel, "zarr.json")
             self._handles[key] = handle
             self._opened[key] = (layout, rel, aid)
@@ -412,10 +418,10 @@ class ShardWriter:
                                     f"open_shards {layout.dtype}{list(layout.shape)}")
             return self._handles[key], layout, rel, aid
         layout, rel, aid = self._shard_layout(name, state, shape, dtype, pattern, topology, targets)
-        self.durability.touch(rel)
         if self.origin_metadata:  # the origin writes its zarr.json in finish_shards
             handle = self._uncreated_array(key, rel, layout)
         else:
+            self.durability.touch_file(rel, "zarr.json")
             handle = fmt.create_array(self.ctx.location, rel, layout, self.durability.array_context(), shared=True,
                                       what=f"tensor {name!r} state {state!r}")
             localwrite.log_object(rel, "zarr.json")
