@@ -97,7 +97,10 @@ _SHARED_LOCK = threading.Lock()
 
 
 def _catalog_identity(store) -> tuple | None:
-    """(device, inode) of a store's SQLite catalog file; None for another catalog or a missing file."""
+    """(device, inode, ctime) of a store's SQLite catalog file; None for another catalog or a missing file.
+    The ctime too: a store removed and made again can get the freed inode back, and a cached engine would
+    then write to the removed file. SQLite changes the file itself only at WAL checkpoints (or every commit
+    with the rollback journal), where the store is merely opened again."""
     from sqlalchemy.engine import make_url
 
     url = store.location.catalog_url
@@ -107,7 +110,7 @@ def _catalog_identity(store) -> tuple | None:
         st = os.stat(make_url(url).database or "")
     except OSError:
         return None
-    return (st.st_dev, st.st_ino)
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 def _shared_store(url: str, catalog: str | None, create: bool):
@@ -117,7 +120,9 @@ def _shared_store(url: str, catalog: str | None, create: bool):
     (engine, revision check, settings; SQLAlchemy's compiled-statement cache is per engine) cost each
     call more than its catalog transaction. The cached Store is used again only while its catalog file is
     the same file (a store removed and made again at the path is opened afresh) and in the process that
-    opened it (an SQLite connection must not cross a fork). Other catalogs (PostgreSQL) open per call."""
+    opened it (an SQLite connection must not cross a fork). Other catalogs (PostgreSQL) open per call.
+    Identity (``_catalog_identity``) is read after the open, so a checkpoint that the open itself runs makes
+    only the next call open again."""
     from ucp_store.store import open_store
 
     key = (os.getpid(), url, catalog)
