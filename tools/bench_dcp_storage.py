@@ -1,7 +1,6 @@
 """Benchmark: ucp_store's DCP storage backend against DCP's FileSystemWriter / FileSystemReader (issue 29).
 
-    .venv/bin/python tools/bench_dcp_storage.py [--mb 256 | --mb 128,1024] [--tensors 16] [--world 2] [--repeat 3]
-                                                [--dir DIR]
+    .venv/bin/python tools/bench_dcp_storage.py [--mb 128,1024] [--tensors 16] [--world 2] [--repeat 3] [--dir DIR]
 
 ``world`` gloo ranks (plain processes) hold the same state: ``tensors`` 2-D fp32 DTensors of ``mb`` MiB in
 all, sharded by rows (``Shard(0)``). In one run, each figure the best of ``repeat``, every rank timed
@@ -253,8 +252,8 @@ def main() -> int:
         _rank(int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mb", default="256", help="state size in MiB; a comma list runs each size in turn and ends "
-                                                "with a table (e.g. 128,1024)")
+    ap.add_argument("--mb", default="128,1024", help="state size in MiB; a comma list runs each size in turn and "
+                                                     "ends with a table (default: a small and a 1 GiB state)")
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
