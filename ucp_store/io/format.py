@@ -48,7 +48,7 @@ __all__ = [
     "make_context", "array_spec", "create_array", "open_array", "metadata_mismatch", "read_metadata", "box_index",
     "is_corruption", "locate_bad_chunks", "read_box", "ContentHasher", "content_hash", "slabs", "VerifyReport",
     "verify_array", "UNIT_BYTES", "WHOLE_HASH_PREFIX", "CHUNK_HASH_PREFIX", "LEGACY_HASH_PREFIXES", "hash_scheme",
-    "units_hash", "missing_units", "read_missing_units", "box_unit_digests", "tile_shape", "WholeHasher",
+    "units_hash", "missing_units", "read_missing_units", "box_unit_digests", "tile_shape", "unit_grid", "WholeHasher",
     "chunk_digest", "chunk_tree_hash",
     "legacy_chunk_tree_hash",
 ]
@@ -147,6 +147,10 @@ class ArrayLayout:
             return "c"
         per_shard = [sh // c for sh, c in zip(self.shard_shape, self.chunk_shape)]
         return "c/" + "/".join(str(i // p) for i, p in zip(chunk_index, per_shard))
+
+    def shard_file_key(self, shard_index: Sequence[int]) -> str:
+        """The key of shard file ``shard_index`` (its index in the shard grid), as :meth:`shard_key` names it."""
+        return "c/" + "/".join(str(int(i)) for i in shard_index) if self.sharded else "c"
 
 
 def _fill_value(dtype: str):
@@ -755,6 +759,13 @@ def read_missing_units(dtype: str, shape: Sequence[int], digests: dict, read) ->
             box_unit_digests(dtype, shape, tuple(a for a, _ in box), read(box), digests)
         i = r
     return len(missing)
+
+
+def unit_grid(dtype: str, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The content hash's tile shape and the strides of its unit index over the tile grid (a unit's index is
+    the sum of its tile index times these, C order), for a writer that digests units itself."""
+    t = _Tiles.of(dtype, shape)
+    return t.tile, t.strides
 
 
 def box_unit_digests(dtype: str, shape: Sequence[int], offset: Sequence[int], data: np.ndarray, out: dict) -> None:

@@ -95,11 +95,9 @@ def log_box(rel: str, layout: fmt.ArrayLayout, offset: tuple[int, ...], shape: t
     """Record the shard objects a box write touches (whole or in part: a part is a read-modify-write)."""
     if _write_log is None or not all(shape):
         return
-    per = [sh // c for sh, c in zip(layout.shard_shape, layout.chunk_shape)]
     for idx in itertools.product(*(range(o // sh, -(-(o + n) // sh))
                                    for o, n, sh in zip(offset, shape, layout.shard_shape))):
-        first = tuple(i * p for i, p in zip(idx, per))
-        _write_log.add(f"{rel}/{layout.shard_key(first)}")
+        _write_log.add(f"{rel}/{layout.shard_file_key(idx)}")
 
 
 def local_folder(location: Location, rel: str, layout: fmt.ArrayLayout) -> str | None:
@@ -246,11 +244,9 @@ def _unit_runs(layout: fmt.ArrayLayout) -> tuple | None:
     Why: each chunk is gathered into scratch for its crc anyway; digesting its units there, hot in cache
     (regrouped by one in-cache copy when they are not contiguous), replaces a second gather of the whole
     box from memory (``format.box_unit_digests``), which cost a fifth of the local write path's CPU."""
-    tile, chunk, item = fmt.tile_shape(layout.shape, layout.itemsize), layout.chunk_shape, layout.itemsize
+    (tile, strides), chunk, item = fmt.unit_grid(layout.dtype, layout.shape), layout.chunk_shape, layout.itemsize
     if len(tile) != len(chunk) or any(c % t for c, t in zip(chunk, tile)):
         return None
-    grid = [-(-s // t) for s, t in zip(layout.shape, tile)]
-    strides = tuple(math.prod(grid[d + 1:]) for d in range(len(grid)))
     run = math.prod(tile) * item
     per = [c // t for c, t in zip(chunk, tile)]
     runs = tuple((k * run, sum(i * st for i, st in zip(idx, strides)))
@@ -285,7 +281,7 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     cbytes = math.prod(chunk) * itemsize
     index = np.full((math.prod(per), 2), _MISSING, "<u8")
     first = tuple(s * p for s, p in zip(shard, per))
-    path = os.path.join(folder, *layout.shard_key(first).split("/"))
+    path = os.path.join(folder, *layout.shard_file_key(shard).split("/"))
     parent = os.path.dirname(path)
     made = not os.path.isdir(parent)
     if made:
@@ -314,7 +310,7 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
                 copy_into(view[tuple(slice(0, b - a) for a, b in zip(lo, hi))], src)
             batch.add(enc, _crc(enc).to_bytes(4, "little"))
             if fused is not None:
-                _chunk_units(fused, layout, lo, full, enc, src, digests)  # type: ignore[arg-type]
+                _chunk_unit_digests(fused, layout, lo, full, enc, src, digests)  # type: ignore[arg-type]
             index[k] = (pos, cbytes + 4)
             pos += cbytes + 4
             if _start_writeback is not None and pos - flushed >= WRITEBACK_BYTES:
@@ -352,8 +348,8 @@ def write_shard_file(folder: str, layout: fmt.ArrayLayout, shard: tuple[int, ...
     return pos + raw.nbytes + 4
 
 
-def _chunk_units(fused: tuple, layout: fmt.ArrayLayout, lo: list[int], full: bool, enc: np.ndarray, src: np.ndarray,
-                 digests: dict) -> None:
+def _chunk_unit_digests(fused: tuple, layout: fmt.ArrayLayout, lo: list[int], full: bool, enc: np.ndarray,
+                        src: np.ndarray, digests: dict) -> None:
     """The content hash's units of one chunk (``_unit_runs``): from its encoded bytes when it is full, else
     (an edge chunk, padded in ``enc``) from the source through ``format.box_unit_digests``."""
     tile, strides, run, runs, split = fused
@@ -369,7 +365,7 @@ def _chunk_units(fused: tuple, layout: fmt.ArrayLayout, lo: list[int], full: boo
         np.copyto(out.reshape([shape[a] for a in axes]), enc.reshape(shape).transpose(axes))
         enc = out
     base = sum(a // t * st for a, t, st in zip(lo, tile, strides))
-    mv = enc.reshape(-1).view(np.uint8).data
+    mv = enc.data  # enc is flat bytes: the scratch, the source in place, or the regrouped copy
     digest = xxhash.xxh3_128_digest
     for off, du in runs:
         digests[base + du] = digest(mv[off:off + run])

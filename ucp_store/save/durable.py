@@ -108,14 +108,14 @@ class Durability:
             for folder, _, names in os.walk(top):
                 paths.extend(os.path.join(folder, f) for f in names)
                 paths.append(folder)
-        walked = set(rels)
-        paths.extend(os.path.join(root, rel, name) for rel, name in files if rel not in walked)
-        paths.extend(sorted({os.path.join(root, rel) for rel, _ in files} - {os.path.join(root, r) for r in rels}))
-        paths.extend(sorted(set(dirs) - set(paths)))
+        for rel, name in files:
+            paths += [os.path.join(root, rel, name), os.path.join(root, rel)]
+        paths.extend(dirs)
         every = rels + [rel for rel, _ in files]
         if every:
             paths.extend(sorted({os.path.dirname(os.path.join(root, rel).rstrip("/")) for rel in every}))
             paths.append(os.path.join(root, os.path.dirname(os.path.dirname(every[0].rstrip("/")))))
+        paths = list(dict.fromkeys(paths))  # each path fsynced once (a walked file, a folder named twice)
 
         def sync(path: str) -> None:
             try:

@@ -282,10 +282,9 @@ class ShardWriter:
         deferred = self.durability.deferred
         dirs: set[str] = self.durability.changed_dirs if deferred else self.durability.local_dirs
         shape = tuple(array.shape)
-        per = [sh // c for sh, c in zip(layout.shard_shape, layout.chunk_shape)]
         for shard in localwrite.shard_boxes(layout, offset, shape):
             if deferred:
-                self.durability.touch_file(rel, layout.shard_key(tuple(s * p for s, p in zip(shard, per))))
+                self.durability.touch_file(rel, layout.shard_file_key(shard))
             future = localwrite.submit(localwrite.write_shard_file, folder, layout, shard, array, offset, digests,
                                        dirs, not deferred)
             self.arrays.window.submit(future, min(array.nbytes, math.prod(layout.shard_shape) * array.itemsize),
