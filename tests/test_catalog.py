@@ -117,8 +117,8 @@ def _count(session, model) -> int:
 
 
 def test_revisions_are_linear():
-    assert known_revisions() == ["0001", "0002", "0003", "0004"]
-    assert head_revision() == "0004"
+    assert known_revisions() == ["0001", "0002", "0003", "0004", "0005", "0006"]
+    assert head_revision() == "0006"
 
 
 def test_create_at_head(url, opened):
@@ -219,11 +219,11 @@ def test_upgrade_from_0001_keeps_rows(url, opened):
     finally:
         engine.dispose()
 
-    with pytest.raises(SchemaVersionError, match=r"'0001', older than .*'0004'.*ucp db upgrade"):
+    with pytest.raises(SchemaVersionError, match=r"'0001', older than .*'0006'.*ucp db upgrade"):
         open_catalog(url, create=False, upgrade=False)
 
     catalog = opened(url, create=False)  # upgrade=True by default
-    assert current_revision(catalog) == "0004"
+    assert current_revision(catalog) == "0006"
     assert "retention" in {c["name"] for c in inspect(catalog.engine).get_columns("runs")}
     with catalog.session() as s:
         run = s.scalars(select(Run)).one()
@@ -243,8 +243,8 @@ def test_downgrade_then_upgrade(url, opened):
         s.add(Run(name="r", retention={"keep_last": 1}))
     catalog.close()
     downgrade_to(url, "0001")
-    assert upgrade(url) == ("0001", "0004")
-    assert upgrade(url) == ("0004", "0004")
+    assert upgrade(url) == ("0001", "0006")
+    assert upgrade(url) == ("0006", "0006")
     with opened(url, create=False).session() as s:
         assert s.scalars(select(Run.retention)).one() is None  # the 0002 column came back empty
 
@@ -320,7 +320,7 @@ def test_upgrade_from_0003_keeps_object_values(url, opened):
             conn.execute(t["objects"].insert().values(checkpoint_id="c" * 16, name="arr", kind="array"))
     finally:
         engine.dispose()
-    assert upgrade(url) == ("0003", "0004")
+    assert upgrade(url) == ("0003", "0006")
 
     def stored() -> dict:
         with opened(url, create=False).session() as s:
@@ -334,7 +334,7 @@ def test_upgrade_from_0003_keeps_object_values(url, opened):
     else:
         assert repr(got["one"]) == "1.0" and repr(got["negzero"]) == "-0.0"
     downgrade_to(url, "0003")
-    assert upgrade(url) == ("0003", "0004")
+    assert upgrade(url) == ("0003", "0006")
     again = stored()
     assert json.dumps({k: again[k] for k in values if k not in ("nan", "huge", "tiny")}) == json.dumps(
         {k: v for k, v in values.items() if k not in ("nan", "huge", "tiny")})
@@ -350,7 +350,7 @@ def test_newer_revision_is_refused(url, opened):
             open_catalog(url, create=create)
         msg = str(info.value)
         assert "'0099_from_the_future', newer than this ucp_store" in msg
-        assert "knows up to '0004'" in msg and "upgrade ucp_store" in msg
+        assert "knows up to '0006'" in msg and "upgrade ucp_store" in msg
     with pytest.raises(SchemaVersionError, match="0099_from_the_future"):
         upgrade(url)
 
@@ -381,6 +381,8 @@ def test_offline_sql_generation():
     assert "UPDATE alembic_version SET version_num='0003'" in sql
     assert "ALTER TABLE objects ALTER COLUMN value TYPE TEXT USING value::text" in sql  # 0004, exact on PostgreSQL
     assert "UPDATE alembic_version SET version_num='0004'" in sql
+    assert "ALTER TABLE arrays ADD COLUMN encoding VARCHAR(16) DEFAULT 'plain' NOT NULL" in sql  # 0005
+    assert "CREATE TABLE placements" in sql and "UPDATE alembic_version SET version_num='0006'" in sql
 
 
 # ---------------------------------------------------------------------------------------------- constraints

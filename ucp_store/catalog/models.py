@@ -61,6 +61,11 @@ __all__ = [
     "StoredObject",
     "Tag",
     "Setting",
+    "Placement",
+    "ARRAY_ENCODINGS",
+    "TIERS",
+    "PLACEMENT_STATES",
+    "SAFETY_LEVELS",
 ]
 
 #: Constraint names are explicit (and stable across SQLite/PostgreSQL) so migrations can refer to them.
@@ -75,6 +80,13 @@ NAMING_CONVENTION = {
 CHECKPOINT_STATUSES = ("pending", "committed")
 ARRAY_STATUSES = ("pending", "ready")
 OBJECT_KINDS = ("json", "array")
+#: how an array holds its values (0005): the values, or their bitwise XOR with a base array's
+ARRAY_ENCODINGS = ("plain", "xor")
+#: where a copy lives (0006): a node-local fast tier, or the store's durable location
+TIERS = ("fast", "durable")
+PLACEMENT_STATES = ("writing", "complete", "evicted")
+#: a version's safety levels, weakest first (0006); NULL in checkpoints.safety: written durable directly
+SAFETY_LEVELS = ("local", "replicated", "durable")
 
 
 def utcnow() -> _dt.datetime:
@@ -223,6 +235,8 @@ class Checkpoint(Base):
     owner_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
     nbytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
     format_version: Mapped[int] = mapped_column(Integer)
+    #: safety level of a tiered save (``SAFETY_LEVELS``); NULL: written to the durable tier directly (0006)
+    safety: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
     run: Mapped[Run] = relationship(back_populates="checkpoints")
     parent: Mapped["Checkpoint | None"] = relationship(remote_side="Checkpoint.id")
@@ -268,6 +282,11 @@ class Array(Base):
     content_hash: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
     created_at: Mapped[_dt.datetime] = mapped_column(default=utcnow)
     status: Mapped[str] = mapped_column(String(16), default="pending")
+    #: ``plain`` or ``xor`` (``ARRAY_ENCODINGS``, 0005): an ``xor`` array holds values XOR base_array's
+    encoding: Mapped[str] = mapped_column(String(16), server_default="plain")
+    base_array_id: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
+    #: bytes the array's files take in the store, where known (0005)
+    stored_nbytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     def __repr__(self) -> str:
         return f"Array(id={self.id!r}, path={self.path!r}, status={self.status!r})"
@@ -369,6 +388,31 @@ class Tag(Base):
 
     run: Mapped[Run] = relationship(back_populates="tags")
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="tags")
+
+
+class Placement(Base):
+    """Where one stored object of a version has a copy (0006): tier, node and the copy's state."""
+
+    __tablename__ = "placements"
+    __table_args__ = (
+        CheckConstraint("tier IN ('fast', 'durable')", name="tier"),
+        CheckConstraint("state IN ('writing', 'complete', 'evicted')", name="state"),
+        UniqueConstraint("checkpoint_id", "tier", "node", "object"),
+        Index("ix_placements_checkpoint_id_tier_node", "checkpoint_id", "tier", "node"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigIntPK, primary_key=True)
+    checkpoint_id: Mapped[str] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    tier: Mapped[str] = mapped_column(String(16))
+    #: the node holding the copy; "" for the durable tier
+    node: Mapped[str] = mapped_column(String(255))
+    #: the object's key relative to the tier's root
+    object: Mapped[str] = mapped_column(String(1024))
+    state: Mapped[str] = mapped_column(String(16))
+    nbytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    #: crc32c of the object's bytes as written (hex), where known
+    crc32c: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    updated_at: Mapped[_dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
 class Setting(Base):
