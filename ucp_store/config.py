@@ -27,6 +27,8 @@ variable            resolver                  meaning
 ``UCP_PROGRESS``    :func:`progress`          ``0``: never draw progress bars, ``1``: always
 ``UCP_DIST_TIMEOUT`` :func:`dist_timeout`     seconds a ucp_store collective may wait (default 300)
 ``UCP_KILL_AT``     :func:`kill_at`           test-only crash injection (``ucp_store._killpoints``)
+``UCP_NODE``        :func:`node`              this process's node name (tiers; default: the host name)
+``UCP_FAST_TIER``   :func:`fast_tier`         the node-local fast tier's folder, ``{node}`` filled in (tiers)
 ==================  ========================  ==========================================================
 
 The tuning fields (``local_read``, ``local_write``, ``import_inflight_bytes``, ``export_threads``, the pool
@@ -46,7 +48,7 @@ from typing import Any
 from ucp_store.errors import ConfigurationError
 
 __all__ = ["Settings", "current", "set", "override", "store_url", "catalog_url", "progress", "dist_timeout",
-           "kill_at", "DEFAULT_DIST_TIMEOUT", "DEFAULT_IMPORT_INFLIGHT_BYTES"]
+           "kill_at", "node", "fast_tier", "DEFAULT_DIST_TIMEOUT", "DEFAULT_IMPORT_INFLIGHT_BYTES"]
 
 DEFAULT_DIST_TIMEOUT = 300.0
 DEFAULT_IMPORT_INFLIGHT_BYTES = 256 << 20
@@ -64,6 +66,8 @@ class Settings:
       None leaves it to the caller's ``progress=`` and whether stderr is a terminal.
     - ``dist_timeout``: seconds a ucp_store collective may wait (``$UCP_DIST_TIMEOUT``, else 300).
     - ``kill_at``: the armed kill point, ``name[:N]`` (``$UCP_KILL_AT``; tests only).
+    - ``node``: this process's node name (``$UCP_NODE``, else the host name; ``tiers.node``).
+    - ``fast_tier``: the fast tier's folder template, ``{node}`` filled in (``$UCP_FAST_TIER``; ``tiers.node``).
 
     Strategies and sizes:
 
@@ -86,6 +90,8 @@ class Settings:
     progress: bool | None = None
     dist_timeout: float | None = None
     kill_at: str | None = None
+    node: str | None = None
+    fast_tier: str | None = None
     local_read: bool = True
     local_write: bool = True
     import_inflight_bytes: int = DEFAULT_IMPORT_INFLIGHT_BYTES
@@ -109,7 +115,7 @@ class Settings:
                      "sync_threads"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), name, "a number of threads (or None)")
-        for name in ("store", "catalog", "kill_at"):
+        for name in ("store", "catalog", "kill_at", "node", "fast_tier"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigurationError(f"setting {name}={value!r}: expected a string or None")
@@ -200,6 +206,17 @@ def dist_timeout() -> float:
     if raw is None:
         return DEFAULT_DIST_TIMEOUT
     return _positive_seconds(raw, "UCP_DIST_TIMEOUT")
+
+
+def node() -> str | None:
+    """This process's node name when one is configured: the ``node`` setting, else ``$UCP_NODE``, else None
+    (``tiers.node.node_name`` then takes the host name)."""
+    return _current.node or os.environ.get("UCP_NODE") or None
+
+
+def fast_tier() -> str | None:
+    """The fast tier's folder template: the ``fast_tier`` setting, else ``$UCP_FAST_TIER``, else None."""
+    return _current.fast_tier or os.environ.get("UCP_FAST_TIER") or None
 
 
 def kill_at() -> str | None:

@@ -1,0 +1,139 @@
+"""Tiers of one store (issue 38): node identity, the fast tier's folder, placement rows and safety levels.
+
+The catalog operations run on SQLite and, with UCP_TEST_POSTGRES_URL, PostgreSQL (a fresh schema each)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ucp_store import config
+from ucp_store.catalog import models as m
+from ucp_store.errors import ChecksumError, ConfigurationError, ValidationError
+from ucp_store.tiers import node as tnode
+from ucp_store.tiers import objects as tobj
+from ucp_store.tiers import placement as tp
+from ucp_store.tiers.placement import Copy, ObjectInfo
+
+from ucp_test_helpers import store_on
+
+CATALOGS = ["sqlite", "postgres"]
+
+
+def test_node_name_argument_then_env_then_host(monkeypatch):
+    import socket
+
+    monkeypatch.delenv("UCP_NODE", raising=False)
+    assert tnode.node_name() == socket.gethostname()
+    monkeypatch.setenv("UCP_NODE", "n7")
+    assert tnode.node_name() == "n7"
+    assert tnode.node_name("n2") == "n2"
+    with config.override(node="n3"):
+        assert tnode.node_name() == "n3"
+    for bad in ("", "a/b", "..", " x", "a\0b"):
+        with pytest.raises(ConfigurationError, match="node"):
+            tnode.node_name(bad)
+    monkeypatch.setenv("UCP_NODE", "../up")
+    with pytest.raises(ConfigurationError, match="UCP_NODE"):
+        tnode.node_name()
+
+
+def test_fast_tier_root_template(monkeypatch, tmp_path):
+    monkeypatch.delenv("UCP_FAST_TIER", raising=False)
+    monkeypatch.setenv("UCP_NODE", "n1")
+    assert tnode.fast_tier_root() is None
+    assert tnode.fast_tier_root(f"{tmp_path}/ucp/{{node}}/shm") == tmp_path / "ucp" / "n1" / "shm"
+    assert tnode.fast_tier_root(str(tmp_path / "ft"), node="n2") == tmp_path / "ft" / "n2"
+    monkeypatch.setenv("UCP_FAST_TIER", f"{tmp_path}/{{node}}")
+    assert tnode.fast_tier_root() == tmp_path / "n1"
+    with pytest.raises(ConfigurationError, match="fast_tier"):
+        tnode.fast_tier_root("s3://bucket/x")
+    with pytest.raises(ConfigurationError, match="only field"):
+        tnode.fast_tier_root(f"{tmp_path}/{{rank}}/{{node}}")
+
+
+def test_objects_roundtrip_and_checks(tmp_path):
+    info = tobj.write_object(tmp_path / "a", "arrays/ck/x.zarr/c/0", b"hello")
+    assert info == ObjectInfo("arrays/ck/x.zarr/c/0", 5, tobj.crc_hex(b"hello"))
+    assert tobj.read_checked(tmp_path / "a", info.key, info.crc32c, 5) == b"hello"
+    assert list(tobj.walk_objects(tmp_path / "a")) == [info.key]
+    (tmp_path / "a" / info.key).write_bytes(b"hellp")
+    with pytest.raises(ChecksumError, match="crc32c"):
+        tobj.read_checked(tmp_path / "a", info.key, info.crc32c, 5)
+    with pytest.raises(Exception, match="escape"):
+        tobj.write_object(tmp_path / "a", "../out", b"x")
+
+
+def _objs(n: int) -> list[ObjectInfo]:
+    return [ObjectInfo(f"arrays/ck/a{i}.zarr/c/0", 10 + i, f"{i:08x}") for i in range(n)]
+
+
+@pytest.mark.parametrize("catalog", CATALOGS)
+def test_safety_levels_follow_complete_rows(tmp_path, catalog):
+    with store_on(catalog, tmp_path / "s") as store:
+        ck = store.begin("r", 1).id
+        objs = _objs(3)
+        with store.catalog.write_session() as s:
+            tp.record(s, ck, "fast", "n0", objs, "writing", refresh=True)
+            assert tp.safety_of(s, ck) == "local"
+            tp.record(s, ck, "fast", "n0", objs, "complete", refresh=True)
+            tp.record(s, ck, "fast", "n1", objs[:2], "complete", refresh=True)
+        with store.catalog.session() as s:
+            assert tp.safety_of(s, ck) == "local"  # a2 has one node only
+            assert tp.missing(s, ck) == []
+        with store.catalog.write_session() as s:
+            tp.record(s, ck, "durable", "", objs[2:], "complete", refresh=True)
+            assert tp.safety_of(s, ck) == "replicated"  # a0, a1 on two nodes; a2 durable
+            tp.record(s, ck, "durable", "", objs[:2], "writing", refresh=True)
+            assert tp.safety_of(s, ck) == "replicated"
+            tp.set_state(s, ck, "durable", "", "complete")
+            assert tp.safety_of(s, ck) == "durable"
+        with store.catalog.session() as s:
+            got = tp.copies(s, ck)
+        assert got[objs[0].key] == [Copy("fast", "n0", objs[0].crc32c, 10), Copy("fast", "n1", objs[0].crc32c, 10),
+                                    Copy("durable", "", objs[0].crc32c, 10)]
+        assert got[objs[2].key] == [Copy("fast", "n0", objs[2].crc32c, 12), Copy("durable", "", objs[2].crc32c, 12)]
+
+
+@pytest.mark.parametrize("catalog", CATALOGS)
+def test_level_falls_when_copies_go(tmp_path, catalog):
+    with store_on(catalog, tmp_path / "s") as store:
+        ck = store.begin("r", 1).id
+        other = store.begin("r", 2).id
+        objs = _objs(2)
+        with store.catalog.write_session() as s:
+            for n in ("n0", "n1"):
+                tp.record(s, ck, "fast", n, objs, "complete", refresh=True)
+            tp.record(s, other, "fast", "n1", objs, "complete", refresh=True)
+            assert tp.safety_of(s, ck) == "replicated"
+        with store.catalog.write_session() as s:
+            assert tp.forget_node(s, "n1") == sorted([ck, other])
+            assert tp.safety_of(s, ck) == "local"
+            assert tp.missing(s, other) == [o.key for o in objs]  # lost: no copy anywhere
+            assert tp.fast_versions(s) == {ck: {"n0"}}
+        with store.catalog.session() as s:
+            states = {(p.node, p.state) for p in tp.rows_of(s, ck)}
+        assert states == {("n0", "complete"), ("n1", "evicted")}
+
+
+@pytest.mark.parametrize("catalog", CATALOGS)
+def test_a_version_without_rows_keeps_null(tmp_path, catalog):
+    with store_on(catalog, tmp_path / "s") as store:
+        ck = store.begin("r", 1).id
+        with store.catalog.write_session() as s:
+            assert tp.refresh_safety(s, ck) is None
+            assert tp.safety_of(s, ck) is None
+        assert tp.reached(None, "durable") and tp.reached("replicated", "local")
+        assert not tp.reached("local", "replicated")
+
+
+def test_record_refuses_bad_tier_node_state(tmp_path):
+    with store_on("sqlite", tmp_path / "s") as store:
+        ck = store.begin("r", 1).id
+        with store.catalog.write_session() as s:
+            with pytest.raises(ValidationError, match="durable tier has node"):
+                tp.record(s, ck, "durable", "n0", _objs(1), "complete")
+            with pytest.raises(ValidationError, match="tier"):
+                tp.record(s, ck, "ssd", "n0", _objs(1), "complete")
+            with pytest.raises(ValidationError, match="state"):
+                tp.record(s, ck, "fast", "n0", _objs(1), "done")
+    assert m.SAFETY_LEVELS == ("local", "replicated", "durable")
