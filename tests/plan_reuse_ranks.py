@@ -1,6 +1,6 @@
 """Harness of tests/test_plan_reuse.py: 2 gloo ranks (forked) save a state dict several times through
 ``ucp_store.distributed`` and record, per save, whether its tensors were described afresh
-(``api._describe_leaves`` calls) and whether a load of that version equals the state at the save, bit for bit.
+(``planner._describe_leaves`` calls) and whether a load of that version equals the state at the save, bit for bit.
 
 Between saves the state changes in place (the description is reused: the same storage), then a plain tensor and
 a DTensor's shard are swapped for new storage (``.data = ...``: described afresh), then ``get_state_dict``-style
@@ -22,20 +22,20 @@ def rank_main(spec: dict, rank: int, world: int, port: int) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import ucp_store.distributed as ucpd
-    from ucp_store.distributed import api
+    from ucp_store.distributed import planner
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=_dt.timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (world,))
     described = [0]
-    real = api._describe_leaves
+    real = planner._describe_leaves
 
     def counting(*a, **k):
         described[0] += 1
         return real(*a, **k)
 
-    api._describe_leaves = counting
+    planner._describe_leaves = counting
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank  # per-rank plain tensor
     full = torch.arange(40, dtype=torch.float32).reshape(8, 5)
     d = DTensor.from_local(full.chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False)

@@ -24,10 +24,10 @@ policy on another (``per_rank={"dataloader*": "by-coordinate:dp", "rng": ucpd.re
                                                                             "rng": "fresh"})
 """
 
-from ucp_store.distributed.api import STATE_DICT_OBJECT, LoadResult, Mismatch, VerifyReport, load, save, verify
 from ucp_store.distributed.asyncsave import async_save, close, prepare_async
 from ucp_store.distributed.checkpointer import Checkpointer
 from ucp_store.distributed.inflight import AsyncSaveHandle, wait
+from ucp_store.distributed.loader import LoadResult, load
 from ucp_store.distributed.rankstate import (
     Policy,
     RankTarget,
@@ -39,6 +39,9 @@ from ucp_store.distributed.rankstate import (
     reshard,
     same,
 )
+from ucp_store.distributed.saver import save
+from ucp_store.distributed.statedict import STATE_DICT_OBJECT
+from ucp_store.distributed.verifier import Mismatch, VerifyReport, verify
 
 __all__ = ["STATE_DICT_OBJECT", "AsyncSaveHandle", "Checkpointer", "LoadResult", "Mismatch", "Policy", "RankTarget",
            "RankTopology", "SavedRankState", "VerifyReport", "async_save", "by_coordinate", "close", "fresh", "load",

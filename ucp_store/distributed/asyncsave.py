@@ -48,17 +48,10 @@ import torch
 from ucp_store._killpoints import killpoint
 from ucp_store.distributed import inflight
 from ucp_store.distributed import snapshot as snap_mod
-from ucp_store.distributed.api import (
-    Ctx,
-    SavePlan,
-    confirm_cached_plan,
-    forget_plan,
-    open_everywhere,
-    plan_save,
-    settle_cached_plan,
-    write_plan,
-)
+from ucp_store.distributed.context import Ctx
 from ucp_store.distributed.inflight import AsyncSaveHandle, wait
+from ucp_store.distributed.planner import SavePlan, confirm_cached_plan, forget_plan, plan_save, settle_cached_plan
+from ucp_store.distributed.saver import open_everywhere, write_plan
 from ucp_store.distributed.statedict import path_text
 from ucp_store.errors import ConfigurationError, StalePlanError, UcpError
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ucp_store.distributed.api import Ctx, load, resolve_store, save
+from ucp_store.distributed.context import Ctx, resolve_store
+from ucp_store.distributed.loader import load
+from ucp_store.distributed.saver import save
 from ucp_store.errors import ConfigurationError, ReferenceNotFound
 
 if TYPE_CHECKING:

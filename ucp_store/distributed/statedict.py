@@ -26,7 +26,10 @@ import torch
 from ucp_store import names
 from ucp_store.errors import ConfigurationError, InvalidNameError
 
-__all__ = ["Leaf", "flatten", "from_json", "json_value", "path_text", "set_leaf"]
+__all__ = ["STATE_DICT_OBJECT", "Leaf", "flatten", "from_json", "json_value", "path_text", "set_leaf"]
+
+#: name of the JSON object holding the state dict's structure (tensor keys and non-tensor values by path)
+STATE_DICT_OBJECT = "dist.state_dict"
 
 _OPT_ROOTS = {(), ("optim",), ("optimizer",)}
 

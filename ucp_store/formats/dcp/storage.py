@@ -360,7 +360,7 @@ def _catalog_commit(writer, keys: dict[str, _Key], paths: dict[str, Any], result
                     version: str | None) -> None:
     """The coordinator records every rank's writes and commits: arrays hashed from the gathered chunk
     digests, shipped tensors and opaque bytes written here, the ``_dcp`` index last; one transaction."""
-    from ucp_store.distributed.api import set_region_hashes
+    from ucp_store.distributed.saver import set_region_hashes
     from ucp_store.formats.dcp.index import INDEX_OBJECT
 
     tensor_keys = {k: v for k, v in keys.items() if v.kind == "tensor"}
@@ -595,6 +595,9 @@ class UcpStorageWriter(StorageWriter):
         writer = _catalog_begin(self.store, self.run, self.step,
                                 self.message or f"dcp.save from {len(plans)} rank(s) through {_SAVED_BY}")
         self._writer, self._keys = writer, keys
+        # positions in the state dict's order (the plans' keys, rank 0's first, in its order), states together
+        writer.order((str(keys[k].name), str(keys[k].state)) for k in md.state_dict_metadata
+                     if k in keys and keys[k].kind in ("tensor", "whole"))
         self._paths = {k: list(v) for k, v in md.planner_data.items() if isinstance(v, (tuple, list))}
         with _PENDING_LOCK:
             _PENDING.add(self)
