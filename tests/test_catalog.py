@@ -640,11 +640,12 @@ def test_unknown_kind():
 def test_tensor_info_from_catalog_sets_every_field():
     import dataclasses
 
-    from ucp_store.records import TensorInfo
+    from ucp_store.records import ArrayRef, TensorInfo
 
     values = dict(name="w", state="fp32", shape=(2, 3), dtype="float32", pattern={"kind": "replicated"},
                   chunk_shape=(2, 3), shard_shape=(2, 3), array="arrays/ab/cd", array_id="a" * 32,
-                  codecs=[{"name": "bytes"}], nbytes=24, content_hash="xxh3-128:0", position=5)
+                  codecs=[{"name": "bytes"}], nbytes=24, content_hash="xxh3-128:0", position=5, encoding="xor",
+                  bases=(ArrayRef("arrays/ab/ef", "b" * 32, [{"name": "bytes"}], "plain"),))
     assert set(values) == {f.name for f in dataclasses.fields(TensorInfo)}  # a new field must be added here
     fast = TensorInfo.from_catalog(**values)
     assert fast == TensorInfo(**values) and vars(fast) == values

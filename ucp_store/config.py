@@ -83,6 +83,15 @@ class Settings:
       CPU count, see ``io.pools``): the I/O thread pools, each sized once, when it is first used.
     - ``sync_threads`` (None: 16): concurrent fsyncs of a deferred-durability pass (``save.durable``; the
       journal commits them together, so more in flight costs one commit, not one each).
+
+    Delta versions (issue 39, ``save/delta.py``; a save's or run's ``delta="auto"`` turns them on):
+
+    - ``delta_max_fraction`` (0.25): a tensor-state is stored as a delta of its base only when the delta's
+      files are smaller than this fraction of the full array's bytes; otherwise in full.
+    - ``delta_keyframe_every`` (8): a full array (keyframe) at least every this many versions of a
+      tensor-state, so a chain holds at most ``delta_keyframe_every - 1`` deltas over its keyframe (1: never).
+    - ``delta_codec`` (``zstd``): the deltas' compressor, ``zstd`` or ``blosc`` (zstd after a byte shuffle).
+    - ``delta_min_bytes`` (64 KiB): smaller tensor-states are stored in full (a delta saves too little).
     """
 
     store: str | None = None
@@ -101,6 +110,10 @@ class Settings:
     stream_threads: int | None = None
     write_threads: int | None = None
     sync_threads: int | None = None
+    delta_max_fraction: float = 0.25
+    delta_keyframe_every: int = 8
+    delta_codec: str = "zstd"
+    delta_min_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         for name in ("local_read", "local_write"):
@@ -115,6 +128,7 @@ class Settings:
                      "sync_threads"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), name, "a number of threads (or None)")
+        _check_delta(self)
         for name in ("store", "catalog", "kill_at", "node", "fast_tier"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -126,6 +140,16 @@ class Settings:
         if unknown:
             raise ConfigurationError(f"unknown setting {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
         return dataclasses.replace(self, **changes)
+
+
+def _check_delta(s: Settings) -> None:
+    f = s.delta_max_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+        raise ConfigurationError(f"setting delta_max_fraction={f!r}: expected a fraction of the full size, in (0, 1]")
+    _positive_int(s.delta_keyframe_every, "delta_keyframe_every", "a number of versions")
+    _positive_int(s.delta_min_bytes, "delta_min_bytes", "a number of bytes")
+    if s.delta_codec not in ("zstd", "blosc"):
+        raise ConfigurationError(f"setting delta_codec={s.delta_codec!r}: expected 'zstd' or 'blosc'")
 
 
 def _positive_int(value: Any, name: str, what: str) -> None:

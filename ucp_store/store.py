@@ -59,6 +59,11 @@ FORMAT_VERSION = 1
 DEFAULT_STORE = "./ucp-store"
 DEFAULT_PENDING_TIMEOUT = _dt.timedelta(hours=24)
 
+def _check_delta_mode(mode: Any) -> None:
+    if mode is not None and mode not in ("auto", "off"):
+        raise ConfigurationError(f"delta={mode!r}: expected 'auto', 'off' or None (the run's setting)")
+
+
 def _tool_version() -> str:
     from ucp_store import __version__
 
@@ -313,9 +318,12 @@ class Store:
 
     # --- writing ------------------------------------------------------------------------------
     def begin(self, run: str, step: int, *, parent: str | None = "auto", message: str | None = None,
-              provenance: Mapping[str, Any] | None = None) -> "CheckpointWriter":
-        """Start a checkpoint. ``parent="auto"`` links the run's latest committed version."""
+              provenance: Mapping[str, Any] | None = None, delta: str | None = None) -> "CheckpointWriter":
+        """Start a checkpoint. ``parent="auto"`` links the run's latest committed version. ``delta``: ``"auto"``
+        stores tensor-states as deltas of the parent's where small enough (``save/delta.py``), ``"off"`` never,
+        None as the run's setting (:meth:`set_run_delta`)."""
         names.run_name(run)
+        _check_delta_mode(delta)
         if not isinstance(step, numbers.Integral) or isinstance(step, bool) or not 0 <= step < 2**63:
             raise ValidationError(f"step must be an integer from 0 to 2^63-1, got {step!r}")
         prov = self._provenance_record(provenance)
@@ -362,7 +370,16 @@ class Store:
                 s.execute(update(m.Checkpoint).where(m.Checkpoint.id == cid).values(parent_id=pid))
         from ucp_store.save.writer import CheckpointWriter
 
-        return CheckpointWriter(self, cid, owner=True)
+        return CheckpointWriter(self, cid, owner=True, delta=delta)
+
+    def set_run_delta(self, run: str, mode: str | None) -> None:
+        """The run's delta policy for saves that do not pass ``delta=``: ``"auto"`` or None / ``"off"`` (full)."""
+        _check_delta_mode(mode)
+        with self.catalog.write_session() as s:
+            row = s.scalar(select(m.Run).where(m.Run.name == run))
+            if row is None:
+                raise ReferenceNotFound(f"run {run!r} not found{did_you_mean(run, run_names(s))}")
+            row.delta = "auto" if mode == "auto" else None
 
     def join(self, checkpoint_id: str) -> "CheckpointWriter":
         """Attach another process (e.g. a torch.distributed rank) to a pending checkpoint."""
@@ -376,10 +393,12 @@ class Store:
 
     def save(self, run: str, step: int, tensors: Mapping[str, Any], *, patterns: Mapping[str, dict] | None = None,
              objects: Mapping[str, Any] | None = None, provenance: Mapping[str, Any] | None = None,
-             message: str | None = None, parent: str | None = "auto", state: str = "weight"):
-        """Save a dict of tensors (``name -> tensor`` or ``name -> {state: tensor}``) as one version."""
+             message: str | None = None, parent: str | None = "auto", state: str = "weight",
+             delta: str | None = None):
+        """Save a dict of tensors (``name -> tensor`` or ``name -> {state: tensor}``) as one version
+        (``delta``: see :meth:`begin`)."""
         patterns = patterns or {}
-        with self.begin(run, step, parent=parent, message=message, provenance=provenance) as w:
+        with self.begin(run, step, parent=parent, message=message, provenance=provenance, delta=delta) as w:
             for name, value in tensors.items():
                 states = value if isinstance(value, Mapping) else {state: value}
                 for st, tensor in states.items():

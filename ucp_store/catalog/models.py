@@ -193,6 +193,8 @@ class Run(Base):
     description: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: {"keep_last": N, "keep_every": K, "keep_tagged": bool} or NULL (keep everything). Added by 0002.
     retention: Mapped[dict[str, Any] | None] = mapped_column(_json_nullable(), nullable=True)
+    #: the run's delta policy: ``auto`` or NULL (full arrays); a save's ``delta=`` overrides it. Added by 0005.
+    delta: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
     checkpoints: Mapped[list["Checkpoint"]] = relationship(back_populates="run", passive_deletes=True)
     tags: Mapped[list["Tag"]] = relationship(back_populates="run", passive_deletes=True)
@@ -284,7 +286,7 @@ class Array(Base):
     status: Mapped[str] = mapped_column(String(16), default="pending")
     #: ``plain`` or ``xor`` (``ARRAY_ENCODINGS``, 0005): an ``xor`` array holds values XOR base_array's
     encoding: Mapped[str] = mapped_column(String(16), server_default="plain")
-    base_array_id: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
+    base_array_id: Mapped[str | None] = mapped_column(ForeignKey("arrays.id"), nullable=True, index=True)
     #: bytes the array's files take in the store, where known (0005)
     stored_nbytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 

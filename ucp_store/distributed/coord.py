@@ -210,16 +210,20 @@ def detached_store(facts: dict):
 
 
 def info_to_json(i) -> list:
-    return [i.name, i.state, list(i.shape), i.dtype, i.pattern, list(i.chunk_shape), list(i.shard_shape), i.array,
-            i.array_id, i.codecs, i.nbytes, i.content_hash, i.position]
+    row = [i.name, i.state, list(i.shape), i.dtype, i.pattern, list(i.chunk_shape), list(i.shard_shape), i.array,
+           i.array_id, i.codecs, i.nbytes, i.content_hash, i.position]
+    if i.encoding != "plain":  # a delta's chain travels with it (issue 39)
+        row += [i.encoding, [b.to_json() for b in i.bases]]
+    return row
 
 
 def info_from_json(row: list):
-    from ucp_store.records import TensorInfo
+    from ucp_store.records import ArrayRef, TensorInfo
 
-    (name, state, shape, dtype, pattern, chunk, shard, array, aid, codecs, nbytes, h, pos) = row
+    (name, state, shape, dtype, pattern, chunk, shard, array, aid, codecs, nbytes, h, pos) = row[:13]
+    enc, bases = (row[13], tuple(ArrayRef.from_json(b) for b in row[14])) if len(row) > 13 else ("plain", ())
     return TensorInfo.from_catalog(name, state, tuple(shape), dtype, pattern, tuple(chunk), tuple(shard), array, aid,
-                                   codecs, nbytes, h, pos)
+                                   codecs, nbytes, h, pos, enc, bases)
 
 
 def detached_checkpoint(store, facts: dict):

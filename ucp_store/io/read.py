@@ -28,7 +28,8 @@ from ucp_store.dtypes import numpy_view
 from ucp_store.errors import ChecksumError, UcpError
 from ucp_store.geometry import Box
 from ucp_store.io import format as fmt
-from ucp_store.io.localread import PARALLEL_BYTES, LocalArray, get_stream_pool, open_reader, settle
+from ucp_store.io.deltaio import open_any
+from ucp_store.io.localread import PARALLEL_BYTES, LocalArray, get_stream_pool, settle
 from ucp_store.io.pools import LazyPool
 from ucp_store.io.window import FutureWindow, read_failed
 from ucp_store.plan.planner import Plan, TensorPlan
@@ -125,7 +126,7 @@ class Reader:
             hit = _layouts[lkey] = (info.codecs, fmt.ArrayLayout.from_catalog(
                 info.dtype, info.shape, info.chunk_shape, info.shard_shape, info.codecs))
         layout = hit[1]  # one frozen layout per geometry: a model's layers share a few
-        handle = open_reader(loc, info.array, layout, self.store.context, codecs=info.codecs)
+        handle = open_any(loc, info, layout, self.store.context)  # a DeltaArray for an xor array (issue 39)
         if local_ok and isinstance(handle, LocalArray):
             with _held_lock:
                 _held[key] = (info.codecs, handle, layout)

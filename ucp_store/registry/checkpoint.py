@@ -19,6 +19,7 @@ from sqlalchemy import Text, cast, select
 
 from ucp_store._lazy import lazy_module
 from ucp_store.catalog import models as m
+from ucp_store.catalog.chains import base_chains
 from ucp_store.errors import ReferenceNotFound, UcpError, ValidationError
 from ucp_store.records import TensorInfo
 
@@ -27,14 +28,15 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from ucp_store import dtypes
+    from ucp_store.io import deltaio, localread
     from ucp_store.io import format as fmt
-    from ucp_store.io import localread
 else:
     np = lazy_module("numpy")
     torch = lazy_module("torch")
     dtypes = lazy_module("ucp_store.dtypes")
     fmt = lazy_module("ucp_store.io.format")
     localread = lazy_module("ucp_store.io.localread")
+    deltaio = lazy_module("ucp_store.io.deltaio")
 
 __all__ = ["Checkpoint", "TensorHandle", "TensorStats", "compute_stats", "parse_slice", "diff"]
 
@@ -162,8 +164,7 @@ class TensorHandle:
     def ts(self):
         if self._handle is None:
             store = self.checkpoint.store
-            self._handle = localread.open_reader(store.location, self.info.array, self.layout, store.context,
-                                       codecs=self.info.codecs)
+            self._handle = deltaio.open_any(store.location, self.info, self.layout, store.context)
             if type(self._handle) is localread.LocalArray:
                 self._local = self._handle
         return self._handle
@@ -295,6 +296,19 @@ def _json_value(text: str) -> Any:
     return value
 
 
+def _with_chains(infos: list[TensorInfo], chains: dict[str, tuple]) -> list[TensorInfo]:
+    """``infos`` with each ``xor`` array's encoding and bases (``catalog.chains.base_chains``) filled in."""
+    out = []
+    for i in infos:
+        chain = chains.get(i.array_id)
+        if chain is not None:
+            i = TensorInfo.from_catalog(i.name, i.state, i.shape, i.dtype, i.pattern, i.chunk_shape, i.shard_shape,
+                                        i.array, i.array_id, i.codecs, i.nbytes, i.content_hash, i.position,
+                                        "xor", chain)
+        out.append(i)
+    return out
+
+
 class Checkpoint:
     """A committed version. Tensor rows are loaded from the catalog once, on first use."""
 
@@ -343,7 +357,7 @@ class Checkpoint:
         t, a = m.Tensor, m.Array
         q = (select(t.name, t.state, cast(t.shape, Text), t.dtype, cast(t.pattern, Text), cast(a.chunk_shape, Text),
                     cast(a.shard_shape, Text), a.path, a.id, cast(a.codecs, Text), t.nbytes, t.content_hash,
-                    t.position)
+                    t.position, a.base_array_id)
              .join(a, t.array_id == a.id).where(t.checkpoint_id == self.id))
         if layers is not None:
             cond = t.layer.is_(None) | t.layer.between(layers.start, layers.stop - 1)
@@ -364,7 +378,9 @@ class Checkpoint:
         # a Core connection: an ORM session would add its own per-row loading to plain column tuples
         with gc_paused(), self.store.catalog.engine.connect() as conn:  # 100k acyclic records: see gc_paused
             rows = conn.execute(q).fetchall()  # one DBAPI fetchall, not a fetchone per row
-            for (name, state, shape, dtype, pattern, chunk, shard, path, aid, codecs, nbytes, chash, pos) in rows:
+            deltas: dict[str, str | None] = {}  # xor arrays (issue 39) -> their base array
+            for (name, state, shape, dtype, pattern, chunk, shard, path, aid, codecs, nbytes, chash, pos,
+                 base) in rows:
                 s = tuples.get(shape)
                 if s is None:
                     s = tuples[shape] = tuple(loads(shape))
@@ -381,7 +397,11 @@ class Checkpoint:
                 if cd is _MISSING:
                     cd = codec_values[codecs] = loads(codecs)
                 add(make(name, state, s, dtype, p, c, sh, path, aid, cd, nbytes, chash, pos))
+                if base is not None:
+                    deltas[aid] = base
             del rows  # freed before the collector resumes, so it never scans them
+            if deltas:
+                out = _with_chains(out, base_chains(conn, deltas))
         return out
 
     def plan_records(self, topology, rank: int) -> list[TensorInfo]:

@@ -247,13 +247,15 @@ def sweep_arrays(ctx: StoreContext, *, dry_run: bool, also: Iterable[str] = froz
                 # arrays of live pending saves have no rows yet or are referenced by pending rows: keep them
                 live_pending = set(s.scalars(select(m.Checkpoint.id).where(m.Checkpoint.status == "pending")))
                 live_pending -= set(gone)
-                for a in orphans:
-                    if array_checkpoint(a.path) in live_pending:
-                        continue
-                    removed += 1
-                    doomed.append((a.path, a.nbytes))
+                victims = [a for a in orphans if array_checkpoint(a.path) not in live_pending]
+                for layer in _unneeded_bases_last(s, victims):
+                    for a in layer:
+                        removed += 1
+                        doomed.append((a.path, a.nbytes))
+                        if not dry_run:
+                            s.delete(a)
                     if not dry_run:
-                        s.delete(a)
+                        s.flush()  # a delta's row goes before its base's (the base_array_id key)
             break
         except IntegrityError:
             # PostgreSQL: a save's rows began referencing an "orphan" meanwhile (the foreign key refused
@@ -289,6 +291,38 @@ def sweep_arrays(ctx: StoreContext, *, dry_run: bool, also: Iterable[str] = froz
         if not dry_run:
             location.remove_empty_dir(checkpoint_dir(folder))
     return removed, freed
+
+
+def _unneeded_bases_last(s, victims: list) -> list[list]:
+    """The ``victims`` (array rows no tensor or object row references) that no kept array needs as a delta
+    base (issue 39), in layers: each layer's arrays are bases of none of the later layers' (deltas first, then
+    their bases), so their rows can be deleted layer by layer under the ``base_array_id`` key. A victim that
+    a kept array (a referenced one, a live pending save's, or a victim kept so) reads through is kept."""
+    if not victims:
+        return []
+    links = dict(s.execute(select(m.Array.id, m.Array.base_array_id).where(m.Array.base_array_id.is_not(None))).all())
+    by_id = {a.id: a for a in victims}
+    # kept: every array that is not a victim; everything they read through is kept too
+    keep: set[str] = set()
+    frontier = [b for child, b in links.items() if child not in by_id]
+    while frontier:
+        b = frontier.pop()
+        if b in keep:
+            continue
+        keep.add(b)
+        nxt = links.get(b)
+        if nxt is not None:
+            frontier.append(nxt)
+    left = {aid for aid in by_id if aid not in keep}
+    layers = []
+    while left:
+        bases = {links[a] for a in left if links.get(a) in left}
+        layer = sorted(left - bases)
+        if not layer:  # a cycle (never written): delete what is left in one go rather than loop
+            layer = sorted(left)
+        layers.append([by_id[a] for a in layer])
+        left -= set(layer)
+    return layers
 
 
 def _remove(location, rel: str, dry_run: bool, default: int = 0) -> int:

@@ -20,13 +20,14 @@ from ucp_store import dtypes, names
 from ucp_store._killpoints import killpoint
 from ucp_store.catalog import models as m
 from ucp_store.errors import CommitRaceError, DuplicateEntryError, ShapeMismatch, ValidationError, WriteError
+from ucp_store.io import deltaio, localwrite
 from ucp_store.io import format as fmt
-from ucp_store.io import localwrite
 from ucp_store.io.location import array_path
 from ucp_store.io.window import FutureWindow
 from ucp_store.registry.context import StoreContext
 from ucp_store.save.checks import check_extent, layer_of, validate_pattern
 from ucp_store.save.dedup import Deduplicator
+from ucp_store.save.delta import DeltaChoice, DeltaPlanner
 from ucp_store.save.durable import Durability
 from ucp_store.save.rows import existing_arrays
 
@@ -53,8 +54,10 @@ class ArrayWriter:
 
     def __init__(self, ctx: StoreContext, checkpoint_id: str, *, rows: list, dedup: Deduplicator,
                  durability: Durability, positions: Iterator[int], layout: Callable[..., fmt.ArrayLayout],
-                 snapshot: Callable[[np.ndarray, str], tuple[np.ndarray, str]]):
+                 snapshot: Callable[[np.ndarray, str], tuple[np.ndarray, str]], delta: DeltaPlanner | None = None):
         self.ctx = ctx
+        #: which tensor-states go in as deltas of the base version (issue 39; None: never)
+        self.delta = delta
         self.id = checkpoint_id
         self.rows = rows
         self.dedup = dedup
@@ -102,7 +105,8 @@ class ArrayWriter:
             hasher.update(copy)
         return copy, hasher.hexdigest()
 
-    def put_array(self, array: np.ndarray, dtype: str, pattern: Any, what: str) -> tuple[str, str, int]:
+    def put_array(self, array: np.ndarray, dtype: str, pattern: Any, what: str,
+                  key: tuple[str, str] | None = None) -> tuple[str, str, int]:
         """Write (or dedup) one array; returns (array id, content hash, stored bytes written).
 
         The array is copied first into a buffer this writer owns (once there is room for it in the window of
@@ -116,7 +120,30 @@ class ArrayWriter:
             if not local:  # kept until the rows are recorded, in case a concurrent rm/gc sweeps the array
                 self.borrowed.setdefault(aid, (array, dtype, pattern, what, h))
             return aid, h, 0
+        choice = self.delta.choose(key, snapshot, dtype) if self.delta is not None else None
+        if choice is not None:
+            return self._new_delta(choice, dtype, what, h)
         return self._new_array(snapshot, dtype, pattern, what, h)
+
+    def _new_delta(self, choice: DeltaChoice, dtype: str, what: str, h: str) -> tuple[str, str, int]:
+        """Write a delta array (``save/delta.py``): the base's grid, only its non-zero chunks, every shard file."""
+        layout, encoded = choice.layout, choice.encoded
+        aid = m.new_id(32)
+        rel = array_path(self.id, aid)
+        self.durability.touch(rel)
+        futures = deltaio.write_delta(self.ctx.location, rel, layout, encoded, self.durability.array_context())
+        localwrite.log_object(rel, "zarr.json")
+        for key in encoded.files:
+            localwrite.log_object(rel, key)
+        killpoint("write.array_created")
+        self.rows.append(m.Array(id=aid, path=rel, dtype=dtype, shape=list(layout.shape),
+                                 chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
+                                 codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready",
+                                 encoding="xor", base_array_id=choice.base.array_id, stored_nbytes=encoded.nbytes))
+        self.dedup.local_arrays[h] = aid
+        for fut, data in zip(futures, encoded.files.values()):
+            self.window.submit(fut, len(data), (None, what))
+        return aid, h, encoded.nbytes
 
     def _new_array(self, array: np.ndarray, dtype: str, pattern: Any, what: str, h: str) -> tuple[str, str, int]:
         layout = self.layout(array.shape, dtype, pattern)
@@ -129,7 +156,8 @@ class ArrayWriter:
         killpoint("write.array_created")
         self.rows.append(m.Array(id=aid, path=rel, dtype=dtype, shape=list(layout.shape),
                                  chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
-                                 codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
+                                 codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready",
+                                 stored_nbytes=deltaio.stored_bytes(layout)))
         self.dedup.local_arrays[h] = aid
         self.window.submit(handle.write(array), array.nbytes, (array, what))
         return aid, h, array.nbytes
@@ -159,7 +187,7 @@ class ArrayWriter:
             raise ShapeMismatch(f"{what}: dtype {dtype} does not match the declared {dtypes.zarr_name(expect_dtype)}")
         if pattern is not None:
             validate_pattern(name, pattern, array.shape)
-        aid, h, _ = self.put_array(array, dtype, pattern, what)
+        aid, h, _ = self.put_array(array, dtype, pattern, what, key=(name, state))
         self._seen.add((name, state))
         self.rows.append(m.Tensor(checkpoint_id=self.id, name=name, state=state, array_id=aid,
                                   shape=list(array.shape), dtype=dtype, pattern=pattern, nbytes=array.nbytes,

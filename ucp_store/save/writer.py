@@ -40,6 +40,7 @@ from ucp_store.registry.context import StoreContext, as_store_context
 from ucp_store.save.arrays import ArrayWriter, plan_array_layout
 from ucp_store.save.checks import MAX_ELEMENTS, check_extent, layer_of
 from ucp_store.save.dedup import Deduplicator
+from ucp_store.save.delta import DeltaPlanner
 from ucp_store.save.durable import Durability
 from ucp_store.save.objects import ObjectWriter
 from ucp_store.save.rows import CatalogRecorder, check_row_dict, row_to_dict, take
@@ -59,7 +60,7 @@ class CheckpointWriter:
     a detached store of a distributed save's rank), or its :class:`StoreContext`. The writer works on the
     context alone; the store is kept (``self.store``) only to open the committed version for reading."""
 
-    def __init__(self, store: "Store | StoreContext", checkpoint_id: str, *, owner: bool):
+    def __init__(self, store: "Store | StoreContext", checkpoint_id: str, *, owner: bool, delta: str | None = None):
         self.store = store
         self.store_context = ctx = as_store_context(store)
         self.id = checkpoint_id
@@ -73,7 +74,8 @@ class CheckpointWriter:
         self.durability = Durability(ctx, checkpoint_id)
         self.arrays = ArrayWriter(ctx, checkpoint_id, rows=self._rows, dedup=self.dedup, durability=self.durability,
                                   positions=positions, layout=lambda *a, **k: self._layout(*a, **k),
-                                  snapshot=lambda array, dtype: self._snapshot(array, dtype))
+                                  snapshot=lambda array, dtype: self._snapshot(array, dtype),
+                                  delta=DeltaPlanner(ctx, checkpoint_id, delta))
         self.shards = ShardWriter(ctx, checkpoint_id, arrays=self.arrays, dedup=self.dedup,
                                   durability=self.durability, rows=self._rows, positions=positions)
         self.objects = ObjectWriter(checkpoint_id, self.arrays, self._rows)

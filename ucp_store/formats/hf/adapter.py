@@ -473,7 +473,8 @@ def _write_shards(checkpoint, folder: str, layouts: list, pieces: list[Piece], o
 
     from ucp_store.dtypes import numpy_view
     from ucp_store.io import format as fmt
-    from ucp_store.io.localread import LocalArray, open_reader
+    from ucp_store.io.deltaio import open_any
+    from ucp_store.io.localread import LocalArray
     from ucp_store.progress import track
 
     store = checkpoint.store
@@ -485,8 +486,7 @@ def _write_shards(checkpoint, folder: str, layouts: list, pieces: list[Piece], o
         if info.array_id not in handles:
             layout = fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape, info.shard_shape,
                                                   info.codecs)
-            handles[info.array_id] = (open_reader(store.location, info.array, layout, store.context,
-                                                  codecs=info.codecs), layout)
+            handles[info.array_id] = (open_any(store.location, info, layout, store.context), layout)
         box = [(0, int(n)) for n in info.shape]
         if p.dim is not None:
             box[p.dim] = (p.start, p.stop)
