@@ -30,6 +30,15 @@ The points (tests/test_killpoints.py tries every one on SQLite and PostgreSQL, f
 ``export.dcp``              DCP export: one tensor handed to DCP's writer
 ``export.hf``               Hugging Face export: one tensor written into the temporary folder
 ==========================  ====================================================================
+
+Points of multi-rank saves, tried on real gloo ranks by their own tests (``RANK_POINTS``, not the
+single-process matrix):
+
+==========================  ====================================================================
+``tier.replicate``          tiered save: a replica object written on the partner, its rows not yet
+``tier.drain``              tiered save's drain: an object written to the durable tier, its rows not yet
+``tier.evict``              tiered save's drain: fast copies marked evicted, their folders not yet deleted
+==========================  ====================================================================
 """
 
 from __future__ import annotations
@@ -39,13 +48,15 @@ import signal
 
 from ucp_store import config
 
-__all__ = ["POINTS", "killpoint", "rearm"]
+__all__ = ["POINTS", "RANK_POINTS", "killpoint", "rearm"]
 
 POINTS = ("save.after_begin", "write.array_created", "write.array_written", "write.shard_box",
           "flush.before_rows", "flush.mid_rows", "flush.after_rows", "commit.in_txn", "commit.after",
           "abort.after_row", "import.after_records", "dist.mid_write", "async.mid_copy",
           "gc.after_rows", "rm.after_row",
           "sweep.mid", "export.torch", "export.universal", "export.dcp", "export.hf")
+#: points on the ranks of a multi-rank save (tests/test_tiers_dist.py tries them)
+RANK_POINTS = ("tier.replicate", "tier.drain", "tier.evict")
 
 _target: str | None = None
 _hit_at = 1
@@ -62,8 +73,8 @@ def rearm(spec: str | None = None) -> None:
         _target = None
         return
     name, _, n = spec.partition(":")
-    if name not in POINTS:
-        raise ValueError(f"UCP_KILL_AT={spec!r}: unknown kill point {name!r}; known: {', '.join(POINTS)}")
+    if name not in POINTS + RANK_POINTS:
+        raise ValueError(f"UCP_KILL_AT={spec!r}: unknown kill point {name!r}; known: {', '.join(POINTS + RANK_POINTS)}")
     try:
         _hit_at = int(n) if n else 1
     except ValueError:

@@ -186,14 +186,22 @@ def distributed_begin(store, run: str, step: int, *, group=None, straddling: boo
     from ucp_store.distributed import coord
     from ucp_store.save.writer import CheckpointWriter
 
+    tier = getattr(store, "tier", None)  # a tiered save (distributed/tiered.py): each rank writes to its node's folder
+
     def work():
         st = store() if callable(store) else store
         begun = st.begin(run, step, **kwargs)
-        return begun, {"id": begun.id, "store": coord.store_facts(st)}
+        answer = {"id": begun.id, "store": coord.store_facts(st)}
+        if tier is not None:
+            answer["durable"] = tier.durable_facts()
+        return begun, answer
 
     writer, answer = coord.from_coordinator(work, group, f"the begin of the save of {run}@{step}")
     if writer is None:
-        writer = CheckpointWriter(coord.detached_store(answer["store"]), str(answer["id"]), owner=False)
+        facts = answer["store"] if tier is None else tier.relocate_facts(answer["store"], answer["durable"])
+        writer = CheckpointWriter(coord.detached_store(facts), str(answer["id"]), owner=False)
+    if tier is not None:
+        tier.joined(writer)
     if dist.get_world_size(group) > 1:
         writer.origin_writes_metadata()  # each zarr.json written by one rank (issue 27 item 0)
         if straddling:
@@ -310,6 +318,9 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
         if not _all_ok(error is None, group):
             writer.abort()
             raise UcpError(f"distributed save {writer.id} failed on some rank; aborted") from error
+    tier = getattr(writer, "tier", None)
+    if tier is not None:  # every rank's files are in place: where they are goes into the commit's transaction
+        error = tier.before_commit(writer, group, error)
     rows: list = []
     if error is None:
         try:

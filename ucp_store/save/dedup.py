@@ -44,9 +44,14 @@ class Deduplicator:
         self._committed_hashes: dict[str, list] | None = None
         self._hash_lookups: dict[str, list] = {}  # the targeted lookups: content hash -> committed arrays
         self._lookups = 0
+        #: False: nothing is deduplicated (a tiered save: every object of its version is its own, so where its
+        #: copies are is all in the version's placement rows, ``ucp_store.tiers``)
+        self.enabled = True
 
     def find(self, h: str, dtype: str, shape: Any) -> str | None:
         """An existing ready array of this save or of a committed version with this content, or None."""
+        if not self.enabled:
+            return None
         if h in self.local_arrays:
             return self.local_arrays[h]
         for aid, ashape, adtype in self._committed_candidates(h):
@@ -71,6 +76,8 @@ class Deduplicator:
 
     def lookup_hashes(self, hashes: list[str]) -> None:
         """Look up the committed arrays with these content hashes, in one query (kept for :meth:`find`)."""
+        if not self.enabled:
+            return
         todo = sorted({h for h in hashes if h not in self._hash_lookups})
         if not todo or self._committed_hashes is not None or self.ctx.detached:
             return

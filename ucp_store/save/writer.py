@@ -25,7 +25,7 @@ see the store only as a :class:`~ucp_store.registry.context.StoreContext` (locat
 from __future__ import annotations
 
 import itertools
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +80,9 @@ class CheckpointWriter:
                                   durability=self.durability, rows=self._rows, positions=positions)
         self.objects = ObjectWriter(checkpoint_id, self.arrays, self._rows)
         self.recorder = CatalogRecorder(ctx, checkpoint_id)
+        #: ``hook(session)`` calls run inside the commit's transaction, after the status flip (a tiered save
+        #: records where its objects are, ``ucp_store.tiers``): the version is never listed without them
+        self.commit_hooks: list[Callable[[Any], None]] = []
         self._snapshot = self.arrays.snapshot  # a test replaces it on one writer
 
     # context manager: commit on success (owner) / flush (joined rank); abort on error
@@ -345,7 +348,7 @@ class CheckpointWriter:
             rows = take(self._rows)
             rows.extend(check_row_dict(d) for d in extra_rows)
             # one transaction: the rows still pending (this writer's, and every joined rank's) and the commit
-            self._record(rows, "cannot commit", lambda s: self.recorder.flip_status(s, labels))
+            self._record(rows, "cannot commit", lambda s: self._flip_and_hooks(s, labels))
         except IntegrityError as exc:  # the partial unique index: a concurrent commit of the same step won
             self.abort()
             detail = str(getattr(exc, "orig", exc)).splitlines()[0]
@@ -360,6 +363,11 @@ class CheckpointWriter:
         self.arrays.borrowed.clear()
         self.checkpoint = Checkpoint(self.store, self.id) if reload else None
         return self.checkpoint
+
+    def _flip_and_hooks(self, s, labels: list[str]) -> None:
+        self.recorder.flip_status(s, labels)
+        for hook in self.commit_hooks:
+            hook(s)
 
     def abort(self) -> None:
         """Drop the pending checkpoint and every array it wrote (nothing is ever listed)."""

@@ -20,7 +20,7 @@ from ucp_store.io.location import ARRAYS_DIR, Location, safe_rel
 from ucp_store.tiers.placement import ObjectInfo
 
 __all__ = ["crc_hex", "object_path", "read_object", "write_object", "describe", "walk_objects", "put_durable",
-           "get_durable", "read_checked", "TMP_PREFIX"]
+           "get_durable", "read_checked", "remove_version", "TMP_PREFIX"]
 
 TMP_PREFIX = ".ucp-tmp-"
 
@@ -124,3 +124,21 @@ def read_checked(root: str | os.PathLike, key: str, crc32c: str | None, nbytes: 
         raise ChecksumError(f"{object_path(root, key)}: {len(data)} bytes with crc32c {got}, the catalog "
                               f"records {nbytes} bytes with crc32c {crc32c}")
     return data
+
+
+def remove_version(root: str | os.PathLike, checkpoint_id: str) -> int:
+    """Delete a version's folder (``arrays/<id>``) under a fast tier's ``root`` (after its rows are ``evicted``);
+    returns the files removed. Links are removed, never followed."""
+    import shutil
+
+    from ucp_store.io.location import checkpoint_dir
+
+    folder = object_path(root, checkpoint_dir(checkpoint_id))
+    if folder.is_symlink():
+        folder.unlink()
+        return 1
+    if not folder.is_dir():
+        return 0
+    count = sum(len(files) for _, _, files in os.walk(folder))
+    shutil.rmtree(folder)
+    return count

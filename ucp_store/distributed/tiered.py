@@ -1,0 +1,650 @@
+"""A save to the fast tier, replicated to another node, drained to the durable tier (issue 38).
+
+    res = ucpd.save(sd, store=url, run="gpt", step=100, tier="fast", replicas=1, fast_tier="/dev/shm/ucp/{node}")
+    res.safety                  # "replicated": every object on two nodes' fast tiers when save returns
+    res.wait("durable", timeout=600)
+
+The phases, on every rank of the job (one catalog client: group rank 0):
+
+1. **Write** (the ordinary save, ``saver.write_plan``): every rank writes its boxes into its node's fast-tier
+   folder instead of the store's location (``TierSave.relocate_facts``: the same keys ``arrays/<ckpt>/...``),
+   one writer per object as always, nothing deduplicated (every object of a tiered version is its own).
+2. **Commit** (``distributed_commit``, after every rank's files are in place): the ranks of a node split the
+   node's new objects between them (:meth:`TierSave.before_commit`), each reads its share once for its crc32c,
+   and the coordinator records them as ``complete`` fast copies inside the commit's transaction, with safety
+   ``local``: the version is never listed without the rows that say where it is.
+3. **Replicate** (``replicas=1``, :func:`replicate`): each rank sends its share to its partner, the rank of the
+   same local index on the next node (``NodeMap``), in rounds of at most ``round_bytes`` of raw bytes (one
+   ``all_to_all_single`` per round on the bounded-timeout gloo group; no pickle); the partner checks each
+   object's crc32c, writes it to its own fast tier, and the coordinator records those copies and the safety
+   (``replicated``) in one transaction, after every rank reported its writes.
+4. **Drain** (a background thread per process, in save order, on its own gloo group): each rank PUTs its share
+   once to the durable location (folder or S3); the coordinator records the durable copies and the safety
+   (``durable``), then evicts the fast copies of this run's durable versions beyond the newest ``fast_keep``
+   (rows first, then each node's first rank deletes the folder), never the last copy of a version that is
+   not durable.
+
+A rank killed in phase 3 or 4 leaves its version at the level its rows show (``local`` / ``replicated``); the
+survivors' collectives fail within ``UCP_DIST_TIMEOUT``. On GPUs the bytes still travel host to host over the
+gloo group: the fast tier is host memory or local NVMe, so there is no device copy to make.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ucp_store._killpoints import killpoint
+from ucp_store.errors import ConfigurationError, UcpError
+from ucp_store.io.location import ARRAYS_DIR, Location
+from ucp_store.tiers import node as tnode
+from ucp_store.tiers import objects as tobj
+from ucp_store.tiers import placement as tplace
+from ucp_store.tiers.placement import ObjectInfo
+
+__all__ = ["NodeMap", "TierSave", "TieredResult", "save", "replicate", "node_map", "drain_idle", "DEFAULT_ROUND_BYTES",
+           "DEFAULT_FAST_KEEP"]
+
+DEFAULT_ROUND_BYTES = 256 << 20  # raw bytes one rank sends its partner per all_to_all round
+DEFAULT_FAST_KEEP = 2  # durable versions of a run whose fast copies are kept (the newest)
+_SKIP_SUFFIXES = (".part", ".__lock")
+
+
+# --------------------------------------------------------------------------------- who is where
+@dataclass(frozen=True)
+class NodeMap:
+    """Every rank's node (by group rank), learnt with one collective at a group's first tiered save."""
+
+    nodes: tuple[str, ...]
+
+    @property
+    def order(self) -> list[str]:
+        """The distinct nodes, in the order of their first rank."""
+        return list(dict.fromkeys(self.nodes))
+
+    def ranks_on(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    def partner(self, rank: int) -> int | None:
+        """The rank that keeps ``rank``'s replica: the same local index (modulo) on the next node; None on a
+        single node."""
+        order = self.order
+        if len(order) < 2:
+            return None
+        here = self.nodes[rank]
+        local = self.ranks_on(here).index(rank)
+        there = self.ranks_on(order[(order.index(here) + 1) % len(order)])
+        return there[local % len(there)]
+
+
+_NODE_MAPS: dict[tuple, NodeMap] = {}
+
+
+def node_map(group, node: str) -> NodeMap:
+    """The job's :class:`NodeMap` (a collective on ``group`` the first time for this group and node name)."""
+    import torch.distributed as dist
+
+    from ucp_store.distributed.commit import agree, collective_errors
+
+    if group is None:
+        return NodeMap((node,))
+    key = (tuple(dist.get_process_group_ranks(group)), node)
+    if key not in _NODE_MAPS:
+        with collective_errors("tiered save: learning every rank's node"):
+            _NODE_MAPS[key] = NodeMap(tuple(agree(node, lambda names: names, group)))
+    return _NODE_MAPS[key]
+
+
+# --------------------------------------------------------------------------------- one save's tier facts
+@dataclass
+class TierSave:
+    """One tiered save on one rank: where its node's fast tier is, its share of the node's objects, and on the
+    coordinator the catalog and every node's objects. Rides on the store opener (``.tier``) into
+    ``distributed_begin`` and on the writer into ``distributed_commit``."""
+
+    root: Path
+    node: str
+    nodes: NodeMap
+    rank: int
+    replicas: int = 1
+    fast_keep: int = DEFAULT_FAST_KEEP
+    round_bytes: int = DEFAULT_ROUND_BYTES
+    durable: Location | None = None
+    store: Any = None  # the coordinator's store (its catalog); None elsewhere
+    run: str = ""
+    checkpoint_id: str = ""
+    mine: list[ObjectInfo] = field(default_factory=list)
+    everyone: dict[str, list[ObjectInfo]] = field(default_factory=dict)  # coordinator: node -> objects
+    shares: list[list[ObjectInfo]] = field(default_factory=list)  # coordinator: each rank's share
+
+    def location(self, catalog_url: str = "") -> Location:
+        return Location(url=str(self.root), kind="file", root=str(self.root), catalog_url=catalog_url)
+
+    def durable_facts(self) -> dict:
+        """On the coordinator: the durable location, for the other ranks' drains (no catalog URL: it may hold a
+        password, and they never connect)."""
+        assert self.durable is not None
+        return {"location": {**_fields(self.durable), "catalog_url": ""}}
+
+    def relocate_facts(self, facts: dict, durable: dict) -> dict:
+        """A joined rank's store facts with this node's fast tier as the location; ``durable``: the
+        coordinator's :meth:`durable_facts`."""
+        self.durable = Location(**durable["location"])
+        return {**facts, "location": _fields(self.location())}
+
+    def joined(self, writer) -> None:
+        """``writer`` writes this save: nothing deduplicated, and this object rides along to the commit."""
+        writer.tier = self
+        writer.dedup.enabled = False
+        self.checkpoint_id = writer.id
+        if len(self.nodes.nodes) == 1 and not writer.commit_hooks:  # one process: record inside its commit
+            writer.commit_hooks.append(self._record_alone)
+
+    def _record_alone(self, session) -> None:
+        self.mine = self._describe_share()
+        self.everyone = {self.node: self.mine}
+        self._record_fast(session)
+
+    def _describe_share(self) -> list[ObjectInfo]:
+        """This rank's share of the node's objects of this version (the node's ranks split them by index)."""
+        ranks = self.nodes.ranks_on(self.node)
+        keys = [k for k in tobj.walk_objects(self.root, f"{ARRAYS_DIR}/{self.checkpoint_id}") if _is_object(k)]
+        return [tobj.describe(self.root, k) for k in keys[ranks.index(self.rank)::len(ranks)]]
+
+    def _record_fast(self, session) -> None:
+        for node, objs in self.everyone.items():
+            tplace.record(session, self.checkpoint_id, tplace.FAST, node, objs, "complete")
+        tplace.refresh_safety(session, self.checkpoint_id)
+
+    def before_commit(self, writer, group, error: BaseException | None) -> BaseException | None:
+        """A collective of the save's ranks, after every rank's files are in place and before the rows gather:
+        the files an origin rank must read back for a content hash are copied to its node (:meth:`_to_origins`),
+        then each rank describes its share of its node's objects and the coordinator has them recorded in the
+        commit's transaction. Returns this rank's error (every rank learns of it in the rows gather)."""
+        from ucp_store.distributed import coord
+
+        error = self._to_origins(writer, group, error)
+        if error is None:
+            try:
+                self.mine = self._describe_share()
+            except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the rows gather
+                error = exc
+        mine = {"node": self.node, "objects": [[o.key, o.nbytes, o.crc32c] for o in self.mine]}
+        parts = coord.gather_bytes(coord.encode(mine), group)
+        if parts is not None and error is None:
+            self.everyone = {}
+            self.shares = []
+            for p in parts:
+                d = coord.decode(p)
+                objs = [ObjectInfo(k, n, c) for k, n, c in d["objects"]]
+                self.everyone.setdefault(d["node"], []).extend(objs)
+                self.shares.append(objs)
+            writer.commit_hooks.append(self._record_fast)
+        return error
+
+    def _to_origins(self, writer, group, error: BaseException | None) -> BaseException | None:
+        """The origin rank of an array hashes it from every rank's unit digests; the units no rank held whole (an
+        uneven or a small split) it reads back from the files, which on a fast tier lie on the nodes that wrote
+        them. So every other node that wrote files of such an array sends them to the origin first (one rank per
+        node; the coordinator decides from every rank's unit ids), and the origin's node holds them too."""
+        from ucp_store.distributed.commit import collective_errors, settle
+        from ucp_store.io import format as fmt
+
+        mine: dict = {"failed": error is not None, "arrays": [], "origin": []}
+        if error is None:
+            digests = writer.region_digests()
+            for key, d in digests.items():
+                _, rel, layout, _ = writer.shards.sharded[key]
+                mine["arrays"].append([rel, layout.dtype, list(layout.shape), None if d is None else sorted(d)])
+            mine["origin"] = [writer.shards.sharded[k][1] for k in writer.shards.origin]
+        nodes = self.nodes.nodes
+
+        def decide(parts: list) -> list:
+            if any(p["failed"] for p in parts):
+                return [{}] * len(parts)
+            origin = {rel: r for r, p in enumerate(parts) for rel in p["origin"]}
+            units: dict[str, Any] = {}
+            writers: dict[str, list[int]] = {}
+            for r, p in enumerate(parts):
+                for rel, dtype, shape, us in p["arrays"]:
+                    writers.setdefault(rel, []).append(r)
+                    got = units.setdefault(rel, (dtype, shape, set()))
+                    merged = None if us is None or got[2] is None else got[2] | set(us)
+                    units[rel] = (dtype, shape, merged)
+            sends: list[dict] = [{} for _ in parts]
+            for rel, (dtype, shape, us) in units.items():
+                o = origin.get(rel)
+                if o is None or (us is not None and not fmt.missing_units(dtype, shape, dict.fromkeys(us, b""))):
+                    continue
+                senders = {nodes[w]: w for w in sorted(writers[rel], reverse=True) if nodes[w] != nodes[o]}
+                for w in senders.values():
+                    sends[w].setdefault(str(o), []).append(rel)
+            return sends
+
+        what = f"tiered save {self.checkpoint_id}: the files origin ranks read back"
+        with collective_errors(what):
+            plan = settle(mine, decide, group)
+        outgoing: dict[int, list[ObjectInfo]] = {}
+        if error is None:
+            try:
+                for dest, rels in plan.items():
+                    outgoing[int(dest)] = [tobj.describe(self.root, k) for rel in rels
+                                           for k in tobj.walk_objects(self.root, rel) if _is_object(k)]
+            except BaseException as exc:  # noqa: BLE001 - it takes part in the move, sending nothing
+                error, outgoing = exc, {}
+        _, moved = _move(self, group, outgoing, what)
+        return error or moved
+
+
+def _fields(loc: Location) -> dict:
+    return {f.name: getattr(loc, f.name) for f in dataclasses.fields(Location)}
+
+
+def _is_object(key: str) -> bool:
+    """Not a temporary of a write in flight (``.part``, TensorStore's lock, ``tiers.objects``' own)."""
+    return not key.rsplit("/", 1)[-1].startswith(tobj.TMP_PREFIX) and not key.endswith(_SKIP_SUFFIXES)
+
+
+class _Opener:
+    """The store opener of a tiered save: the coordinator opens the store and writes through a view of it whose
+    location is its node's fast tier; ``.tier`` tells ``distributed_begin`` to relocate the other ranks too."""
+
+    def __init__(self, store, create: bool, tier: TierSave):
+        self.store, self.create, self.tier = store, create, tier
+
+    def __call__(self):
+        from ucp_store.distributed.context import resolve_store
+
+        st = resolve_store(self.store, create=self.create)
+        self.tier.durable = st.location
+        self.tier.store = st
+        return _view(st, self.tier)
+
+
+def _view(st, tier: TierSave):
+    """``st`` with its location swapped for ``tier``'s folder; its ``begin`` hands the writer to ``tier``."""
+    from ucp_store.store import Store
+
+    class TierStoreView(Store):
+        def begin(self, *args, **kwargs):
+            writer = super().begin(*args, **kwargs)
+            tier.joined(writer)
+            return writer
+
+        def _owned(self, **kwargs) -> None:  # the store's identity is on its durable location, not a fast tier
+            owned = getattr(st, "_owned", None)
+            if owned is not None:
+                owned(**kwargs)
+
+    view = TierStoreView.__new__(TierStoreView)
+    view.__dict__.update(st.__dict__)
+    view.location = tier.location(st.location.catalog_url)
+    return view
+
+
+# --------------------------------------------------------------------------------- the result
+class TieredResult(str):
+    """The version id (a ``str``) of a tiered save, with its safety: ``safety`` (the level reached, as far as
+    this rank has learnt), ``wait(level, timeout)`` (blocks until the level is reached; raises UcpError when the
+    background drain failed before it, TimeoutError after ``timeout`` seconds)."""
+
+    _events: dict[str, threading.Event]
+    _level: str
+    error: BaseException | None
+
+    def __new__(cls, version: str):
+        obj = super().__new__(cls, version)
+        obj._events = {lvl: threading.Event() for lvl in ("local", "replicated", "durable")}
+        obj._level = "local"
+        obj.error = None
+        return obj
+
+    def reached(self, level: str) -> None:
+        if tplace.level_index(level) > tplace.level_index(self._level):
+            self._level = level
+        for lvl, ev in self._events.items():
+            if tplace.reached(level, lvl):
+                ev.set()
+
+    def failed(self, error: BaseException) -> None:
+        self.error = error
+        for ev in self._events.values():
+            ev.set()
+
+    @property
+    def safety(self) -> str:
+        return self._level
+
+    def wait(self, level: str = "durable", timeout: float | None = None) -> str:
+        tplace.level_index(level)
+        if not self._events[level].wait(timeout):
+            raise TimeoutError(f"version {str(self)}: safety {level!r} not reached within {timeout} s "
+                               f"(now {self._level!r})")
+        if not tplace.reached(self._level, level):
+            raise UcpError(f"version {str(self)}: safety {level!r} not reached ({self.error})") from self.error
+        return self._level
+
+
+# --------------------------------------------------------------------------------- replicate
+def _rounds(objs: list[ObjectInfo], budget: int) -> list[list[ObjectInfo]]:
+    """``objs`` cut into consecutive rounds of at most ``budget`` bytes (an object larger alone)."""
+    out: list[list[ObjectInfo]] = []
+    size = budget
+    for o in objs:
+        if size + o.nbytes > budget and (not out or out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(o)
+        size += o.nbytes
+    return out
+
+
+def _move(tier: TierSave, group, outgoing: dict[int, list[ObjectInfo]], what: str) -> tuple[list, Any]:
+    """Send each rank's ``outgoing`` objects (destination rank -> objects, read from its fast tier) to their
+    ranks, which check each one's crc32c and write it to their own fast tier. A collective: one ``settle`` of the
+    descriptions through the coordinator, then rounds of one ``all_to_all_single`` of raw bytes, each at most
+    ``round_bytes`` per sender and destination. Returns (what this rank wrote, its error or None); a failed
+    collective raises UcpError."""
+    import numpy as np
+
+    from ucp_store.distributed import coord
+    from ucp_store.distributed.commit import collective_errors, settle
+
+    world, budget = len(tier.nodes.nodes), tier.round_bytes
+    mine = {str(d): [[o.key, o.nbytes, o.crc32c] for o in objs] for d, objs in outgoing.items() if objs}
+
+    def decide(parts: list) -> list:
+        cuts = {(src, int(d)): _rounds([ObjectInfo(*x) for x in objs], budget)
+                for src, p in enumerate(parts) for d, objs in p.items()}
+        rounds = max((len(c) for c in cuts.values()), default=0)
+        return [{"rounds": rounds, "recv": {str(src): [[[o.key, o.nbytes, o.crc32c] for o in rnd] for rnd in c]
+                                            for (src, d), c in cuts.items() if d == r}} for r in range(world)]
+
+    written: list[ObjectInfo] = []
+    error: BaseException | None = None
+    mine_cuts = {d: _rounds(objs, budget) for d, objs in outgoing.items() if objs}
+    with collective_errors(what):
+        plan = settle(mine, decide, group)
+        for i in range(plan["rounds"]):
+            parts: list[list] = [[] for _ in range(world)]
+            for d, c in mine_cuts.items():
+                if i < len(c):
+                    parts[d] = [np.fromfile(tobj.object_path(tier.root, o.key), np.uint8) for o in c[i]]
+            descs = {int(src): (rs[i] if i < len(rs) else []) for src, rs in plan["recv"].items()}
+            recv = [sum(x[1] for x in descs.get(src, ())) for src in range(world)]
+            arrived = coord.all_to_all_bytes(parts, recv, group)
+            if error is None:
+                error = _write_arrived(tier, descs, arrived, written)
+    return written, error
+
+
+def replicate(tier: TierSave, group) -> str:
+    """Phase 3 on every rank (a collective of ``group``): send the objects of this rank's share that no second
+    node holds to its partner, write what arrives, record it. Returns the version's safety as recorded."""
+    from ucp_store.distributed.commit import collective_errors, settle
+
+    world = len(tier.nodes.nodes)
+    partners = [tier.nodes.partner(r) for r in range(world)]
+    if any(p is None for p in partners):
+        raise ConfigurationError(f"replicas={tier.replicas}: the job's ranks are all on node {tier.node!r}; a "
+                                 "replica needs a second node (set UCP_NODE per node, or replicas=0)")
+    what = f"tiered save {tier.checkpoint_id}: replicating to the partner nodes"
+
+    names = [tier.nodes.nodes[p] for p in partners if p is not None]
+
+    def decide(parts: list) -> list:  # the coordinator knows every node's objects (tier.everyone)
+        held: dict[str, set[str]] = {}
+        for node, objs in tier.everyone.items():
+            for o in objs:
+                held.setdefault(o.key, set()).add(node)
+        return [[k for k, _, _ in p if len(held.get(k, ())) < 2 and names[r] not in held.get(k, ())]
+                for r, p in enumerate(parts)]
+
+    with collective_errors(what):
+        keys = set(settle([[o.key, o.nbytes, o.crc32c] for o in tier.mine], decide, group))
+    partner = partners[tier.rank]
+    assert partner is not None
+    written, error = _move(tier, group, {partner: [o for o in tier.mine if o.key in keys]}, what)
+    return _record_replicas(tier, written, error, group, what)
+
+
+def _write_arrived(tier: TierSave, descs: dict, arrived: list, written: list[ObjectInfo]) -> BaseException | None:
+    try:
+        for src, ds in sorted(descs.items()):
+            pos = 0
+            for key, nbytes, crc in ds:
+                data = arrived[src][pos:pos + nbytes]
+                pos += nbytes
+                if tobj.crc_hex(data) != crc:
+                    raise UcpError(f"replica of {key} from rank {src}: crc32c {tobj.crc_hex(data)}, sent as {crc}")
+                written.append(tobj.write_object(tier.root, key, data))
+                killpoint("tier.replicate")
+    except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the agreement that follows
+        return exc
+    return None
+
+
+def _record_replicas(tier: TierSave, written: list[ObjectInfo], error: BaseException | None, group,
+                     what: str) -> str:
+    from ucp_store.distributed.commit import agree, collective_errors
+
+    mine = {"node": tier.node, "error": None if error is None else f"{type(error).__name__}: {error}",
+            "written": [[o.key, o.nbytes, o.crc32c] for o in written]}
+
+    def decide(parts: list) -> Any:
+        failed = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if p["error"]]
+        if failed:
+            return {"failed": "; ".join(failed)}
+
+        def rows(s):
+            for p in parts:
+                tplace.record(s, tier.checkpoint_id, tplace.FAST, p["node"],
+                              [ObjectInfo(*w) for w in p["written"]], "complete")
+            return tplace.refresh_safety(s, tier.checkpoint_id)
+
+        return {"safety": tier.store.catalog.run_write(rows)}
+
+    with collective_errors(what):
+        answer = agree(mine, decide, group)
+    if "failed" in answer:
+        raise UcpError(f"{what} failed; the version stays listed 'local': {answer['failed']}") from error
+    return str(answer["safety"])
+
+
+# --------------------------------------------------------------------------------- drain
+@dataclass
+class _DrainJob:
+    tier: TierSave
+    result: TieredResult
+    group: Any
+
+
+_QUEUE: queue.Queue[_DrainJob] = queue.Queue()
+_WORKER: list[threading.Thread] = []
+_IDLE = threading.Condition()
+_BUSY = [0]
+
+
+def _enqueue(job: _DrainJob) -> None:
+    with _IDLE:
+        _BUSY[0] += 1
+    if not _WORKER or not _WORKER[0].is_alive():
+        _WORKER[:] = [threading.Thread(target=_drain_loop, name="ucp-tier-drain", daemon=True)]
+        _WORKER[0].start()
+    _QUEUE.put(job)
+
+
+def drain_idle(timeout: float | None = None) -> bool:
+    """Wait until this process has no drain queued or running; True when idle."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _IDLE:
+        while _BUSY[0]:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            _IDLE.wait(left)
+    return True
+
+
+def _drain_loop() -> None:
+    while True:
+        job = _QUEUE.get()
+        try:
+            level = drain(job.tier, job.group)
+            job.result.reached(level)
+        except BaseException as exc:  # noqa: BLE001 - the caller learns it from result.wait
+            job.result.failed(exc)
+        finally:
+            with _IDLE:
+                _BUSY[0] -= 1
+                _IDLE.notify_all()
+
+
+def _drain_assignment(tier: TierSave) -> list[list[str]]:
+    """On the coordinator: each object to one rank whose share holds it (the one with the fewest bytes assigned
+    so far), so it is PUT once and the ranks share the work."""
+    shares = tier.shares or [list(tier.mine)]
+    holders: dict[str, list[int]] = {}
+    size: dict[str, int] = {}
+    for r, share in enumerate(shares):
+        for o in share:
+            holders.setdefault(o.key, []).append(r)
+            size[o.key] = o.nbytes
+    load = [0] * len(shares)
+    out: list[list[str]] = [[] for _ in shares]
+    for key in sorted(holders, key=lambda k: -size[k]):
+        r = min(holders[key], key=lambda x: load[x])
+        out[r].append(key)
+        load[r] += size[key]
+    return out
+
+
+def drain(tier: TierSave, group) -> str:
+    """Phase 4 on every rank (a collective of ``group``): PUT the objects the coordinator assigns this rank (each
+    object once) to the durable tier, record the copies and the safety, evict beyond ``fast_keep``. Returns the
+    safety recorded."""
+    from ucp_store.distributed.commit import agree, collective_errors, settle
+
+    assert tier.durable is not None
+    what = f"tiered save {tier.checkpoint_id}: the drain to the durable tier"
+
+    def assign(parts: list) -> list:  # the coordinator: the durable copies are being written
+        every = [o for objs in tier.everyone.values() for o in objs]
+        tier.store.catalog.run_write(lambda s: tplace.record(s, tier.checkpoint_id, tplace.DURABLE, "",
+                                                             {o.key: o for o in every}.values(), "writing"))
+        return _drain_assignment(tier)
+
+    if group is None:
+        keys = set(assign([None])[0])
+    else:
+        with collective_errors(what):
+            keys = set(settle(None, assign, group))
+    error: BaseException | None = None
+    done: list[ObjectInfo] = []
+    try:
+        for o in tier.mine:
+            if o.key in keys:
+                data = tobj.read_checked(tier.root, o.key, o.crc32c, o.nbytes)
+                done.append(tobj.put_durable(tier.durable, o.key, data))
+                killpoint("tier.drain")
+    except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the agreement
+        error = exc
+    mine = {"error": None if error is None else f"{type(error).__name__}: {error}",
+            "done": [[o.key, o.nbytes, o.crc32c] for o in done]}
+
+    def decide(parts: list) -> Any:
+        failed = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if p["error"]]
+        if failed:
+            return {"failed": "; ".join(failed)}
+        objs = [ObjectInfo(*d) for p in parts for d in p["done"]]
+        return tier.store.catalog.run_write(lambda s: _durable_and_evict(s, tier, objs))
+
+    if group is None:
+        answer = decide([mine])
+    else:
+        with collective_errors(what):
+            answer = agree(mine, decide, group)
+    if "failed" in answer:
+        raise UcpError(f"drain of {tier.checkpoint_id} failed; it stays at its level: {answer['failed']}") from error
+    if tier.nodes.ranks_on(tier.node)[0] == tier.rank:  # the node's first rank removes the evicted folders
+        for ck in answer["evict"]:
+            killpoint("tier.evict")
+            tobj.remove_version(tier.root, ck)
+    return str(answer["safety"])
+
+
+def _durable_and_evict(s, tier: TierSave, objs: list[ObjectInfo]) -> dict:
+    from ucp_store.tiers import retention as tret
+
+    tplace.record(s, tier.checkpoint_id, tplace.DURABLE, "", objs, "complete")
+    level = tplace.refresh_safety(s, tier.checkpoint_id)
+    evicted = tret.evict_fast(s, run=tier.run, keep=tier.fast_keep)
+    return {"safety": level, "evict": evicted}
+
+
+# --------------------------------------------------------------------------------- save
+def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
+         parent: str | None = "auto", group=None, progress: bool = True, create: bool = True, mesh=None,
+         replicas: int = 1, node: str | None = None, fast_tier: str | None = None, fast_keep: int = DEFAULT_FAST_KEEP,
+         round_bytes: int = DEFAULT_ROUND_BYTES, drain: bool = True) -> TieredResult:
+    """``ucp_store.distributed.save(..., tier="fast")``: see the module docstring. Returns a
+    :class:`TieredResult` once the version is ``replicated`` (``local`` with ``replicas=0``); the drain to the
+    durable tier goes on in the background (``drain=False``: not started)."""
+    from ucp_store.distributed.context import Ctx
+    from ucp_store.distributed.inflight import wait
+    from ucp_store.distributed.planner import forget_plan, plan_save
+    from ucp_store.distributed.saver import write_plan
+    from ucp_store.distributed.tensors import host_copy
+    from ucp_store.errors import StalePlanError
+
+    if replicas not in (0, 1):
+        raise ConfigurationError(f"replicas={replicas!r}: expected 0 or 1 (copies on other nodes' fast tiers)")
+    if isinstance(fast_keep, bool) or not isinstance(fast_keep, int) or fast_keep < 0:
+        raise ConfigurationError(f"fast_keep={fast_keep!r}: expected a number of versions, 0 or more")
+    name = tnode.node_name(node)
+    root = tnode.fast_tier_root(fast_tier, name)
+    if root is None:
+        raise ConfigurationError("tier='fast' needs a fast tier: pass fast_tier= (a folder; may contain {node}) "
+                                 "or set UCP_FAST_TIER")
+    wait()  # an async save in flight commits first
+    ctx = Ctx(group)
+    nodes = node_map(ctx.group, name)
+    if replicas and len(nodes.order) < 2:
+        raise ConfigurationError(f"replicas={replicas}: every rank of the job is on node {name!r}; a replica "
+                                 "needs a second node (UCP_NODE per node), or pass replicas=0")
+    drain_group = _drain_group(ctx) if drain else None
+    for _ in range(2):
+        tier = TierSave(root=root, node=name, nodes=nodes, rank=ctx.rank, replicas=replicas, fast_keep=fast_keep,
+                        round_bytes=round_bytes, run=run)
+        plan = plan_save(state_dict, ctx, mesh, cache=True)
+        opener = _Opener(store, create, tier)
+        staged = [host_copy(src[sl] if sl else src) for src, sl in plan.sources]
+        try:
+            version = write_plan(opener, plan, staged, ctx, run=run, step=step, message=message, parent=parent,
+                                 progress=progress)
+            break
+        except StalePlanError:
+            forget_plan(ctx)
+    else:  # pragma: no cover - a fresh plan is never checked
+        raise UcpError(f"save of {run}@{step}: planning did not settle")
+    result = TieredResult(version)
+    result.reached("local")
+    if replicas:
+        result.reached(replicate(tier, ctx.group))
+    if drain:
+        _enqueue(_DrainJob(tier, result, drain_group))
+    return result
+
+
+def _drain_group(ctx):
+    """The drain's own gloo group (made on the caller's thread: every rank creates groups in one order)."""
+    if ctx.dist is None:
+        return None
+    from ucp_store.distributed.commit import control_group
+
+    return control_group(ctx.group, tag="tier-drain")
