@@ -79,6 +79,8 @@ def cmd_diff(args: Any) -> int:
     from ucp_store.registry.checkpoint import diff
 
     store = open_from_args(args)
+    if args.chunks:
+        return _diff_chunks(store, args)
     rows = diff(store.checkpoint(args.ref_a), store.checkpoint(args.ref_b), progress=progress_wanted(args))
     if args.json:
         print_json(rows)
@@ -89,6 +91,27 @@ def cmd_diff(args: Any) -> int:
             else f"{r['relative_change']:.3e}", r.get("detail", "")] for r in shown],
           ["name", "state", "status", "rel. change", "detail"])
     print(", ".join(f"{v} {k}" for k, v in counts.items()))
+    return EXIT_OK
+
+
+def _diff_chunks(store, args: Any) -> int:
+    """``diff --chunks``: per tensor-state, which inner chunks of B changed (``registry/pull.chunk_diff``)."""
+    from ucp_store.registry.pull import chunk_diff
+
+    rows = chunk_diff(store, args.ref_a, args.ref_b)
+    if args.json:
+        print_json([{**r, "changed": [list(c) for c in r.get("changed", [])]} for r in rows])
+        return EXIT_OK
+    shown = rows if args.all else [r for r in rows if r["status"] != "same"]
+    table([[r["name"], r["state"], r["status"], f"{len(r.get('changed', []))}/{r.get('chunks', '-')}",
+            "x".join(map(str, r.get("chunk_shape", []))) or "-", r.get("how", "-"),
+            "-" if r.get("delta_bytes") is None else r["delta_bytes"],
+            " ".join(":".join(map(str, c)) for c in r.get("changed", [])[:8])
+            + (" ..." if len(r.get("changed", [])) > 8 else "")] for r in shown],
+          ["name", "state", "status", "changed chunks", "chunk", "from", "delta bytes", "chunks (first 8)"])
+    changed = sum(len(r.get("changed", [])) for r in rows)
+    total = sum(r.get("chunks", 0) for r in rows)
+    print(f"{changed} of {total} chunks changed in {sum(r['status'] == 'changed' for r in rows)} tensor-states")
     return EXIT_OK
 
 
@@ -125,6 +148,9 @@ def _diff_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("ref_a")
     sp.add_argument("ref_b")
     sp.add_argument("--all", action="store_true", help="list unchanged tensors too")
+    sp.add_argument("--chunks", action="store_true",
+                    help="which inner chunks changed per tensor-state (from a delta's shard indexes where B is a "
+                         "delta of A, else by comparing values)")
 
 
 def _verify_args(sp: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from ucp_store.distributed.commit import collective_errors
 from ucp_store.distributed.context import Ctx, resolve_store
 from ucp_store.distributed.inflight import wait
 from ucp_store.distributed.planner import SavePlan, forget_plan, plan_save, plan_still_holds
+from ucp_store.distributed.publish import Published, check_mode, publish_deltas, remember
 from ucp_store.distributed.statedict import STATE_DICT_OBJECT
 from ucp_store.distributed.tensors import host_copy
 from ucp_store.errors import StalePlanError, UcpError
@@ -33,7 +34,7 @@ __all__ = ["open_everywhere", "save", "set_region_hashes", "write_plan"]
 
 
 def write_plan(store, plan: SavePlan, staged: list[torch.Tensor], ctx: Ctx, *, run: str, step: int,
-                message: str | None, parent: str | None, progress: bool) -> str:
+                message: str | None, parent: str | None, progress: bool, delta: str | None = "off") -> str:
     """Begin/join, write every staged box, rank 0 writes the objects, commit (all ranks or none)."""
     from ucp_store.progress import track
 
@@ -50,10 +51,14 @@ def write_plan(store, plan: SavePlan, staged: list[torch.Tensor], ctx: Ctx, *, r
             writer = distributed_begin(store, run, step, group=ctx.group, parent=parent, message=msg,
                                        provenance=plan.provenance, straddling=False)  # boxes of whole files
     error = None
+    published: Published | None = None
     try:
         pairs = list(zip(plan.items, staged))
         # positions in the state dict's order, each tensor's states together (the commit merges the ranks')
         writer.order(tuple(o["tensor"]) for o in plan.objects if "tensor" in o)
+        if delta != "off":  # deltas of the parent where small enough (publish.py: two collectives)
+            published = publish_deltas(writer, pairs, ctx, delta, f"save of {run}@{step}")
+            pairs = [(it, data) for it, data in pairs if (it.name, it.state) not in published.kept]
         writer.open_regions([(it.name, it.state, dtypes.zarr_name(data.dtype, what=it.name), it.shape, it.pattern,
                               it.boundaries) for it, data in pairs])  # every array at once
         for it, data in track(pairs, f"save {run}@{step}", enabled=progress and ctx.rank == 0,
@@ -80,7 +85,10 @@ def write_plan(store, plan: SavePlan, staged: list[torch.Tensor], ctx: Ctx, *, r
         except BaseException:
             writer.abort()
             raise
-        return writer.commit().id
+        version = writer.commit().id
+        if published is not None:
+            remember(writer, published, version)
+        return version
     from ucp_store.distributed.commit import distributed_commit
 
     mine = _CommitPart.of(writer, plan, error)
@@ -105,7 +113,10 @@ def write_plan(store, plan: SavePlan, staged: list[torch.Tensor], ctx: Ctx, *, r
     try:
         _apply_hashes(writer, answer)
         with collective_errors(f"save of {run}@{step} (commit)"):
-            return distributed_commit(writer, group=ctx.group)
+            version = distributed_commit(writer, group=ctx.group)
+        if published is not None:
+            remember(writer, published, version)
+        return version
     except UcpError:
         writer.abort()
         raise
@@ -226,7 +237,8 @@ def _stale_opener():
 
 
 def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
-         parent: str | None = "auto", group=None, progress: bool = True, create: bool = True, mesh=None) -> str:
+         parent: str | None = "auto", group=None, progress: bool = True, create: bool = True, mesh=None,
+         delta: str | None = "off") -> str:
     """Save a (sharded) training state dict as ``run@step``; call on every rank. Returns the version id.
 
     ``state_dict`` is what ``get_state_dict(model, optimizer)`` returns (or any nested dict of DTensors,
@@ -237,7 +249,13 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
     Per-rank state: a plain tensor or value whose content differs across ranks (RNG states, dataloader
     positions), or that only some ranks hold, is stored per rank (once per distinct content), keyed by the
     rank and its coordinates in ``mesh`` (a ``DeviceMesh``; default: the mesh of the state dict's DTensors
-    that spans every rank). Equal contents are stored once. ``load`` restores it by policy."""
+    that spans every rank). Equal contents are stored once. ``load`` restores it by policy.
+
+    ``delta="auto"`` publishes the version as deltas of its parent where they are small enough (each rank XORs
+    its own boxes with the parent's, from memory when this process published the parent; keyframes and the
+    size bound as ``Store.save(delta="auto")``); None takes the run's setting; ``"off"`` (default) stores every
+    tensor-state in full. A puller then moves between versions reading only changed chunks (``ucp_store.pull``)."""
+    check_mode(delta)
     wait()  # an async save in flight commits first
     ctx = Ctx(group)
     for _ in range(2):  # a cached plan that no longer holds is dropped on every rank: the second plans afresh
@@ -248,7 +266,7 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
         staged = [host_copy(src[sl] if sl else src) for src, sl in plan.sources]
         try:
             return write_plan(st, plan, staged, ctx, run=run, step=step, message=message, parent=parent,
-                               progress=progress)
+                              progress=progress, delta=delta)
         except StalePlanError:  # every rank raised it (the commit's check, or begin's broadcast)
             forget_plan(ctx)
             continue

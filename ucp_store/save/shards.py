@@ -108,6 +108,8 @@ class ShardWriter:
         #: ``hold_straddling`` (a multi-rank save): the pieces of shard files this rank's boxes only cut, kept for
         #: the exchange that hands each file to its one writer (``write_owned``); None: written in place
         self.straddling: list[straddle.Piece] | None = None
+        #: ``open_delta`` tensor-states: (base array id, stored bytes of every rank's files)
+        self.deltas: dict[tuple[str, str], tuple[str, int]] = {}
 
     def write_shard(self, name: str, state: str, local: torch.Tensor, *, shape, pattern: dict | None,
                     topology, rank: int, fragment=None, targets: Iterable = (), position: int | None = None,
@@ -326,6 +328,48 @@ class ShardWriter:
                                                  f"tensor {key[0]!r} state {key[1]!r}")
             self.sharded[key] = (aid, rel, layout, pattern)
 
+    def open_delta(self, name: str, state: str, base: Any, *, pattern: dict | None, codec: str,
+                   stored_nbytes: int) -> None:
+        """Register a tensor-state every rank writes as a delta of ``base`` (the parent's ``TensorInfo``, its
+        chain included; ``distributed/publish.py``): the base's grid with ``codec``'s chain, the same array id
+        on every rank; the origin writes its zarr.json in ``finish`` and records an ``xor`` row."""
+        import xxhash
+
+        from ucp_store.io import deltaio
+        from ucp_store.records import ArrayRef, TensorInfo
+
+        key = (name, state)
+        layout = deltaio.delta_layout(fmt.ArrayLayout.from_catalog(base.dtype, base.shape, base.chunk_shape,
+                                                                   base.shard_shape, base.codecs), codec)
+        aid = xxhash.xxh3_128(f"{self.id}\0{name}\0{state}".encode()).hexdigest()
+        rel = array_path(self.id, aid)
+        chain = (ArrayRef(base.array, base.array_id, base.codecs, base.encoding), *base.bases)
+        info = TensorInfo.from_catalog(name, state, layout.shape, layout.dtype, pattern, layout.chunk_shape,
+                                       layout.shard_shape, rel, aid, layout.codecs(), layout.nbytes, "", 0, "xor",
+                                       chain)
+        self._uncreated.add(key)  # the origin writes the zarr.json (finish); a read-back reconstructs
+        self._handles[key] = fmt.LazyArray(lambda: deltaio.DeltaArray(self.ctx.location, info, layout,
+                                                                      self.durability.array_context()))
+        self.sharded[key] = (aid, rel, layout, pattern)
+        self.deltas[key] = (base.array_id, int(stored_nbytes))
+        self.durability.touch(rel)
+
+    def add_delta_box(self, name: str, state: str, values: np.ndarray, *, offset, files: Mapping[str, bytes],
+                      origin: bool) -> None:
+        """One box of an ``open_delta`` tensor-state: its encoded shard files (whole files of the box, written
+        here) and the digests of its ``values`` for the content hash."""
+        from ucp_store.io import deltaio
+
+        key = (name, state)
+        _aid, rel, layout, _pattern = self.sharded[key]
+        kv = deltaio.open_kvstore(self.ctx.location, rel, self.durability.array_context())
+        for fkey, data in files.items():
+            localwrite.log_object(rel, fkey)
+            self.arrays.window.submit(kv.write(fkey, data), len(data), (None, f"tensor {name!r} state {state!r}"))
+        self._digest_region(key, layout, tuple(offset), np.ascontiguousarray(values))
+        if origin:
+            self.origin.add(key)
+
     def _digest_region(self, key, layout: fmt.ArrayLayout, offset, array: np.ndarray) -> None:
         """Digest every unit of the content hash that lies wholly inside the box (``fmt.box_unit_digests``), so
         that the origin rank reads back only the units that no box held whole."""
@@ -499,9 +543,12 @@ class ShardWriter:
                 self.ctx.location.delete_tree(rel)  # identical content is already stored
                 array_id = existing
             else:
+                base, stored = self.deltas.get(key, (None, None))
                 self.rows.append(m.Array(id=aid, path=rel, dtype=layout.dtype, shape=list(layout.shape),
                                           chunk_shape=list(layout.chunk_shape), shard_shape=list(layout.shard_shape),
-                                          codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready"))
+                                          codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready",
+                                          **({} if base is None else {"encoding": "xor", "base_array_id": base,
+                                                                      "stored_nbytes": stored})))
                 array_id = aid
                 self.dedup.local_arrays[h] = aid  # later identical arrays of this save reference it
             self.rows.append(m.Tensor(checkpoint_id=self.id, name=key[0], state=key[1], array_id=array_id,

@@ -1,0 +1,449 @@
+"""Pull: a holder of version M moves to version N in place, reading only the chunks that changed in its boxes.
+
+A puller (an inference engine's process, or each of its TP ranks) holds tensor-states of M in its own layout:
+per tensor-state one box of the logical tensor in a tensor of the box's shape (any device). :func:`pull`
+plans per tensor-state a route (``plan/pull.route``: ``same``, ``delta`` or ``full``) from the catalog's
+``arrays.encoding`` / ``base_array_id`` chains, then reads, for each delta array on the route, only the
+stored chunks that intersect the box (``io/chunkread``) and XORs them into the held tensor; a ``full`` route
+(a keyframe between M and N) reads N's values of the box: its chain's full array, then the deltas above it.
+Where a chain of deltas would read more than N's own chain, the full route is taken instead.
+
+The plan (:func:`plan_pull`) is catalog work only and JSON-able, so one rank of a job plans and the others
+execute it from the broadcast plan without a catalog client (``distributed/pull.py``). :func:`chunk_diff`
+says which chunks changed between two versions per tensor-state (``ucp diff --chunks``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from ucp_store._lazy import lazy_module
+from ucp_store.catalog import models as m
+from ucp_store.errors import ChecksumError, ValidationError
+from ucp_store.geometry import Box
+from ucp_store.io.pools import LazyPool
+from ucp_store.plan.pull import ChunkCut, Route, box_in, chunk_cuts, route
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import torch
+
+    from ucp_store import dtypes
+    from ucp_store.io import chunkread, delta
+    from ucp_store.io import format as fmt
+else:
+    np = lazy_module("numpy")
+    torch = lazy_module("torch")
+    dtypes = lazy_module("ucp_store.dtypes")
+    chunkread = lazy_module("ucp_store.io.chunkread")
+    delta = lazy_module("ucp_store.io.delta")
+    fmt = lazy_module("ucp_store.io.format")
+
+__all__ = ["ChainArray", "TensorRoute", "PullTarget", "TensorPull", "PullResult", "plan_pull", "apply_pull",
+           "chunk_diff"]
+
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class ChainArray:
+    """One array as a pull reads it: where it is, its geometry and codecs, and its encoding."""
+
+    id: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    shard_shape: tuple[int, ...]
+    codecs: Any
+    encoding: str = "plain"
+    base: str | None = None
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "path": self.path, "shape": list(self.shape), "dtype": self.dtype,
+                "shard_shape": list(self.shard_shape), "codecs": self.codecs, "encoding": self.encoding,
+                "base": self.base}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ChainArray":
+        return cls(d["id"], d["path"], tuple(d["shape"]), d["dtype"], tuple(d["shard_shape"]), d["codecs"],
+                   d.get("encoding", "plain"), d.get("base"))
+
+
+@dataclass(frozen=True)
+class TensorRoute:
+    """The plan of one tensor-state: ``route.kind``; ``deltas`` to XOR into the held values (kind ``delta``);
+    ``full``: N's chain, its full array first, then the deltas above it (read for kind ``full``, and the
+    alternative a ``delta`` route of several deltas is weighed against); N's content hash."""
+
+    name: str
+    state: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    reason: str
+    deltas: tuple[ChainArray, ...]
+    full: tuple[ChainArray, ...]
+    content_hash: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "state": self.state, "shape": list(self.shape), "dtype": self.dtype,
+                "kind": self.kind, "reason": self.reason, "deltas": [a.to_json() for a in self.deltas],
+                "full": [a.to_json() for a in self.full], "content_hash": self.content_hash}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TensorRoute":
+        return cls(d["name"], d["state"], tuple(d["shape"]), d["dtype"], d["kind"], d["reason"],
+                   tuple(ChainArray.from_json(a) for a in d["deltas"]),
+                   tuple(ChainArray.from_json(a) for a in d["full"]), d["content_hash"])
+
+
+@dataclass
+class PullTarget:
+    """What a puller holds of one tensor-state: ``box`` of the logical tensor (None: all of it) in ``tensor``
+    (the box's shape and the stored dtype; any device), filled in place; ``label`` names it in results (an
+    HF name, a state dict key)."""
+
+    name: str
+    state: str
+    tensor: Any
+    box: Box | None = None
+    label: str = ""
+
+
+@dataclass
+class TensorPull:
+    """What one target's pull did: the route taken, the chunks its box intersects in N's array, the stored
+    chunks read (``changed``: indices of delta chunks XORed in), bytes read (indexes included) and the
+    stored bytes of the delta chunks within the box (``delta_bytes``)."""
+
+    label: str
+    name: str
+    state: str
+    kind: str
+    reason: str = ""
+    chunks: int = 0
+    changed: list[tuple[int, ...]] = field(default_factory=list)
+    bytes_read: int = 0
+    delta_bytes: int = 0
+    verified: bool | None = None
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "name": self.name, "state": self.state, "kind": self.kind, "reason": self.reason,
+                "chunks": self.chunks, "changed_chunks": len(self.changed), "bytes_read": self.bytes_read,
+                "delta_bytes": self.delta_bytes, "verified": self.verified}
+
+
+@dataclass
+class PullResult:
+    """A pull's outcome: one :class:`TensorPull` per target, totals and the time it took."""
+
+    have: str
+    want: str
+    tensors: list[TensorPull]
+    seconds: float = 0.0
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(t.bytes_read for t in self.tensors)
+
+    @property
+    def delta_bytes(self) -> int:
+        return sum(t.delta_bytes for t in self.tensors)
+
+    @property
+    def changed(self) -> list[str]:
+        """Labels of the targets whose values changed (read anything but an index)."""
+        return [t.label for t in self.tensors if t.changed or t.kind == "full"]
+
+    def to_json(self) -> dict:
+        return {"have": self.have, "want": self.want, "seconds": self.seconds, "bytes_read": self.bytes_read,
+                "delta_bytes": self.delta_bytes, "tensors": [t.to_json() for t in self.tensors]}
+
+
+# --- the plan (catalog) ------------------------------------------------------------------------------
+
+def _array_rows(session, ids: Iterable[str]) -> dict[str, ChainArray]:
+    """Every array on the chains of ``ids`` (their bases, recursively), by id, a batched query per level."""
+    a = m.Array
+    out: dict[str, ChainArray] = {}
+    todo = set(ids)
+    while todo:
+        rows = session.execute(select(a.id, a.path, a.shape, a.dtype, a.shard_shape, a.codecs, a.encoding,
+                                      a.base_array_id).where(a.id.in_(sorted(todo)))).all()
+        todo = set()
+        for aid, path, shape, dtype, shard, codecs, enc, base in rows:
+            out[aid] = ChainArray(aid, path, tuple(shape), dtype, tuple(shard), codecs, enc or "plain", base)
+            if base is not None and base not in out:
+                todo.add(base)
+    return out
+
+
+def _full_chain(want: str, arrays: Mapping[str, ChainArray]) -> tuple[ChainArray, ...]:
+    chain, at = [], arrays[want]
+    while at.encoding == "xor" and at.base is not None:
+        chain.append(at)
+        at = arrays[at.base]
+    chain.append(at)
+    return tuple(reversed(chain))
+
+
+def plan_pull(store, have: str | None, want: str, keys: Iterable[Key] | None = None) -> dict[Key, TensorRoute]:
+    """Routes from version ``have`` (a reference; None: nothing held) to ``want`` for ``keys`` (``(name,
+    state)``; default every tensor-state of ``want``). Catalog reads only."""
+    ck_want = store.resolve(want)
+    ck_have = store.resolve(have) if have is not None else None
+    t = m.Tensor
+    with store.catalog.session() as s:
+        rows_w = {(n, st): (aid, shape, dtype, h) for n, st, aid, shape, dtype, h in s.execute(
+            select(t.name, t.state, t.array_id, t.shape, t.dtype, t.content_hash).where(t.checkpoint_id == ck_want))}
+        rows_h = {} if ck_have is None else {(n, st): aid for n, st, aid in s.execute(
+            select(t.name, t.state, t.array_id).where(t.checkpoint_id == ck_have))}
+        wanted = list(rows_w) if keys is None else list(keys)
+        for k in wanted:
+            if k not in rows_w:
+                raise ValidationError(f"pull: version {want!r} has no tensor-state {k[0]!r} [{k[1]}]")
+        arrays = _array_rows(s, {rows_w[k][0] for k in wanted} | {rows_h[k] for k in wanted if k in rows_h})
+    links = {aid: (a.encoding, a.base) for aid, a in arrays.items()}
+    out: dict[Key, TensorRoute] = {}
+    for k in wanted:
+        aid, shape, dtype, h = rows_w[k]
+        r: Route = route(rows_h.get(k), aid, links)
+        out[k] = TensorRoute(k[0], k[1], tuple(shape), dtype, r.kind, r.reason,
+                             tuple(arrays[d] for d in r.deltas), _full_chain(aid, arrays) if r.kind != "same" else (),
+                             h)
+    return out
+
+
+# --- execution ---------------------------------------------------------------------------------------
+
+class _Dest:
+    """A target's tensor as the reads write it: a numpy view on CPU, else a device tensor fed per chunk."""
+
+    def __init__(self, tensor, dtype: str, box: Box, what: str):
+        if tuple(tensor.shape) != box.shape:
+            raise ValidationError(f"pull: {what}: tensor shape {list(tensor.shape)} is not the box's {list(box.shape)}")
+        if dtypes.zarr_name(tensor.dtype, what=what) != dtype:
+            raise ValidationError(f"pull: {what}: tensor dtype {tensor.dtype} is not the stored {dtype} (a pull "
+                                  "applies bitwise deltas; hold the stored dtype)")
+        self.tensor = tensor
+        self.cpu = tensor.device.type == "cpu"
+        self.np = dtypes.numpy_view(tensor) if self.cpu else None
+
+    def put(self, dst: Box, values: np.ndarray) -> None:
+        if self.np is not None:
+            self.np[dst.slices()] = values
+        else:
+            self.tensor[dst.slices()].copy_(dtypes.to_torch(np.ascontiguousarray(values)), non_blocking=False)
+
+    def xor(self, dst: Box, values: np.ndarray) -> None:
+        if self.np is not None:
+            delta.xor_into(self.np[dst.slices()], values)
+        else:
+            delta.xor_tensor_(self.tensor[dst.slices()], values)
+
+
+def _readers(arrays: Iterable[ChainArray], location, cache: dict[str, Any]) -> None:
+    for a in arrays:
+        if a.id not in cache:
+            cache[a.id] = chunkread.ChunkReader(location, a.path, shape=a.shape, dtype=a.dtype,
+                                                shard_shape=a.shard_shape, codecs=a.codecs, what=f"array {a.path}")
+
+
+def _cuts(reader, box: Box) -> list[ChunkCut]:
+    return list(chunk_cuts(reader.shape, reader.chunk_shape, reader.shard_shape, box))
+
+
+def _stored_in(reader, cuts: Sequence[ChunkCut]) -> int:
+    return sum(reader.stored(c.shard, c.slot) for c in cuts)
+
+
+def _run_chunk(reader, c: ChunkCut, dest: _Dest, mode: str) -> tuple[int, bool]:
+    """One cut: its chunk read, copied (``copy``: a full array stores every chunk) or XORed (``xor``) into
+    ``dest``; ``(bytes read, whether the box's values changed)``."""
+    chunk = reader.chunk(c.shard, c.slot, c.index)
+    if chunk is None:
+        if mode == "copy":
+            raise ChecksumError(f"{reader.what}: chunk {list(c.index)} is missing (a full array stores every chunk)")
+        return 0, False
+    nbytes = reader.stored(c.shard, c.slot)
+    part = chunk[c.src.slices()]
+    if mode == "copy":
+        dest.put(c.dst, part)
+        return nbytes, True
+    # a stored delta chunk holds a non-zero bit (zero chunks are never written), but maybe outside this box
+    if part.shape != chunk.shape and not delta.bits(part).any():
+        return nbytes, False
+    dest.xor(c.dst, part)
+    return nbytes, True
+
+
+@dataclass
+class _Job:
+    """One target being pulled: its result, destination and the arrays to apply in order (reader, cuts, mode)."""
+
+    result: TensorPull
+    dest: Any = None
+    steps: list = field(default_factory=list)
+
+
+def _prepare(tr: TensorRoute, target: PullTarget, location, readers: dict[str, Any]) -> _Job:
+    """The arrays a target reads, in order, with the route weighed: several deltas that store more bytes of
+    the box than N's own chain give way to that chain. Reads the shard indexes involved (counted)."""
+    label = target.label or f"{tr.name} [{tr.state}]"
+    box = box_in(target.box if target.box is not None else Box.full(tr.shape), tr.shape, label)
+    job = _Job(TensorPull(label, tr.name, tr.state, tr.kind, tr.reason))
+    out = job.result
+    if tr.kind == "same":
+        return job
+    job.dest = _Dest(target.tensor, tr.dtype, box, label)
+    _readers(tr.deltas + tr.full, location, readers)
+    before = {a.id: readers[a.id].bytes_read for a in tr.deltas + tr.full}  # one entry per array
+    cuts: dict[str, list[ChunkCut]] = {}
+
+    def cuts_of(arrays):
+        for a in arrays:
+            if a.id not in cuts:
+                cuts[a.id] = _cuts(readers[a.id], box)
+        return sum(_stored_in(readers[a.id], cuts[a.id]) for a in arrays)  # reads their indexes
+
+    kind = tr.kind
+    if kind == "delta":
+        out.delta_bytes = cuts_of(tr.deltas)
+        if len(tr.deltas) > 1:  # several deltas may add up to more than N's own chain: weigh it
+            full_bytes = cuts_of(tr.full)
+            if full_bytes < out.delta_bytes:
+                kind = out.kind = "full"
+                out.reason = f"{len(tr.deltas)} deltas store {out.delta_bytes} bytes of the box, N's chain {full_bytes}"
+    else:
+        cuts_of(tr.full)
+    if kind == "delta":
+        job.steps = [(readers[a.id], cuts[a.id], "xor") for a in tr.deltas]
+    else:
+        job.steps = [(readers[a.id], cuts[a.id], "copy" if i == 0 else "xor") for i, a in enumerate(tr.full)]
+    top = tr.full[-1].id
+    out.chunks = len(cuts[top]) if top in cuts else len(_cuts(readers[top], box))
+    out.bytes_read = sum(readers[aid].bytes_read - n for aid, n in before.items())  # the indexes
+    return job
+
+
+def _execute(jobs: Sequence[_Job]) -> None:
+    """Every job's arrays applied level by level: all jobs' first arrays at once on the pool, then the second,
+    ... (two arrays of one job touch the same elements, so they never run concurrently)."""
+    pool = _pool.get()
+    depth = max((len(j.steps) for j in jobs), default=0)
+    for level in range(depth):
+        running = []
+        for j in jobs:
+            if level < len(j.steps):
+                reader, cuts, mode = j.steps[level]
+                running += [(j, c, mode, pool.submit(_run_chunk, reader, c, j.dest, mode)) for c in cuts]
+        for j, c, mode, fut in running:
+            nbytes, changed = fut.result()
+            j.result.bytes_read += nbytes
+            if changed and (mode == "xor" or level == 0):
+                j.result.changed.append(c.index)
+    for j in jobs:
+        j.result.changed = sorted(set(j.result.changed))
+
+
+def _verify(tr: TensorRoute, target: PullTarget) -> bool | None:
+    """The held values' content hash against N's, where the target holds the whole tensor (a box alone cannot
+    be checked against one hash; a distributed pull checks boxes together, ``distributed/pull.py``)."""
+    if target.box is not None and target.box != Box.full(tr.shape):
+        return None
+    arr = dtypes.to_numpy(target.tensor.detach().cpu(), what=tr.name)
+    return fmt.content_hash(arr, tr.dtype) == tr.content_hash
+
+
+_pool = LazyPool("ucp-pull", "read_threads", lambda cpus: max(4, min(32, 2 * cpus)))
+
+
+def apply_pull(location, routes: Mapping[Key, TensorRoute], targets: Sequence[PullTarget], *, have: str = "",
+               want: str = "", verify: bool = False) -> PullResult:
+    """Execute a plan (:func:`plan_pull`) for ``targets`` in place; no catalog use (any rank can run it)."""
+    t0 = time.perf_counter()
+    readers: dict[str, Any] = {}
+    jobs, trs = [], []
+    for tg in targets:
+        tr = routes.get((tg.name, tg.state))
+        if tr is None:
+            raise ValidationError(f"pull: the plan has no tensor-state {tg.name!r} [{tg.state}]")
+        jobs.append(_prepare(tr, tg, location, readers))
+        trs.append(tr)
+    _execute(jobs)
+    if verify:
+        for job, tr, tg in zip(jobs, trs, targets):
+            if tr.kind == "same":
+                continue
+            job.result.verified = _verify(tr, tg)
+            if job.result.verified is False:
+                raise ChecksumError(f"pull {have} -> {want}: {job.result.label} does not match version {want}'s "
+                                    f"content hash after the pull (did the tensor hold version {have}'s values?)")
+    return PullResult(have, want, [j.result for j in jobs], time.perf_counter() - t0)
+
+
+# --- which chunks changed ----------------------------------------------------------------------------
+
+def _values(tr_chain: Sequence[ChainArray], location, readers: dict[str, Any], shape: tuple[int, ...], dtype: str):
+    """The whole tensor a chain (full array first, then deltas) holds, on the CPU."""
+    t = torch.empty(shape, dtype=dtypes.torch_dtype(dtype))
+    box = Box.full(shape)
+    dest = _Dest(t, dtype, box, tr_chain[-1].path)
+    _readers(tr_chain, location, readers)
+    steps = [(readers[a.id], _cuts(readers[a.id], box), "copy" if i == 0 else "xor") for i, a in enumerate(tr_chain)]
+    _execute([_Job(TensorPull("", "", "", "full"), dest, steps)])
+    return dtypes.numpy_view(t)
+
+
+def _changed_by_values(old, new, reader) -> list[tuple[int, ...]]:
+    bits_old, bits_new = delta.bits(old), delta.bits(new)
+    return [c.index for c in _cuts(reader, Box.full(new.shape))
+            if not np.array_equal(bits_old[c.dst.slices()], bits_new[c.dst.slices()])]
+
+
+def chunk_diff(store, a: str, b: str) -> list[dict]:
+    """Per tensor-state of versions ``a`` and ``b``, which inner chunks of ``b``'s array changed: from the shard
+    indexes alone where ``b`` is one delta of ``a`` (a stored delta chunk is a changed one; unchanged chunks
+    are never written), else by comparing the values chunk by chunk. Rows: ``name``, ``state``, ``status``
+    (``same`` / ``changed`` / ``added`` / ``removed``), ``how`` (``index`` / ``values``), ``chunk_shape``,
+    ``chunks``, ``changed`` (chunk indices), ``delta_bytes`` (stored bytes of ``b``'s delta, if it is one)."""
+    ka, kb = store.checkpoint(a), store.checkpoint(b)
+    keys_a = {(i.name, i.state) for i in ka.tensors()}
+    keys_b = [(i.name, i.state) for i in kb.tensors()]
+    routes = plan_pull(store, a, b, [k for k in keys_b if k in keys_a])
+    readers: dict[str, Any] = {}
+    out: list[dict] = []
+    for k in keys_b:
+        row: dict[str, Any] = {"name": k[0], "state": k[1]}
+        tr = routes.get(k)
+        if tr is None:
+            out.append({**row, "status": "added"})
+            continue
+        info = kb.info(*k)
+        row.update(chunk_shape=list(info.chunk_shape), chunks=math.prod(
+            -(-s // c) for s, c in zip(info.shape, info.chunk_shape)) if info.shape else 1)
+        if tr.kind == "same":
+            out.append({**row, "status": "same", "how": "index", "changed": [], "delta_bytes": 0})
+            continue
+        _readers(tr.full, store.location, readers)
+        top = readers[tr.full[-1].id]
+        if tr.kind == "delta" and len(tr.deltas) == 1:
+            cuts = _cuts(top, Box.full(tr.shape))
+            changed = [c.index for c in cuts if top.stored(c.shard, c.slot)]
+            out.append({**row, "status": "changed" if changed else "same", "how": "index", "changed": changed,
+                        "delta_bytes": _stored_in(top, cuts)})
+            continue
+        old_routes = plan_pull(store, None, a, [k])
+        old = _values(old_routes[k].full, store.location, readers, tr.shape, tr.dtype)
+        new = _values(tr.full, store.location, readers, tr.shape, tr.dtype)
+        changed = _changed_by_values(old, new, top)
+        out.append({**row, "status": "changed" if changed else "same", "how": "values", "changed": changed,
+                    "delta_bytes": None})
+    out.extend({"name": k[0], "state": k[1], "status": "removed"} for k in sorted(keys_a - set(keys_b)))
+    return out
