@@ -5,6 +5,7 @@ The catalog operations run on SQLite and, with UCP_TEST_POSTGRES_URL, PostgreSQL
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ucp_store import config
 from ucp_store.catalog import models as m
@@ -137,3 +138,94 @@ def test_record_refuses_bad_tier_node_state(tmp_path):
             with pytest.raises(ValidationError, match="state"):
                 tp.record(s, ck, "fast", "n0", _objs(1), "done")
     assert m.SAFETY_LEVELS == ("local", "replicated", "durable")
+
+
+@pytest.mark.parametrize("catalog", CATALOGS)
+def test_eviction_never_takes_a_last_copy(tmp_path, catalog):
+    from ucp_store.errors import ConflictError
+    from ucp_store.tiers import retention as tret
+
+    with store_on(catalog, tmp_path / "s") as store:
+        ids = []
+        for step in (1, 2, 3):
+            w = store.begin("r", step)
+            ids.append(w.id)
+            w.commit()
+        objs = _objs(2)
+        with store.catalog.write_session() as s:
+            for ck in ids:
+                tp.record(s, ck, "fast", "n0", objs, "complete", refresh=True)
+            tp.record(s, ids[0], "fast", "n1", objs, "complete", refresh=True)  # step 1: replicated, not durable
+            tp.record(s, ids[1], "durable", "", objs, "complete", refresh=True)  # step 2: durable
+        with store.catalog.write_session() as s:
+            with pytest.raises(ConflictError, match="last copy"):
+                tret.evict(s, ids[2], "n0")  # step 3's only copy
+            assert tret.evict(s, ids[0], "n1") == 2  # n0 still holds step 1
+            assert tp.safety_of(s, ids[0]) == "local"
+            assert tret.evict_fast(s, run="r", keep=1) == [ids[1]]  # only the durable one of the older two
+            assert tp.safety_of(s, ids[1]) == "durable"
+        with store.catalog.session() as s:
+            assert tp.fast_versions(s) == {ids[0]: {"n0"}, ids[2]: {"n0"}}
+
+
+@pytest.mark.parametrize("catalog", CATALOGS)
+def test_safety_by_reference_ls_show_and_wait(tmp_path, catalog, capsys):
+    import threading
+
+    from ucp_store import cli
+
+    with store_on(catalog, tmp_path / "s") as store:
+        plain = store.save("r", 1, {"w": torch.ones(3)}).id
+        w = store.begin("r", 2)
+        ck = w.id
+        w.commit()
+        with store.catalog.write_session() as s:
+            tp.record(s, ck, "fast", "n0", _objs(1), "complete", refresh=True)
+        assert store.safety("r@1") == "durable" and store.safety(plain) == "durable"  # written durable directly
+        assert store.safety("r@2") == "local"
+        with pytest.raises(TimeoutError, match="'local'"):
+            store.wait_safety("r@2", "replicated", timeout=0.3, poll=0.05)
+
+        def later():
+            with store.catalog.write_session() as s:
+                tp.record(s, ck, "fast", "n1", _objs(1), "complete", refresh=True)
+
+        t = threading.Timer(0.3, later)
+        t.start()
+        assert store.wait_safety("r@2", "replicated", timeout=30, poll=0.05) == "replicated"
+        t.join()
+        assert {r["step"]: r["safety"] for r in store.list_checkpoints("r")} == {1: "durable", 2: "replicated"}
+        args = ["--store", str(tmp_path / "s")] + (["--catalog", store.location.catalog_url] if catalog != "sqlite"
+                                                   else [])
+        capsys.readouterr()
+        assert cli.main(["ls", "r", *args]) == 0
+        out = capsys.readouterr().out
+        assert "safety" in out and "replicated" in out and "durable" in out
+        assert cli.main(["show", "r@2", *args]) == 0
+        assert "safety: replicated" in capsys.readouterr().out
+
+
+def test_gc_of_a_fast_tier_removes_evicted_reports_untied(tmp_path, capsys):
+    from ucp_store import cli
+
+    with store_on("sqlite", tmp_path / "s") as store:
+        w = store.begin("r", 1)
+        ck = w.id
+        w.commit()
+        fast = tmp_path / "fast" / "n0"
+        kept = tobj.write_object(fast, f"arrays/{ck}/a.zarr/c/0", b"kept")
+        gone = tobj.write_object(fast, f"arrays/{ck}/a.zarr/c/1", b"evicted")
+        stray = tobj.write_object(fast, "arrays/0123456789abcdef/x.zarr/zarr.json", b"{}")
+        with store.catalog.write_session() as s:
+            tp.record(s, ck, "fast", "n0", [kept, gone], "complete", refresh=True)
+            tp.set_state(s, ck, "fast", "n0", "evicted", [gone.key])
+        capsys.readouterr()
+        argv = ["gc", "--store", str(tmp_path / "s"), "--fast-tier", str(tmp_path / "fast" / "{node}"),
+                "--node", "n0"]
+        assert cli.main([*argv, "--dry-run"]) == 0
+        assert (fast / gone.key).exists()
+        assert cli.main(argv) == 0
+        out, err = capsys.readouterr()
+        assert "removed 1 evicted" in out and "kept 1" in out
+        assert not (fast / gone.key).exists() and (fast / kept.key).exists()
+        assert (fast / stray.key).exists() and stray.key in err  # untied: reported, never deleted

@@ -161,4 +161,9 @@ def test_kill_during_eviction_loses_nothing(tmp_path):
     _copies_check_out(store, tmp_path, second)
     _loads_exact(_store(tmp_path), first, 1)
     _loads_exact(_store(tmp_path), second, 2)
-    assert (tmp_path / "fast" / "n1" / "arrays" / first).exists()  # killed before its folder went: gc reports it
+    assert (tmp_path / "fast" / "n1" / "arrays" / first).exists()  # killed before its folder went
+    proc = run_python(["-m", "ucp_store.cli", "gc", "--store", str(tmp_path / "store"), "--fast-tier",
+                       str(tmp_path / "fast" / "{node}"), "--node", "n1"])
+    assert proc.returncode == 0, proc.stderr
+    assert "evicted" in proc.stdout and not (tmp_path / "fast" / "n1" / "arrays" / first).exists()  # rows: evicted
+    _copies_check_out(store, tmp_path, second)

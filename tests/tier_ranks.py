@@ -57,6 +57,7 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    import ucp_store.distributed as ucpd
     from ucp_store.distributed import tiered
 
     torch.set_num_threads(1)
@@ -67,7 +68,7 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
         for step in spec["steps"]:
             rec: dict = {"step": step}
             out["steps"].append(rec)
-            res = tiered.save(state(rank, world, mesh, step), store=spec["store"], run="t", step=step,
+            res = ucpd.save(state(rank, world, mesh, step), store=spec["store"], run="t", step=step, tier="fast",
                               replicas=spec.get("replicas", 1), fast_tier=spec["fast"], progress=False,
                               fast_keep=spec.get("fast_keep", 2), drain=spec.get("drain", True))
             rec.update(id=str(res), safety=res.safety)

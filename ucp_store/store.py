@@ -243,7 +243,8 @@ class Store:
             for ck, run_name in s.execute(q):
                 out.append({"id": ck.id, "run": run_name, "step": ck.step, "status": ck.status,
                             "created_at": ck.created_at.isoformat(), "parent": ck.parent_id,
-                            "message": ck.message, "nbytes": ck.nbytes, "tags": tags.get(ck.id, [])})
+                            "message": ck.message, "nbytes": ck.nbytes, "tags": tags.get(ck.id, []),
+                            "safety": ck.safety or "durable"})
             if run is not None and not out and s.scalar(select(m.Run.id).where(m.Run.name == run)) is None:
                 raise ReferenceNotFound(f"run {run!r} not found{self._near(run, self._run_names(s))}")
             return out
@@ -503,6 +504,34 @@ class Store:
     def query(self, sql: str) -> tuple[list[str], list[tuple]]:
         """Run read-only SQL against the catalog (SQLite: query_only; PostgreSQL: READ ONLY transaction)."""
         return read_only_query(self.catalog.engine, sql)
+
+    def safety(self, ref: str) -> str:
+        """A version's safety level (issue 38, ``ucp_store.tiers``): ``local`` (on the saving nodes' fast tiers),
+        ``replicated`` (on two nodes' fast tiers, or durable) or ``durable`` (on the store's location; every
+        version saved straight there is)."""
+        from ucp_store.tiers import placement as tplace
+
+        cid = self.resolve(ref)
+        with self.catalog.session() as s:
+            return tplace.safety_of(s, cid) or "durable"
+
+    def wait_safety(self, ref: str, level: str = "durable", *, timeout: float | None = None,
+                    poll: float = 0.2) -> str:
+        """Wait until the version ``ref`` reaches ``level`` (polling the catalog every ``poll`` s); returns its
+        level, or raises TimeoutError after ``timeout`` s naming the level it has."""
+        import time
+
+        from ucp_store.tiers import placement as tplace
+
+        tplace.level_index(level)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            now = self.safety(ref)
+            if tplace.reached(now, level):
+                return now
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{ref}: safety {level!r} not reached within {timeout} s (it is {now!r})")
+            time.sleep(poll)
 
     def resolve_many(self, refs: Iterable[str]) -> list[str]:
         return [self.resolve(r) for r in refs]

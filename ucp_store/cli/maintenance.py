@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from ucp_store import config
@@ -26,7 +27,28 @@ def cmd_gc(args: Any) -> int:
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {len(report.removed_checkpoints)} version(s), {len(report.removed_pending)} unfinished "
               f"save(s), {report.removed_arrays} array(s), {fmt_bytes(report.freed_bytes)}")
+    if getattr(args, "fast_tier", None):
+        _gc_fast(store, args)
     return EXIT_OK
+
+
+def _gc_fast(store, args: Any) -> None:
+    """``ucp gc --fast-tier``: one node's fast tier (issue 38, ``tiers/gc.py``)."""
+    from ucp_store.tiers.gc import sweep_fast
+    from ucp_store.tiers.node import fast_tier_root, node_name
+
+    node = node_name(args.node)
+    root = fast_tier_root(args.fast_tier, node)
+    fast = sweep_fast(store.catalog, root, node, dry_run=args.dry_run)
+    if args.json:
+        print_json({"fast_tier": fast.to_json()})
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"fast tier {root} (node {node}): {verb} {len(fast.deleted)} evicted cop(ies), "
+              f"{fmt_bytes(fast.freed_bytes)}; kept {fast.kept}")
+    if fast.untied:
+        print(f"ucp gc: left {len(fast.untied)} file(s) under {root} that this catalog does not tie to a copy "
+              f"(not deleted): {', '.join(fast.untied[:5])}", file=sys.stderr)
 
 
 def cmd_retention(args: Any) -> int:
@@ -77,6 +99,11 @@ def _gc_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--run", default=None)
     _retention_flags(sp)
     sp.add_argument("--dry-run", action="store_true")
+    sp.add_argument("--fast-tier", default=None, metavar="PATH",
+                    help="also this node's fast tier (a folder; may contain {node}): evicted copies removed, "
+                         "files no catalog row ties reported")
+    sp.add_argument("--node", default=None, help="the node whose fast tier --fast-tier names (default: UCP_NODE, "
+                                                 "else the host name)")
 
 
 def _retention_args(sp: argparse.ArgumentParser) -> None:

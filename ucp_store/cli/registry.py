@@ -45,9 +45,9 @@ def cmd_ls(args: Any) -> int:
     if args.json:
         print_json(rows)
     else:
-        table([[r["run"], r["step"], r["id"], r["status"], fmt_bytes(r["nbytes"]), ",".join(r["tags"]),
+        table([[r["run"], r["step"], r["id"], r["status"], r["safety"], fmt_bytes(r["nbytes"]), ",".join(r["tags"]),
                 r["parent"], r["created_at"][:19], r["message"]] for r in rows],
-              ["run", "step", "id", "status", "bytes", "tags", "parent", "created", "message"])
+              ["run", "step", "id", "status", "safety", "bytes", "tags", "parent", "created", "message"])
     return EXIT_OK
 
 
@@ -66,7 +66,8 @@ def cmd_show(args: Any) -> int:
     if args.json:
         print_json(manifest)
         return EXIT_OK
-    print(f"{ck.run}@{ck.step}  id {ck.id}  {fmt_bytes(ck.nbytes)}  tags: {', '.join(ck.tags) or '-'}  "
+    print(f"{ck.run}@{ck.step}  id {ck.id}  safety: {ck.store.safety(ck.id)}  {fmt_bytes(ck.nbytes)}  "
+          f"tags: {', '.join(ck.tags) or '-'}  "
           f"parent: {ck.parent or '-'}  source: {(ck.provenance or {}).get('source_kind')}")
     table([[t["name"], t["state"], "x".join(map(str, t["shape"])) or "()", t["dtype"],
             (t["pattern"] or {}).get("kind", "-"), fmt_bytes(t["nbytes"]), t["array"]] for t in manifest["tensors"]],

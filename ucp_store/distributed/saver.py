@@ -28,7 +28,7 @@ from ucp_store.distributed.planner import SavePlan, forget_plan, plan_save, plan
 from ucp_store.distributed.publish import Published, check_mode, publish_deltas, remember
 from ucp_store.distributed.statedict import STATE_DICT_OBJECT
 from ucp_store.distributed.tensors import host_copy
-from ucp_store.errors import StalePlanError, UcpError
+from ucp_store.errors import ConfigurationError, StalePlanError, UcpError
 
 __all__ = ["open_everywhere", "save", "set_region_hashes", "write_plan"]
 
@@ -238,7 +238,7 @@ def _stale_opener():
 
 def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
          parent: str | None = "auto", group=None, progress: bool = True, create: bool = True, mesh=None,
-         delta: str | None = "off") -> str:
+         delta: str | None = "off", tier: str = "durable", **tiered: Any) -> str:
     """Save a (sharded) training state dict as ``run@step``; call on every rank. Returns the version id.
 
     ``state_dict`` is what ``get_state_dict(model, optimizer)`` returns (or any nested dict of DTensors,
@@ -254,7 +254,20 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
     ``delta="auto"`` publishes the version as deltas of its parent where they are small enough (each rank XORs
     its own boxes with the parent's, from memory when this process published the parent; keyframes and the
     size bound as ``Store.save(delta="auto")``); None takes the run's setting; ``"off"`` (default) stores every
-    tensor-state in full. A puller then moves between versions reading only changed chunks (``ucp_store.pull``)."""
+    tensor-state in full. A puller then moves between versions reading only changed chunks (``ucp_store.pull``).
+
+    ``tier="fast"`` (issue 38): each rank writes to its node's fast tier, the version is replicated to another
+    node and drained to the store in the background; returns a ``TieredResult`` (the id, with ``safety`` and
+    ``wait(level)``). Its options (``replicas``, ``node``, ``fast_tier``, ``fast_keep``, ``drain``, ...):
+    ``ucp_store.distributed.tiered.save``."""
+    if tier != "durable" or tiered:
+        if tier != "fast" or delta != "off":
+            raise ConfigurationError(f"tier={tier!r}: expected 'durable' (the store's location) or 'fast' (a node's "
+                                     "fast tier, then replicated and drained; delta='off' only)")
+        from ucp_store.distributed import tiered as tiered_save
+
+        return tiered_save.save(state_dict, store=store, run=run, step=step, message=message, parent=parent,
+                                group=group, progress=progress, create=create, mesh=mesh, **tiered)
     check_mode(delta)
     wait()  # an async save in flight commits first
     ctx = Ctx(group)
