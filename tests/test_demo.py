@@ -8,6 +8,7 @@ scales one tensor of one resumed run after its load and checks that the demo exi
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -68,6 +69,22 @@ def test_demo_end_to_end(tmp_path):
     for name in ("loss_curves.png", "plan.png"):
         w, h = _png_size(tmp_path / "demo" / name)
         assert w >= 300 and h >= 200, (name, w, h)
+    # plan.png draws the embedding's weight (never its 0-d step), a picture's worth of artists (issue 37: one
+    # patch per element of a 0-d chunk grid took five minutes), and both ranks read half of its chunks
+    marker = json.loads((tmp_path / "demo" / "ucp-demo.json").read_text())
+    plan = marker["plan"]
+    assert (plan["name"], plan["state"], plan["shape"]) == ("tok_embeddings.weight", "weight", [8192, 40]), plan
+    assert plan["ranks"] == [0, 1] and plan["artists"] <= 50, plan
+    chunks = math.prod(-(-s // c) for s, c in zip(plan["shape"], plan["chunk_shape"]))
+    assert chunks > 1 and plan["chunks_read"] == [chunks // 2] * 2, plan
+    assert "the chunks of tok_embeddings.weight [weight]" in out
+    assert set(marker["phases_s"]) == {"setup", "runs", "compare", "figures", "tour", "total"}
+    # ucp show lists the model's order, each tensor's states together (the state dict's first tensor first)
+    show = out[out.index("show demo@2"):out.index("verify demo@2")]
+    listed = re.findall(r"^(\S+)\s+(weight|exp_avg|exp_avg_sq|step)\s", show, re.MULTILINE)
+    assert len(listed) > 8 and listed[0] == ("tok_embeddings.weight", "weight"), listed[:5]
+    names = [n for n, _ in listed]
+    assert all(names.index(n) + names.count(n) == len(names) - names[::-1].index(n) for n in names), names
 
 
 @pytest.mark.slow
@@ -82,6 +99,29 @@ def test_demo_fails_when_a_resumed_state_is_perturbed(tmp_path):
     assert "resumed 1 process" in err and "resumed TP=2 x DP=2" not in err, err
     # the pictures are still written, so a user can look at the divergence
     assert (tmp_path / "demo" / "loss_curves.png").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("demo")
+def test_deepspeed_demo_lists_in_file_order_and_draws_a_weight(tmp_path):
+    """`ucp demo --deepspeed` (real DeepSpeed ZeRO-2 on 2 gloo processes): its listings keep each tensor's
+    states together in the checkpoint's parameter order, and its plan.png draws a parameter's fp32 state."""
+    pytest.importorskip("deepspeed")
+    env = {**os.environ, "UCP_PROGRESS": "0", "COLUMNS": "160"}
+    res = subprocess.run([sys.executable, "-m", "ucp_store.cli", "demo", "--deepspeed", "--dir", str(tmp_path / "d")],
+                         cwd=tmp_path, env=env, text=True, capture_output=True, check=False, timeout=TIMEOUT)
+    out = res.stdout
+    assert res.returncode == 0, f"demo failed (exit {res.returncode}):\n{out[-6000:]}\n{res.stderr[-6000:]}"
+    for cmd, end in (("show demo@latest", "stats demo@latest"), ("stats demo@latest", "verify demo@latest")):
+        part = out[out.index(cmd):out.index(end)]
+        listed = re.findall(r"^(\S+)\s+(fp32|weight|exp_avg|exp_avg_sq|step)\s", part, re.MULTILINE)
+        names = [n for n, _ in listed]
+        assert len(listed) > 8 and listed[0] == ("fc1.weight", "fp32"), (cmd, listed[:5])
+        assert all(names.index(n) + names.count(n) == len(names) - names[::-1].index(n) for n in names), names
+    drawn = re.search(r"wrote \S*plan\.png: (\S+) \[(\w+)\] \[(\d+), (\d+)\]", out)
+    assert drawn and drawn.group(2) == "fp32" and int(drawn.group(3)) > 1, out[-3000:]
+    w, h = _png_size(tmp_path / "d" / "deepspeed" / "plan.png")
+    assert w >= 300 and h >= 200
 
 
 def test_verdict_rules():

@@ -467,6 +467,39 @@ def test_placements_recorded_in_catalog(sources):
     assert 2 * sum(r["bytes_needed"] for r in ranks) < sum(p.bytes_needed for p in topo)
 
 
+def _model_order(tie: bool = False) -> list[tuple[str, str]]:
+    """The catalog order a save of the demo model's training state dict must list: the state dict's tensors
+    in order, each tensor's states together (``records.model_order``), from a one-process state dict."""
+    from ucp_store.records import model_order
+
+    _, model, opt = _trained(steps=1, tie=tie)
+    return list(model_order(leaf.key for leaf in flatten(_sd(model, opt)) if leaf.key is not None))
+
+
+def _grouped(keys: list[tuple[str, str]]) -> bool:
+    names = [n for n, _ in keys]
+    return all(names.index(n) + names.count(n) - 1 == len(names) - 1 - names[::-1].index(n) for n in set(names))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src", ["tpfsdp", "fsdp4", "hsdp"])
+def test_positions_follow_the_state_dict(sources, src):
+    """A 4-rank save lists its tensor-states in the state dict's order, each tensor's states together (issue 37:
+    the positions were each rank's own count over the keys it hashed, in name order, so listings interleaved)."""
+    _, store = sources
+    ck = ucp_store.open_store(store).checkpoint(f"{src}@{STEPS}")
+    listed = [(i.name, i.state) for i in ck.tensors()]
+    expected = _model_order()
+    assert listed == expected
+    assert _grouped(listed) and listed[0] == ("tok_embeddings.weight", "weight")
+    assert {s for n, s in listed[:4] if n == "tok_embeddings.weight"} == {"weight", "step", "exp_avg", "exp_avg_sq"}
+    assert len({i.position for i in ck.tensors()}) == len(listed)  # one position each
+    # ucp show, stats and diff list them in that order too
+    out = run_python(["-m", "ucp_store.cli", "--store", store, "show", f"{src}@{STEPS}", "--json"])
+    assert out.returncode == 0, out.stderr
+    assert [(t["name"], t["state"]) for t in json.loads(out.stdout)["tensors"]] == expected
+
+
 @pytest.mark.slow
 def test_verify_and_async_save_across_ranks(tmp_path):
     store = str(tmp_path / "store")

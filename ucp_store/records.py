@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TensorInfo"]
+__all__ = ["TensorInfo", "main_state", "merge_orders", "model_order"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,68 @@ class TensorInfo:
             "chunk_shape": list(self.chunk_shape),
             "content_hash": self.content_hash,
         }
+
+
+def main_state(infos: Iterable[TensorInfo]) -> TensorInfo:
+    """"The" state of one tensor among its tensor-states, the one rule every listing and picture uses
+    (``Checkpoint.info``, ``read``'s default, ``ucp plan --plot``, the demo): ``fp32``, else ``weight``, else
+    the largest (bytes, then elements; the first by position on a tie); never a 0-d state (an optimizer's
+    ``step``) when a state with dimensions exists."""
+    rows = list(infos)
+    if not rows:
+        raise ValueError("main_state: no tensor-states given")
+    cands = [i for i in rows if i.shape != ()] or rows
+    for preferred in ("fp32", "weight"):
+        for i in cands:
+            if i.state == preferred:
+                return i
+    return max(cands, key=lambda i: (i.nbytes, i.numel, -i.position))
+
+
+def model_order(keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], int]:
+    """``(name, state)`` -> position (1, 2, ...): tensors in the order the caller gave them (first appearance
+    of each name: a state dict's or a source file's order) with each tensor's states together, in their own
+    order of appearance. A training state dict lists every weight, then every optimizer state; the catalog
+    then lists ``a [weight], a [exp_avg], a [exp_avg_sq], a [step], b [weight], ...``."""
+    states: dict[str, list[str]] = {}
+    for name, state in keys:
+        got = states.setdefault(name, [])
+        if state not in got:
+            got.append(state)
+    out: dict[tuple[str, str], int] = {}
+    for name, ss in states.items():
+        for s in ss:
+            out[(name, s)] = len(out) + 1
+    return out
+
+
+def merge_orders(orders: Sequence[Sequence[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """One order of the keys of several ranks' orders (each its state dict's): the first rank's, then each key
+    only a later rank holds placed right after the key before it in that rank's order (at the end when it is
+    that rank's first). Ranks with one state dict layout (FSDP, TP) give the first rank's order unchanged;
+    pipeline stages' disjoint keys follow one another."""
+    merged: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for order in orders:
+        if not seen:
+            for k in order:
+                if k not in seen:
+                    seen.add(k)
+                    merged.append(k)
+            continue
+        inserts: dict[int, list[tuple[str, str]]] = {}  # index in merged after which new keys go
+        at = len(merged) - 1
+        index = {k: j for j, k in enumerate(merged)}
+        for k in order:
+            if k in index:
+                at = index[k]
+            elif k not in seen:
+                seen.add(k)
+                inserts.setdefault(at, []).append(k)
+        if inserts:
+            out: list[tuple[str, str]] = list(inserts.get(-1, []))
+            for j, k in enumerate(merged):
+                out.append(k)
+                out.extend(inserts.get(j, []))
+            merged = out
+    return merged

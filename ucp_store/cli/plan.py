@@ -79,8 +79,10 @@ def run_plan(args: Any, store: Any) -> int:
     if args.plot:
         from ucp_store.cli.plot import draw_plan
 
-        draw_plan(ck, plans, args.param, args.plot, topology=topo)
-        print(f"wrote {args.plot}")
+        drawn = draw_plan(ck, plans, args.param, args.plot, topology=topo)
+        read = ", ".join(f"rank {r} {n}" for r, n in zip(drawn.ranks, drawn.chunks_read) if n >= 0)
+        print(f"wrote {args.plot}: {drawn.label} {drawn.shape}, chunks {drawn.chunk_shape}"
+              + (f"; chunks read: {read}" if read else ""))
     return EXIT_OK
 
 

@@ -133,7 +133,8 @@ def cmd_verify(args: Any) -> int:
 def _read_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("ref")
     sp.add_argument("name")
-    sp.add_argument("--state", default=None, help="state (default fp32, else weight)")
+    sp.add_argument("--state", default=None,
+                    help="state (default: fp32, else weight, else the largest, never a 0-d one when a larger exists)")
     sp.add_argument("--slice", default=None, help='numpy-style slice, e.g. "3:5,:"')
     sp.add_argument("--out", default=None, help="write a .npy file")
 

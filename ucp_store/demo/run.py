@@ -131,6 +131,8 @@ class _Runs:
 
     results: dict[str, tuple[dict[int, float], dict[str, Any]]] = field(default_factory=dict)
     walls: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)   # the demo's phases' seconds (``run_demo``)
+    plan: dict[str, Any] = field(default_factory=dict)        # what plan.png drew (``cli.plot.Drawn``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,10 +254,9 @@ def _compare_runs(runs: _Runs, console: Any) -> _Comparison:
     return _Comparison(base_label, base, resumed, verdicts)
 
 
-def _write_figures(setup: _Setup, runs: _Runs, cmp: _Comparison, console: Any) -> None:
-    """The marker file with every figure, loss_curves.png and plan.png, for whoever explores DIR afterwards."""
-    from rich.markup import escape
-
+def _marker(setup: _Setup, runs: _Runs, cmp: _Comparison) -> None:
+    """The marker file with every figure (losses, verdicts, runs, the phases' seconds, what plan.png drew), for
+    whoever explores DIR afterwards (and the tests)."""
     results = runs.results
     with open(os.path.join(setup.out, MARKER), "w") as f:
         json.dump({"steps": setup.steps, "saves": setup.saves, "resume": setup.resume, "cfg": setup.cfg.to_json(),
@@ -263,21 +264,39 @@ def _write_figures(setup: _Setup, runs: _Runs, cmp: _Comparison, console: Any) -
                    "verdicts": {v.key: {"rule": v.rule, "ok": v.ok, "max_abs": v.max_abs, "max_rel": v.max_rel}
                                 for v in cmp.verdicts},
                    "runs": {k: {**{a: b for a, b in results[k][1].items() if a != "boxes"}, "wall_s": runs.walls[k]}
-                            for k in results}}, f, indent=1)
+                            for k in results},
+                   "phases_s": runs.phases, "plan": runs.plan}, f, indent=1)
+
+
+def _write_figures(setup: _Setup, runs: _Runs, cmp: _Comparison, console: Any) -> None:
+    """loss_curves.png and plan.png (what it drew goes to ``runs.plan``)."""
+    from rich.markup import escape
+
     loss_png = os.path.join(setup.out, "loss_curves.png")
     draw_losses(loss_png, cmp.base_label, cmp.base, cmp.resumed, setup.resume, setup.saves)
     plan_png = os.path.join(setup.out, "plan.png")
-    drawn = _draw_plan(setup.store_url, f"{RUN}@{setup.resume}", plan_png, results[PLAN_KEY][1]["boxes"])
-    console.print(f"wrote {_show_path(loss_png)} and {_show_path(plan_png)} (the chunks of {escape(drawn)} each "
-                  f"rank of resumed {_label(PLAN_KEY)} read)")
+    drawn = _draw_plan(setup.store_url, f"{RUN}@{setup.resume}", plan_png, runs.results[PLAN_KEY][1]["boxes"])
+    runs.plan = drawn.to_json()
+    console.print(f"wrote {_show_path(loss_png)} and {_show_path(plan_png)} (the chunks of {escape(drawn.label)} "
+                  f"{list(drawn.shape)} each rank of resumed {_label(PLAN_KEY)} read: "
+                  + ", ".join(f"rank {r} {n}" for r, n in zip(drawn.ranks, drawn.chunks_read))
+                  + f" of its {_chunk_count(drawn)} chunks)")
 
 
-def _conclude(setup: _Setup, runs: _Runs, cmp: _Comparison, console: Any, t_start: float) -> None:
-    """Report the wall time, then fail on a resumed run whose loaded state or losses are off."""
+def _chunk_count(drawn) -> int:
+    import math
+
+    return math.prod(-(-s // max(c, 1)) for s, c in zip(drawn.shape, drawn.chunk_shape))
+
+
+def _conclude(setup: _Setup, runs: _Runs, cmp: _Comparison, console: Any) -> None:
+    """Report the wall time and each phase's, then fail on a resumed run whose loaded state or losses are off."""
     results = runs.results
-    wall = time.perf_counter() - t_start
-    console.print(f"\ndemo finished in {wall:.0f} s (training runs: "
-                  + ", ".join(f"{k} {w:.0f} s" for k, w in runs.walls.items()) + ")")
+    phases = runs.phases
+    console.print(f"\ndemo finished in {phases['total']:.0f} s (training runs: "
+                  + ", ".join(f"{k} {w:.0f} s" for k, w in runs.walls.items())
+                  + "; " + ", ".join(f"{k} {phases[k]:.1f} s" for k in ("setup", "compare", "figures", "tour"))
+                  + ")")
     unverified = [k for k, _, *_ in RUNS if not results[k][1]["verify"]["ok"]]
     if unverified:
         raise DemoError(f"ucp_store.distributed.verify found the loaded state of resumed run(s) {unverified} different "
@@ -299,20 +318,35 @@ def run_demo(args: Any) -> int:
     prepare_dir(out)
     console = make_console()
     resume, saves = _saves(args.steps)
-    t_start = time.perf_counter()
+    t_start = t = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        phases[name], t = now - t, now
+
     setup = _create_store(args, out, resume, saves)
     console.print(f"[bold]ucp demo[/]: a {setup.cfg.layers}-layer GPT on generated text, trained in real "
                   f"torch.distributed processes ({'NCCL on GPUs' if setup.device == 'cuda' else 'gloo on CPUs'}), "
                   f"saved through ucp_store.distributed into {_show_path(setup.store_url)}")
+    lap("setup")
     runs = _run_stages(setup, console, not getattr(args, "no_progress", False))
+    runs.phases = phases
+    lap("runs")
     cmp = _compare_runs(runs, console)
+    lap("compare")
     _write_figures(setup, runs, cmp, console)
+    lap("figures")
 
     from ucp_store.demo.tour import tour
 
     tour(args.ucp_main, console, setup.store_url, RUN, resume, plan_topology(PLAN_KEY),
          loaded=(_label(PLAN_KEY), runs.results[PLAN_KEY][1]))
-    _conclude(setup, runs, cmp, console, t_start)
+    lap("tour")
+    phases["total"] = time.perf_counter() - t_start
+    _marker(setup, runs, cmp)
+    _conclude(setup, runs, cmp, console)
     return 0
 
 
@@ -366,37 +400,20 @@ def _progress(console, enabled: bool):
                     TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=Console(stderr=True))
 
 
-class _Read:
-    def __init__(self, box) -> None:
-        from types import SimpleNamespace
-
-        self.box = SimpleNamespace(ranges=tuple(tuple(b) for b in box))
-
-
-class _RankReads:
-    """What `cli.plot.draw_plan` reads from a plan: rank, coords and the boxes per tensor-state."""
-
-    def __init__(self, rank: int, coords: dict, name: str, state: str, boxes: list) -> None:
-        from types import SimpleNamespace
-
-        self.rank, self.coords = rank, coords
-        self.tensors = [SimpleNamespace(name=name, state=state, reads=[_Read(b) for b in boxes])]
-
-
-def _draw_plan(store_url: str, ref: str, path: str, boxes: list[dict]) -> str:
-    """plan.png with `ucp plan --plot`'s drawing: the chunks each rank of the PLAN_KEY mesh read on its load.
+def _draw_plan(store_url: str, ref: str, path: str, boxes: list[dict]):
+    """plan.png with `ucp plan --plot`'s drawing (`cli.plot.draw_boxes`): the chunks each rank of the PLAN_KEY
+    mesh read on its load, of the parameter's state by the one rule (`records.main_state`: its weight).
 
     The boxes come from the resumed ranks' live DTensors (what `ucp_store.distributed.load` read for them); the
-    chunk grid is the stored array's. Returns the tensor drawn."""
+    chunk grid is the stored array's. Returns what was drawn (`cli.plot.Drawn`)."""
     from ucp_store import open_store
-    from ucp_store.cli.plot import draw_plan
+    from ucp_store.cli.plot import Panel, draw_boxes, pick_tensor
+    from ucp_store.errors import UcpError
 
     ck = open_store(store_url).checkpoint(ref)
-    param = boxes[0]["param"]
-    cands = [i for i in ck.tensors() if i.name == param]
-    if not cands:
-        raise DemoError(f"plan.png: checkpoint {ref} has no tensor named {param!r}")
-    info = next((i for i in cands if i.state == "fp32"), cands[0])  # the state draw_plan picks
-    plans = [_RankReads(r, b["coords"], info.name, info.state, b["boxes"]) for r, b in enumerate(boxes)]
-    draw_plan(ck, plans, info.name, path)
-    return f"{info.name} [{info.state}]"
+    try:
+        info = pick_tensor(ck.tensors(), boxes[0]["param"], flag="plan.png: parameter")
+    except UcpError as exc:
+        raise DemoError(f"plan.png: checkpoint {ref}: {exc}") from None
+    panels = [Panel(r, b["coords"], b["boxes"]) for r, b in enumerate(boxes)]
+    return draw_boxes(info, panels, path)

@@ -66,9 +66,12 @@ def tour(ucp_main: UcpMain, console, store: str, run: str, step: int, topology,
     from ucp_store import open_store
 
     ref = f"{run}@{step}"
-    infos = open_store(store).checkpoint(ref).tensors()
-    emb = next((i for i in infos if "tok_embeddings" in i.name and len(i.shape) == 2), None) or \
-        max(infos, key=lambda i: (len(i.shape), i.nbytes))
+    ck = open_store(store).checkpoint(ref)
+    infos = ck.tensors()
+    # the embedding's state by the one rule (records.main_state: its weight), else the largest tensor's
+    name = next((i.name for i in infos if "tok_embeddings" in i.name and len(i.shape) == 2), None) or \
+        max(infos, key=lambda i: (len(i.shape), i.nbytes)).name
+    emb = ck.info(name)
     rows, cols = emb.shape[0], emb.shape[-1]
     console.print("\n[bold]a tour of the store[/] (each command as you would type it)")
     run_ucp(ucp_main, console, store, "ls")

@@ -30,7 +30,7 @@ from ucp_store import config
 from ucp_store.errors import ConfigurationError, UcpError
 
 __all__ = ["EXCHANGES", "agree", "all_ok", "control_group", "default_timeout", "distributed_begin",
-           "distributed_commit", "exchange_straddling", "gather_errors", "settle"]
+           "distributed_commit", "exchange_straddling", "gather_errors", "in_model_order", "settle"]
 
 _GROUPS: dict[tuple, object] = {}
 _GROUPS_LOCK = threading.Lock()
@@ -286,6 +286,27 @@ def _dedup_joined(writer, rows: list[dict]) -> list[str]:
     return dropped
 
 
+def in_model_order(writer, orders: list[list], extra: list[dict]) -> None:
+    """Rank 0's positions of a distributed save in model order: every rank's order (``writer.positions``,
+    its state dict's) merged into one (``records.merge_orders``), and the tensor rows of this writer (not yet
+    recorded) and of the joined ranks (``extra``) numbered by it, each tensor's states together. Without any
+    rank's order (callers passing explicit positions: the DeepSpeed engine) nothing changes."""
+    from ucp_store.catalog import models as m
+    from ucp_store.records import merge_orders, model_order
+
+    keyed = [[(str(n), str(st)) for n, st in order] for order in orders if order]
+    if not keyed:
+        return
+    pos = model_order(merge_orders(keyed))
+    last = len(pos)
+    for row in writer.shards.rows:  # the rows not recorded yet (the list every collaborator fills)
+        if isinstance(row, m.Tensor):
+            row.position = pos.get((row.name, row.state), last + int(row.position or 0))
+    for d in extra:
+        if d.get("_table") == "tensor":
+            d["position"] = pos.get((d["name"], d["state"]), last + int(d.get("position") or 0))
+
+
 def distributed_commit(writer, *, group=None, error: BaseException | None = None, synced: bool = False,
                        stats: dict | None = None, t0: float | None = None) -> str:
     """Finish a distributed save on every rank; returns the committed checkpoint id (same on all ranks).
@@ -333,7 +354,7 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
         except BaseException as exc:  # noqa: BLE001
             error = exc
     mark("rows_s")
-    parts = coord.gather_bytes(coord.encode([_message(error), rows]), group)
+    parts = coord.gather_bytes(coord.encode([_message(error), rows, writer.positions.keys]), group)
     mark("gathered_s")
     outcome: list = [None, None]
     if rank == 0:
@@ -346,6 +367,7 @@ def distributed_commit(writer, *, group=None, error: BaseException | None = None
         else:
             try:
                 extra = [row for p in decoded[1:] for row in p[1]]
+                in_model_order(writer, [p[2] for p in decoded], extra)
                 dropped = _dedup_joined(writer, extra)
                 writer.commit(extra_rows=extra, reload=False)
                 outcome[0] = writer.id

@@ -55,7 +55,7 @@ def write_plan(store, plan: SavePlan, staged: list[torch.Tensor], ctx: Ctx, *, r
     try:
         pairs = list(zip(plan.items, staged))
         # positions in the state dict's order, each tensor's states together (the commit merges the ranks')
-        writer.order(tuple(o["tensor"]) for o in plan.objects if "tensor" in o)
+        writer.positions.set_order(tuple(o["tensor"]) for o in plan.objects if "tensor" in o)
         if delta != "off":  # deltas of the parent where small enough (publish.py: two collectives)
             published = publish_deltas(writer, pairs, ctx, delta, f"save of {run}@{step}")
             pairs = [(it, data) for it, data in pairs if (it.name, it.state) not in published.kept]

@@ -21,7 +21,7 @@ from ucp_store._lazy import lazy_module
 from ucp_store.catalog import models as m
 from ucp_store.catalog.chains import base_chains
 from ucp_store.errors import ReferenceNotFound, UcpError, ValidationError
-from ucp_store.records import TensorInfo
+from ucp_store.records import TensorInfo, main_state
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -431,11 +431,11 @@ class Checkpoint:
 
     def info(self, name: str, state: str | None = None) -> TensorInfo:
         infos = self._load_infos()
-        if state is None:
-            states = self.states(name)
-            if not states:
+        if state is None:  # "the" state: fp32, weight, else the largest, never a 0-d one (records.main_state)
+            cands = self.tensors(name)
+            if not cands:
                 raise self._missing(name, None)
-            state = next((s for s in ("fp32", "weight") if s in states), states[0])
+            return main_state(cands)
         try:
             return infos[(name, state)]
         except KeyError:

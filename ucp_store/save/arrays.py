@@ -10,7 +10,7 @@ it again from the data in hand (:meth:`ArrayWriter.restore_borrowed`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from ucp_store.save.checks import check_extent, layer_of, validate_pattern
 from ucp_store.save.dedup import Deduplicator
 from ucp_store.save.delta import DeltaChoice, DeltaPlanner
 from ucp_store.save.durable import Durability
+from ucp_store.save.order import Positions
 from ucp_store.save.rows import existing_arrays
 
 __all__ = ["MAX_INFLIGHT_BYTES", "SNAPSHOT_PIECE", "ArrayWriter", "plan_array_layout"]
@@ -53,7 +54,7 @@ class ArrayWriter:
     them on the writer. ``positions`` numbers the tensor-states in the order they are recorded."""
 
     def __init__(self, ctx: StoreContext, checkpoint_id: str, *, rows: list, dedup: Deduplicator,
-                 durability: Durability, positions: Iterator[int], layout: Callable[..., fmt.ArrayLayout],
+                 durability: Durability, positions: Positions, layout: Callable[..., fmt.ArrayLayout],
                  snapshot: Callable[[np.ndarray, str], tuple[np.ndarray, str]], delta: DeltaPlanner | None = None):
         self.ctx = ctx
         #: which tensor-states go in as deltas of the base version (issue 39; None: never)
@@ -191,7 +192,7 @@ class ArrayWriter:
         self._seen.add((name, state))
         self.rows.append(m.Tensor(checkpoint_id=self.id, name=name, state=state, array_id=aid,
                                   shape=list(array.shape), dtype=dtype, pattern=pattern, nbytes=array.nbytes,
-                                  content_hash=h, position=next(self.positions) if position is None else int(position),
+                                  content_hash=h, position=self.positions.of((name, state), position),
                                   layer=layer_of(pattern)))
         return int(array.nbytes)
 

@@ -11,7 +11,7 @@ and, for the units no single write held whole, from the stored array.
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from ucp_store.save.arrays import ArrayWriter
 from ucp_store.save.checks import check_extent, layer_of, validate_pattern
 from ucp_store.save.dedup import Deduplicator
 from ucp_store.save.durable import Durability
+from ucp_store.save.order import Positions
 
 __all__ = ["ShardWriter", "writer_aligned_shards"]
 
@@ -79,7 +80,7 @@ class ShardWriter:
     appended to the writer's shared ``rows``."""
 
     def __init__(self, ctx: StoreContext, checkpoint_id: str, *, arrays: ArrayWriter, dedup: Deduplicator,
-                 durability: Durability, rows: list, positions: Iterator[int]):
+                 durability: Durability, rows: list, positions: Positions):
         self.ctx = ctx
         self.id = checkpoint_id
         self.arrays = arrays
@@ -162,6 +163,8 @@ class ShardWriter:
         self.sharded.setdefault((name, state), (aid, rel, layout, pattern))
         if position is not None:
             self._shard_positions[(name, state)] = int(position)
+        else:
+            self.positions.touch((name, state))
         if any(all(lo == 0 for lo, _ in box.ranges) for box, _ in copies) or (not shape and copies):
             self.origin.add((name, state))  # this rank records the row (it wrote element 0)
         return written
@@ -252,6 +255,7 @@ class ShardWriter:
         key = (name, state)
         if key not in self.sharded:
             self.open_regions([(name, state, dtype, shape, pattern, boundaries)])
+        self.positions.touch(key)
         handle, layout, rel, aid = self._known_array(key, dtype, shape, f"{what}: box", "boxes")
         if array.size:
             localwrite.log_box(rel, layout, offset, tuple(array.shape))
@@ -554,8 +558,7 @@ class ShardWriter:
             self.rows.append(m.Tensor(checkpoint_id=self.id, name=key[0], state=key[1], array_id=array_id,
                                        shape=list(layout.shape), dtype=layout.dtype, pattern=pattern,
                                        nbytes=layout.nbytes, content_hash=h,
-                                       position=self._shard_positions[key] if key in self._shard_positions
-                                       else next(self.positions),
+                                       position=self.positions.of(key, self._shard_positions.get(key)),
                                        layer=layer_of(pattern)))
         self.origin.clear()
 

@@ -24,7 +24,6 @@ see the store only as a :class:`~ucp_store.registry.context.StoreContext` (locat
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Container, Iterable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -43,6 +42,7 @@ from ucp_store.save.dedup import Deduplicator
 from ucp_store.save.delta import DeltaPlanner
 from ucp_store.save.durable import Durability
 from ucp_store.save.objects import ObjectWriter
+from ucp_store.save.order import Positions
 from ucp_store.save.rows import CatalogRecorder, check_row_dict, row_to_dict, take
 from ucp_store.save.shards import ShardWriter
 
@@ -69,7 +69,8 @@ class CheckpointWriter:
         self.nbytes = 0
         self._closed = False
         self._rows: list = []  # shared by the collaborators: emptied in place (``rows.take``), never replaced
-        positions = itertools.count(1)
+        #: positions of the rows: the caller's order (``positions.set_order``, its state dict's), else first write
+        self.positions = positions = Positions()
         self.dedup = Deduplicator(ctx)
         self.durability = Durability(ctx, checkpoint_id)
         self.arrays = ArrayWriter(ctx, checkpoint_id, rows=self._rows, dedup=self.dedup, durability=self.durability,

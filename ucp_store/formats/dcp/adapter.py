@@ -64,6 +64,7 @@ import torch
 from ucp_store._killpoints import killpoint
 from ucp_store.errors import SourceFormatError, UcpError, UnsafePickleError
 from ucp_store.formats.base import TensorRecord, destination, import_source
+from ucp_store.records import model_order
 from ucp_store.save.writer import MAX_ELEMENTS
 
 __all__ = ["INDEX_OBJECT", "DcpSource", "export_dcp", "import_dcp", "opaque_entries", "read_dcp_metadata",
@@ -694,8 +695,11 @@ class DcpSource:
                 self._files.prefetch(info.relative_path, int(info.offset), int(info.length))
 
     def records(self) -> Iterator[TensorRecord]:
-        pos = 0
         entries = self.tensor_entries()
+        # the metadata's (state dict's) order, each tensor's states together: a DCP state dict lists every
+        # model weight, then every optimizer state
+        order = model_order((str(self.entries[k].name), str(self.entries[k].state)) for k in self.md.state_dict_metadata
+                            if k in self.entries and self.entries[k].kind == "tensor")
         for i, e in enumerate(entries):
             if i + 1 < len(entries):
                 self._prefetch_key(entries[i + 1].key)
@@ -703,10 +707,9 @@ class DcpSource:
             if e.kind == "array":
                 self._objects[e.key] = t.clone() if t.data_ptr() else t
                 continue
-            pos += 1
             if e.name is None or e.state is None:  # classify names every tensor entry
                 raise UcpError(f"{self.folder}: DCP key {e.key!r} was classified as a tensor without a name/state")
-            yield TensorRecord(e.name, e.state, t, position=pos)
+            yield TensorRecord(e.name, e.state, t, position=order[(e.name, e.state)])
 
     def objects(self) -> dict[str, Any]:
         index: dict[str, Any] = {}

@@ -596,7 +596,7 @@ class UcpStorageWriter(StorageWriter):
                                 self.message or f"dcp.save from {len(plans)} rank(s) through {_SAVED_BY}")
         self._writer, self._keys = writer, keys
         # positions in the state dict's order (the plans' keys, rank 0's first, in its order), states together
-        writer.order((str(keys[k].name), str(keys[k].state)) for k in md.state_dict_metadata
+        writer.positions.set_order((str(keys[k].name), str(keys[k].state)) for k in md.state_dict_metadata
                      if k in keys and keys[k].kind in ("tensor", "whole"))
         self._paths = {k: list(v) for k, v in md.planner_data.items() if isinstance(v, (tuple, list))}
         with _PENDING_LOCK:
