@@ -26,7 +26,7 @@ def test_one_table_for_planner_and_dtypes():
     assert itemsize("bf16") == 2 and itemsize("torch.float32") == 4 and itemsize(np.dtype("float64")) == 8
 
 
-@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "torch.float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fnuz", "float8_e5m2fnuz", "torch.float8_e4m3fnuz"])
 def test_planner_refuses_what_the_store_cannot_write(dtype, tmp_path):
     # the store really refuses it ...
     from ucp_store.store import open_store

@@ -257,7 +257,9 @@ def test_s3_store_round_trip_slices_and_urls(s3_store, s3):
     keys = bucket_keys(s3)
     ours = [k for k in keys if k.startswith(s3_store.test_prefix + "/")]
     assert ours, "nothing was written to the bucket"
-    assert all(k.startswith(s3_store.test_prefix + "/arrays/") for k in ours), ours
+    # the arrays, and the store's identity file at the prefix's root (issue 40)
+    assert all(k.startswith(s3_store.test_prefix + "/arrays/") or k == s3_store.test_prefix + "/ucp-store.json"
+               for k in ours), ours
 
     again = ucp_store.open_store(s3_store.test_url, catalog=s3_store.test_catalog)
     ck = again.checkpoint("s3run@latest")

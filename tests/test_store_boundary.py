@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import os
 import sqlite3
+import stat
 import sys
 import textwrap
 from pathlib import Path
@@ -60,7 +61,8 @@ def _plant_links(store_path: Path, out: Path) -> dict[str, Path]:
 @pytest.mark.parametrize("how", ["gc", "rm", "cli-gc", "cli-rm"])
 def test_sweeps_never_follow_links_out_of_the_store(store, store_path, tmp_path, ucp, how):
     """gc and rm (both sweep arrays/) delete nothing outside the store; a link under arrays/ is not the store's
-    data: the link itself is removed, never what it points to."""
+    data: it is never followed, and (issue 40: gc deletes only what it can tie to its catalog) it is reported
+    and left, with the stray file beside it."""
     out = _outside(tmp_path)
     before = tree_digest(out)
     store.save("r", 1, {"a": torch.ones(8)})
@@ -68,16 +70,17 @@ def test_sweeps_never_follow_links_out_of_the_store(store, store_path, tmp_path,
     links = _plant_links(store_path, out)
     if how == "gc":
         report = store.gc()
-        assert report.removed_arrays == 4  # the linked folder, the two links and the stray file
-        assert report.freed_bytes == 7  # the stray file only: a link frees nothing
+        assert report.removed_arrays == 0 and report.freed_bytes == 0
+        # a folder holding nothing of ours is reported as one entry
+        assert sorted(report.left) == ["arrays/deadbeefdeadbeef", "arrays/feedfacefeedface"]
     elif how == "rm":
         store.rm("r@1")
     else:
         rc, _, err = ucp(*(["gc"] if how == "cli-gc" else ["rm", "r@1"]), "--store", store_path)
         assert rc == 0, err
     assert tree_digest(out) == before
-    assert all(not os.path.lexists(p) for p in links.values())
-    assert not (store_path / "arrays" / "deadbeefdeadbeef").exists()
+    assert all(os.path.islink(p) for p in links.values())
+    assert (store_path / "arrays" / "deadbeefdeadbeef" / "stray.bin").read_bytes() == b"s" * 7
     assert torch.equal(store.checkpoint("r@2").read("a", "weight"), torch.zeros(8))
 
 
@@ -90,7 +93,8 @@ def test_verify_ls_and_dry_run_leave_links_and_the_outside_alone(store, store_pa
     for argv in (["verify", "r@1"], ["ls", "r"], ["gc", "--dry-run"]):
         rc, _, err = ucp(*argv, "--store", store_path)
         assert rc == 0, (argv, err)
-    assert store.gc(dry_run=True).freed_bytes == 7
+    report = store.gc(dry_run=True)
+    assert report.freed_bytes == 0 and len(report.left) == 2  # foreign entries: reported, never deleted
     assert tree_digest(out) == before
     assert all(os.path.islink(p) for p in links.values())
 
@@ -268,9 +272,10 @@ def test_gc_reports_the_bytes_it_really_freed(store, store_path, ucp):
     assert report["freed_bytes"] == victim_bytes + stray_bytes and report["removed_arrays"] == 2
     assert sorted(os.listdir(store_path / "arrays")) == [keep]
     stray.mkdir()
-    (stray / "junk.bin").write_bytes(b"j" * 2048)
+    (stray / "junk.bin").write_bytes(b"j" * 2048)  # not an array folder: gc cannot tie it to its catalog
     rc, out, err = ucp("gc", "--store", store_path)
-    assert rc == 0 and "1 array(s), 2.0 KiB" in out, out
+    assert rc == 0 and "0 array(s), 0 B" in out and "arrays/0badc0de0badc0de" in err, (out, err)
+    assert (stray / "junk.bin").read_bytes() == b"j" * 2048
 
 
 # --- init on an existing store -------------------------------------------------------------------------------
@@ -351,7 +356,7 @@ def test_a_fifo_in_the_store_never_blocks_a_command(tmp_path):
         assert rcs[f"--store {root} ls r"] == 0 and rcs[f"--store {root} gc"] == 0
         assert f"{folder}/{which} is not a regular file" in proc.stderr or (
             f"shard file {which} of {folder} is corrupt: not a regular file" in proc.stderr)
-        assert not (root / "arrays" / "deadbeefdeadbeef").exists()  # gc removed the stray FIFO, unopened
+        assert stat.S_ISFIFO(os.lstat(root / "arrays" / "deadbeefdeadbeef" / "pipe").st_mode)  # left, unopened
         assert os.path.exists(folder / which)  # a live version's file: left for the user to repair
     assert rcs[f"--store {folders['c/0'].parent.parent.parent} read r@1 a"] == 1
 

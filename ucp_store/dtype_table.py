@@ -1,7 +1,9 @@
 """The store's data types as names and sizes (pure, torch-free): one table for the planner and ``dtypes``.
 
 The store keeps exactly the dtypes it can write bit-exactly as zarr v3 arrays: these names, and nothing
-else (float8 types have no zarr v3 name the store writes, so a checkpoint never holds one). ``dtypes``
+else. ``float8_e4m3fn`` and ``float8_e5m2`` (FP8 models, issue 39) are the zarr-extensions names TensorStore
+writes natively; the other float8 variants have no zarr v3 name the store writes, so a checkpoint never holds
+one. ``dtypes``
 maps the same names onto torch and numpy; the planner only needs the item size, and must not import
 torch to get it. Keeping both on this one table is what stops them drifting apart (the planner once
 accepted ``float8_e4m3fn``, which no write could have produced).
@@ -22,6 +24,7 @@ ITEMSIZE: dict[str, int] = {
     "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
     "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 SUPPORTED: tuple[str, ...] = tuple(ITEMSIZE)
 
@@ -32,7 +35,7 @@ ALIASES: dict[str, str] = {"half": "float16", "float": "float32", "double": "flo
 #: known dtypes the store refuses, with the reason (named in the error instead of "unknown")
 UNSTORABLE: dict[str, str] = {
     name: "float8 has no zarr v3 data type the store writes bit-exactly"
-    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    for name in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 }
 
 _CANONICAL: dict[str, str] = {}

@@ -1,7 +1,7 @@
 """Data types: torch <-> numpy <-> zarr v3 names, bit-exact.
 
-Every dtype maps to a zarr v3 core name, except bfloat16, which is the zarr-extensions ``bfloat16``
-(numpy side ``ml_dtypes.bfloat16``). Conversions go through same-width views, never through a cast, so
+Every dtype maps to a zarr v3 core name, except bfloat16, float8_e4m3fn and float8_e5m2, which are the
+zarr-extensions names (numpy side ``ml_dtypes``). Conversions go through same-width views, never through a cast, so
 NaN payloads and signed zeros survive.
 
 The names and item sizes come from ``dtype_table`` (torch-free, shared with the planner); this module adds
@@ -37,6 +37,8 @@ _TABLE: dict[str, tuple[torch.dtype, np.dtype]] = {
     "float64": (torch.float64, np.dtype(np.float64)),
     "complex64": (torch.complex64, np.dtype(np.complex64)),
     "complex128": (torch.complex128, np.dtype(np.complex128)),
+    "float8_e4m3fn": (torch.float8_e4m3fn, np.dtype(ml_dtypes.float8_e4m3fn)),
+    "float8_e5m2": (torch.float8_e5m2, np.dtype(ml_dtypes.float8_e5m2)),
 }
 _BY_TORCH = {t: name for name, (t, _) in _TABLE.items()}
 _BY_NUMPY = {n: name for name, (_, n) in _TABLE.items()}
@@ -44,8 +46,9 @@ _BY_NUMPY = {n: name for name, (_, n) in _TABLE.items()}
 # take from numpy on every supported version (uint16/32/64 before torch 2.3), viewed through a signed
 # integer of their width, so the bits pass untouched both ways
 _VIEW_AS = {torch.bfloat16: torch.int16, torch.uint16: torch.int16, torch.uint32: torch.int32,
-            torch.uint64: torch.int64}
-_NUMPY_OF = {torch.int16: np.dtype(np.int16), torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
+            torch.uint64: torch.int64, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+_NUMPY_OF = {torch.int16: np.dtype(np.int16), torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
+             torch.uint8: np.dtype(np.uint8)}
 
 SUPPORTED = dtype_table.SUPPORTED
 if tuple(_TABLE) != SUPPORTED or any(n.itemsize != dtype_table.ITEMSIZE[k] for k, (_, n) in _TABLE.items()):

@@ -95,7 +95,7 @@ def torch_bad_name(ctx):
 
 
 def torch_unsupported_dtype(ctx):
-    torch.save({"ok": torch.ones(2), "f8": torch.ones(2).to(torch.float8_e4m3fn)}, ctx.inp / "w.pt")
+    torch.save({"ok": torch.ones(2), "f8": torch.ones(2).to(torch.float8_e4m3fnuz)}, ctx.inp / "w.pt")
 
 
 def torch_import(ctx, **kw):
@@ -428,7 +428,7 @@ CASES: list[Case] = [
     refused("torch-pickle-raw-subprocess", "torch", torch_raw_pickle, EXIT_FAIL, "{inp}/w.pt",
          cli=ucp_import("torch", "{inp}/w.pt"), subprocess=True),
     refused("torch-escaping-name", "torch", torch_bad_name, InvalidNameError, "../../escape", api=torch_import),
-    refused("torch-unsupported-dtype-cli", "torch", torch_unsupported_dtype, EXIT_FAIL, "float8_e4m3fn",
+    refused("torch-unsupported-dtype-cli", "torch", torch_unsupported_dtype, EXIT_FAIL, "float8_e4m3fnuz",
          cli=ucp_import("torch", "{inp}/w.pt")),
     # DeepSpeed tag folders
     refused("ds-empty-folder", "deepspeed", ds_empty, SourceFormatError, "{inp}/global_step1", api=ds_import),
@@ -492,8 +492,8 @@ CASES: list[Case] = [
          api=save({"w": torch.empty(3, device="meta")})),
     refused("api-sparse-tensor", "api", nothing, ValidationError, "sparse",
          api=save({"w": torch.eye(3).to_sparse()})),
-    refused("api-unsupported-dtype-float8", "api", nothing, DTypeError, "float8_e5m2",
-         api=save({"w": torch.ones(2).to(torch.float8_e5m2)})),
+    refused("api-unsupported-dtype-float8", "api", nothing, DTypeError, "float8_e5m2fnuz",
+         api=save({"w": torch.ones(2).to(torch.float8_e5m2fnuz)})),
     refused("api-unsupported-dtype-object", "api", nothing, DTypeError, "object",
          api=save({"w": np.array([object()])})),
     refused("api-not-a-tensor", "api", nothing, ValidationError, "str", api=save({"w": "weights"})),

@@ -36,6 +36,7 @@ import os
 import random
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ucp_store.catalog import bulk as _bulk
 from ucp_store.catalog import fs as _fs
 from ucp_store.errors import CatalogError, SchemaVersionError
+from ucp_store.redact import redact
 
 if TYPE_CHECKING:  # pragma: no cover - alembic loads only when a schema is created or migrated
     from alembic.config import Config
@@ -56,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover - alembic loads only when a schema is crea
 __all__ = [
     "Catalog",
     "open_catalog",
+    "revision_at",
     "current_revision",
     "head_revision",
     "known_revisions",
@@ -73,6 +76,8 @@ log = logging.getLogger("ucp_store.catalog")
 T = TypeVar("T")
 
 DEFAULT_BUSY_TIMEOUT_MS = 30_000
+#: seconds a SQLite write waits for the catalog's write lock before it says so (once, on stderr via logging)
+LOCK_NOTICE_S = 3.0
 DEFAULT_WRITE_ATTEMPTS = 5
 #: tables created by revision 0001; a database holding any of them but no alembic_version is refused
 _OUR_TABLES = frozenset({"runs", "checkpoints", "arrays", "tensors", "provenance", "objects", "tags", "settings"})
@@ -96,21 +101,30 @@ def sqlite_url(path: str | os.PathLike) -> str:
 
 
 def display_url(url: str | URL) -> str:
-    """``url`` with its password masked, for messages and logs."""
+    """``url`` with every credential masked (``user:***@``, ``?password=***``, ...), for messages and logs."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
-    except exc.ArgumentError:
-        return str(url)
+        return redact(make_url(url).render_as_string(hide_password=True))
+    except (exc.ArgumentError, ValueError, TypeError):
+        return redact(url)
 
 
 def _parse_url(url: str | URL) -> URL:
     try:
-        return make_url(url)
+        u = make_url(url)
+        u.port  # noqa: B018 (a port that is no number raises here, not at connect)
     except exc.ArgumentError as e:
         raise CatalogError(
-            f"catalog URL {url!r} is not a SQLAlchemy URL (expected e.g. 'sqlite:////abs/path/catalog.db' "
-            f"or 'postgresql+psycopg2://user:pass@host/db'): {e}"
+            f"catalog URL {redact(repr(str(url)))} is not a SQLAlchemy URL (expected e.g. "
+            f"'sqlite:////abs/path/catalog.db' or 'postgresql+psycopg2://user:pass@host/db'): {redact(e)}"
         ) from None
+    except (ValueError, TypeError) as e:
+        raise CatalogError(
+            f"catalog URL {redact(repr(str(url)))}: its port is not a number from 0 to 65535 ({redact(e)}); expected "
+            "e.g. 'postgresql+psycopg2://user:pass@host:5432/db'"
+        ) from None
+    if u.port is not None and not 0 <= u.port <= 65535:
+        raise CatalogError(f"catalog URL {display_url(u)}: port {u.port} is out of range (0 to 65535)")
+    return u
 
 
 def _sqlite_file(u: URL) -> Path | None:
@@ -313,8 +327,8 @@ def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str,
                 why = f" ({journal.reason})" if journal is not None else ""
                 raise CatalogError(
                     f"catalog {shown}: cannot switch it to journal_mode={wanted.upper()}{why}: another process has it "
-                    f"open in another journal mode ({e}); close that process, or open the catalog with its mode "
-                    "(sqlite_journal=, ucp --sqlite-journal)") from e
+                    f"open in another journal mode ({redact(e)}); close that process, or open the catalog with its "
+                    "mode (sqlite_journal=, ucp --sqlite-journal)") from e
             cur.execute("PRAGMA synchronous = FULL")
             cur.execute("PRAGMA foreign_keys = ON")
         finally:
@@ -347,7 +361,7 @@ def _install_sqlite_events(engine: Engine, busy_timeout_ms: int, shown: str,
 
 
 def _make_engine(u: URL, busy_timeout_ms: int, journal: _fs.JournalChoice | None = None) -> Engine:
-    shown = u.render_as_string(hide_password=True)
+    shown = display_url(u)
     backend = u.get_backend_name()
     kwargs: dict = {}
     if backend == "sqlite":
@@ -361,7 +375,7 @@ def _make_engine(u: URL, busy_timeout_ms: int, journal: _fs.JournalChoice | None
         engine = create_engine(u, **kwargs)
     except (ImportError, exc.NoSuchModuleError) as e:
         hint = " (pip install 'ucp_store[postgres]')" if backend == "postgresql" else ""
-        raise CatalogError(f"catalog {shown}: the database driver is not available{hint}: {e}") from e
+        raise CatalogError(f"catalog {shown}: the database driver is not available{hint}: {redact(e)}") from e
     _install_fork_guard(engine)
     if backend == "sqlite":
         _install_sqlite_events(engine, busy_timeout_ms, shown, journal)
@@ -380,10 +394,12 @@ class Catalog:
     ``run_write()``, which take SQLite's write lock at BEGIN (``BEGIN IMMEDIATE``).
     """
 
-    def __init__(self, url: str, engine: Engine, *, write_attempts: int = DEFAULT_WRITE_ATTEMPTS):
+    def __init__(self, url: str, engine: Engine, *, write_attempts: int = DEFAULT_WRITE_ATTEMPTS,
+                 busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS):
         self.url = str(url)
         self.engine = engine
         self.write_attempts = write_attempts
+        self.busy_timeout_ms = busy_timeout_ms
         self.session: sessionmaker[Session] = sessionmaker(bind=engine, expire_on_commit=False)
         self._write_engine = engine.execution_options(**{_WRITE_OPTION: True})
         self._write_session: sessionmaker[Session] = sessionmaker(bind=self._write_engine, expire_on_commit=False)
@@ -401,11 +417,25 @@ class Catalog:
     def display_url(self) -> str:
         return display_url(self.url)
 
-    def _locked_out(self, attempts: int, e: BaseException) -> CatalogError:
+    def _locked_out(self, attempts: int, e: BaseException, waited: float | None = None) -> CatalogError:
+        spent = f" and {waited:.0f} s" if waited is not None else ""
         return CatalogError(
-            f"catalog {self.display_url}: could not start a write transaction after {attempts} attempts "
-            f"(another writer held the lock); last error: {getattr(e, 'orig', e)}"
+            f"catalog {self.display_url}: could not start a write transaction after {attempts} attempts{spent} "
+            f"(another process held its write lock the whole time); last error: {redact(getattr(e, 'orig', e))}"
         )
+
+    def _lock_notice(self) -> threading.Timer | None:
+        """On SQLite, a timer that says once, after :data:`LOCK_NOTICE_S` seconds of waiting, what a write
+        waits for and on what (the catalog's write lock, held by another process); None elsewhere."""
+        if self.dialect != "sqlite":
+            return None
+        bound = self.write_attempts * (self.busy_timeout_ms / 1000.0 + 2.0)
+        timer = threading.Timer(LOCK_NOTICE_S, log.warning, args=(
+            "ucp: waiting for the write lock of catalog %s, held by another process (a save, rm, gc or tag); "
+            "giving up after about %.0f s", self.display_url, bound))
+        timer.daemon = True
+        timer.start()
+        return timer
 
     @contextlib.contextmanager
     def write_session(self, *, attempts: int | None = None, durable: bool = True) -> Iterator[Session]:
@@ -422,23 +452,28 @@ class Catalog:
         crash loses nothing (a save's pending row: that save dies with the machine, gc sweeps its files).
         """
         attempts = attempts or self.write_attempts
-        for attempt in range(attempts):
-            session = self._write_session() if durable or self.dialect != "sqlite" else self._lazy_write_session()
-            try:
-                session.connection()  # BEGIN (IMMEDIATE) now, not at the first statement
-                if not durable and self.dialect == "postgresql":
-                    session.execute(text("SET LOCAL synchronous_commit TO OFF"))
-            except exc.OperationalError as e:
-                session.close()
-                if not _is_transient(e):
-                    raise
-                if attempt + 1 == attempts:
-                    raise self._locked_out(attempts, e) from e
-                log.debug("catalog %s is locked; retrying BEGIN IMMEDIATE (%d/%d)", self.display_url, attempt + 1,
-                          attempts)
-                _backoff(attempt)
-                continue
-            break
+        notice, started = self._lock_notice(), time.monotonic()
+        try:
+            for attempt in range(attempts):
+                session = self._write_session() if durable or self.dialect != "sqlite" else self._lazy_write_session()
+                try:
+                    session.connection()  # BEGIN (IMMEDIATE) now, not at the first statement
+                    if not durable and self.dialect == "postgresql":
+                        session.execute(text("SET LOCAL synchronous_commit TO OFF"))
+                except exc.OperationalError as e:
+                    session.close()
+                    if not _is_transient(e):
+                        raise
+                    if attempt + 1 == attempts:
+                        raise self._locked_out(attempts, e, time.monotonic() - started) from e
+                    log.debug("catalog %s is locked; retrying BEGIN IMMEDIATE (%d/%d)", self.display_url,
+                              attempt + 1, attempts)
+                    _backoff(attempt)
+                    continue
+                break
+        finally:
+            if notice is not None:
+                notice.cancel()
         try:
             yield session
             session.commit()
@@ -514,6 +549,19 @@ def current_revision(catalog: Catalog) -> str | None:
         return _read_revision(conn, catalog.display_url)
 
 
+def revision_at(url: str) -> str | None:
+    """The schema revision of the catalog at ``url`` (``ucp db revision``), read without creating or migrating
+    anything; a URL that does not parse, a missing driver, a missing SQLite file or an unreachable server is a
+    CatalogError with the URL's credentials masked."""
+    catalog = _connect(url, create=False)
+    try:
+        return current_revision(catalog)
+    except exc.DBAPIError as e:
+        raise CatalogError(f"catalog {catalog.display_url} cannot be read: {redact(getattr(e, 'orig', e))}") from None
+    finally:
+        catalog.close()
+
+
 def _migrate(catalog: Catalog, target: str, *, create: bool, allow_upgrade: bool) -> tuple[str | None, str]:
     """Bring the schema to ``target`` (a known revision or 'head') under the schema lock.
 
@@ -570,7 +618,7 @@ def _connect(
     statfs: Callable[[str], int | None] = _fs.statfs_type,
 ) -> Catalog:
     u = _parse_url(url)
-    shown = u.render_as_string(hide_password=True)
+    shown = display_url(u)
     path = _sqlite_file(u)
     journal = None
     if path is not None:
@@ -579,14 +627,15 @@ def _connect(
             if not create:
                 raise CatalogError(f"catalog {shown} does not exist (no file {path}); pass create=True to create it")
             path.parent.mkdir(parents=True, exist_ok=True)
-    return Catalog(u.render_as_string(hide_password=False), _make_engine(u, busy_timeout_ms, journal))
+    return Catalog(u.render_as_string(hide_password=False), _make_engine(u, busy_timeout_ms, journal),
+                   busy_timeout_ms=busy_timeout_ms)
 
 
 def _unreadable(catalog: Catalog, e: exc.DatabaseError) -> str:
     """The message for a catalog the database refuses as a whole (not a lock or a connection problem)."""
     what = "an SQLite database file that is corrupt or of another format" if catalog.dialect == "sqlite" else \
         "a database the server refuses"
-    return (f"catalog {catalog.display_url} cannot be opened: {getattr(e, 'orig', e)} (expected a ucp catalog; "
+    return (f"catalog {catalog.display_url} cannot be opened: {redact(getattr(e, 'orig', e))} (expected a ucp catalog; "
             f"found {what})")
 
 
@@ -618,7 +667,7 @@ def open_catalog(
             _migrate(catalog, "head", create=create, allow_upgrade=upgrade)
     except exc.OperationalError as e:
         catalog.close()
-        raise CatalogError(f"catalog {catalog.display_url} cannot be opened: {getattr(e, 'orig', e)}") from e
+        raise CatalogError(f"catalog {catalog.display_url} cannot be opened: {redact(getattr(e, 'orig', e))}") from e
     except exc.DatabaseError as e:  # e.g. SQLite's "file is not a database": random bytes, another format
         catalog.close()
         raise CatalogError(_unreadable(catalog, e)) from e
@@ -637,7 +686,7 @@ def upgrade(url: str, revision: str = "head", *, create: bool = False) -> tuple[
     try:
         return _migrate(catalog, revision, create=create, allow_upgrade=True)
     except exc.OperationalError as e:
-        raise CatalogError(f"catalog {catalog.display_url} cannot be upgraded: {getattr(e, 'orig', e)}") from e
+        raise CatalogError(f"catalog {catalog.display_url} cannot be upgraded: {redact(getattr(e, 'orig', e))}") from e
     except exc.DatabaseError as e:
         raise CatalogError(_unreadable(catalog, e)) from e
     finally:

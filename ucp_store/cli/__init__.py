@@ -27,6 +27,7 @@ from ucp_store.cli.output import print_json as _print_json
 from ucp_store.cli.output import quiet_stdout
 from ucp_store.cli.output import table as _table
 from ucp_store.errors import UcpError
+from ucp_store.redact import redact
 
 __all__ = ["main", "build_parser", "COMMANDS", "EXIT_OK", "EXIT_FAIL"]
 
@@ -96,8 +97,8 @@ def _catalog_failure(exc: BaseException, args: argparse.Namespace) -> str | None
         return None
     store = getattr(args, "store", None) or config.store_url() or "./ucp-store"
     catalog = getattr(args, "catalog", None) or config.catalog_url() or f"{store}/catalog.db"
-    return (f"catalog {catalog} failed: {getattr(exc, 'orig', exc)} (a corrupt catalog file, or the database "
-            "server refused the query)")
+    return redact(f"catalog {catalog} failed: {getattr(exc, 'orig', exc)} (a corrupt catalog file, or the database "
+                  "server refused the query)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,19 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # ``ucp ls | head -1``: the reader is gone; exit quietly (before OSError below)
         quiet_stdout()
         return EXIT_OK
-    except UcpError as exc:
-        print(f"ucp: error: {exc}", file=sys.stderr)
+    except UcpError as exc:  # every line shown is masked: a message may quote a URL with its credentials
+        print(f"ucp: error: {redact(exc)}", file=sys.stderr)
         return EXIT_FAIL
     except OSError as exc:  # e.g. --out into a missing folder: still one line, no traceback
-        print(f"ucp: error: {exc}", file=sys.stderr)
+        print(f"ucp: error: {redact(exc)}", file=sys.stderr)
         return EXIT_FAIL
     except KeyboardInterrupt:
         print("ucp: interrupted", file=sys.stderr)
         return 130
     except _INPUT_FAILURES as exc:
         text = str(exc).splitlines()[0][:300] if str(exc) else "out of memory" if isinstance(exc, MemoryError) else ""
-        print(f"ucp: error: {_inputs(args)}: {type(exc).__name__}: {text} (raised at {_raised_at(exc)} where no "
-              "check refused this input first: please report it)", file=sys.stderr)
+        print(redact(f"ucp: error: {_inputs(args)}: {type(exc).__name__}: {text} (raised at {_raised_at(exc)} where "
+                     "no check refused this input first: please report it)"), file=sys.stderr)
         return EXIT_FAIL
     except Exception as exc:
         line = _catalog_failure(exc, args)

@@ -34,8 +34,10 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 from ucp_store import config
 from ucp_store.errors import ConfigurationError, InvalidNameError, ReadError
+from ucp_store.redact import redact
 
-__all__ = ["ARRAYS_DIR", "Location", "array_path", "array_checkpoint", "checkpoint_dir"]
+__all__ = ["ARRAYS_DIR", "Location", "array_path", "array_checkpoint", "checkpoint_dir", "is_array_folder",
+           "is_version_folder"]
 
 #: the folder (or key prefix) under the store root that holds every array
 ARRAYS_DIR = "arrays"
@@ -57,6 +59,20 @@ def array_checkpoint(rel: str) -> str:
     if len(parts) != 3 or parts[0] != ARRAYS_DIR:
         raise InvalidNameError(f"array path {rel!r} is not of the form {ARRAYS_DIR}/<checkpoint>/<array>.zarr")
     return parts[1]
+
+
+_VERSION_FOLDER = re.compile(r"[0-9a-f]{1,32}")
+_ARRAY_FOLDER = re.compile(r"[0-9a-f]{1,32}\.zarr")
+
+
+def is_version_folder(name: str) -> bool:
+    """Whether an entry of ``arrays/`` has the name of a version's folder (a lowercase hex id)."""
+    return bool(_VERSION_FOLDER.fullmatch(name))
+
+
+def is_array_folder(name: str) -> bool:
+    """Whether an entry of a version's folder has the name of an array (``<lowercase hex id>.zarr``)."""
+    return bool(_ARRAY_FOLDER.fullmatch(name))
 
 
 def _ts():
@@ -98,22 +114,23 @@ class Location:
         parsed = urlparse(url)
         if parsed.scheme == "file":
             if parsed.netloc not in ("", "localhost"):
-                raise ConfigurationError(f"store {url!r}: a file:// URL names a local folder (file:///ABS/PATH), "
+                raise ConfigurationError(f"store {redact(repr(url))}: a file:// URL names a local folder "
+                                         "(file:///ABS/PATH), "
                                          f"not host {parsed.netloc!r}")
             if parsed.query or parsed.fragment or url.endswith(("?", "#")):
-                raise ConfigurationError(f"store {url!r}: a file:// URL takes no query or fragment (write '?' as "
-                                         "%3F and '#' as %23, or give the folder as a plain path)")
+                raise ConfigurationError(f"store {redact(repr(url))}: a file:// URL takes no query or fragment "
+                                         "(write '?' as %3F and '#' as %23, or give the folder as a plain path)")
             return cls._folder(str(Path(unquote(parsed.path)).expanduser().resolve()), catalog)
         if parsed.scheme == "s3":
             q = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
             catalog = q.pop("catalog", None) or catalog
             if not catalog:
                 raise ConfigurationError(
-                    f"store {url!r}: an S3 store needs a catalog URL (add ?catalog=postgresql+psycopg2://... "
-                    "or set UCP_CATALOG)"
+                    f"store {redact(repr(url))}: an S3 store needs a catalog URL (add "
+                    "?catalog=postgresql+psycopg2://... or set UCP_CATALOG)"
                 )
             if not parsed.netloc:
-                raise ConfigurationError(f"store {url!r}: no bucket name (expected s3://BUCKET/PREFIX)")
+                raise ConfigurationError(f"store {redact(repr(url))}: no bucket name (expected s3://BUCKET/PREFIX)")
             prefix = unquote(parsed.path).strip("/")
             return cls(
                 url=f"s3://{parsed.netloc}/{prefix}",
@@ -124,7 +141,8 @@ class Location:
                 region=q.pop("region", None) or os.environ.get("AWS_REGION"),
                 catalog_url=catalog,
             )
-        raise ConfigurationError(f"store {url!r}: unknown scheme {parsed.scheme!r} (expected a folder, file:// or s3://)")
+        raise ConfigurationError(f"store {redact(repr(url))}: unknown scheme {parsed.scheme!r} (expected a folder, "
+                                 "file:// or s3://)")
 
     @classmethod
     def _folder(cls, root: str, catalog: str | None) -> "Location":
@@ -276,6 +294,52 @@ class Location:
                 pass  # not empty (a save started meanwhile), already gone, or not a folder
             finally:
                 os.close(parent)
+
+    # --- small files at the root (the store's identity) -----------------------------------------------
+    def read_root_file(self, name: str, limit: int = 1 << 16) -> bytes | None:
+        """The bytes of the small file ``name`` at the root (None when it is absent). In a folder store it is
+        opened without following a link and must be a regular file of at most ``limit`` bytes."""
+        name = safe_rel(name)
+        if self.kind != "file":
+            ts = _ts()
+            res = ts.KvStore.open(self.kvstore()).result().read(name.encode()).result()
+            return None if res.state == "missing" else bytes(res.value)[:limit + 1]
+        try:
+            fd = os.open(os.path.join(self.root, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ReadError(f"{self.display(name)} cannot be opened as a regular file: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+                raise ReadError(f"{self.display(name)} is not a regular file of at most {limit} bytes "
+                                f"(mode {stat.filemode(st.st_mode)}, {st.st_size} bytes)")
+            return os.read(fd, limit + 1)
+        finally:
+            os.close(fd)
+
+    def write_root_file(self, name: str, data: bytes) -> None:
+        """Write the small file ``name`` at the root whole and durably (a temporary file renamed into place,
+        then the folder fsynced; on a bucket one PUT)."""
+        name = safe_rel(name)
+        if self.kind != "file":
+            _ts().KvStore.open(self.kvstore()).result().write(name.encode(), data).result()
+            return
+        path = os.path.join(self.root, name)
+        tmp = f"{path}.{os.getpid()}.part"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(self.root, _DIR_FLAGS)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     # --- folder stores: walks that never leave the root ----------------------------------------------
     def _open_parent(self, rel: str, doing: str) -> int | None:

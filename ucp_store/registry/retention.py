@@ -28,8 +28,16 @@ from sqlalchemy.exc import IntegrityError
 from ucp_store._killpoints import killpoint
 from ucp_store.catalog import models as m
 from ucp_store.errors import CatalogError, ConfigurationError, ReferenceNotFound
-from ucp_store.io.location import ARRAYS_DIR, array_checkpoint, array_path, checkpoint_dir
+from ucp_store.io.location import (
+    ARRAYS_DIR,
+    array_checkpoint,
+    array_path,
+    checkpoint_dir,
+    is_array_folder,
+    is_version_folder,
+)
 from ucp_store.registry.context import StoreContext, did_you_mean, run_names
+from ucp_store.registry.identity import ensure_owned
 
 __all__ = ["DEFAULT_PENDING_TIMEOUT", "GcReport", "RetentionPolicy", "set_retention", "retention_victims", "gc",
            "sweep_arrays"]
@@ -46,6 +54,9 @@ class GcReport:
     removed_arrays: int = 0
     freed_bytes: int = 0
     dry_run: bool = False
+    #: entries under ``arrays/`` that gc cannot tie to this catalog (a nested store, a foreign folder or file,
+    #: a link): reported, never deleted (relative to the store root)
+    left: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
@@ -180,6 +191,7 @@ def gc(ctx: StoreContext, *, run: str | None = None, override: RetentionPolicy |
     if not isinstance(pending_timeout, _dt.timedelta) or pending_timeout < _dt.timedelta(0):
         raise ConfigurationError(f"gc: pending_timeout must be a datetime.timedelta >= 0, got {pending_timeout!r}")
     report = GcReport(dry_run=dry_run)
+    _owned(ctx, dry_run)
     ctx.location.check_walkable(ARRAYS_DIR)  # before any row goes: a sweep through a link is refused
     victims = retention_victims(ctx, run, override)
     host = socket.gethostname()
@@ -214,13 +226,19 @@ def gc(ctx: StoreContext, *, run: str | None = None, override: RetentionPolicy |
     if not dry_run:
         killpoint("gc.after_rows")
     n, freed = sweep_arrays(ctx, dry_run=dry_run, also=set(report.removed_pending),
-                            gone=report.removed_checkpoints + report.removed_pending)
+                            gone=report.removed_checkpoints + report.removed_pending, left=report.left)
     report.removed_arrays, report.freed_bytes = n, freed
     return report
 
 
+def _owned(ctx: StoreContext, dry_run: bool) -> None:
+    """gc and sweeps delete: the catalog and the location must be one store's (``registry/identity.py``)."""
+    if not ctx.detached:
+        ensure_owned(ctx.location, ctx.catalog, adopt=not dry_run)
+
+
 def sweep_arrays(ctx: StoreContext, *, dry_run: bool, also: Iterable[str] = frozenset(),
-                 gone: Iterable[str] = ()) -> tuple[int, int]:
+                 gone: Iterable[str] = (), left: list[str] | None = None) -> tuple[int, int]:
     """Delete arrays with no referencing tensor/object row and files no row knows about; returns
     (arrays removed, bytes freed). ``also``: checkpoint ids whose folders go even if still listed.
     ``gone`` (``dry_run`` only): checkpoints whose rows the run being previewed would delete first; their
@@ -228,7 +246,15 @@ def sweep_arrays(ctx: StoreContext, *, dry_run: bool, also: Iterable[str] = froz
 
     Bytes freed are the deleted files' sizes on disk in a folder store (with ``dry_run``, what would be
     deleted); on a bucket, which is not listed with sizes, the arrays rows' ``nbytes`` (files no row knows
-    count 0 there). A link under ``arrays/`` is not the store's data: it is removed itself, never followed."""
+    count 0 there).
+
+    Only what can be tied to this catalog is deleted: arrays its rows name, and the array folders
+    (``<hex id>.zarr`` holding only ``zarr.json`` and ``c/``) of version folders (``<hex id>/``) of this
+    store that no live version owns (a version removed or a save killed before its rows existed). Anything
+    else under ``arrays/`` (a nested store, a foreign folder or file, a link) is appended to ``left`` and
+    never deleted or followed."""
+    _owned(ctx, dry_run)
+    left = [] if left is None else left
     also = set(also)
     gone = sorted(set(gone)) if dry_run else []
     location = ctx.location
@@ -276,21 +302,39 @@ def sweep_arrays(ctx: StoreContext, *, dry_run: bool, also: Iterable[str] = froz
     for folder in folders:
         if folder in live_ids and folder not in also:
             continue
-        if not location.is_dir(checkpoint_dir(folder)):  # a link, a file, a FIFO: the entry itself goes
-            removed += 1
-            freed += _remove(location, checkpoint_dir(folder), dry_run)
+        if not is_version_folder(folder) or not location.is_dir(checkpoint_dir(folder)):
+            left.append(checkpoint_dir(folder))  # not a version folder of ours: reported, left alone
             continue
-        for entry in location.list_dirs(checkpoint_dir(folder)):
-            # an array folder, or a stray entry (never an array of ours) that goes the same way
-            rel = (array_path(folder, entry[:-len(".zarr")]) if entry.endswith(".zarr")
-                   else f"{checkpoint_dir(folder)}/{entry}")
-            if rel in known_paths:
+        entries = location.list_dirs(checkpoint_dir(folder))
+        foreign = [f"{checkpoint_dir(folder)}/{e}" for e in entries
+                   if f"{checkpoint_dir(folder)}/{e}" not in known_paths and not _is_our_array(location, folder, e)]
+        # a folder holding nothing of ours (a nested store, say) is reported as one entry
+        left.extend(foreign if len(foreign) < len(entries) else [checkpoint_dir(folder)])
+        for entry in entries:
+            rel = f"{checkpoint_dir(folder)}/{entry}"
+            if rel in known_paths or rel in foreign:
                 continue
             removed += 1
             freed += _remove(location, rel, dry_run)
         if not dry_run:
             location.remove_empty_dir(checkpoint_dir(folder))
     return removed, freed
+
+
+#: what the top of an array folder holds: its metadata, its chunks, and a temporary metadata file a killed
+#: writer left (``zarr.json.<pid>-<thread>.part``, TensorStore's ``zarr.json.__lock``)
+_ARRAY_ENTRIES = ("zarr.json", "c")
+
+
+def _is_our_array(location, folder: str, entry: str) -> bool:
+    """Whether ``arrays/<folder>/<entry>`` is an array folder as this store writes it (and nothing else:
+    not a store, a link or a file), so that gc may tie it to the version folder it sits in."""
+    if not is_array_folder(entry):
+        return False
+    rel = array_path(folder, entry[:-len(".zarr")])
+    if not location.is_dir(rel):
+        return False
+    return all(name in _ARRAY_ENTRIES or name.startswith("zarr.json.") for name in location.list_dirs(rel))
 
 
 def _unneeded_bases_last(s, victims: list) -> list[list]:
