@@ -23,6 +23,7 @@ import difflib
 import functools
 import numbers
 import os
+import re
 import socket
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ from ucp_store import config, names
 from ucp_store._killpoints import killpoint
 from ucp_store.catalog import models as m
 from ucp_store.catalog.db import open_catalog
-from ucp_store.catalog.query import read_only_query
+from ucp_store.catalog.query import DEFAULT_QUERY_TIMEOUT_S, read_only_query
 from ucp_store.errors import (
     CatalogError,
     ConfigurationError,
@@ -46,6 +47,7 @@ from ucp_store.errors import (
     WriterClosedError,
 )
 from ucp_store.io.location import ARRAYS_DIR, Location
+from ucp_store.registry import identity
 from ucp_store.registry.context import ArrayContexts, StoreContext, did_you_mean, run_names
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -126,6 +128,18 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
     return store
 
 
+def _step_number(ref: str, step: str) -> int:
+    """The step a reference ``RUN@STEP`` names: ASCII digits only, written canonically (no sign, no
+    underscore, no other script's digits, no leading zero), so one step has one spelling."""
+    if not re.fullmatch(r"0|[1-9][0-9]*", step):
+        hint = ""
+        if re.fullmatch(r"0[0-9]+", step):
+            hint = f" (write {step.lstrip('0') or '0'})"
+        raise ReferenceNotFound(f"reference {ref!r}: step {step!r} is not 'latest' or an integer in ASCII digits "
+                                f"(no sign, underscore or leading zero){hint}")
+    return int(step)
+
+
 # what a setting a store's catalog does not record means: a store created before the chunk target was
 # recorded at creation wrote 1 MiB inner chunks
 _UNRECORDED: dict[str, Any] = {"compression": "none", "chunk_target_bytes": 1 << 20, "format_version": FORMAT_VERSION}
@@ -199,6 +213,8 @@ class Store:
             stored = {**_UNRECORDED, **rows}
             if new:
                 wanted.setdefault("chunk_target_bytes", DEFAULT_TARGET)  # recorded: later defaults may change
+                # the store's identity: at the location first, then in this transaction (registry/identity.py)
+                stored[identity.SETTING_KEY] = identity.record_new(self.location, self.catalog, s)
             else:
                 for key, value in wanted.items():
                     if key != "format_version" and stored[key] != value:
@@ -207,7 +223,15 @@ class Store:
                 if key not in rows:
                     s.add(m.Setting(key=key, value=value))
         self.settings = {**stored, **wanted} if new else stored
+        if not new:
+            self._owned()  # an existing store: its catalog and location must be one store's (ids adopted)
         return new
+
+    def _owned(self, *, adopt: bool = True) -> None:
+        """Refuse a catalog and a location that are not one store's, before anything is written or deleted
+        (``registry/identity.py``); ``adopt``: record a missing id. A detached rank has no catalog to ask."""
+        if not getattr(self, "detached", False):
+            identity.ensure_owned(self.location, self.catalog, adopt=adopt)
 
     def _setting_conflict(self, key: str, stored: Any, requested: Any) -> str:
         option = {"compression": "--compression", "chunk_target_bytes": "--chunk-mib"}.get(key, key)
@@ -275,11 +299,7 @@ class Store:
                 if step == "latest":
                     cid = s.scalar(q.order_by(m.Checkpoint.step.desc()).limit(1))
                 else:
-                    try:
-                        number = int(step)
-                    except ValueError:
-                        raise ReferenceNotFound(f"reference {ref!r}: step {step!r} is not an integer or 'latest'") \
-                            from None
+                    number = _step_number(ref, step)
                     if not 0 <= number < 2**63:  # a step the catalog's 64-bit column cannot hold names nothing
                         raise ReferenceNotFound(f"reference {ref!r}: step {step} is out of range (0 to 2^63-1)")
                     cid = s.scalar(q.where(m.Checkpoint.step == number))
@@ -300,11 +320,16 @@ class Store:
             ck = s.get(m.Checkpoint, ref)
             if ck is not None and ck.status == "committed":
                 return ck.id
-            ids = list(s.scalars(select(m.Checkpoint.id).where(committed).where(m.Checkpoint.id.startswith(ref))))
+            # an id prefix is matched literally: '%' and '_' are no wildcards (autoescape)
+            ids = list(s.scalars(select(m.Checkpoint.id).where(committed).where(
+                m.Checkpoint.id.startswith(ref, autoescape=True)).order_by(m.Checkpoint.id).limit(6)))
             if len(ids) == 1:
                 return ids[0]
             if len(ids) > 1:
-                raise ReferenceNotFound(f"reference {ref!r} is an ambiguous id prefix: {', '.join(ids[:5])}")
+                more = ", ..." if len(ids) > 5 else ""
+                raise ReferenceNotFound(f"reference {ref!r} is an ambiguous id prefix of {len(ids)}"
+                                        f"{'+' if more else ''} versions: {', '.join(ids[:5])}{more}; give more of "
+                                        "the id")
             candidates = [f"{r}@{st}" for r, st in s.execute(
                 select(m.Run.name, m.Checkpoint.step).join(m.Checkpoint.run).where(committed))]
             candidates += self._run_names(s)
@@ -325,6 +350,7 @@ class Store:
         None as the run's setting (:meth:`set_run_delta`)."""
         names.run_name(run)
         _check_delta_mode(delta)
+        self._owned()
         if not isinstance(step, numbers.Integral) or isinstance(step, bool) or not 0 <= step < 2**63:
             raise ValidationError(f"step must be an integer from 0 to 2^63-1, got {step!r}")
         prov = self._provenance_record(provenance)
@@ -384,6 +410,7 @@ class Store:
 
     def join(self, checkpoint_id: str) -> "CheckpointWriter":
         """Attach another process (e.g. a torch.distributed rank) to a pending checkpoint."""
+        self._owned()
         with self.catalog.session() as s:
             ck = s.get(m.Checkpoint, checkpoint_id)
             if ck is None or ck.status != "pending":
@@ -429,6 +456,7 @@ class Store:
     def tag(self, ref: str, tag: str, *, force: bool = False) -> str:
         names.tag_name(tag)
         cid = self.resolve(ref)
+        self._owned()
         # Two writers may tag the same name at once: on PostgreSQL both see no row and the second
         # insert hits the unique (run, name) constraint. One more pass then sees the winner's row
         # and answers as if it had been there (same checkpoint: done; another: TagInUseError).
@@ -451,6 +479,7 @@ class Store:
         return cid
 
     def untag(self, run: str, tag: str) -> None:
+        self._owned()
         with self.catalog.write_session() as s:
             row = s.scalar(select(m.Tag).join(m.Run).where(m.Run.name == run, m.Tag.name == tag))
             if row is None:
@@ -460,6 +489,7 @@ class Store:
     def rm(self, ref: str, *, force: bool = False) -> str:
         """Remove a committed version from the catalog; its arrays go when nothing else needs them."""
         cid = self.resolve(ref)
+        self._owned()
         self.location.check_walkable(ARRAYS_DIR)  # before the row goes: a sweep through a link is refused
         with self.catalog.write_session() as s:
             tags = list(s.scalars(select(m.Tag.name).where(m.Tag.checkpoint_id == cid)))
@@ -477,6 +507,7 @@ class Store:
         """Store the run's retention policy (no ``keep_*``: clear it); returns the stored record."""
         from ucp_store.registry.retention import RetentionPolicy, set_retention
 
+        self._owned()
         return set_retention(self.store_context, run, RetentionPolicy(keep_last, keep_every, keep_tagged))
 
     def retention_victims(self, run: str | None = None, *, keep_last: int | None = None,
@@ -501,9 +532,10 @@ class Store:
         return sweep_arrays(self.store_context, dry_run=dry_run, also=also)
 
     # --- queries ----------------------------------------------------------------------------------
-    def query(self, sql: str) -> tuple[list[str], list[tuple]]:
-        """Run read-only SQL against the catalog (SQLite: query_only; PostgreSQL: READ ONLY transaction)."""
-        return read_only_query(self.catalog.engine, sql)
+    def query(self, sql: str, *, timeout: float = DEFAULT_QUERY_TIMEOUT_S) -> tuple[list[str], list[tuple]]:
+        """Run one read-only SQL statement against the catalog (SQLite: query_only and an authorizer;
+        PostgreSQL: a READ ONLY transaction the text cannot leave), stopped after ``timeout`` seconds."""
+        return read_only_query(self.catalog.engine, sql, timeout=timeout)
 
     def safety(self, ref: str) -> str:
         """A version's safety level (issue 38, ``ucp_store.tiers``): ``local`` (on the saving nodes' fast tiers),

@@ -27,6 +27,11 @@ def cmd_gc(args: Any) -> int:
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {len(report.removed_checkpoints)} version(s), {len(report.removed_pending)} unfinished "
               f"save(s), {report.removed_arrays} array(s), {fmt_bytes(report.freed_bytes)}")
+    if report.left:  # what gc cannot tie to this catalog: said on stderr (also with --json), never deleted
+        shown = ", ".join(report.left[:5]) + (f" and {len(report.left) - 5} more" if len(report.left) > 5 else "")
+        print(f"ucp gc: left {len(report.left)} entr{'y' if len(report.left) == 1 else 'ies'} under "
+              f"{store.location.display('arrays')} that this catalog does not own (not deleted): {shown}",
+              file=sys.stderr)
     if getattr(args, "fast_tier", None):
         _gc_fast(store, args)
     return EXIT_OK
@@ -78,17 +83,10 @@ def cmd_db(args: Any) -> int:
         before, after = db.upgrade(location.catalog_url)
         print(f"catalog {db.display_url(location.catalog_url)}: {before or 'empty'} -> {after}")
         return EXIT_OK
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(location.catalog_url)
-    try:
-        with engine.connect() as conn:
-            rev = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
-    except Exception as exc:  # no catalog, or no alembic_version table
-        raise UcpError(f"catalog {db.display_url(location.catalog_url)} has no schema revision: "
-                       f"{str(exc).splitlines()[0]}") from None
-    finally:
-        engine.dispose()
+    rev = db.revision_at(location.catalog_url)
+    if rev is None:
+        raise UcpError(f"catalog {db.display_url(location.catalog_url)} has no schema revision (not a ucp catalog, "
+                       "or not created yet: `ucp init`)")
     state = "up to date" if rev == db.head_revision() else (
         "older: run `ucp db upgrade`" if rev in db.known_revisions() else "newer than this ucp_store")
     print(f"catalog {db.display_url(location.catalog_url)}: revision {rev}, code knows {db.head_revision()} ({state})")

@@ -155,7 +155,7 @@ def cmd_rm(args: Any) -> int:
 
 def cmd_query(args: Any) -> int:
     """Read-only SQL against the catalog."""
-    cols, rows = open_from_args(args).query(args.sql)
+    cols, rows = open_from_args(args).query(args.sql, timeout=args.timeout)
     if args.json:
         print_json([dict(zip(cols, r)) for r in rows])
     else:
@@ -191,7 +191,11 @@ def _rm_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _query_args(sp: argparse.ArgumentParser) -> None:
+    from ucp_store.catalog.query import DEFAULT_QUERY_TIMEOUT_S
+
     sp.add_argument("sql")
+    sp.add_argument("--timeout", type=float, default=DEFAULT_QUERY_TIMEOUT_S, metavar="SECONDS",
+                    help=f"stop the query after this many seconds (default {DEFAULT_QUERY_TIMEOUT_S:g})")
 
 
 COMMANDS = {

@@ -171,9 +171,10 @@ class TensorHandle:
 
     def read_numpy(self, index: Any = ()) -> np.ndarray:
         box, residual = _normalize_index(index, self.info.shape, self.what)
-        handle = self._local or self.ts()
-        data = self._read_local(box) if self._local is not None else fmt.read_box(
-            handle, self.layout, box, what=self.what, array_url=self.array_url)
+        with self.checkpoint.reading():
+            handle = self._local or self.ts()
+            data = self._read_local(box) if self._local is not None else fmt.read_box(
+                handle, self.layout, box, what=self.what, array_url=self.array_url)
         # an all-integer index yields a numpy scalar; keep it a 0-d array (np.array(copy=False) refuses scalars)
         return np.asarray(data[residual]) if residual else data
 
@@ -343,8 +344,43 @@ class Checkpoint:
     def _load_infos(self) -> dict[tuple[str, str], TensorInfo]:
         if self._infos is None:
             with gc_paused():
-                self._infos = {(i.name, i.state): i for i in self._fetch_infos()}
+                infos = {(i.name, i.state): i for i in self._fetch_infos()}
+            if not infos:  # no rows: a version without tensors, or one removed since it was opened
+                self.check_present()
+            self._infos = infos
         return self._infos
+
+    # --- a version removed after it was opened ----------------------------------------------------
+    def removed(self) -> bool:
+        """Whether this version is no longer a committed version of the catalog (``rm`` or ``gc`` removed it
+        after it was opened). False where no catalog can be asked (a detached rank)."""
+        if getattr(self.store, "detached", False):
+            return False
+        try:
+            with self.store.catalog.session() as s:
+                return s.scalar(select(m.Checkpoint.status).where(m.Checkpoint.id == self.id)) != "committed"
+        except Exception:  # noqa: BLE001 (no catalog to ask: the original error stands)
+            return False
+
+    def removed_error(self) -> ReferenceNotFound:
+        return ReferenceNotFound(f"version {self.run}@{self.step} ({self.id}) was removed after it was opened (ucp rm "
+                                 "or gc): it can no longer be read or verified")
+
+    def check_present(self) -> None:
+        """Raise :meth:`removed_error` when the version was removed after it was opened."""
+        if self.removed():
+            raise self.removed_error()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """A read or check of this version: a failure of it (a missing or unreadable file) becomes "the version
+        was removed" when that is what happened, instead of a report of corrupt data."""
+        try:
+            yield
+        except UcpError:
+            if self.removed():
+                raise self.removed_error() from None
+            raise
 
     def _fetch_infos(self, layers: range | None = None, layer_limit: int | None = None) -> list[TensorInfo]:
         """Tensor rows in saved order; with ``layers``, only rows on those layers or on none (plus any on a
@@ -474,7 +510,8 @@ class Checkpoint:
             return {i.name: self.tensor(i.name, i.state) for i in infos}
         from ucp_store.io.read import read_tensors
 
-        got = read_tensors(self, infos)
+        with self.reading():
+            got = read_tensors(self, infos)
         return {i.name: got[(i.name, i.state)] for i in infos}
 
     # --- objects --------------------------------------------------------------------------------
@@ -529,9 +566,11 @@ class Checkpoint:
                 for i in track(infos, "stats", enabled=progress, total=len(infos))]
 
     def verify(self, *, progress: bool = False) -> list[dict]:
-        """Decode every chunk (crc32c) and recompute every content hash; returns the problems."""
+        """Decode every chunk (crc32c) and recompute every content hash; returns the problems. A version
+        removed after it was opened raises ReferenceNotFound saying so (it has no rows, then no files)."""
         from ucp_store.progress import track
 
+        self.check_present()
         problems: list[dict[str, Any]] = []
         arrays: dict[str, list[TensorInfo]] = {}
         for info in self.tensors():
@@ -571,13 +610,16 @@ class Checkpoint:
                     if report.content_hash != info.content_hash:
                         problems.append({"array": url, "tensor": info.name, "state": info.state, "chunk": None,
                                          "error": f"content hash {report.content_hash} != catalog {info.content_hash}"})
+        if problems:  # files gone because the version was removed meanwhile: say that, not "corrupt"
+            self.check_present()
         return problems
 
     def load_shard(self, topology, rank: int, *, states: Iterable[str] | None = None, dtype=None, lazy: bool = False):
         """Tensors rank ``rank`` of ``topology`` needs, read through the planner (see ucp_store/io/read.py)."""
         from ucp_store.io.read import load_shard
 
-        return load_shard(self, topology, rank, states=states, dtype=dtype, lazy=lazy)
+        with self.reading():
+            return load_shard(self, topology, rank, states=states, dtype=dtype, lazy=lazy)
 
 
 def diff(a: Checkpoint, b: Checkpoint, *, progress: bool = False) -> list[dict]:
