@@ -97,11 +97,12 @@ def _pulls(spec, rank, versions) -> list[dict]:
     held = {k: _cut(versions[0][k], boxes[k]).clone() for k in SHAPES}
     records = []
     for have, want in ((0, 1), (1, 2), (2, 5), (5, 4)):
-        res = pull(spec["store"], f"pub@{have}", f"pub@{want}", held, boxes=boxes)
+        res = pull(spec["store"], f"pub@{have}", f"pub@{want}", held, boxes=boxes, verify=True)
         exact = all(torch.equal(held[k].view(torch.int16), _cut(versions[want][k], boxes[k]).view(torch.int16))
                     for k in SHAPES)
         rec = {"have": have, "want": want, "exact": exact, "kinds": {t.label: t.kind for t in res.tensors},
                "bytes": {t.label: t.bytes_read for t in res.tensors},
+               "verified": {t.label: t.verified for t in res.tensors},
                "delta_bytes": {t.label: t.delta_bytes for t in res.tensors}}
         if st is not None:  # for both ranks' boxes (rank 0 alone has the catalog)
             rec["independent"] = [{k: _independent(st, f"pub@{have}", f"pub@{want}", k,

@@ -241,3 +241,35 @@ def test_pull_without_deltas_reads_the_new_values(tmp_path):
     res = pull(st, "p@0", "p@1", held, verify=True)
     assert res.tensors[0].kind == "full" and torch.equal(held["a"], a0 * 2)
     assert np.isclose(res.bytes_read, a0.numel() * 4, rtol=0.1)
+
+
+def test_one_process_publisher_xors_against_what_it_published(tmp_path, monkeypatch):
+    """``distributed.save(delta="auto")`` without a process group: version N is a delta of N-1, its base values
+    taken from this process's memory of its last publish; after ``forget_published`` from the store."""
+    import ucp_store.distributed as ucpd
+    from ucp_store.distributed import coord, publish
+
+    reads = []
+    real = coord.detached_checkpoint
+    monkeypatch.setattr(coord, "detached_checkpoint", lambda *a, **k: reads.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(SHAPE, generator=gen).to(torch.bfloat16)
+    root = str(tmp_path / "s")
+    vals = []
+    for step in range(4):
+        if step == 3:
+            publish.forget_published()
+        before = len(reads)
+        ucpd.save({"model": {"w": w}}, store=root, run="d", step=step, delta="auto", progress=False)
+        vals.append(w.clone())
+        if step in (1, 2):
+            assert len(reads) == before, step  # the base came from memory
+        if step == 3:
+            assert len(reads) == before + 1  # read back from the store
+        w = _changed(w, [10 * step + 1], gen)
+    st = ucp_store.open_store(root)
+    assert [st.checkpoint(f"d@{s}").info("w", "weight").encoding for s in range(4)] == ["plain", "xor", "xor", "xor"]
+    assert all(st.checkpoint(f"d@{s}").verify() == [] for s in range(4))
+    held = {"w": vals[0].clone()}
+    res = pull(st, "d@0", "d@3", held, verify=True)
+    assert _bits_equal(held["w"], vals[3]) and res.tensors[0].kind == "delta"

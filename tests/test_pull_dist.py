@@ -36,6 +36,9 @@ def test_publish_and_pull_on_two_ranks(tmp_path):
         assert res["kept_in_memory"][0] > 0, res["kept_in_memory"]
         for rec in res["pulls"]:
             assert rec["exact"], (rank, rec)
+            # the ranks' boxes, digested where they are and merged on rank 0, hash to the version's content hash;
+            # column halves of 'c' cut every unit of its hash (rows of 1 KiB), so no rank can vouch for one: None
+            assert rec["verified"] == {"a": True, "c": None, "n": True}, (rank, rec["verified"])
             hop = (rec["have"], rec["want"])
             kinds = set(rec["kinds"].values())
             assert kinds == ({"full"} if hop == (2, 5) else {"delta"}), (rank, hop, rec["kinds"])

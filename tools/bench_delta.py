@@ -121,6 +121,46 @@ def changed_elements(prev: dict, cur: dict) -> tuple[int, int]:
     return diff, total
 
 
+def state_figures(store, ck_id: str, prev: dict, cur: dict) -> dict:
+    """Per state: the fraction of elements changed, how many tensor-states auto stored as deltas, and the size a
+    delta of the largest tensor-state would take without the policy's bound (why auto stores it full or not)."""
+    from ucp_store.io import delta as dl
+    from ucp_store.io import deltaio
+    from ucp_store.io import format as fmt
+
+    ck = store.checkpoint(ck_id)
+    out: dict[str, dict] = {}
+    for info in ck.tensors():
+        f = out.setdefault(info.state, {"changed": 0, "numel": 0, "xor": 0, "tensors": 0, "largest": None})
+        key = f"{info.name}|{info.state}"
+        a, b = prev[key], cur[key]
+        size = b.element_size()
+        f["changed"] += int((a.contiguous().view(torch.uint8).view(-1, size)
+                             != b.contiguous().view(torch.uint8).view(-1, size)).any(dim=1).sum())
+        f["numel"] += b.numel()
+        f["xor"] += info.encoding == "xor"
+        f["tensors"] += 1
+        # the largest tensor-state stored full (or the largest at all): its unbounded delta says why
+        rank = (info.encoding != "xor", b.numel())
+        if f["largest"] is None or rank > f["largest"][0]:
+            f["largest"] = (rank, key, info)
+    for f in out.values():
+        _rank, key, info = f.pop("largest")
+        layout = deltaio.delta_layout(fmt.ArrayLayout.from_catalog(info.dtype, info.shape, info.chunk_shape,
+                                                                   info.shard_shape, []), "zstd")
+        bits = dl.xor(dtypes_numpy(cur[key]), dtypes_numpy(prev[key]))
+        enc = deltaio.encode_delta(layout, bits, None)
+        f["changed_frac"] = f.pop("changed") / f.pop("numel")
+        f["largest_delta_over_full"] = (enc.nbytes / layout.nbytes) if enc is not None else None
+    return out
+
+
+def dtypes_numpy(t: torch.Tensor) -> np.ndarray:
+    from ucp_store import dtypes
+
+    return dtypes.to_numpy(t.contiguous(), what="bench")
+
+
 def safetensors_bytes(model, tmp: str) -> int:
     folder = os.path.join(tmp, "hf")
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
@@ -169,10 +209,11 @@ def train(args, lr: float, store, runs: dict[str, str], tmp: str) -> dict[str, l
                 d, n = changed_elements(prev[kind], flat)
                 row["changed_frac"] = d / n
                 row["floor"] = row["changed_frac"] * row["full"]
+                row["states"] = state_figures(store, ck, prev[kind], flat)
             prev[kind] = flat
             out[kind].append(row)
         if step:
-            print(f"  lr {lr:g} step {step}: loss {float(loss):.3f}", file=sys.stderr)
+            print(f"  lr {lr:g} step {step}: loss {float(loss.detach()):.3f}", file=sys.stderr)
     return out
 
 
@@ -188,6 +229,12 @@ def _full_load(ck, names: list[str], rank: int) -> dict[str, torch.Tensor]:
 def pull_figures(store, run: str, steps: list[int], hops: int) -> list[dict]:
     """A TP=2 puller at M (each rank's boxes loaded) moving to M+hops; per rank: bytes and times."""
     rows = []
+    if steps:  # one untimed pull first: imports and the catalog's first queries are not a pull's cost
+        ck = store.checkpoint(f"{run}@{steps[0] + hops}")
+        names = [i.name for i in ck.tensors(state="weight")]
+        pull(store, f"{run}@{steps[0]}", f"{run}@{steps[0] + hops}", _full_load(store.checkpoint(f"{run}@{steps[0]}"),
+                                                                                names, 0),
+             boxes={n: tp_box(n, ck.info(n, "weight").shape, 0) for n in names})
     for m_step in steps:
         n_step = m_step + hops
         ck_m, ck_n = store.checkpoint(f"{run}@{m_step}"), store.checkpoint(f"{run}@{n_step}")
@@ -234,6 +281,9 @@ def summarize(name: str, rows: list[dict], hf_bytes: int | None) -> dict:
 
 
 def pull_summary(rows: list[dict]) -> dict:
+    if not rows:
+        return {}
+
     def mean(k):
         return float(np.mean([r[k] for r in rows])) if rows else None
 
@@ -305,6 +355,12 @@ def print_report(r: dict) -> None:
         return f"{100 * s[k]:.2f}%" if s.get(k) is not None else "-"
 
     for s in r["sequences"]:
+        states = [row.get("states") for row in s["rows"] if row.get("states")]
+        for st in sorted(states[-1]) if states else []:
+            f = states[-1][st]
+            trial = 100 * (f['largest_delta_over_full'] or 0)
+            print(f"    {s['sequence']} [{st}]: {100 * f['changed_frac']:.2f}% changed, {f['xor']}/{f['tensors']} "
+                  f"stored as deltas; the largest full one's delta would be {trial:.1f}% of its full size")
         print(f"{s['sequence']:<10} {s['lr']:>7.0e} {pct(s, 'changed_frac_mean'):>8} "
               f"{pct(s, 'floor_over_full_mean'):>7} "
               f"{pct(s, 'stored_over_full_mean'):>12} {pct(s, 'stored_over_full_max'):>6} "
@@ -313,6 +369,8 @@ def print_report(r: dict) -> None:
     print(f"{'pull':<10} {'hops':>4} {'read/delta':>10} {'read/box':>9} {'pull warm':>9} {'full warm':>9} "
           f"{'x':>5} {'pull cold':>9} {'full cold':>9} {'x':>5}")
     for p in r["pulls"]:
+        if not p["rows"]:
+            continue
         print(f"{p['run']:<10} {p['hops']:>4} {p['bytes_read_over_delta']:>10.3f} {p['bytes_read_over_box']:>9.4f} "
               f"{p['pull_warm_s']:>9.4f} {p['full_warm_s']:>9.4f} {p['speedup_warm']:>5.1f} "
               f"{p['pull_cold_s']:>9.4f} {p['full_cold_s']:>9.4f} {p['speedup_cold']:>5.1f}")

@@ -22,11 +22,12 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # pragma: no cover
     from ucp_store.errors import ReferenceNotFound, UcpError
     from ucp_store.io.read import load_shard
+    from ucp_store.puller import pull
     from ucp_store.registry.checkpoint import Checkpoint
     from ucp_store.store import Store, open_store
     from ucp_store.topology import Topology
 
-__all__ = ["Store", "open_store", "Checkpoint", "Topology", "load_shard", "UcpError", "ReferenceNotFound",
+__all__ = ["Store", "open_store", "Checkpoint", "Topology", "load_shard", "UcpError", "ReferenceNotFound", "pull",
            "__version__"]
 
 # public name -> the module that defines it (imported on first access)
@@ -34,6 +35,7 @@ _LAZY = {
     "Store": "store", "open_store": "store", "Checkpoint": "registry.checkpoint", "Topology": "topology",
     "load_shard": "io.read", "UcpError": "errors", "ReferenceNotFound": "errors",
     "UcpStorageWriter": "formats.dcp.storage", "UcpStorageReader": "formats.dcp.storage",
+    "pull": "puller",
 }
 
 

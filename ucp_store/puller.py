@@ -17,7 +17,7 @@ from ucp_store.errors import ValidationError
 from ucp_store.geometry import Box
 from ucp_store.registry.pull import PullResult, PullTarget, apply_pull, plan_pull
 
-__all__ = ["pull", "resolve_targets", "as_box", "dtensor_targets"]
+__all__ = ["pull", "resolve_targets", "as_box", "dtensor_targets", "verify_boxes"]
 
 
 def as_box(value: Any, what: str) -> Box:
@@ -130,7 +130,8 @@ def pull(store, have: str | None, want: str, tensors: Mapping[str, Any], *, boxe
     stored dtype, on any device) to version ``want`` in place, reading only the delta chunks that intersect
     each box (or ``want``'s values where a keyframe lies between). ``store``: a ``Store`` or its path/URL.
     ``name_map`` (a shipped map's name, a file, a dict) and ``config`` (the HF ``config.json`` values it
-    needs): keys are HF names. ``verify``: each whole tensor's content hash checked against ``want``'s.
+    needs): keys are HF names. ``verify``: each whole tensor's content hash checked against ``want``'s (across
+    ranks: their boxes' digests merged, ``verify_boxes``).
     DTensor values stand for their local shards' boxes. Under ``torch.distributed`` with several ranks in
     ``group`` (every rank calls it), group rank 0 alone opens the catalog and plans (``store`` is a path or URL
     there; other ranks may pass the same) and broadcasts the plan; each rank reads its own boxes.
@@ -177,4 +178,48 @@ def _pull_ranks(store, have, want, chosen, boxes, *, state, name_map, config, ve
 
         routes = {(r["name"], r["state"]): TensorRoute.from_json(r) for r in answer["routes"]}
     targets = resolve_targets(ck, chosen, boxes=boxes, state=state, name_map=name_map, config=config)
-    return apply_pull(st.location, routes, targets, have=str(have), want=want, verify=verify)
+    result = apply_pull(st.location, routes, targets, have=str(have), want=want, verify=False)
+    if verify:
+        verify_boxes(routes, targets, result, control, f"pull {have} -> {want}")
+    return result
+
+
+def verify_boxes(routes: Mapping, targets: Sequence[PullTarget], result: PullResult, control, what: str) -> None:
+    """A collective: every rank digests the units of the content hash wholly inside its boxes (from memory), the
+    coordinator merges them per tensor-state and compares the hash with the version's; each target gets
+    ``verified`` True/False (None where some unit lay in no rank's box whole, e.g. uneven splits). A mismatch
+    raises ``ChecksumError`` on every rank."""
+    from ucp_store import dtypes
+    from ucp_store.distributed.commit import agree
+    from ucp_store.errors import ChecksumError
+    from ucp_store.io import format as fmt
+
+    mine: dict[str, dict] = {}
+    for tg in targets:
+        tr = routes[(tg.name, tg.state)]
+        digests: dict = {}
+        box = tg.box or Box.full(tr.shape)
+        fmt.box_unit_digests(tr.dtype, tr.shape, box.start, dtypes.to_numpy(tg.tensor.detach().cpu(), what=tg.label),
+                             digests)
+        got = mine.setdefault(f"{tg.name}\0{tg.state}", {})
+        got.update({str(u): d.hex() for u, d in digests.items()})
+
+    def decide(everyone: list) -> dict:
+        merged: dict[str, dict] = {}
+        for part in everyone:
+            for k, d in part.items():
+                merged.setdefault(k, {}).update(d)
+        out: dict[str, bool | None] = {}
+        for k, d in merged.items():
+            tr = routes[tuple(k.split("\0", 1))]
+            h = fmt.units_hash(tr.dtype, tr.shape, {int(u): bytes.fromhex(v) for u, v in d.items()})
+            out[k] = None if h is None else h == tr.content_hash
+        return out
+
+    verdict = agree(mine, decide, control)
+    for t, tg in zip(result.tensors, targets):
+        t.verified = verdict.get(f"{tg.name}\0{tg.state}")
+    bad = sorted({k.replace("\0", " [") + "]" for k, v in verdict.items() if v is False})
+    if bad:
+        raise ChecksumError(f"{what}: after the pull, the ranks' boxes of {', '.join(bad[:5])} do not hash to the "
+                            "version's content hash (did every rank hold the version it pulled from?)")

@@ -169,6 +169,51 @@ class ChunkReader:
         off, nb = self.index(shard)[slot]
         return 0 if int(off) == dl.MISSING else int(nb)
 
+    def chunks(self, shard: tuple[int, ...], wanted: Sequence[tuple[int, Sequence[int]]]
+               ) -> list[tuple[np.ndarray | None, int]]:
+        """``[(decoded chunk or None, stored bytes)]`` for ``wanted`` (``(slot, grid index)`` of one shard file),
+        chunks adjacent in the file fetched in one read (unchanged chunks are not stored, so the changed chunks
+        of a box are mostly one run): exactly their bytes, each crc-checked and decoded as :meth:`chunk`."""
+        entries = self.index(shard)
+        key = self._key(shard)
+        items = []
+        for slot, index in wanted:
+            off, nb = int(entries[slot, 0]), int(entries[slot, 1])
+            if off != dl.MISSING and nb < 4:
+                raise ChecksumError(f"{self.what}: chunk {list(index)} (shard file {key}): index entry of {nb} bytes "
+                                    "is too short (Invalid shard index)")
+            items.append((off, nb, index))
+        out: list[tuple[np.ndarray | None, int]] = [(None, 0)] * len(items)
+        stored = sorted((off, nb, i) for i, (off, nb, _) in enumerate(items) if off != dl.MISSING)
+        run: list[tuple[int, int, int]] = []
+        for item in stored + [(-1, 0, -1)]:
+            if run and item[0] != run[-1][0] + run[-1][1]:
+                start = run[0][0]
+                data = memoryview(self._read_range(key, start, run[-1][0] + run[-1][1] - start))
+                for off, nb, i in run:
+                    out[i] = (self._decode(data[off - start:off - start + nb], items[i][2], key), nb)
+                with self._lock:
+                    self.chunks_read += len(run)
+                run = []
+            if item[2] >= 0:
+                run.append(item)
+        return out
+
+    def _decode(self, data: memoryview, index: Sequence[int], key: str) -> np.ndarray:
+        where = f"{self.what}: chunk {list(index)} (shard file {key})"
+        body = data[:-4]
+        if crc.value(body) != int.from_bytes(data[-4:], "little"):
+            raise ChecksumError(f"{where}: crc32c checksum mismatch")
+        raw: Any = body
+        if self.decode is not None:
+            try:
+                raw = self.decode(bytes(body), self.chunk_nbytes)
+            except Exception as exc:  # noqa: BLE001 - any decoder failure is a corrupt chunk
+                raise ChecksumError(f"{where}: does not decode: {exc}") from None
+        if len(raw) != self.chunk_nbytes:
+            raise ChecksumError(f"{where}: {len(raw)} bytes decoded, expected {self.chunk_nbytes}")
+        return np.frombuffer(raw, self.np_dtype).reshape(self.chunk_shape)
+
     def chunk(self, shard: tuple[int, ...], slot: int, index: Sequence[int] = ()) -> np.ndarray | None:
         """The decoded inner chunk at ``slot`` of ``shard`` (shape ``chunk_shape``, a read-only view), or None
         when it is not stored. A crc32c mismatch or a chunk that does not decode is a ``ChecksumError`` naming
@@ -184,15 +229,4 @@ class ChunkReader:
         data = self._read_range(key, off, nb)
         with self._lock:
             self.chunks_read += 1
-        body = memoryview(data)[:-4]
-        if crc.value(body) != int.from_bytes(data[-4:], "little"):
-            raise ChecksumError(f"{where}: crc32c checksum mismatch")
-        raw: Any = body
-        if self.decode is not None:
-            try:
-                raw = self.decode(bytes(body), self.chunk_nbytes)
-            except Exception as exc:  # noqa: BLE001 - any decoder failure is a corrupt chunk
-                raise ChecksumError(f"{where}: does not decode: {exc}") from None
-        if len(raw) != self.chunk_nbytes:
-            raise ChecksumError(f"{where}: {len(raw)} bytes decoded, expected {self.chunk_nbytes}")
-        return np.frombuffer(raw, self.np_dtype).reshape(self.chunk_shape)
+        return self._decode(memoryview(data), index, key)

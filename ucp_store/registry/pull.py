@@ -263,24 +263,47 @@ def _stored_in(reader, cuts: Sequence[ChunkCut]) -> int:
     return sum(reader.stored(c.shard, c.slot) for c in cuts)
 
 
-def _run_chunk(reader, c: ChunkCut, dest: _Dest, mode: str) -> tuple[int, bool]:
-    """One cut: its chunk read, copied (``copy``: a full array stores every chunk) or XORed (``xor``) into
-    ``dest``; ``(bytes read, whether the box's values changed)``."""
-    chunk = reader.chunk(c.shard, c.slot, c.index)
-    if chunk is None:
+#: decoded bytes one pool task applies (chunks of one shard file, adjacent ones read at once)
+_BATCH_BYTES = 8 << 20
+
+
+def _run_batch(reader, shard: tuple[int, ...], cuts: Sequence[ChunkCut], dest: _Dest, mode: str
+               ) -> list[tuple[int, bool]]:
+    """Cuts of one shard file: their chunks read (adjacent ones in one read), copied (``copy``: a full array
+    stores every chunk) or XORed (``xor``) into ``dest``; per cut ``(bytes read, whether the box changed)``."""
+    got = reader.chunks(shard, [(c.slot, c.index) for c in cuts])
+    out = []
+    for c, (chunk, nbytes) in zip(cuts, got):
+        if chunk is None:
+            if mode == "copy":
+                raise ChecksumError(f"{reader.what}: chunk {list(c.index)} is missing (a full array stores every "
+                                    "chunk)")
+            out.append((0, False))
+            continue
+        part = chunk[c.src.slices()]
         if mode == "copy":
-            raise ChecksumError(f"{reader.what}: chunk {list(c.index)} is missing (a full array stores every chunk)")
-        return 0, False
-    nbytes = reader.stored(c.shard, c.slot)
-    part = chunk[c.src.slices()]
-    if mode == "copy":
-        dest.put(c.dst, part)
-        return nbytes, True
-    # a stored delta chunk holds a non-zero bit (zero chunks are never written), but maybe outside this box
-    if part.shape != chunk.shape and not delta.bits(part).any():
-        return nbytes, False
-    dest.xor(c.dst, part)
-    return nbytes, True
+            dest.put(c.dst, part)
+        # a stored delta chunk holds a non-zero bit (zero chunks are never written), but maybe outside this box
+        elif part.shape != chunk.shape and not delta.bits(part).any():
+            out.append((nbytes, False))
+            continue
+        else:
+            dest.xor(c.dst, part)
+        out.append((nbytes, True))
+    return out
+
+
+def _batches(reader, cuts: Sequence[ChunkCut]) -> list[tuple[tuple[int, ...], list[ChunkCut]]]:
+    """``cuts`` grouped per shard file, in slot order, at most ``_BATCH_BYTES`` decoded per group."""
+    per = max(1, _BATCH_BYTES // max(1, reader.chunk_nbytes))
+    by_shard: dict[tuple[int, ...], list[ChunkCut]] = {}
+    for c in cuts:
+        by_shard.setdefault(c.shard, []).append(c)
+    out = []
+    for shard, group in by_shard.items():
+        group.sort(key=lambda c: c.slot)
+        out += [(shard, group[i:i + per]) for i in range(0, len(group), per)]
+    return out
 
 
 @dataclass
@@ -342,12 +365,13 @@ def _execute(jobs: Sequence[_Job]) -> None:
         for j in jobs:
             if level < len(j.steps):
                 reader, cuts, mode = j.steps[level]
-                running += [(j, c, mode, pool.submit(_run_chunk, reader, c, j.dest, mode)) for c in cuts]
-        for j, c, mode, fut in running:
-            nbytes, changed = fut.result()
-            j.result.bytes_read += nbytes
-            if changed and (mode == "xor" or level == 0):
-                j.result.changed.append(c.index)
+                running += [(j, group, pool.submit(_run_batch, reader, shard, group, j.dest, mode))
+                            for shard, group in _batches(reader, cuts)]
+        for j, group, fut in running:
+            for c, (nbytes, changed) in zip(group, fut.result()):
+                j.result.bytes_read += nbytes
+                if changed:
+                    j.result.changed.append(c.index)
     for j in jobs:
         j.result.changed = sorted(set(j.result.changed))
 
