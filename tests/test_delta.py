@@ -339,3 +339,84 @@ def test_missing_delta_shard_file_is_an_error_not_unchanged(store, store_path, t
     with pytest.raises(ChecksumError, match="missing"):
         ck.read("w")
     assert ck.verify()
+
+
+# --- standard formats stay readable --------------------------------------------------------------------------------
+
+def _flat_tensors(obj, out=None):
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _flat_tensors(v, out)
+    return out
+
+
+def test_exports_of_a_delta_version_write_full_tensors(store, tmp_path):
+    """ucp export torch / hf / dcp / deepspeed-universal of a version whose every state is a delta (depth 2)
+    write the full tensors, bit for bit."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ucp_store.deepspeed.universal import export_universal
+    from ucp_store.formats.dcp.adapter import export_dcp
+    from ucp_store.formats.hf.adapter import export_hf
+    from ucp_store.formats.torch_file import export_torch_file
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    g = torch.Generator().manual_seed(0)
+    states = {"fp32": torch.randn(256, 128, generator=g), "exp_avg": torch.randn(256, 128, generator=g),
+              "exp_avg_sq": torch.rand(256, 128, generator=g), "weight": torch.randn(256, 128, generator=g).bfloat16()}
+    store.save("r", 0, {name: states})
+    for step in (1, 2):
+        states = {k: v.clone() for k, v in states.items()}
+        for v in states.values():
+            v.view(-1)[step::97] += 1
+        ck = store.save("r", step, {name: states}, delta="auto")
+    assert {i.state: i.depth for i in ck.tensors()} == {"fp32": 2, "exp_avg": 2, "exp_avg_sq": 2, "weight": 2}
+
+    export_torch_file(ck, str(tmp_path / "t.pt"), state="weight", progress=False)
+    assert _same(torch.load(tmp_path / "t.pt", weights_only=True)[name], states["weight"])
+
+    export_hf(ck, tmp_path / "hf", config={"model_type": "llama"}, progress=False)
+    assert _same(load_file(tmp_path / "hf" / "model.safetensors")[name], states["weight"])
+
+    export_dcp(ck, str(tmp_path / "dcp"), progress=False)
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "dcp.pt"))
+    got = _flat_tensors(torch.load(tmp_path / "dcp.pt", weights_only=True))
+    want = [states[s] for s in ("fp32", "exp_avg", "exp_avg_sq")]
+    assert len(got) == 3 and all(any(_same(t, w) for t in got) for w in want)
+
+    folder = export_universal(ck, tmp_path / "uni")
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        saved = torch.load(Path(folder) / "zero" / name / f"{state}.pt", weights_only=True)
+        assert _same(_flat_tensors(saved)[0], states[state])
+
+
+def test_show_and_ls_print_encoding_depth_and_stored_bytes(store, store_path, tiny_layout, ucp):
+    w = torch.randn(SHAPE)
+    store.save("r", 0, {"w": w, "b": torch.ones(3)})
+    w[0, 0] += 1
+    ck = store.save("r", 1, {"w": w, "b": torch.ones(3)}, delta="auto")
+    rc, out, _ = ucp("--store", store_path, "show", "r@1")
+    assert rc == 0
+    header = out.splitlines()[1].split()
+    assert header[-3:] == ["encoding", "depth", "array"]
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:4]}
+    assert rows["w"][-3:-1] == ["xor", "1"] and rows["b"][-3:-1] == ["plain", "0"]
+    rc, out, _ = ucp("--store", store_path, "show", "r@1", "--json")
+    tensors = {t["name"]: t for t in __import__("json").loads(out)["tensors"]}
+    assert tensors["w"]["encoding"] == "xor" and tensors["w"]["depth"] == 1
+    assert tensors["w"]["base"] == store.checkpoint("r@0").info("w").array
+    rc, out, _ = ucp("--store", store_path, "ls", "r", "--json")
+    rows = __import__("json").loads(out)
+    delta_bytes = store.query(f"SELECT stored_nbytes FROM arrays WHERE id = '{ck.info('w').array_id}'")[1][0][0]
+    assert rows[1]["stored_nbytes"] == delta_bytes < rows[1]["nbytes"] // 10  # b is r@0's array: not counted
+    assert rows[0]["stored_nbytes"] >= rows[0]["nbytes"]  # plain: the full array and its index
+    rc, out, _ = ucp("--store", store_path, "ls", "r")
+    assert out.splitlines()[0].split()[5:7] == ["bytes", "stored"]
+    rc, out, _ = ucp("--store", store_path, "delta", "r", "auto")
+    assert rc == 0 and "auto" in out and store.run_delta("r") == "auto"
+    rc, _, err = ucp("--store", store_path, "delta", "nope", "auto")
+    assert rc != 0 and "nope" in err

@@ -86,6 +86,9 @@ class TensorInfo:
             "array": array_url or self.array,
             "chunk_shape": list(self.chunk_shape),
             "content_hash": self.content_hash,
+            "encoding": self.encoding,
+            "depth": self.depth,
+            "base": self.bases[0].array if self.bases else None,
         }
 
 

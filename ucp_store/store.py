@@ -34,6 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from ucp_store import config, names
 from ucp_store._killpoints import killpoint
 from ucp_store.catalog import models as m
+from ucp_store.catalog.chains import stored_bytes
 from ucp_store.catalog.db import open_catalog
 from ucp_store.catalog.query import DEFAULT_QUERY_TIMEOUT_S, read_only_query
 from ucp_store.errors import (
@@ -269,6 +270,9 @@ class Store:
                             "created_at": ck.created_at.isoformat(), "parent": ck.parent_id,
                             "message": ck.message, "nbytes": ck.nbytes, "tags": tags.get(ck.id, []),
                             "safety": ck.safety or "durable"})
+            stored = stored_bytes(s, [r["id"] for r in out])  # what each version wrote (deltas: their size)
+            for r in out:
+                r["stored_nbytes"] = stored[r["id"]]
             if run is not None and not out and s.scalar(select(m.Run.id).where(m.Run.name == run)) is None:
                 raise ReferenceNotFound(f"run {run!r} not found{self._near(run, self._run_names(s))}")
             return out
@@ -407,6 +411,14 @@ class Store:
             if row is None:
                 raise ReferenceNotFound(f"run {run!r} not found{did_you_mean(run, run_names(s))}")
             row.delta = "auto" if mode == "auto" else None
+
+    def run_delta(self, run: str) -> str:
+        """The run's delta policy: ``"auto"`` or ``"off"``."""
+        with self.catalog.session() as s:
+            row = s.scalar(select(m.Run).where(m.Run.name == run))
+            if row is None:
+                raise ReferenceNotFound(f"run {run!r} not found{did_you_mean(run, run_names(s))}")
+            return row.delta or "off"
 
     def join(self, checkpoint_id: str) -> "CheckpointWriter":
         """Attach another process (e.g. a torch.distributed rank) to a pending checkpoint."""

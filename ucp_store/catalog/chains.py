@@ -18,7 +18,7 @@ from ucp_store.catalog import models as m
 from ucp_store.errors import CatalogError
 from ucp_store.records import ArrayRef
 
-__all__ = ["MAX_DEPTH", "base_chains", "chain_depth", "needed_arrays"]
+__all__ = ["MAX_DEPTH", "base_chains", "chain_depth", "needed_arrays", "stored_bytes"]
 
 #: the longest chain followed; the writer's keyframes keep chains far shorter (``config.delta_keyframe_every``)
 MAX_DEPTH = 1024
@@ -83,3 +83,24 @@ def needed_arrays(conn: Any, ids: Iterable[str]) -> set[str]:
         frontier = nxt - need
         need |= nxt
     return need
+
+
+def stored_bytes(conn: Any, checkpoint_ids: Iterable[str]) -> dict[str, int]:
+    """``{checkpoint id: bytes of the arrays that version wrote}`` (its own folder ``arrays/<id>/``: deltas at
+    their stored size, arrays deduplicated from earlier versions not counted; an array whose stored size is
+    not recorded counts its logical bytes). One grouped query per 500 versions."""
+    from sqlalchemy import func, literal
+
+    t, a = m.Tensor, m.Array
+    ids = sorted(set(checkpoint_ids))
+    out = dict.fromkeys(ids, 0)
+    for i in range(0, len(ids), 500):
+        own = (select(t.checkpoint_id.label("ck"), a.id.label("aid"),
+                      func.coalesce(a.stored_nbytes, a.nbytes).label("n"))
+               .join(a, t.array_id == a.id)
+               .where(t.checkpoint_id.in_(ids[i:i + 500]),
+                      a.path.like(literal("arrays/") + t.checkpoint_id + literal("/%")))
+               .distinct().subquery())
+        for ck, n in conn.execute(select(own.c.ck, func.sum(own.c.n)).group_by(own.c.ck)):
+            out[ck] = int(n or 0)
+    return out

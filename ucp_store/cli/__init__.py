@@ -33,7 +33,7 @@ __all__ = ["main", "build_parser", "COMMANDS", "EXIT_OK", "EXIT_FAIL"]
 
 #: every subcommand, in the order ``ucp --help`` lists them
 COMMANDS: dict[str, Command] = {}
-for _name in ("init", "ls", "show", "read", "stats", "diff", "tag", "rm", "gc", "retention", "verify", "log",
+for _name in ("init", "ls", "show", "read", "stats", "diff", "tag", "rm", "gc", "retention", "delta", "verify", "log",
               "query", "import", "export", "db", "plan", "demo"):
     for _group in (registry, maintenance, tensors, transfer, plan, demo):
         if _name in _group.COMMANDS:

@@ -12,7 +12,7 @@ from ucp_store.cli.common import EXIT_OK, Command, open_from_args
 from ucp_store.cli.output import fmt_bytes, print_json
 from ucp_store.errors import UcpError
 
-__all__ = ["COMMANDS", "cmd_gc", "cmd_retention", "cmd_db"]
+__all__ = ["COMMANDS", "cmd_gc", "cmd_retention", "cmd_db", "cmd_delta"]
 
 
 def cmd_gc(args: Any) -> int:
@@ -63,6 +63,22 @@ def cmd_retention(args: Any) -> int:
                                                keep_tagged=not args.no_keep_tagged)
     print(f"retention of {args.run}: {json.dumps(policy)} (applied by `ucp gc`)")
     return EXIT_OK
+
+
+def cmd_delta(args: Any) -> int:
+    """Set (or show) a run's delta policy: saves that pass no ``delta=`` store tensor-states as deltas of the
+    parent version where small enough (``auto``) or in full (``off``); imports follow it too."""
+    store = open_from_args(args)
+    if args.mode is not None:
+        store.set_run_delta(args.run, args.mode)
+    print(f"delta policy of {args.run}: {store.run_delta(args.run)}")
+    return EXIT_OK
+
+
+def _delta_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("run")
+    sp.add_argument("mode", nargs="?", choices=["auto", "off"], default=None,
+                    help="auto: deltas of the parent version where small enough; off: full arrays (none: show)")
 
 
 def _check_retention_flags(args: Any) -> None:
@@ -125,4 +141,6 @@ COMMANDS = {
     "retention": Command(cmd_retention, "store a run's retention policy (applied by gc)", _retention_args,
                          json_flag=False),
     "db": Command(cmd_db, "catalog schema: show the revision or upgrade it", _db_args, json_flag=False),
+    "delta": Command(cmd_delta, "set or show a run's delta policy (versions as deltas of their parent)", _delta_args,
+                     json_flag=False),
 }

@@ -45,9 +45,10 @@ def cmd_ls(args: Any) -> int:
     if args.json:
         print_json(rows)
     else:
-        table([[r["run"], r["step"], r["id"], r["status"], r["safety"], fmt_bytes(r["nbytes"]), ",".join(r["tags"]),
-                r["parent"], r["created_at"][:19], r["message"]] for r in rows],
-              ["run", "step", "id", "status", "safety", "bytes", "tags", "parent", "created", "message"])
+        table([[r["run"], r["step"], r["id"], r["status"], r["safety"], fmt_bytes(r["nbytes"]),
+                fmt_bytes(r["stored_nbytes"]), ",".join(r["tags"]), r["parent"], r["created_at"][:19], r["message"]]
+               for r in rows],
+              ["run", "step", "id", "status", "safety", "bytes", "stored", "tags", "parent", "created", "message"])
     return EXIT_OK
 
 
@@ -70,8 +71,9 @@ def cmd_show(args: Any) -> int:
           f"tags: {', '.join(ck.tags) or '-'}  "
           f"parent: {ck.parent or '-'}  source: {(ck.provenance or {}).get('source_kind')}")
     table([[t["name"], t["state"], "x".join(map(str, t["shape"])) or "()", t["dtype"],
-            (t["pattern"] or {}).get("kind", "-"), fmt_bytes(t["nbytes"]), t["array"]] for t in manifest["tensors"]],
-          ["name", "state", "shape", "dtype", "pattern", "bytes", "array"])
+            (t["pattern"] or {}).get("kind", "-"), fmt_bytes(t["nbytes"]), t["encoding"], t["depth"], t["array"]]
+           for t in manifest["tensors"]],
+          ["name", "state", "shape", "dtype", "pattern", "bytes", "encoding", "depth", "array"])
     from ucp_store.formats.dcp.cli import show_lines
 
     for line in show_lines(ck):
