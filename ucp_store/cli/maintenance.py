@@ -44,6 +44,7 @@ def _gc_fast(store, args: Any) -> None:
 
     node = node_name(args.node)
     root = fast_tier_root(args.fast_tier, node)
+    assert root is not None  # --fast-tier given
     fast = sweep_fast(store.catalog, root, node, dry_run=args.dry_run)
     if args.json:
         print_json({"fast_tier": fast.to_json()})

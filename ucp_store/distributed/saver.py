@@ -266,8 +266,8 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
                                      "fast tier, then replicated and drained; delta='off' only)")
         from ucp_store.distributed import tiered as tiered_save
 
-        return tiered_save.save(state_dict, store=store, run=run, step=step, message=message, parent=parent,
-                                group=group, progress=progress, create=create, mesh=mesh, **tiered)
+        return tiered_save.save(state_dict, write=write_plan, store=store, run=run, step=step, message=message,
+                                parent=parent, group=group, progress=progress, create=create, mesh=mesh, **tiered)
     check_mode(delta)
     wait()  # an async save in flight commits first
     ctx = Ctx(group)

@@ -51,6 +51,8 @@ __all__ = ["NodeMap", "TierSave", "TieredResult", "save", "replicate", "node_map
            "DEFAULT_FAST_KEEP"]
 
 DEFAULT_ROUND_BYTES = 256 << 20  # raw bytes one rank sends its partner per all_to_all round
+#: the timings of this process's last tiered save (``TieredResult.timings``; tools/bench_tier_save.py)
+LAST_TIMINGS: dict[str, float] = {}
 DEFAULT_FAST_KEEP = 2  # durable versions of a run whose fast copies are kept (the newest)
 _SKIP_SUFFIXES = (".part", ".__lock")
 
@@ -121,6 +123,7 @@ class TierSave:
     mine: list[ObjectInfo] = field(default_factory=list)
     everyone: dict[str, list[ObjectInfo]] = field(default_factory=dict)  # coordinator: node -> objects
     shares: list[list[ObjectInfo]] = field(default_factory=list)  # coordinator: each rank's share
+    timings: dict[str, float] = field(default_factory=dict)
 
     def location(self, catalog_url: str = "") -> Location:
         return Location(url=str(self.root), kind="file", root=str(self.root), catalog_url=catalog_url)
@@ -168,12 +171,15 @@ class TierSave:
         commit's transaction. Returns this rank's error (every rank learns of it in the rows gather)."""
         from ucp_store.distributed import coord
 
+        t0 = time.perf_counter()
         error = self._to_origins(writer, group, error)
+        self.timings["to_origins_s"] = time.perf_counter() - t0
         if error is None:
             try:
                 self.mine = self._describe_share()
             except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the rows gather
                 error = exc
+        self.timings["before_commit_s"] = time.perf_counter() - t0
         mine = {"node": self.node, "objects": [[o.key, o.nbytes, o.crc32c] for o in self.mine]}
         parts = coord.gather_bytes(coord.encode(mine), group)
         if parts is not None and error is None:
@@ -296,12 +302,16 @@ class TieredResult(str):
     _events: dict[str, threading.Event]
     _level: str
     error: BaseException | None
+    timings: dict[str, float]
 
     def __new__(cls, version: str):
         obj = super().__new__(cls, version)
         obj._events = {lvl: threading.Event() for lvl in ("local", "replicated", "durable")}
         obj._level = "local"
         obj.error = None
+        #: seconds from the call on this rank: ``before_commit_s`` (copies to origins, describing the share),
+        #: ``committed_s`` (listed ``local``), ``replicated_s``
+        obj.timings = {}
         return obj
 
     def reached(self, level: str) -> None:
@@ -422,7 +432,7 @@ def _write_arrived(tier: TierSave, descs: dict, arrived: list, written: list[Obj
                 pos += nbytes
                 if tobj.crc_hex(data) != crc:
                     raise UcpError(f"replica of {key} from rank {src}: crc32c {tobj.crc_hex(data)}, sent as {crc}")
-                written.append(tobj.write_object(tier.root, key, data))
+                written.append(tobj.write_object(tier.root, key, data, fsync=False))  # see "Tiers"
                 killpoint("tier.replicate")
     except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the agreement that follows
         return exc
@@ -588,17 +598,17 @@ def _durable_and_evict(s, tier: TierSave, objs: list[ObjectInfo]) -> dict:
 
 
 # --------------------------------------------------------------------------------- save
-def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
+def save(state_dict: dict, *, write: Any, store: Any = None, run: str, step: int, message: str | None = None,
          parent: str | None = "auto", group=None, progress: bool = True, create: bool = True, mesh=None,
          replicas: int = 1, node: str | None = None, fast_tier: str | None = None, fast_keep: int = DEFAULT_FAST_KEEP,
          round_bytes: int = DEFAULT_ROUND_BYTES, drain: bool = True) -> TieredResult:
-    """``ucp_store.distributed.save(..., tier="fast")``: see the module docstring. Returns a
+    """``ucp_store.distributed.save(..., tier="fast")``, which passes its ``write_plan`` as ``write``: see the
+    module docstring. Returns a
     :class:`TieredResult` once the version is ``replicated`` (``local`` with ``replicas=0``); the drain to the
     durable tier goes on in the background (``drain=False``: not started)."""
     from ucp_store.distributed.context import Ctx
     from ucp_store.distributed.inflight import wait
     from ucp_store.distributed.planner import forget_plan, plan_save
-    from ucp_store.distributed.saver import write_plan
     from ucp_store.distributed.tensors import host_copy
     from ucp_store.errors import StalePlanError
 
@@ -612,6 +622,7 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
         raise ConfigurationError("tier='fast' needs a fast tier: pass fast_tier= (a folder; may contain {node}) "
                                  "or set UCP_FAST_TIER")
     wait()  # an async save in flight commits first
+    t0 = time.perf_counter()
     ctx = Ctx(group)
     nodes = node_map(ctx.group, name)
     if replicas and len(nodes.order) < 2:
@@ -625,7 +636,7 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
         opener = _Opener(store, create, tier)
         staged = [host_copy(src[sl] if sl else src) for src, sl in plan.sources]
         try:
-            version = write_plan(opener, plan, staged, ctx, run=run, step=step, message=message, parent=parent,
+            version = write(opener, plan, staged, ctx, run=run, step=step, message=message, parent=parent,
                                  progress=progress)
             break
         except StalePlanError:
@@ -633,11 +644,15 @@ def save(state_dict: dict, *, store: Any = None, run: str, step: int, message: s
     else:  # pragma: no cover - a fresh plan is never checked
         raise UcpError(f"save of {run}@{step}: planning did not settle")
     result = TieredResult(version)
+    result.timings.update(tier.timings, committed_s=time.perf_counter() - t0)
     result.reached("local")
     if replicas:
         result.reached(replicate(tier, ctx.group))
+        result.timings["replicated_s"] = time.perf_counter() - t0
     if drain:
         _enqueue(_DrainJob(tier, result, drain_group))
+    LAST_TIMINGS.clear()
+    LAST_TIMINGS.update(result.timings)
     return result
 
 

@@ -53,6 +53,13 @@ __all__ = ["MAX_ELEMENTS", "CheckpointWriter", "check_extent", "check_row_dict",
 
 ROW_BATCH = 512  # rows a writer holds before ``write`` records them (``flush``)
 
+def _flip_and_hooks(writer: CheckpointWriter, s, labels: list[str]) -> None:
+    """The commit's status flip, then the writer's ``commit_hooks``, in the commit's transaction."""
+    writer.recorder.flip_status(s, labels)
+    for hook in writer.commit_hooks:
+        hook(s)
+
+
 class CheckpointWriter:
     """Writes tensor-states and objects into one pending checkpoint; ``commit`` makes it visible.
 
@@ -349,7 +356,7 @@ class CheckpointWriter:
             rows = take(self._rows)
             rows.extend(check_row_dict(d) for d in extra_rows)
             # one transaction: the rows still pending (this writer's, and every joined rank's) and the commit
-            self._record(rows, "cannot commit", lambda s: self._flip_and_hooks(s, labels))
+            self._record(rows, "cannot commit", lambda s: _flip_and_hooks(self, s, labels))
         except IntegrityError as exc:  # the partial unique index: a concurrent commit of the same step won
             self.abort()
             detail = str(getattr(exc, "orig", exc)).splitlines()[0]
@@ -364,11 +371,6 @@ class CheckpointWriter:
         self.arrays.borrowed.clear()
         self.checkpoint = Checkpoint(self.store, self.id) if reload else None
         return self.checkpoint
-
-    def _flip_and_hooks(self, s, labels: list[str]) -> None:
-        self.recorder.flip_status(s, labels)
-        for hook in self.commit_hooks:
-            hook(s)
 
     def abort(self) -> None:
         """Drop the pending checkpoint and every array it wrote (nothing is ever listed)."""
