@@ -229,3 +229,30 @@ def test_gc_of_a_fast_tier_removes_evicted_reports_untied(tmp_path, capsys):
         assert "removed 1 evicted" in out and "kept 1" in out
         assert not (fast / gone.key).exists() and (fast / kept.key).exists()
         assert (fast / stray.key).exists() and stray.key in err  # untied: reported, never deleted
+
+
+def test_one_process_tiered_save_drains_and_says_so(tmp_path, monkeypatch):
+    import ucp_store
+    import ucp_store.distributed as ucpd
+
+    monkeypatch.delenv("UCP_FAST_TIER", raising=False)
+    sd = {"model": {"w": torch.arange(5000.0).reshape(50, 100), "b": torch.ones(7)}, "step": 3}
+    store = str(tmp_path / "store")
+    with pytest.raises(ConfigurationError, match="tier='nvme'"):
+        ucpd.save(sd, store=store, run="r", step=1, tier="nvme")
+    with pytest.raises(ConfigurationError, match="fast_tier="):
+        ucpd.save(sd, store=store, run="r", step=1, tier="fast", replicas=0)
+    with pytest.raises(ConfigurationError, match="second node"):
+        ucpd.save(sd, store=store, run="r", step=1, tier="fast", node="n0", fast_tier=str(tmp_path / "f"))
+    res = ucpd.save(sd, store=store, run="r", step=1, tier="fast", replicas=0, node="n0",
+                    fast_tier=str(tmp_path / "f" / "{node}"), progress=False)
+    assert res.wait("durable", timeout=120) == "durable" and res.safety == "durable"
+    st = ucp_store.open_store(store)
+    assert st.safety("r@1") == "durable"
+    assert torch.equal(st.checkpoint("r@1").read("model.w" if "model.w" in st.checkpoint("r@1").names() else "w"),
+                       sd["model"]["w"])
+    with st.catalog.session() as s:
+        copies = tp.copies(s, str(res))
+    assert copies and all({(c.tier, c.node) for c in cs} == {("fast", "n0"), ("durable", "")} for cs in copies.values())
+    for key, cs in copies.items():  # the fast folder and the durable one hold the same bytes under the same keys
+        assert tobj.read_checked(tmp_path / "f" / "n0", key, cs[0].crc32c) == tobj.read_object(tmp_path / "store", key)
