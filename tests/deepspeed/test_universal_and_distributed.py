@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -31,6 +33,12 @@ def test_import_universal_equals_tag_import(ds, cmp, ds_name, tmp_path):
         assert key in b, key
         assert h == b[key][0], f"{key}: content differs"
         assert pattern == b[key][1], f"{key}: pattern {pattern} vs {b[key][1]}"
+    # listed in the tag folder import's parameter order (param_shapes), each parameter's states together
+    names_u = [n for n, _ in itertools.groupby(i.name for i in uni.tensors())]  # one run per parameter
+    assert len(names_u) == len(set(names_u)), names_u
+    params = {i.name for i in uni.tensors() if i.state == "fp32"}  # its parameter folders (frozen, buffers aside)
+    names_d = [n for n in dict.fromkeys(i.name for i in direct.tensors()) if n in params]
+    assert [n for n in names_u if n in params] == names_d, (names_u, names_d)
     missing = set(b) - set(a)
     if zero3:  # ds_to_universal drops ZeRO-3 frozen params/buffers: the direct import keeps them
         assert {n for n, _ in missing} == {"frozen.weight", "shift"}

@@ -697,8 +697,10 @@ class UniversalFolderReader:
         return pipeline_placement(name, self.stages_of.get(name, ()), self.pp, layered=self.pp > 1)
 
     def records(self) -> Iterator[ParamRecord]:
-        """One ``ParamRecord`` per parameter folder, in folder order."""
-        for name in self.dirs:
+        """One ``ParamRecord`` per parameter folder: in the model states' ``param_shapes`` order (DeepSpeed's
+        parameter order, which a tag folder's import follows too), then any other folder in name order."""
+        known = {n: i for i, n in enumerate(self.shapes)}
+        for name in sorted(self.dirs, key=lambda n: (0, known[n]) if n in known else (1, 0)):
             yield self._record(name)
 
     def _record(self, name: str) -> ParamRecord:
