@@ -12,7 +12,9 @@ Each round times, on every rank between two barriers (the figure is the slowest 
   disk (``--durable``, default a temporary folder under /tmp), fsyncs on (DCP's default);
 - ``ucp durable``: ``ucp_store.distributed.save`` into the store on that disk (for reference);
 - ``ucp fast -> replicated``: ``ucp_store.distributed.save(tier="fast", replicas=1, drain=False)``: returns
-  once every object is on two nodes' fast tiers and the catalog says ``replicated``.
+  once every object is on two nodes' fast tiers and the catalog says ``replicated``;
+- ``gloo all_to_all (floor)``: each rank's shard bytes to its partner in one ``all_to_all_single`` (no files):
+  what the replication's transfer costs on this machine by itself.
 
 Every method writes new files each round (a fresh folder or step). Prints the median of each method, the ratio
 ``replicated / dcp.save`` (the issue's goal: at most 0.2) and ``uptime``'s load; the times are this machine's
@@ -50,6 +52,21 @@ def _state(rank: int, world: int, mesh, mb: int) -> dict:
     return sd
 
 
+def _partner_copy(sd: dict, rank: int, world: int, per_node: int, dist) -> None:
+    """The bytes replication moves, alone: this rank's shards to the same local rank of the next node, in one
+    ``all_to_all_single`` on the gloo group (no files, no checks): the floor of the replicated path's transfer."""
+    import torch
+
+    data = torch.cat([t.to_local().reshape(-1).view(torch.uint8) for t in sd["model"].values()])
+    nodes = world // per_node
+    to = ((rank // per_node + 1) % nodes) * per_node + rank % per_node
+    frm = ((rank // per_node - 1) % nodes) * per_node + rank % per_node
+    send = [data.numel() if r == to else 0 for r in range(world)]
+    recv = [data.numel() if r == frm else 0 for r in range(world)]
+    out = torch.empty(sum(recv), dtype=torch.uint8)
+    dist.all_to_all_single(out, data, recv, send)
+
+
 def _timed(fn, dist) -> float:
     import torch
 
@@ -80,7 +97,8 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
     sd = _state(rank, world, mesh, args.mb)
     durable, fast = Path(args.durable), Path(args.fast)
     store = str(durable / "store")
-    times: dict[str, list[float]] = {"dcp.save": [], "ucp durable": [], "ucp fast -> replicated": []}
+    times: dict[str, list[float]] = {"dcp.save": [], "ucp durable": [], "ucp fast -> replicated": [],
+                                     "gloo all_to_all (floor)": []}
     for r in range(args.rounds + 1):  # round 0 warms up (plans cached, pools made, node map learnt)
         step = 10 * r
         methods = {
@@ -90,6 +108,7 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
                 sd, store=store, run="fast", step=step, progress=False, tier="fast", replicas=1,
                 fast_tier=str(fast / "{node}"), drain=False),
         }
+        methods["gloo all_to_all (floor)"] = lambda: _partner_copy(sd, rank, world, args.per_node, dist)
         got = {k: _timed(fn, dist) for k, fn in methods.items()}
         if rank == 0:
             from ucp_store.distributed import tiered

@@ -22,7 +22,7 @@ from ucp_store.distributed.statedict import STATE_DICT_OBJECT, flatten, from_jso
 from ucp_store.distributed.tensors import describe_leaf
 from ucp_store.errors import ConfigurationError, ReferenceNotFound, ShapeMismatch
 
-__all__ = ["CatalogView", "LoadResult", "load", "view_everywhere"]
+__all__ = ["CatalogView", "LoadResult", "hydrate_view", "load", "relocated", "restores_from_tiers", "view_everywhere"]
 
 
 @dataclass
@@ -35,6 +35,11 @@ class LoadResult:
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state dict
     bytes_read: int = 0
     per_rank: list[str] = field(default_factory=list)
+    #: a version on the fast tiers (issue 38): bytes of the objects this rank's plan needed, by where they came
+    #: from (``local``: this node's fast tier; ``peer``: another node's, received; ``durable``), or None
+    tier_bytes: dict[str, int] | None = None
+    job_tier_bytes: dict[str, int] | None = None  # the same, summed over every rank of the load
+    bad_copies: list[str] = field(default_factory=list)  # one line per bad copy this rank found
 
 
 @dataclass
@@ -46,6 +51,8 @@ class CatalogView:
     values: dict[tuple, Any]
     tensor_paths: dict[tuple, tuple[str, str]]
     manifest: Any  # rankstate.PerRankManifest | None (format-1 manifests have none)
+    tiers: Any = None  # restore.TierCopies: the version's copies per tier (a tiered save), or None
+    payload: dict | None = None  # the coordinator's answer the view was built from (a tiered version's)
 
     def replicated(self) -> dict[tuple, Any]:
         """Path -> JSON value, or a callable reading a replicated tensor (for reshard callbacks)."""
@@ -82,20 +89,25 @@ def view_everywhere(store, ref: str, ctx: Ctx, what: str) -> CatalogView:
     store, resolves ``ref`` and reads the rows, the manifest and every per-rank object it names; one broadcast
     (JSON bytes) hands them to the other ranks, which read arrays through a store without a catalog. A failure
     on the coordinator raises on every rank. Call first (before anything that may fail on one rank alone)."""
-    from ucp_store.distributed import coord
+    from ucp_store.distributed import coord, restore
 
     if ctx.dist is None:
-        return _catalog_view(resolve_store(store, create=False), ref)
-    view, error, payload = None, None, None
+        alone = _catalog_view(resolve_store(store, create=False), ref)
+        tiers = restore.tier_copies(alone.ck)
+        if tiers is not None:
+            alone.tiers, alone.payload = tiers, _payload(alone)
+        return alone
+    view: CatalogView | None = None
+    error, payload = None, None
     if ctx.rank == 0:
         try:
             view = _catalog_view(resolve_store(store, create=False), ref)
-            names = {STATE_DICT_OBJECT}
-            if view.manifest is not None:
-                names.update(e.object for k in view.manifest.keys for e in k.entries)
-            payload = coord.encode({"store": coord.store_facts(view.ck.store), "id": view.ck.id, "run": view.ck.run,
-                                    "step": view.ck.step, "infos": [coord.info_to_json(i) for i in view.infos.values()],
-                                    "objects": coord.object_rows(view.ck, names)})
+            view.payload = _payload(view)
+            tiers = restore.tier_copies(view.ck)
+            if tiers is not None:
+                view.tiers = tiers
+                view.payload["tiers"] = tiers.to_json()
+            payload = coord.encode(view.payload)
         except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
             error = exc
             payload = coord.encode(coord.error_payload(exc))
@@ -107,7 +119,36 @@ def view_everywhere(store, ref: str, ctx: Ctx, what: str) -> CatalogView:
         coord.raise_remote(answer, what)
     if view is None:
         view = _catalog_view_of(coord.detached_checkpoint(coord.detached_store(answer["store"]), answer))
+        if "tiers" in answer:
+            view.tiers, view.payload = restore.TierCopies.from_json(answer["tiers"]), answer
     return view
+
+
+def _payload(view: CatalogView) -> dict:
+    """What the coordinator broadcasts for a version: its store's facts, rows and the objects a load reads."""
+    from ucp_store.distributed import coord
+
+    names = {STATE_DICT_OBJECT}
+    if view.manifest is not None:
+        names.update(e.object for k in view.manifest.keys for e in k.entries)
+    return {"store": coord.store_facts(view.ck.store), "id": view.ck.id, "run": view.ck.run, "step": view.ck.step,
+            "infos": [coord.info_to_json(i) for i in view.infos.values()],
+            "objects": coord.object_rows(view.ck, names)}
+
+
+def relocated(view: CatalogView, root) -> CatalogView:
+    """``view`` reading from a node's fast-tier folder ``root`` (the same keys as the store's location): a
+    detached checkpoint from the coordinator's payload, on every rank alike (the catalog is not needed)."""
+    from ucp_store.distributed import coord, restore
+
+    assert view.payload is not None
+    facts = dict(view.payload["store"])
+    loc = restore.fast_location(root)
+    facts["location"] = {**facts["location"], **{k: getattr(loc, k) for k in ("url", "kind", "root")},
+                         "bucket": None, "endpoint": None, "region": None, "catalog_url": ""}
+    moved = _catalog_view_of(coord.detached_checkpoint(coord.detached_store(facts), view.payload))
+    moved.tiers, moved.payload = view.tiers, view.payload
+    return moved
 
 
 def _manifest_object(ck) -> Any:
@@ -123,7 +164,8 @@ def _key_text(key: tuple[str, str]) -> str:
 
 
 def load(state_dict: dict, *, store: Any = None, ref: str, strict: bool = True, group=None,
-         progress: bool = True, per_rank: dict | None = None, mesh=None) -> LoadResult:
+         progress: bool = True, per_rank: dict | None = None, mesh=None, node: str | None = None,
+         fast_tier: Any = None) -> LoadResult:
     """Load version ``ref`` into ``state_dict`` in place, on any mesh; call on every rank.
 
     Each rank reads only the chunks intersecting its local boxes (from its live DTensors' placements).
@@ -147,18 +189,34 @@ def load(state_dict: dict, *, store: Any = None, ref: str, strict: bool = True, 
 
     A per-rank key without a fitting policy raises ``ConfigurationError`` naming the keys and both
     topologies; with ``strict``, so does a saved per-rank key that no rank loaded (nothing is silently
-    dropped; ``strict=False`` lists them in ``unexpected``)."""
+    dropped; ``strict=False`` lists them in ``unexpected``).
+
+    A version saved to the fast tiers (``tier="fast"``) is restored from the nearest copies
+    (``restore.py``): each node's fast-tier folder (``fast_tier=`` / ``UCP_FAST_TIER``; ``node=`` /
+    ``UCP_NODE``) first gets every object its ranks need, from itself, another node of this job or the durable
+    tier, and the ranks read from it; ``result.tier_bytes`` says how many bytes came from where."""
     wait()  # an async save in flight commits first
     ctx = Ctx(group)
     error: BaseException | None = None
     result = LoadResult("")
     consumed: set[int] = set()
-    view = None
+    view = prep = None
     try:
         view = view_everywhere(store, ref, ctx, f"load of {ref}")
-        view, consumed = _load_here(state_dict, ctx, view, ref, strict, progress, per_rank, mesh, result)
+        prep = _prepare(state_dict, ctx, view, ref, strict, per_rank, mesh, result)
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = exc
+    if view is not None and restores_from_tiers(view, fast_tier):  # the same on every rank (the broadcast)
+        view, error, got = hydrate_view(ctx, view, None if prep is None else prep.tensors,
+                                        prep is not None and bool(prep.plan.units), error, node, fast_tier,
+                                        f"load of {ref}")
+        if got is not None:
+            result.tier_bytes, result.job_tier_bytes, result.bad_copies = got["bytes"], got["job"], got["bad"]
+    if error is None and view is not None and prep is not None:
+        try:
+            consumed = _read_and_apply(state_dict, ctx, view, prep, ref, progress, result)
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+            error = exc
     if ctx.dist is None:
         if error is not None:
             raise error
@@ -193,16 +251,72 @@ def _check_consumed(view: CatalogView, used: set[int], strict: bool, ref: str, r
     result.unexpected += [f"{t} [per-rank]" for t in left]
 
 
-def _load_here(state_dict, ctx: Ctx, view: CatalogView, ref: str, strict: bool, progress: bool, per_rank, mesh,
-               result: LoadResult) -> tuple[CatalogView, set[int]]:
-    """This rank's part of ``load``: plan the per-rank restore, read its boxes, put everything in place."""
+def restores_from_tiers(view: CatalogView, fast_tier: Any) -> bool:
+    """A tiered version is restored through the fast tiers unless it is durable and no fast tier is named."""
+    from ucp_store import config
+
+    if view.tiers is None:
+        return False
+    durable_everywhere = all(any(c[0] == "durable" for c in cs) for cs in view.tiers.copies.values())
+    return not durable_everywhere or fast_tier is not None or config.fast_tier() is not None
+
+
+def hydrate_view(ctx: Ctx, view: CatalogView, tensors: list | None, whole_replicated: bool,
+                 error: BaseException | None, node: str | None, fast_tier: Any,
+                 what: str) -> tuple[CatalogView, BaseException | None, dict | None]:
+    """Every object the reads of ``tensors`` (this rank's live tensors; None: this rank failed before) touch
+    into its node's fast tier (``restore.hydrate``, a collective), then the view reading from there. Returns
+    the view, this rank's error (a failure anywhere stops every rank's hydration alike) and what
+    ``hydrate`` reported (None on failure)."""
+    from ucp_store.distributed import restore
+
+    needed: set[str] | None = None
+    if error is None and tensors is not None:
+        try:
+            needed = _needed_keys(view, tensors, whole_replicated)
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
+            error = exc
+    try:
+        got = restore.hydrate(ctx, view.tiers, needed, error, node=node, fast_tier=fast_tier, what=what)
+    except BaseException as exc:  # noqa: BLE001 - raised alike on every rank
+        return view, error or exc, None
+    return relocated(view, got["root"]), error, got
+
+
+def _needed_keys(view: CatalogView, tensors: list, whole_replicated: bool) -> set[str]:
+    """The objects this rank's reads touch: the shard files its boxes intersect (and each array's zarr.json),
+    the arrays of stored objects, and for reshard callbacks (``whole_replicated``) the replicated tensors'."""
+    from ucp_store.distributed import restore
+
+    keys: set[str] = set()
+    for t in tensors:
+        info = view.infos.get(t.key)
+        if info is not None:
+            keys |= restore.info_keys(info, [r.global_box for r in t.regions])
+    keys |= restore.object_keys((view.payload or {}).get("objects", {}))
+    if whole_replicated:
+        for key in view.tensor_paths.values():
+            if key in view.infos:
+                keys |= restore.info_keys(view.infos[key], None)
+    return keys
+
+
+@dataclass
+class _Prepared:
+    """This rank's load before any byte is read: the leaves, the per-rank restore plan and the tensors."""
+
+    leaves: list
+    plan: Any  # perrank.RestorePlan
+    tensors: list
+
+
+def _prepare(state_dict, ctx: Ctx, view: CatalogView, ref: str, strict: bool, per_rank, mesh,
+             result: LoadResult) -> _Prepared:
+    """This rank's load plan: the per-rank restore, its tensors and their boxes, the key and shape checks."""
     from ucp_store.distributed import perrank
-    from ucp_store.io.read import Reader, box_sink
-    from ucp_store.patterns import Box
-    from ucp_store.progress import track
 
     policies = perrank.parse_policies(per_rank)
-    ck, infos, values = view.ck, view.infos, view.values
+    ck, infos = view.ck, view.infos
     result.checkpoint_id = ck.id
     leaves = flatten(state_dict)
     live = perrank.live_topology(leaves, mesh, ctx, what=f"load {ref}")
@@ -221,6 +335,19 @@ def _load_here(state_dict, ctx: Ctx, view: CatalogView, ref: str, strict: bool, 
         if info is not None and tuple(info.shape) != t.shape:
             raise ShapeMismatch(f"load {ref}: {t.what} has shape {list(t.shape)} in the state dict but "
                                 f"{list(info.shape)} in checkpoint {ck.id}")
+    return _Prepared(leaves, plan, tensors)
+
+
+def _read_and_apply(state_dict, ctx: Ctx, view: CatalogView, prep: _Prepared, ref: str, progress: bool,
+                    result: LoadResult) -> set[int]:
+    """This rank's reads: its boxes into place, the replicated values, the per-rank state."""
+    from ucp_store.distributed import perrank
+    from ucp_store.io.read import Reader, box_sink
+    from ucp_store.patterns import Box
+    from ucp_store.progress import track
+
+    ck, infos, values = view.ck, view.infos, view.values
+    leaves, plan, tensors = prep.leaves, prep.plan, prep.tensors
     reader = Reader(ck, infos=infos)
     for t in track([t for t in tensors if t.key in infos], f"load {ref}", enabled=progress and ctx.rank == 0):
         info = infos[t.key]
@@ -245,4 +372,4 @@ def _load_here(state_dict, ctx: Ctx, view: CatalogView, ref: str, strict: bool, 
     result.per_rank = plan.applied
     if any(t.local.device.type == "cuda" for t in tensors):
         torch.cuda.synchronize()
-    return view, plan.consumed
+    return plan.consumed

@@ -64,14 +64,16 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progress: bool = True,
-           per_rank: dict | None = None, mesh=None) -> VerifyReport:
+           per_rank: dict | None = None, mesh=None, node: str | None = None, fast_tier: Any = None) -> VerifyReport:
     """Compare a live (sharded) state dict with version ``ref``, bit for bit; call on every rank.
 
     Each rank checks its own boxes and its per-rank state (against its own stored entry on the saving
     topology, or the entry ``per_rank``'s policies pick, as in ``load``; ``reshard`` and ``fresh`` keys are
     not compared). The report (gathered, the same on every rank) names every tensor, box and per-rank key
-    that differs, and keys or shapes that do not match."""
+    that differs, and keys or shapes that do not match. A version on the fast tiers is read from the nearest
+    copies, as ``load`` reads it (``node``, ``fast_tier``)."""
     from ucp_store.distributed import perrank
+    from ucp_store.distributed.loader import hydrate_view, restores_from_tiers
     from ucp_store.progress import track
 
     ctx = Ctx(group)
@@ -79,12 +81,24 @@ def verify(state_dict: dict, ref: str, *, store: Any = None, group=None, progres
     mine: list[Mismatch] = []
     checked = 0
     ck_id = ""
+    view: CatalogView | None = None
+    leaves: list[Leaf] = []
+    live = None
     try:
         view = view_everywhere(store, ref, ctx, f"verify of {ref}")
-        ck, infos = view.ck, view.infos
-        ck_id = ck.id
         leaves = flatten(state_dict)
         live = perrank.live_topology(leaves, mesh, ctx, what=f"verify {ref}")
+    except BaseException as exc:  # noqa: BLE001
+        error = exc
+    if view is not None and restores_from_tiers(view, fast_tier):  # the same on every rank (the broadcast)
+        every = None if error is not None else [describe_leaf(leaf) for leaf in leaves if leaf.is_tensor]
+        view, error, _ = hydrate_view(ctx, view, every, False, error, node, fast_tier, f"verify of {ref}")
+    try:
+        if error is not None:
+            raise error
+        assert view is not None
+        ck, infos = view.ck, view.infos
+        ck_id = ck.id
         handled = _verify_per_rank(view, leaves, live, ctx.rank, perrank.parse_policies(per_rank), mine)
         for leaf in leaves:  # replicated values (a learning rate, a position all ranks share)
             if not leaf.is_tensor and leaf.path not in handled and leaf.path in view.values:

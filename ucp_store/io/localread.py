@@ -37,6 +37,7 @@ either.
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -1076,6 +1077,10 @@ class LocalArray:
                 got = os.preadv(fd, [buf], size - want, flags)
             except BlockingIOError:
                 return None
+            except OSError as exc:  # tmpfs (a fast tier under /dev/shm) refuses RWF_NOWAIT: read it blocking
+                if exc.errno != errno.EOPNOTSUPP:
+                    raise
+                return None
             if got != want:
                 return None
             raw = bytes(buf)
@@ -1097,6 +1102,8 @@ class LocalArray:
                 return -1
             raise ValueError(f"reading shard file {key} of {self.folder} failed: would block") from None
         except OSError as exc:
+            if flags and exc.errno == errno.EOPNOTSUPP:  # tmpfs refuses RWF_NOWAIT: the caller reads it blocking
+                return -1
             raise ValueError(f"reading shard file {key} of {self.folder} failed: {exc}") from None
 
     def _read_run(self, fd: int, key: str, run: list, expect: int, flags: int = 0) -> bool:

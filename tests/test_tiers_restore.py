@@ -1,0 +1,102 @@
+"""Restore from the nearest copies into another mesh (issue 38, the restore side), on real gloo ranks.
+
+Three simulated nodes (``UCP_NODE``) of one rank each save two versions with ``tier="fast", replicas=1``: the
+first drained to the durable tier (a folder), the second ``replicated`` only. Then (tests/restore_ranks.py):
+
+1. node n1 is lost (its fast folder removed); 2 nodes x 2 ranks on a 2-D ``dp x tp`` mesh load the replicated
+   version: bit for bit, nothing from the durable tier, the lost node's objects from a peer;
+2. a copy on n2 is corrupted: the load reports it in one line, takes the other copy, and is exact;
+3. n0 is lost too: ``newest_restorable`` passes over the replicated version (one line says so) and 2 ranks
+   on n2 load the newest durable one, exact.
+
+The catalog is PostgreSQL when ``UCP_TEST_POSTGRES_URL`` is set, else SQLite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import ucp_store
+from ucp_store.tiers import objects as tobj
+from ucp_store.tiers import placement as tp
+
+from ucp_test_helpers import PG_ENV, postgres_schema_url, run_python
+
+
+def _run(tmp_path: Path, catalog: str | None, name: str, **spec) -> list[dict]:
+    out = tmp_path / "out" / name
+    spec = {"store": str(tmp_path / "store"), "fast": str(tmp_path / "fast" / "{node}"), "out": str(out),
+            "world": len(spec["nodes"]), **spec}
+    env = {"UCP_CATALOG": catalog} if catalog else {}
+    proc = run_python(["tests/restore_ranks.py", json.dumps(spec)], timeout=400, **env)
+    outs = [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None
+            for r in range(spec["world"])]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert all(o is not None and "error" not in o for o in outs), [o and o.get("trace") for o in outs]
+    return outs
+
+
+@pytest.fixture
+def catalog():
+    if os.environ.get(PG_ENV):
+        with postgres_schema_url() as url:
+            yield url
+    else:
+        yield None
+
+
+def _copies(tmp_path: Path, catalog: str | None, ref: str) -> tuple[str, dict]:
+    st = ucp_store.open_store(str(tmp_path / "store"), catalog=catalog)
+    try:
+        ck = st.checkpoint(ref)
+        with st.catalog.session() as s:
+            got = tp.copies(s, ck.id)
+        return ck.id, {k: [(c.tier, c.node, c.crc32c, c.nbytes) for c in cs] for k, cs in got.items()}
+    finally:
+        st.catalog.close()
+
+
+def test_restore_after_node_loss_corruption_and_two_lost_nodes(tmp_path: Path, catalog):
+    saved = _run(tmp_path, catalog, "save", nodes=["n0", "n1", "n2"], mesh=[3], action="save", steps=[1], drain=True)
+    assert saved[0]["saved"][0]["waited"] == "durable"
+    saved = _run(tmp_path, catalog, "save2", nodes=["n0", "n1", "n2"], mesh=[3], action="save", steps=[2])
+    assert saved[0]["saved"][0]["safety"] == "replicated"
+    ck2, copies = _copies(tmp_path, catalog, "r@2")
+    assert not any(c[0] == "durable" for cs in copies.values() for c in cs)  # step 2 lives on the fast tiers only
+
+    # 1. n1 lost: the replicated version into a 2 x 2 mesh on n0 and n2, nothing from the durable tier
+    shutil.rmtree(tmp_path / "fast" / "n1")
+    outs = _run(tmp_path, catalog, "load1", nodes=["n0", "n0", "n2", "n2"], mesh=[2, 2], action="load", ref="r@2")
+    for o in outs:
+        assert o["id"] == ck2 and o["differ"] == [] and o["step"] == 2 and o["bad"] == []
+        assert o["verified"][0], o["verified"]  # ucpd.verify reads the tiered version from the nearest copies too
+    job = outs[0]["job"]
+    assert job["durable"] == 0 and job["peer"] > 0 and job["local"] > 0, job
+    assert sum(o["tier_bytes"]["peer"] for o in outs) == job["peer"]
+
+    # 2. a copy on n2 (n2's own object, also on n0) corrupted: reported, the other copy taken, exact
+    key = next(k for k, cs in sorted(copies.items()) if {c[1] for c in cs} == {"n0", "n2"} and "/c/" in k)
+    bad = tmp_path / "fast" / "n2" / key
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    outs = _run(tmp_path, catalog, "load2", nodes=["n0", "n0", "n2", "n2"], mesh=[2, 2], action="load", ref="r@2")
+    assert all(o["differ"] == [] for o in outs)
+    lines = [line for o in outs for line in o["bad"]]
+    assert lines and all(key in line and "'n2'" in line and "crc32c" in line for line in lines), lines
+    assert outs[0]["job"]["durable"] == 0
+    crc, n = next((c[2], c[3]) for c in copies[key] if c[1] == "n2")
+    tobj.read_checked(tmp_path / "fast" / "n2", key, crc, n)  # the node's copy is whole again
+
+    # 3. n0 lost too: the replicated version is not restorable; the newest durable one is, and one line says so
+    shutil.rmtree(tmp_path / "fast" / "n0")
+    outs = _run(tmp_path, catalog, "load3", nodes=["n2", "n2"], mesh=[2], action="load", ref="newest")
+    for o in outs:
+        assert o["ref"] == "r@1" and o["differ"] == [] and o["step"] == 1
+    note = outs[0]["note"]
+    assert note and "\n" not in note and "r@2" in note and "r@1 (durable)" in note, note
