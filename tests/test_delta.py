@@ -465,3 +465,35 @@ def test_delta_chain_on_a_bucket(s3_url, tmp_path, tiny_layout):
     store.gc()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="deltas", Prefix="store/arrays/").get("Contents", [])]
     assert keys == []
+
+
+def test_imports_follow_the_run_setting(store, tmp_path, tiny_layout):
+    """An import passes no delta=: with the run's policy on, its tensor-states are deltas of the parent."""
+    from ucp_store.formats.torch_file import import_torch_file
+
+    w = torch.randn(SHAPE).bfloat16()
+    torch.save({"w": w, "n": 3}, tmp_path / "a.pt")
+    import_torch_file(store, str(tmp_path / "a.pt"), "imp", 1, progress=False)
+    store.set_run_delta("imp", "auto")
+    w2 = w.clone()
+    w2[5, 5] = 7
+    torch.save({"w": w2, "n": 4}, tmp_path / "b.pt")
+    ck = import_torch_file(store, str(tmp_path / "b.pt"), "imp", 2, progress=False)
+    assert ck.info("w").encoding == "xor" and _same(ck.read("w"), w2) and ck.verify() == []
+
+
+def test_corrupt_keyframe_chunk_names_the_base_on_read(store, store_path, tiny_layout):
+    w0 = torch.randn(SHAPE)
+    w1 = w0.clone()
+    w1[2, 3] += 1
+    store.save("r", 0, {"w": w0})
+    store.save("r", 1, {"w": w1}, delta="auto")
+    base = store.checkpoint("r@0").info("w")
+    path, off, n = shard_file_and_range(store_path, base, (4, 1))
+    flip_byte(path, off + n // 2)
+    for local in (True, False):
+        with config.override(local_read=local):
+            with pytest.raises(ChecksumError, match=rf"chunk \[4, 1\].*in its delta base .*{base.array}"):
+                store.checkpoint("r@1").read("w")
+    problems = store.checkpoint("r@1").verify()
+    assert [p["chunk"] for p in problems] == [[4, 1]] and base.array in problems[0]["error"]

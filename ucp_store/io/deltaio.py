@@ -225,6 +225,7 @@ class DeltaArray:
         self.dtype = dtypes.numpy_dtype(layout.dtype)
         self.shape = tuple(layout.shape)
         self.keyframe = open_reader(location, key.array, self.layout, context, codecs=key.codecs)
+        self.keyframe_url = location.display(key.array)
         self.deltas = [_Delta(location, r, layout, context) for r in refs[:-1]]
 
     @property
@@ -246,11 +247,19 @@ class DeltaArray:
     def read(self, box: fmt.Box) -> np.ndarray:
         """The box's values (fresh, C order): the keyframe's, with each delta's stored chunks XORed in."""
         box = tuple((int(a), int(b)) for a, b in box)
-        out = np.asarray(self.keyframe[fmt.box_index(box)].read().result())
+        try:
+            out = np.asarray(self.keyframe[fmt.box_index(box)].read().result())
+        except ValueError as exc:  # name the array of the chain that failed (fmt.read_box reports it)
+            raise dl.DeltaReadError(f"[in delta base {self.keyframe_url}] {exc}") from None
         if not out.flags.writeable or not out.flags.c_contiguous:
             out = np.array(out, order="C")
-        for d in self.deltas:
-            d.apply(out, box)
+        for i, d in enumerate(self.deltas):
+            try:
+                d.apply(out, box)
+            except ValueError as exc:
+                if i == 0:
+                    raise
+                raise dl.DeltaReadError(f"[in delta base {d.location.display(d.ref.array)}] {exc}") from None
         return out
 
 

@@ -338,6 +338,7 @@ _CORRUPT = re.compile(r"checksum|crc|DATA_LOSS|corrupt|Invalid shard index|Error
 
 
 _MISSING = re.compile(r"NOT_FOUND|is missing", re.I)
+_BASE = re.compile(r"\[in delta base ([^\]]+)\]")
 
 
 def is_corruption(exc: BaseException) -> bool:
@@ -368,6 +369,9 @@ def read_box(handle: Any, layout: ArrayLayout, box: Box, *, what: str, array_url
         first, cause = bad[0]
         # a missing chunk or shard file is never read as zeros; say it is missing, not that a crc failed
         failed = "is missing" if _MISSING.search(cause) else "failed its crc32c check"
+        base = _BASE.search(cause)  # a delta's read names the array of its chain that failed (io/deltaio)
+        if base is not None:
+            failed += f" in its delta base {base.group(1)}"
         raise ChecksumError(
             f"{what}: array {array_url} chunk {list(first)} (shard file {layout.shard_key(first) if first else '?'}) "
             f"{failed}; the data is corrupt and was not returned ({len(bad)} bad chunk(s) in the region read)"
