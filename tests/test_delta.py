@@ -26,7 +26,7 @@ from ucp_store.io import format as fmt
 from ucp_store.io.location import Location
 from ucp_store.save.writer import CheckpointWriter
 
-from ucp_test_helpers import flip_byte, shard_file_and_range
+from ucp_test_helpers import flip_byte, postgres_schema_url, shard_file_and_range
 
 DTYPES = {
     "bfloat16": (torch.bfloat16, ml_dtypes.bfloat16),
@@ -269,7 +269,20 @@ def _array_files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in (root / "arrays").glob("*/*.zarr")}
 
 
-def test_rm_and_gc_keep_bases_while_needed(store, store_path, tiny_layout):
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_store(request, store_path):
+    """A fresh store whose catalog is SQLite or PostgreSQL (a schema of its own)."""
+    if request.param == "sqlite":
+        yield ucp_store.open_store(str(store_path), create=True)
+        return
+    with postgres_schema_url() as url:
+        store = ucp_store.open_store(str(store_path), create=True, catalog=url)
+        yield store
+        store.catalog.engine.dispose()
+
+
+def test_rm_and_gc_keep_bases_while_needed(any_store, store_path, tiny_layout):
+    store = any_store
     vals = _chain(store, 5)  # r@0 plain, r@1..4 deltas (depths 1..4)
     assert [store.checkpoint(f"r@{i}").info("w").depth for i in range(5)] == [0, 1, 2, 3, 4]
     files = _array_files(store_path)
@@ -289,7 +302,8 @@ def test_rm_and_gc_keep_bases_while_needed(store, store_path, tiny_layout):
     assert store.query("SELECT count(*) FROM arrays")[1] == [(0,)]
 
 
-def test_retention_counts_bases_across_keyframes(store, store_path, tiny_layout):
+def test_retention_counts_bases_across_keyframes(any_store, store_path, tiny_layout):
+    store = any_store
     with config.override(delta_keyframe_every=3):
         vals = _chain(store, 7)  # depths 0 1 2 | 0 1 2 | 0
     assert [store.checkpoint(f"r@{i}").info("w").depth for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
