@@ -112,3 +112,23 @@ def test_only_the_first_ranks_are_drawn(tmp_path, saved):
     (fig,) = saved
     assert len(drawn.ranks) == plot.MAX_PANELS and "first 16 of 1000 ranks" in fig.texts[0].get_text()
     assert _artists(fig) < 2000
+
+
+def test_draw_plan_reads_a_plans_boxes_and_marks_ranks_without_the_tensor(tmp_path, saved):
+    """``ucp plan --plot``'s entry: the plan's reads of the picked state, per rank; a rank that holds none of it
+    says so (a pipeline stage without the tensor)."""
+    from types import SimpleNamespace as NS
+
+    infos = [_info("emb", "step", (), (), position=1), _info("emb", "fp32", (4096, 64), (256, 64), position=2)]
+    ck = NS(tensors=lambda: infos)
+
+    def rank(r, rows):
+        reads = [NS(box=NS(ranges=((lo, hi), (0, 64)))) for lo, hi in rows]
+        return NS(rank=r, coords={"pp": r}, tensors=[NS(name="emb", state="fp32", reads=reads)] if rows else [])
+
+    drawn = plot.draw_plan(ck, [rank(0, [(0, 1000), (3000, 3100)]), rank(1, [])], None, str(tmp_path / "p.png"))
+    (fig,) = saved
+    assert drawn.label == "emb [fp32]" and drawn.chunks_read == [6, 0]  # rows 0-1000: chunks 0-3; 3000-3100: 11 and 12
+    assert _shaded(fig.axes[0])[:, 0].tolist() == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0]
+    assert not _shaded(fig.axes[1]).any()
+    assert any(t.get_text() == "not on this rank" for t in fig.axes[1].texts)
