@@ -132,7 +132,11 @@ def test_open_store_and_cli_override(tmp_path):
     finally:
         store.catalog.close()
     ucp = [sys.executable, "-m", "ucp_store.cli", "--store", str(tmp_path / "s")]
+    # a command that only reads opens the catalog read-only (issue 40): it never switches the journal mode
     out = subprocess.run(ucp + ["--sqlite-journal", "wal", "ls"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert _file_mode(tmp_path / "s" / "catalog.db") == "delete"
+    out = subprocess.run(ucp + ["--sqlite-journal", "wal", "tag", "r@1", "t"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "s" / "catalog.db-wal").exists() or _file_mode(tmp_path / "s" / "catalog.db") == "wal"
     bad = subprocess.run(ucp + ["--sqlite-journal", "off", "ls"], capture_output=True, text=True)

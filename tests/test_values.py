@@ -114,11 +114,13 @@ def test_any_json_value_round_trips_through_save(store, value):
     assert same(got["v"], value) and same(got["wrapped"], {"x": [value]})
 
 
-def test_keys_json_would_merge_are_refused(store):
-    with pytest.raises(ValidationError, match=r"object 'cfg': two keys of one dict are both stored as the JSON "
-                                              r"key '1'"):
-        store.save("r", 1, {"w": torch.zeros(1)}, objects={"cfg": {"a": [{1: "x", "1": "y"}]}})
-    assert store.list_checkpoints() == []
+def test_keys_json_would_merge_are_kept_apart(store):
+    """Issue 40.8: ``1`` and ``"1"`` (and tuples, ``True``, ``1.5`` keys) come back as saved, not merged."""
+    value = {"a": [{1: "x", "1": "y", 1.5: "z", None: 0, (1, "b"): (2, 3)}], "t": (1, (2.0, "s"))}
+    store.save("r", 1, {"w": torch.zeros(1)}, objects={"cfg": value})
+    got = store.checkpoint("r@1").objects()["cfg"]
+    assert same(got, value) and type(got["t"]) is tuple and type(got["t"][1]) is tuple
+    assert list(got["a"][0]) == [1, "1", 1.5, None, (1, "b")]
 
 
 def test_too_deep_is_a_clear_error(store):
@@ -166,11 +168,12 @@ def test_import_torch_refuses_names_two_entries_share(tmp_path, capsys):
             import_torch_file(ucp_store.open_store(str(store)), str(path), "r", 1, progress=False)
         assert cli.main(["import", "torch", str(path), "--run", "r", "--step", "1", "--store", str(store)]) != 0
         assert "ucp: error:" in capsys.readouterr().err
-    # inside a value that stays JSON (a list), keys JSON would merge are refused too
-    torch.save({"w": torch.ones(2), "v": [[{1: "a", "1": "b"}]]}, tmp_path / "inner.pt")
-    with pytest.raises(SourceFormatError, match=r"entry 'v': a dict holds both '1' and another key written '1'"):
-        import_torch_file(ucp_store.open_store(str(store)), str(tmp_path / "inner.pt"), "r", 1, progress=False)
     assert ucp_store.open_store(str(store)).list_checkpoints() == []
+    # inside a value (a list), keys JSON would merge are kept apart, and tuples stay tuples (issue 40.8)
+    torch.save({"w": torch.ones(2), "v": [[{1: "a", "1": "b"}]], "betas": (0.9, 0.999)}, tmp_path / "inner.pt")
+    got = import_torch_file(ucp_store.open_store(str(store)), str(tmp_path / "inner.pt"), "r", 1,
+                            progress=False).objects()
+    assert got["v"] == [[{1: "a", "1": "b"}]] and type(got["betas"]) is tuple and got["betas"] == (0.9, 0.999)
 
 
 # --------------------------------------------------------------------------------------------- DCP

@@ -8,7 +8,9 @@ no control characters.
 Unicode: tensor and object names must be in NFC form (a name in NFD or another non-NFC spelling is
 refused, naming its NFC form), so two spellings of one visible name can never become two tensors;
 bidirectional controls (right-to-left marks and overrides, isolates) are refused because they make a
-name display differently from what it is.
+name display differently from what it is, and so are invisible characters (zero-width joiners and spaces,
+other format characters, variation selectors, fillers, spaces other than U+0020, lone surrogates): a name
+with one looks identical to the name without it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,20 @@ __all__ = ["tensor_name", "object_name", "run_name", "tag_name", "state_name"]
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _STATE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_FILLERS = frozenset("\u115f\u1160\u3164\uffa0\u034f")
 _BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _invisible(name: str) -> str | None:
+    """The first character of ``name`` that shows nothing or looks like a space: format characters (Cf: zero
+    width joiners and spaces, soft hyphen, BOM, tag characters), lone surrogates, variation selectors, the
+    Hangul fillers and every space other than U+0020."""
+    for ch in name:
+        cat = unicodedata.category(ch)
+        if cat in ("Cf", "Cs", "Zl", "Zp") or (cat == "Zs" and ch != " ") or ch in _FILLERS \
+                or 0xFE00 <= ord(ch) <= 0xFE0F or 0xE0100 <= ord(ch) <= 0xE01EF or 0x180B <= ord(ch) <= 0x180F:
+            return ch
+    return None
 
 
 def _check_path_like(kind: str, name: str, max_len: int) -> str:
@@ -37,6 +52,14 @@ def _check_path_like(kind: str, name: str, max_len: int) -> str:
     if bidi:
         raise InvalidNameError(f"{kind} name {name!r} contains the bidirectional control U+{ord(bidi.group()):04X}; "
                                "it would display differently from what it names")
+    hidden = _invisible(name)
+    if hidden is not None and unicodedata.category(hidden) == "Cs":
+        raise InvalidNameError(f"{kind} name {ascii(name)} contains the lone surrogate U+{ord(hidden):04X}, which "
+                               "UTF-8 (and so the catalog) cannot store")
+    if hidden is not None:
+        raise InvalidNameError(f"{kind} name {ascii(name)} contains the invisible character U+{ord(hidden):04X} "
+                               f"({unicodedata.name(hidden, unicodedata.category(hidden))}); two names differing only "
+                               "in it would look the same")
     nfc = unicodedata.normalize("NFC", name)
     if nfc != name:
         raise InvalidNameError(f"{kind} name {ascii(name)} is not in Unicode NFC form; use {ascii(nfc)} (NFC and NFD "

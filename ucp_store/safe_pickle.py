@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ucp_store import inputs
 from ucp_store.errors import SourceFormatError, UnsafePickleError
 
 __all__ = [
@@ -203,6 +204,7 @@ def _torch_default_globals() -> set[str]:
 
 
 def _read_pickle_bytes(path: str) -> bytes:
+    inputs.check_regular(path, "torch file")
     try:
         with zipfile.ZipFile(path) as zf:
             names = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
@@ -242,7 +244,7 @@ def load(path: str | os.PathLike, *, mmap: bool = True, what: str | None = None)
     :class:`SourceFormatError` for a missing, truncated or non-torch file. Never unpickles unsafely."""
     path = os.fspath(path)
     label = what or "file"
-    if not os.path.isfile(path):
+    if not inputs.present(path, label):
         raise SourceFormatError(f"{path}: {label} is missing")
     bad = _unsafe(path)
     if bad:
@@ -552,10 +554,9 @@ def load_dcp_metadata(path: str | os.PathLike) -> Any:
     import pickletools
 
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not inputs.present(path, "DCP metadata file"):
         raise SourceFormatError(f"{path}: DCP metadata file is missing")
-    with open(path, "rb") as f:
-        data = f.read()
+    data = inputs.read_regular(path, "DCP metadata file")
     allow = _dcp_allow()
     # static pass first: every global named anywhere in the stream must be allowed, so nothing runs
     bad: list[str] = []

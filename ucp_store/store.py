@@ -35,7 +35,7 @@ from ucp_store import config, names
 from ucp_store._killpoints import killpoint
 from ucp_store.catalog import models as m
 from ucp_store.catalog.chains import stored_bytes
-from ucp_store.catalog.db import open_catalog
+from ucp_store.catalog.db import open_catalog, open_catalog_read_only
 from ucp_store.catalog.query import DEFAULT_QUERY_TIMEOUT_S, read_only_query
 from ucp_store.errors import (
     CatalogError,
@@ -94,8 +94,11 @@ def _installed_versions() -> dict[str, str]:
 
 def open_store(url: str | None = None, *, create: bool = False, catalog: str | None = None,
                compression: str | None = None, chunk_target_bytes: int | None = None,
-               sqlite_journal: str = "auto") -> "Store":
+               sqlite_journal: str = "auto", read_only: bool = False) -> "Store":
     """Open (or with ``create`` make) a store. ``url`` defaults to ``$UCP_STORE`` or ``./ucp-store``.
+
+    ``read_only``: open the catalog for reading only (``catalog.db.open_catalog_read_only``): nothing is
+    written, so a read-only mount or a full disk can be listed and read; every write is refused.
 
     ``sqlite_journal`` (a SQLite catalog): ``'auto'`` runs WAL, or the rollback journal (DELETE) when the
     catalog is on a network or cluster filesystem (NFS, Lustre, GPFS, CephFS, SMB, FUSE, ...: WAL needs every
@@ -113,8 +116,11 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
     fresh_root = create and location.kind == "file" and not os.path.exists(location.root)
     if create:
         location.ensure_root()
+    if read_only and create:
+        raise ConfigurationError("open_store: create=True and read_only=True exclude each other")
     try:
-        catalog_db = open_catalog(location.catalog_url, create=create, sqlite_journal=sqlite_journal)
+        catalog_db = open_catalog_read_only(location.catalog_url) if read_only else \
+            open_catalog(location.catalog_url, create=create, sqlite_journal=sqlite_journal)
     except BaseException:
         if fresh_root:  # an unreachable or refused catalog leaves no empty store folder behind
             for folder in (os.path.join(location.root, ARRAYS_DIR), location.root):

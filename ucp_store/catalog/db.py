@@ -58,6 +58,8 @@ if TYPE_CHECKING:  # pragma: no cover - alembic loads only when a schema is crea
 __all__ = [
     "Catalog",
     "open_catalog",
+    "open_catalog_read_only",
+    "unwritable_reason",
     "revision_at",
     "current_revision",
     "head_revision",
@@ -394,6 +396,9 @@ class Catalog:
     ``run_write()``, which take SQLite's write lock at BEGIN (``BEGIN IMMEDIATE``).
     """
 
+    #: opened by :func:`open_catalog_read_only`: every write is refused by the database
+    read_only: bool = False
+
     def __init__(self, url: str, engine: Engine, *, write_attempts: int = DEFAULT_WRITE_ATTEMPTS,
                  busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS):
         self.url = str(url)
@@ -667,6 +672,11 @@ def open_catalog(
             _migrate(catalog, "head", create=create, allow_upgrade=upgrade)
     except exc.OperationalError as e:
         catalog.close()
+        db = _sqlite_file(_parse_url(url))
+        why = unwritable_reason(db.parent) if db is not None else None
+        if why is not None:
+            raise CatalogError(f"catalog {catalog.display_url} cannot be opened for writing: {why} (commands that only "
+                               "read, such as ls, show, verify and export, open it read-only and still work)") from e
         raise CatalogError(f"catalog {catalog.display_url} cannot be opened: {redact(getattr(e, 'orig', e))}") from e
     except exc.DatabaseError as e:  # e.g. SQLite's "file is not a database": random bytes, another format
         catalog.close()
@@ -711,3 +721,114 @@ def downgrade_to(url: str, revision: str) -> None:
             command.downgrade(_alembic_config(connection=conn), revision)
     finally:
         catalog.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Read-only opens (issue 40: a read-only store, a full disk)
+
+def _wal_pending(path: Path) -> bool:
+    """Whether a WAL file next to the SQLite catalog holds frames (transactions not yet in the main file)."""
+    try:
+        return os.path.getsize(f"{path}-wal") > 0
+    except OSError:
+        return False
+
+
+def _read_only_sqlite_engine(path: Path, busy_timeout_ms: int, immutable: bool) -> Engine:
+    from urllib.parse import quote
+
+    from sqlalchemy.pool import QueuePool
+
+    uri = f"file:{quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
+
+    def connect():
+        con = sqlite3.connect(uri, uri=True, timeout=busy_timeout_ms / 1000.0, check_same_thread=False)
+        con.isolation_level = None  # SQLAlchemy emits BEGIN (below)
+        con.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        con.execute("PRAGMA query_only = ON")
+        con.execute("PRAGMA foreign_keys = ON")
+        return con
+
+    engine = create_engine("sqlite://", creator=connect, poolclass=QueuePool)
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN")
+
+    @event.listens_for(engine, "handle_error")
+    def _read_only_write(context):
+        if "readonly database" in str(context.original_exception):
+            raise CatalogError(f"catalog {display_url(sqlite_url(path))} was opened read-only (a command or "
+                               "open_store(read_only=True) that only reads); it cannot be written through this open")
+
+    return engine
+
+
+def unwritable_reason(path: str | os.PathLike) -> str | None:
+    """Why nothing can be written in the folder ``path`` (a read-only filesystem, no write permission), or
+    None when it looks writable."""
+    folder = os.fspath(path)
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only filesystem"
+    except OSError:
+        return None
+    if not os.access(folder, os.W_OK):
+        return f"{folder} is not writable by this user"
+    return None
+
+
+def open_catalog_read_only(url: str, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> Catalog:
+    """Open the catalog at ``url`` for reading only: nothing is written to it or beside it (no journal mode
+    switch, no migration, no settings), so a read-only mount, a catalog file the user cannot write, or a
+    full disk can still be listed and read.
+
+    SQLite: a ``mode=ro`` connection; where even that cannot open (a WAL catalog on a read-only filesystem
+    without its ``-shm`` file, or a full disk where SQLite cannot size that file), and no WAL file holds
+    transactions not yet in the main file, an ``immutable=1`` one (nothing can write there meanwhile).
+    PostgreSQL: every transaction ``READ ONLY``. A schema that is not this ucp_store's head is refused
+    (upgrading it is a write: ``ucp db upgrade``)."""
+    u = _parse_url(url)
+    shown = display_url(u)
+    path = _sqlite_file(u)
+    if path is None:
+        catalog = open_catalog(url, create=False, upgrade=False, busy_timeout_ms=busy_timeout_ms)
+        if catalog.dialect == "postgresql":
+            @event.listens_for(catalog.engine, "begin")
+            def _read_only_txn(conn):
+                conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        return catalog
+    if not path.exists():
+        raise CatalogError(f"catalog {shown} does not exist (no file {path})")
+    failure: BaseException | None = None
+    for immutable in (False, True):
+        if immutable and _wal_pending(path):
+            break
+        catalog = Catalog(u.render_as_string(hide_password=False),
+                          _read_only_sqlite_engine(path, busy_timeout_ms, immutable))
+        try:
+            with catalog.engine.connect() as conn:
+                rev = _read_revision(conn, shown)
+        except exc.OperationalError as e:
+            catalog.close()
+            failure = e
+            continue
+        except exc.DatabaseError as e:
+            catalog.close()
+            raise CatalogError(_unreadable(catalog, e)) from e
+        if immutable:
+            log.info("catalog %s opened immutable (read-only; %s)", shown, getattr(failure, "orig", failure))
+        head = _quick_head() or head_revision()
+        if rev != head:
+            catalog.close()
+            if rev is None:
+                raise CatalogError(f"catalog {shown} has not been created (no schema revision)")
+            _refuse_unknown(rev, shown)
+            raise SchemaVersionError(f"catalog {shown} has schema revision {rev!r}, older than this ucp_store's "
+                                     f"{head!r}; it was opened read-only, so it is not upgraded: run 'ucp db "
+                                     "upgrade' where the catalog can be written")
+        catalog.read_only = True
+        return catalog
+    why = getattr(failure, "orig", failure)
+    waiting = " (its WAL file holds transactions not yet in the main file)" if _wal_pending(path) else ""
+    raise CatalogError(f"catalog {shown} cannot be opened read-only: {why}{waiting}")

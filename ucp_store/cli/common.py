@@ -33,10 +33,25 @@ def add_common(p: argparse.ArgumentParser, top: bool) -> None:
                    help="no progress bars")
 
 
+#: commands that only read: their store is opened read-only (nothing written, not even a journal mode), so a
+#: read-only mount or a full disk can still be listed, shown, verified and exported from
+READ_ONLY_COMMANDS = frozenset({"ls", "show", "log", "query", "read", "stats", "diff", "verify", "export", "plan",
+                                "plot"})
+
+
+def reads_only(args: Any) -> bool:
+    """Whether the command line only reads the store (``gc --dry-run`` included)."""
+    command = getattr(args, "command", None)
+    return command in READ_ONLY_COMMANDS or (command == "gc" and bool(getattr(args, "dry_run", False)))
+
+
 def open_from_args(args: Any, *, create: bool = False, **settings: Any) -> Store:
-    """The store named by ``--store`` / ``--catalog`` (or their environment defaults)."""
+    """The store named by ``--store`` / ``--catalog`` (or their environment defaults); read-only for the
+    commands that only read (:func:`reads_only`)."""
     from ucp_store.store import open_store
 
+    if not create and reads_only(args):
+        settings["read_only"] = True
     return open_store(args.store, create=create, catalog=args.catalog,
                       sqlite_journal=getattr(args, "sqlite_journal", "auto"), **settings)
 

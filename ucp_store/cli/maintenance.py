@@ -18,9 +18,20 @@ __all__ = ["COMMANDS", "cmd_gc", "cmd_retention", "cmd_db", "cmd_delta"]
 def cmd_gc(args: Any) -> int:
     """Apply retention, drop unfinished saves, delete unreferenced arrays (``--dry-run``: only report)."""
     _check_retention_flags(args)
-    store = open_from_args(args)
-    report = store.gc(run=args.run, keep_last=args.keep_last, keep_every=args.keep_every,
-                      keep_tagged=not args.no_keep_tagged, dry_run=args.dry_run)
+    from ucp_store.registry.room import with_room
+
+    opened: list = []
+
+    def run_gc(store):
+        opened.append(store)
+        return store.gc(run=args.run, keep_last=args.keep_last, keep_every=args.keep_every,
+                        keep_tagged=not args.no_keep_tagged, dry_run=args.dry_run)
+
+    # on a full disk, the files of the versions retention removes go first to make room (registry/room.py)
+    report = with_room(lambda: open_from_args(args), lambda: open_from_args(args, read_only=True),
+                       lambda ro: ro.retention_victims(args.run, keep_last=args.keep_last, keep_every=args.keep_every,
+                                                       keep_tagged=not args.no_keep_tagged), run_gc)
+    store = opened[-1]
     if args.json:
         print_json(report.to_json())
     else:

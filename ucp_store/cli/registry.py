@@ -148,9 +148,11 @@ def cmd_tag(args: Any) -> int:
 
 def cmd_rm(args: Any) -> int:
     """Remove versions (their arrays go at the next ``gc`` once unreferenced)."""
-    store = open_from_args(args)
-    for ref in args.refs:
-        cid = store.rm(ref, force=args.force)
+    from ucp_store.registry.room import rm_victims, with_room
+
+    for ref in args.refs:  # on a full disk, the version's own files go first to make room (registry/room.py)
+        cid = with_room(lambda: open_from_args(args), lambda: open_from_args(args, read_only=True),
+                        rm_victims([ref], args.force), lambda store: store.rm(ref, force=args.force))  # noqa: B023
         print(f"removed {ref} ({cid})")
     return EXIT_OK
 

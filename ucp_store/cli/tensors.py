@@ -25,9 +25,14 @@ def cmd_read(args: Any) -> int:
     index = parse_slice(args.slice) if args.slice else ()
     data = handle.read_numpy(index)
     if args.out:
+        from ucp_store.io import space
+
         tmp = args.out + ".tmp.npy"
+        needed = np.asarray(data).nbytes + 128  # the .npy header
         try:
-            np.save(tmp, np.asarray(data), allow_pickle=False)
+            with space.guard(args.out, needed, f"tensor {handle.info.name!r} as .npy"):
+                space.require(args.out, needed, f"tensor {handle.info.name!r} as .npy")
+                np.save(tmp, np.asarray(data), allow_pickle=False)
             os.replace(tmp, args.out)
         except BaseException:  # e.g. --out names a folder: the rename fails; leave no temporary file
             if os.path.lexists(tmp):

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from ucp_store import inputs
 from ucp_store.patterns import Placement
 
 __all__ = [
@@ -98,7 +99,7 @@ def hash_files(root: str, files: Sequence[str], *, workers: int | None = None) -
 
     def one(f):
         h = xxhash.xxh3_128()
-        with open(os.path.join(root, f), "rb", buffering=0) as fh:
+        with inputs.open_regular(os.path.join(root, f), "DeepSpeed file") as fh:
             buf = bytearray(8 << 20)
             view = memoryview(buf)
             while True:

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ucp_store import inputs
 from ucp_store import names as _names
 from ucp_store import safe_pickle as sp
 from ucp_store._killpoints import killpoint
@@ -66,6 +67,7 @@ from ucp_store.deepspeed.merge import ParamRecord, UniversalInfo, pattern_for, w
 from ucp_store.deepspeed.source import param_groups
 from ucp_store.errors import ConfigurationError, ConflictError, DTypeError, InvalidNameError, SourceFormatError
 from ucp_store.formats.base import destination, import_source
+from ucp_store.io import space
 from ucp_store.patterns import Averaged, Fused, Partitioned, Replicated, Vocab, parse_pattern
 
 __all__ = ["export_universal", "import_universal", "read_universal", "plan_export", "UniversalFolderReader",
@@ -283,11 +285,15 @@ def export_universal(checkpoint, out_root: str | os.PathLike, tag: str | None = 
     settings = _export_settings(objs, style, deepspeed_objects)
     paths = _export_paths(checkpoint, out_root, tag, overwrite)
     by_name, jobs = _export_jobs(checkpoint, target, paths.root_real, paths.zero, settings.weight_only_fallback)
+    needed = sum(_export_nbytes(states, settings.weight_only_fallback) for states in by_name.values())
+    what = f"the universal folder of {checkpoint.run}@{checkpoint.step}"
+    space.require(paths.root_real, needed, what)
     made_root = not os.path.isdir(paths.out_root)
     os.makedirs(paths.zero)  # after every check above: a refused export writes nothing (not even out_root)
     try:
-        _write_params(checkpoint, jobs, settings, workers, progress)
-        _write_common(checkpoint, objs, by_name, settings, paths.partial)
+        with space.guard(paths.root_real, needed, what):
+            _write_params(checkpoint, jobs, settings, workers, progress)
+            _write_common(checkpoint, objs, by_name, settings, paths.partial)
         if os.path.lexists(paths.final):
             replace_dir(paths.partial, paths.final)
         else:
@@ -430,7 +436,41 @@ def _export_jobs(checkpoint, target: Any, root_real: str, zero: str, weight_only
         if "fp32" not in states and "weight" in states and weight_only_fallback:
             _check_fp32_cast(checkpoint, states["weight"])
         jobs.append(ExportJob(name, states, safe_dir(root_real, zero, name)))
+    _refuse_path_clashes(checkpoint, by_name, weight_only_fallback)
     return by_name, jobs
+
+
+def _export_nbytes(states: dict[str, Any], weight_only_fallback: bool) -> int:
+    """The tensor bytes one parameter's universal files hold (the files' pickle framing aside)."""
+    if "fp32" in states:
+        return sum(i.nbytes for st, i in states.items() if st != "weight")
+    if "weight" in states and weight_only_fallback:
+        w = states["weight"]
+        return math.prod(w.shape) * 4  # written as a float32 master
+    return 0
+
+
+def _refuse_path_clashes(checkpoint, by_name, weight_only_fallback: bool) -> None:
+    """Refuse, naming both tensors, a version where one tensor's file under ``zero/`` is another tensor's
+    folder (``x`` writes ``zero/x/fp32.pt``; a tensor ``x/fp32.pt`` needs that path as its folder), or a tensor
+    folder is ``zero/optimizer_state.pt``: found before anything is written, not as "Is a directory"."""
+    files = {"optimizer_state.pt": None}  # path under zero/ -> the tensor writing it (None: the export itself)
+    for name, states in by_name.items():
+        if "fp32" in states:
+            files.update({f"{name}/{st}.pt": name for st in states if st != "weight"})
+        elif "weight" in states and weight_only_fallback:
+            files[f"{name}/fp32.pt"] = name
+    for name in by_name:
+        parts = name.split("/")
+        for i in range(1, len(parts) + 1):
+            folder = "/".join(parts[:i])
+            if folder in files:
+                owner = files[folder]
+                whose = f"tensor {owner!r} writes" if owner is not None else "the export writes"
+                raise ConflictError(
+                    f"{checkpoint.run}@{checkpoint.step} cannot be a DeepSpeed universal folder: tensor {name!r} needs "
+                    f"zero/{folder} as a folder, but {whose} the file zero/{folder}; rename one of them or export "
+                    "with 'ucp export torch' or 'ucp export dcp'")
 
 
 #: stored dtypes a weight may have to become a universal ``fp32.pt`` master (``float32``, as DeepSpeed keeps it)
@@ -620,7 +660,7 @@ class UniversalFolderReader:
                                     "output of ds_to_universal: zero/<param>/fp32.pt, zero/optimizer_state.pt, "
                                     "mp_rank_*_model_states.pt)")
         opt_path = os.path.join(zero, "optimizer_state.pt")
-        if not os.path.isfile(opt_path):
+        if not inputs.present(opt_path, "universal optimizer state"):
             raise SourceFormatError(f"{opt_path}: missing (every universal folder has zero/optimizer_state.pt)")
         model_files = sorted(f for f in os.listdir(folder) if UNIVERSAL_MODEL_FILE_RE.match(f))
         if not model_files:

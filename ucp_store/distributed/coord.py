@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ucp_store import typed_json
 from ucp_store.errors import UcpError
 
 __all__ = ["NoCatalog", "broadcast_bytes", "decode", "detached_checkpoint", "detached_store", "encode",
@@ -286,7 +287,7 @@ def read_prefetched(ck, names) -> dict:
             continue
         kind, value = row
         if kind == "json":
-            out[name] = value
+            out[name] = typed_json.decode(value)
             continue
         layout = fmt.ArrayLayout.from_catalog(value["dtype"], value["shape"], value["chunk_shape"],
                                               value["shard_shape"], value["codecs"])

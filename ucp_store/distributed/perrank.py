@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ucp_store import typed_json
 from ucp_store.distributed.layout import mesh_facts
 from ucp_store.distributed.rankstate import (
     PerRankEntry,
@@ -207,7 +208,7 @@ def _read_catalog_entries(ck, wanted: list[str]) -> dict[str, Any]:
                                                       m.StoredObject.name.in_(wanted)))
         for o in rows:
             if o.kind == "json":
-                out[o.name] = o.value
+                out[o.name] = typed_json.decode(o.value)
                 continue
             a = o.array
             layout = fmt.ArrayLayout.from_catalog(a.dtype, a.shape, a.chunk_shape, a.shard_shape, a.codecs)

@@ -36,7 +36,7 @@ from typing import (
     runtime_checkable,
 )
 
-from ucp_store import config
+from ucp_store import config, typed_json
 from ucp_store._killpoints import killpoint
 from ucp_store.errors import SourceFormatError, UcpError
 
@@ -203,9 +203,9 @@ def _content(value: Any) -> Any:
         import hashlib
 
         return ("array", str(value.dtype), tuple(value.shape), hashlib.blake2b(value.tobytes()).hexdigest())
-    try:
-        return json.dumps(value, sort_keys=True, allow_nan=True)
-    except (TypeError, ValueError):  # keys of mixed types, or not JSON at all: compared by their repr
+    try:  # the stored form: a tuple and a list, or 1 and "1" as keys, are different content
+        return json.dumps(typed_json.encode(value), sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError, UcpError):  # not storable at all: compared by their repr
         return repr(value)
 
 

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from ucp_store import inputs
 from ucp_store._killpoints import killpoint
 from ucp_store.errors import ConfigurationError, SourceFormatError, UnsafePickleError
 from ucp_store.formats.base import TensorRecord, import_source
+from ucp_store.io import space
 
 __all__ = ["TorchFileSource", "TorchFileSink", "import_torch_file", "export_torch_file", "load_weights_only",
            "flatten", "unique_leaves"]
@@ -24,9 +26,7 @@ __all__ = ["TorchFileSource", "TorchFileSink", "import_torch_file", "export_torc
 
 def load_weights_only(path: str) -> Any:
     """torch.load with weights_only=True; a refused global becomes UnsafePickleError naming it."""
-    if not os.path.isfile(path):
-        raise SourceFormatError(f"torch file {path} does not exist")
-    with open(path, "rb") as f:
+    with inputs.open_regular(path, "torch file") as f:
         head = f.read(2)
     # torch.save writes a zip archive (PK) or, legacy, a pickle (protocol 2+ opens with 0x80): anything else
     # (an empty file, an image, text) is not a torch file, whatever torch.load would make of it
@@ -49,7 +49,7 @@ def load_weights_only(path: str) -> Any:
 
 
 def _zipfile(path: str) -> bool:
-    with open(path, "rb") as f:
+    with inputs.open_regular(path, "torch file") as f:
         return f.read(4) == b"PK\x03\x04"
 
 
@@ -82,20 +82,21 @@ def unique_leaves(leaves: list[tuple[str, Any]], what: str) -> list[tuple[str, A
 
 
 def _jsonable(value: Any, what: str = "") -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
+    """A non-tensor leaf as an object the store keeps exactly (``typed_json``: tuples, non-string keys and
+    numpy scalars keep their types); a ``torch.Size`` becomes a tuple, anything else its ``repr``."""
+    if type(value) in (str, int, float, bool, type(None)):
         return value
-    if isinstance(value, (list, tuple)):
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and hasattr(value, "dtype"):
+        return value
+    if type(value) is list:
         return [_jsonable(v, what) for v in value]
+    if isinstance(value, tuple):  # torch.Size, a named tuple: their items as a plain tuple
+        return tuple(_jsonable(v, what) for v in value)
     if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if str(k) in out:
-                raise SourceFormatError(f"{what}: a dict holds both {k!r} and another key written {str(k)!r}; as "
-                                        "JSON one of them would be lost")
-            out[str(k)] = _jsonable(v, what)
-        return out
-    if isinstance(value, torch.Size):
-        return list(value)
+        return {k if type(k) in (str, int, float, bool, type(None), tuple) else repr(k): _jsonable(v, what)
+                for k, v in value.items()}
+    if isinstance(value, (str, int, float)):  # subclasses (an enum): their plain value
+        return (str if isinstance(value, str) else float if isinstance(value, float) else int)(value)
     return repr(value)
 
 
@@ -124,7 +125,7 @@ class TorchFileSource:
 
     def provenance(self) -> dict:
         h = hashlib.sha256()
-        with open(self.path, "rb") as f:
+        with inputs.open_regular(self.path, "torch file") as f:
             for block in iter(lambda: f.read(1 << 24), b""):
                 h.update(block)
         return {"source_kind": self.kind, "source_path": self.path,
@@ -165,11 +166,15 @@ def export_torch_file(checkpoint, path: str, *, state: str | None = None, progre
     if not os.path.isdir(parent):
         raise ConfigurationError(f"cannot write torch file {path}: folder {parent} does not exist")
     infos = checkpoint.tensors(state=chosen)
+    needed = sum(i.nbytes for i in infos)
+    what = f"the torch file of {checkpoint.run}@{checkpoint.step}"
+    space.require(path, needed, what)  # before anything is read
     out = {i.name: checkpoint.read(i.name, i.state)
            for i in track(infos, "export", enabled=progress, weight=lambda i: i.nbytes)}
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        torch.save(out, tmp)
+        with space.guard(path, needed, what):
+            torch.save(out, tmp)
         killpoint("export.torch")
         os.replace(tmp, path)  # never leave a half-written file under the final name
     except BaseException:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Text, cast, select
 
+from ucp_store import typed_json
 from ucp_store._lazy import lazy_module
 from ucp_store.catalog import models as m
 from ucp_store.catalog.chains import base_chains
@@ -517,14 +518,14 @@ class Checkpoint:
     # --- objects --------------------------------------------------------------------------------
     def objects(self) -> dict[str, Any]:
         """``name -> value``: JSON values exactly as saved (``1.0`` stays a float, ``-0.0`` keeps its sign, big
-        integers stay integers, NaN/Infinity come back; JSON has one sequence type, so a tuple comes back as
-        a list), array objects as tensors. Rows written before migration 0004 on SQLite may have lost a
-        top-level ``1.0`` -> ``1`` already (see ``migrations/versions/0004_object_value_text.py``)."""
+        integers stay integers, NaN/Infinity come back, tuples, non-string dict keys and numpy scalars keep
+        their types: ``typed_json``), array objects as tensors. Rows written before migration 0004 on SQLite
+        may have lost a top-level ``1.0`` -> ``1`` already (see ``migrations/versions/0004_object_value_text.py``)."""
         out = {}
         with self.store.catalog.session() as s:
             for o in s.scalars(select(m.StoredObject).where(m.StoredObject.checkpoint_id == self.id)):
                 if o.kind == "json":
-                    out[o.name] = o.value
+                    out[o.name] = typed_json.decode(o.value)
                 else:
                     a = o.array
                     layout = fmt.ArrayLayout.from_catalog(a.dtype, a.shape, a.chunk_shape, a.shard_shape, a.codecs)

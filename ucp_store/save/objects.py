@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 import torch
 
-from ucp_store import dtypes, names
+from ucp_store import dtypes, names, typed_json
 from ucp_store.catalog import models as m
 from ucp_store.errors import DuplicateEntryError, ValidationError
 from ucp_store.save.arrays import ArrayWriter
@@ -17,29 +16,19 @@ __all__ = ["ObjectWriter", "check_json"]
 
 
 def check_json(name: str, value: Any) -> Any:
-    """``value`` as the catalog will give it back (``json``'s view: tuples become lists, ``1.0``, ``-0.0``,
-    big integers and NaN/Infinity stay what they are), or a ValidationError naming the object. A dict whose
-    keys ``json`` makes equal (``1`` and ``"1"``) is refused: the catalog would keep only one of them."""
-
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out = dict(pairs)
-        if len(out) != len(pairs):  # only converted keys can repeat: a Python dict has no duplicate keys
-            seen: set[str] = set()
-            for key, _ in pairs:
-                if key in seen:
-                    raise ValidationError(f"object {name!r}: two keys of one dict are both stored as the JSON key "
-                                          f"{key!r} (e.g. 1 and '1'); one of them would be lost")
-                seen.add(key)
-        return out
-
+    """``value`` as the catalog stores it: plain JSON, with tuples, non-string dict keys and numpy scalars
+    tagged (``typed_json``) so that :meth:`Checkpoint.objects` gives back the same types (``1.0`` stays a
+    float, ``-0.0`` keeps its sign, big integers and NaN/Infinity stay what they are). What cannot be kept
+    exactly (a set, an enum, a lone surrogate, ...) is a ValidationError naming the path inside the object."""
     try:
-        return json.loads(m.encode_json(value), object_pairs_hook=unique)
+        encoded = typed_json.encode(value, f"objects[{name!r}]")
+        m.encode_json(encoded)  # NaN/Infinity, integers of any size: what the column writes
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"object {name!r} is not JSON-serialisable ({exc}); store tensors as arrays, "
-                              "never pickle") \
-            from None
+                              "never pickle") from None
     except RecursionError:
         raise ValidationError(f"object {name!r} is nested too deeply to store as JSON") from None
+    return encoded
 
 
 class ObjectWriter:

@@ -61,9 +61,11 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from ucp_store import inputs, typed_json
 from ucp_store._killpoints import killpoint
 from ucp_store.errors import SourceFormatError, UcpError, UnsafePickleError
 from ucp_store.formats.base import TensorRecord, destination, import_source
+from ucp_store.io import space
 from ucp_store.records import model_order
 from ucp_store.save.writer import MAX_ELEMENTS
 
@@ -92,7 +94,7 @@ def read_dcp_metadata(folder: str) -> Any:
     if not os.path.isdir(folder):
         raise SourceFormatError(f"DCP checkpoint folder {folder} does not exist (or is not a folder)")
     path = os.path.join(folder, _METADATA)
-    if not os.path.isfile(path):
+    if not inputs.present(path, "DCP metadata file"):
         entries = sorted(os.listdir(folder))
         hint = ""
         if any(e.endswith(".safetensors") or e == "model.safetensors.index.json" for e in entries):
@@ -208,9 +210,9 @@ class _Files:
         m = self._maps.get(rel)
         if m is None:
             path = os.path.join(self.folder, rel)
-            if not os.path.isfile(path):
+            if not inputs.present(path, f"data file of {what}"):
                 raise SourceFormatError(f"{path}: data file of {what} is missing (named in {_METADATA})")
-            with open(path, "rb") as f:
+            with inputs.open_regular(path, f"data file of {what}") as f:
                 size = os.fstat(f.fileno()).st_size
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
             self._maps[rel] = m
@@ -590,12 +592,11 @@ class DcpSource:
 
     def provenance(self) -> dict:
         h = hashlib.sha256()
-        with open(os.path.join(self.folder, _METADATA), "rb") as f:
-            h.update(f.read())
+        h.update(inputs.read_regular(os.path.join(self.folder, _METADATA), "DCP metadata file"))
         sizes = {}
         for rel in self.data_files():
             p = os.path.join(self.folder, rel)
-            sizes[rel] = os.path.getsize(p) if os.path.isfile(p) else None
+            sizes[rel] = os.path.getsize(p) if inputs.present(p, "DCP data file") else None
         import torch as _t
 
         return {"source_kind": self.kind, "source_path": self.folder,
@@ -788,7 +789,7 @@ def read_object(checkpoint, name: str) -> Any:
         if o is None:
             raise UcpError(f"checkpoint {checkpoint.run}@{checkpoint.step} lacks object {name!r} its DCP index names")
         if o.kind == "json":
-            return o.value
+            return typed_json.decode(o.value)
         a = o.array
         layout = fmt.ArrayLayout.from_catalog(a.dtype, a.shape, a.chunk_shape, a.shard_shape, a.codecs)
         h = fmt.open_array(checkpoint.store.location, a.path, layout, checkpoint.store.context)
@@ -941,10 +942,15 @@ def export_dcp(checkpoint, dest: str, *, states: Iterable[str] | None = None, pr
                 return checkpoint.read(name, state).contiguous()
             return super().resolve_data(write_item)
 
+    sizes = {(i.name, i.state): i.nbytes for i in checkpoint.tensors()}
+    needed = sum(sizes.get(k, 0) for k in tensors.values()) + sum(len(v) for v in opaque.values())
+    what = f"the DCP folder of {checkpoint.run}@{checkpoint.step}"
+    space.require(dest, needed, what)
     tmp = f"{dest}.tmp-{os.getpid()}"
     try:
         writer = FileSystemWriter(tmp, thread_count=thread_count, overwrite=False)
-        with warnings.catch_warnings():  # "torch.distributed is not initialised: single process" is the intent
+        with warnings.catch_warnings(), space.guard(dest, needed, what):
+            # "torch.distributed is not initialised: single process" is the intent
             warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
             try:
                 dcp.save(sd, storage_writer=writer, planner=_Planner(), no_dist=True)

@@ -42,6 +42,8 @@ import atexit
 import dataclasses
 import hashlib
 import io
+import logging
+import multiprocessing.util
 import os
 import threading
 import weakref
@@ -480,18 +482,30 @@ def _save_group(group) -> Any:
 
 
 # -------------------------------------------------------------------------------------------- writer
-_PENDING: weakref.WeakSet = weakref.WeakSet()
+log = logging.getLogger("ucp_store.dcp")
+
+#: the coordinator's pending versions (CheckpointWriters), held strongly: a failed ``dcp.save`` often drops its
+#: UcpStorageWriter at once, and its pending version must still be aborted at exit
+_PENDING: set = set()
 _PENDING_LOCK = threading.Lock()
 
 
 def _abort_pending() -> None:
+    """Abort every pending version this process began and no save finished (at exit)."""
     with _PENDING_LOCK:
         writers = list(_PENDING)
+        _PENDING.clear()
     for w in writers:
-        w._drop_pending()
+        try:
+            w.abort()
+        except Exception as exc:  # noqa: BLE001 - at exit: say it, gc drops the version later
+            log.warning("ucp: could not abort pending version %s at exit: %s", getattr(w, "id", "?"), exc)
 
 
+# a normal exit aborts what a failed save left pending: atexit in the main process, and multiprocessing's own
+# exit hook in a process it started (a spawned or forked rank leaves through os._exit, which skips atexit)
 atexit.register(_abort_pending)
+multiprocessing.util.Finalize(None, _abort_pending, exitpriority=10)
 
 
 class UcpStorageWriter(StorageWriter):
@@ -595,12 +609,12 @@ class UcpStorageWriter(StorageWriter):
         writer = _catalog_begin(self.store, self.run, self.step,
                                 self.message or f"dcp.save from {len(plans)} rank(s) through {_SAVED_BY}")
         self._writer, self._keys = writer, keys
+        with _PENDING_LOCK:  # at once: a failure from here on leaves a pending version that exit must abort
+            _PENDING.add(writer)
         # positions in the state dict's order (the plans' keys, rank 0's first, in its order), states together
         writer.positions.set_order((str(keys[k].name), str(keys[k].state)) for k in md.state_dict_metadata
                      if k in keys and keys[k].kind in ("tensor", "whole"))
         self._paths = {k: list(v) for k, v in md.planner_data.items() if isinstance(v, (tuple, list))}
-        with _PENDING_LOCK:
-            _PENDING.add(self)
         out = []
         facts = store_facts(self.store)
         for rank, plan in enumerate(plans):
@@ -664,7 +678,7 @@ class UcpStorageWriter(StorageWriter):
         if writer is None:
             raise UcpError("UcpStorageWriter.finish: no pending version (prepare_global_plan did not run here)")
         with _PENDING_LOCK:
-            _PENDING.discard(self)
+            _PENDING.discard(writer)
         paths = dict(self._paths)
         if isinstance(metadata.planner_data, dict):
             paths.update({k: list(v) for k, v in metadata.planner_data.items() if isinstance(v, (tuple, list))})
@@ -679,7 +693,7 @@ class UcpStorageWriter(StorageWriter):
     def _drop_pending(self) -> None:
         writer, self._writer = self._writer, None
         with _PENDING_LOCK:
-            _PENDING.discard(self)
+            _PENDING.discard(writer)
         if writer is not None:
             writer.abort()
 

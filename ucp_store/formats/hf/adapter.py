@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ucp_store import config, dtypes, names
+from ucp_store import config, dtypes, inputs, names
 from ucp_store._killpoints import killpoint
 from ucp_store.errors import ConfigurationError, DTypeError, InvalidNameError, SourceFormatError, UcpError
 from ucp_store.formats.base import TensorRecord, destination, import_source, parse_json
 from ucp_store.formats.hf.names import NameMap, Piece, load_map, plan_outputs
+from ucp_store.io import space
 from ucp_store.io.window import read_failed
 
 if TYPE_CHECKING:
@@ -100,8 +101,8 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def read_header(path: str) -> SafetensorsHeader:
     """Parse and check a safetensors header against the file's size; SourceFormatError names file and tensor."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with inputs.open_regular(path, "safetensors file") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise SourceFormatError(f"safetensors file {path} is truncated: {size} bytes, shorter than the "
@@ -164,16 +165,36 @@ def read_header(path: str) -> SafetensorsHeader:
             raise SourceFormatError(f"{what}: data_offsets {offs} overrun the file: its data section has only "
                                     f"{data_len} bytes (file of {size} bytes truncated, or header corrupt)")
         entries[name] = (dtype, tuple(shape), offs[0], offs[1])
+    _check_tiling(path, entries, data_len)
     return SafetensorsHeader(path, data_start, entries, {str(k): str(v) for k, v in metadata.items()}, size)
+
+
+def _check_tiling(path: str, entries: dict[str, tuple[str, tuple[int, ...], int, int]], data_len: int) -> None:
+    """The tensors' byte ranges tile the data section exactly, as the safetensors reference requires
+    (``validate``: sorted by offsets, each starts where the previous ended, the last ends at the file's end):
+    no two names on the same bytes, no overlap, no gap, nothing after the last tensor."""
+    pos, prev = 0, None
+    for name, (_, _, start, end) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if start < pos:
+            assert prev is not None  # pos > 0 only after a tensor
+            kind = "the same bytes as" if entries[prev][2:] == (start, end) else "bytes of"
+            raise SourceFormatError(f"safetensors file {path}: tensor {name!r} (data_offsets [{start}, {end}]) "
+                                    f"overlaps {kind} tensor {prev!r} (data_offsets {list(entries[prev][2:])}); "
+                                    "each tensor must own its bytes")
+        if start > pos:
+            after = f"after tensor {prev!r}" if prev is not None else "at the start of the data section"
+            raise SourceFormatError(f"safetensors file {path}: a gap of {start - pos} bytes [{pos}, {start}) {after}, "
+                                    f"before tensor {name!r}; the tensors' data_offsets must tile the data section")
+        pos, prev = end, name
+    if pos != data_len:
+        raise SourceFormatError(f"safetensors file {path}: {data_len - pos} bytes after the last tensor "
+                                f"({prev!r}, ending at {pos}) that no tensor names; the tensors' data_offsets must "
+                                "tile the data section")
 
 
 # ------------------------------------------------------------------------------------------- import
 def _read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise SourceFormatError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    return inputs.read_regular(path)
 
 
 class HfSource:
@@ -187,11 +208,14 @@ class HfSource:
         self.path = os.path.abspath(os.fspath(path))
         self.state = state
         self.hash_sources = hash_sources
-        if os.path.isfile(self.path) and self.path.endswith(".safetensors"):
+        if self.path.endswith(".safetensors") and inputs.present(self.path, "safetensors file"):
             self.root, files, weight_map = os.path.dirname(self.path), [os.path.basename(self.path)], None
         elif os.path.isdir(self.path):
             self.root = self.path
             files, weight_map = self._files()
+        elif os.path.exists(self.path):
+            inputs.check_regular(self.path, "Hugging Face input")
+            raise SourceFormatError(f"Hugging Face input {self.path} is neither a folder nor a .safetensors file")
         else:
             raise SourceFormatError(f"Hugging Face folder {self.path} does not exist")
         self.files = files
@@ -216,15 +240,19 @@ class HfSource:
         self._objects: dict[str, Any] = {}
         for fname, obj in _JSON_FILES.items():
             p = os.path.join(self.root, fname)
-            if os.path.isfile(p):
-                self._objects[obj] = parse_json(_read_bytes(p), p)
+            if os.path.lexists(p):
+                value = parse_json(_read_bytes(p), p)
+                if not isinstance(value, dict):
+                    raise SourceFormatError(f"{p} is a JSON {type(value).__name__}, expected an object (a Hugging "
+                                            "Face config is a JSON object of settings)")
+                self._objects[obj] = value
         meta = next((h.metadata for h in self.headers if h.metadata), None)
         if meta:
             self._objects["hf.safetensors_metadata"] = meta
 
     def _files(self) -> tuple[list[str], dict[str, str] | None]:
         index = os.path.join(self.root, INDEX_NAME)
-        if os.path.isfile(index):
+        if inputs.present(index):
             data = parse_json(_read_bytes(index), index)
             wm = data.get("weight_map") if isinstance(data, dict) else None
             if not isinstance(wm, dict) or not wm:
@@ -235,12 +263,12 @@ class HfSource:
                 if not isinstance(f, str) or os.path.basename(f) != f or f in ("", ".", ".."):
                     raise SourceFormatError(f"{index}: shard {f!r} is not a plain file name in {self.root} "
                                             "(a shard never lives outside the model folder)")
-                if not os.path.isfile(os.path.join(self.root, f)):
+                if not inputs.present(os.path.join(self.root, f), "safetensors shard"):
                     held = [n for n, g in wm.items() if g == f]
                     raise SourceFormatError(f"{index}: shard {f} (holding {len(held)} tensor(s), e.g. {held[0]!r}) "
                                             f"is missing from {self.root}")
             return files, wm
-        if os.path.isfile(os.path.join(self.root, SINGLE_NAME)):
+        if inputs.present(os.path.join(self.root, SINGLE_NAME), "safetensors file"):
             return [SINGLE_NAME], None
         found = sorted(os.listdir(self.root))
         st = [f for f in found if f.endswith(".safetensors")]
@@ -303,7 +331,7 @@ def _hash_files(root: str, files: list[str]) -> dict[str, str]:
 
     def one(f: str) -> tuple[str, str]:
         h = xxhash.xxh3_128()
-        with open(os.path.join(root, f), "rb", buffering=0) as fh:
+        with inputs.open_regular(os.path.join(root, f)) as fh:
             size = os.fstat(fh.fileno()).st_size
             if size:
                 with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
@@ -632,27 +660,17 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
             offset_of[i] = len(header) + e[3]
         layouts.append((fname, header, len(header) + pos))
 
+    needed = sum(size for _, _, size in layouts)
+    what = f"the Hugging Face folder of {checkpoint.run}@{checkpoint.step}"
+    space.require(dest, needed, what)
     tmp = os.path.join(parent, f".{os.path.basename(dest)}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        _write_shards(checkpoint, tmp, layouts, pieces, out_dtypes, file_of, offset_of,
-                      f"export {os.path.basename(dest)}", progress)
-        cfg_out = dict(cfg)
-        if target is not None:
-            for key in ("dtype", "torch_dtype"):
-                if key in cfg_out or key == "dtype":
-                    cfg_out[key] = target
-        _write_json(os.path.join(tmp, "config.json"), cfg_out)
-        gen = objects.get(GENERATION_CONFIG_OBJECT)
-        if isinstance(gen, dict):
-            _write_json(os.path.join(tmp, "generation_config.json"), gen)
-        total_size = sum(nbytes)
-        if n > 1:
-            index = {"metadata": {"total_parameters": sum(math.prod(p.shape) for p in pieces),
-                                  "total_size": total_size},
-                     "weight_map": {p.name: file_of[i] for i, p in enumerate(pieces)}}
-            _write_json(os.path.join(tmp, INDEX_NAME), index)
+        with space.guard(dest, needed, what):
+            _write_shards(checkpoint, tmp, layouts, pieces, out_dtypes, file_of, offset_of,
+                          f"export {os.path.basename(dest)}", progress)
+            _write_configs(tmp, cfg, target, objects, pieces, file_of, nbytes)
         _fsync_dir(tmp)  # every file and the folder's entries durable before the rename shows them
         if os.path.isdir(dest):
             os.rmdir(dest)  # empty (checked above)
@@ -661,8 +679,27 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"dest": dest, "state": chosen, "tensors": len(pieces), "shards": n, "total_size": total_size,
+    return {"dest": dest, "state": chosen, "tensors": len(pieces), "shards": n, "total_size": sum(nbytes),
             "files": [fname for fname, _, _ in layouts]}
+
+
+def _write_configs(tmp: str, cfg: dict, target: str | None, objects: dict, pieces, file_of: list[str],
+                   nbytes: list[int]) -> None:
+    """``config.json`` (with the export's dtype), ``generation_config.json`` and, for several shards, the index."""
+    cfg_out = dict(cfg)
+    if target is not None:
+        for key in ("dtype", "torch_dtype"):
+            if key in cfg_out or key == "dtype":
+                cfg_out[key] = target
+    _write_json(os.path.join(tmp, "config.json"), cfg_out)
+    gen = objects.get(GENERATION_CONFIG_OBJECT)
+    if isinstance(gen, dict):
+        _write_json(os.path.join(tmp, "generation_config.json"), gen)
+    if len(set(file_of)) > 1:
+        index = {"metadata": {"total_parameters": sum(math.prod(p.shape) for p in pieces),
+                              "total_size": sum(nbytes)},
+                 "weight_map": {p.name: file_of[i] for i, p in enumerate(pieces)}}
+        _write_json(os.path.join(tmp, INDEX_NAME), index)
 
 
 def _load_config(config: "str | os.PathLike | Mapping") -> dict:
@@ -671,12 +708,12 @@ def _load_config(config: "str | os.PathLike | Mapping") -> dict:
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise ConfigurationError(f"config {path} cannot be read: {exc.strerror or exc}") from None
-    return parse_json(raw, f"config {path}", error=ConfigurationError)
+    raw = inputs.read_regular(path, "config", ConfigurationError)
+    value = parse_json(raw, f"config {path}", error=ConfigurationError)
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"config {path} is a JSON {type(value).__name__}, expected an object (a Hugging Face "
+                                 "config is a JSON object of settings)")
+    return value
 
 
 def _write_json(path: str, obj: Any) -> None:

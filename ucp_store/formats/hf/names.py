@@ -362,12 +362,9 @@ def load_map(spec: "str | os.PathLike | Mapping | NameMap") -> NameMap:
             raise ConfigurationError(f"name map {path}: no such file, and no shipped map of that name (shipped: "
                                      f"{', '.join(sorted(shipped)) or 'none'}){hint}")
     from ucp_store.formats.base import parse_json
+    from ucp_store.inputs import read_regular
 
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise ConfigurationError(f"name map {path} cannot be read: {exc.strerror or exc}") from None
+    raw = read_regular(path, "name map", ConfigurationError)
     return NameMap(parse_json(raw, f"name map {path}", error=ConfigurationError), origin=path)
 
 
