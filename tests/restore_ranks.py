@@ -67,9 +67,15 @@ def _save(spec: dict, mesh, out: dict) -> None:
     import ucp_store.distributed as ucpd
     from ucp_store.distributed import tiered
 
+    kill = spec.get("kill") or {}
     for step in spec["steps"]:
+        if kill.get("rank") == int(os.environ["RANK"]) and kill.get("step") == step:
+            from ucp_store import _killpoints
+
+            _killpoints.rearm(kill["point"])  # this rank SIGKILLs itself there (this save or its drain)
         res = ucpd.save(state(mesh, step), store=spec["store"], run="r", step=step, tier="fast", replicas=1,
-                        fast_tier=spec["fast"], progress=False, drain=spec.get("drain", False))
+                        fast_tier=spec["fast"], progress=False, drain=spec.get("drain", False),
+                        fast_keep=spec.get("fast_keep", 2))
         rec = {"step": step, "id": str(res), "safety": res.safety}
         if spec.get("drain"):
             rec["waited"] = res.wait("durable", timeout=120)
@@ -78,12 +84,21 @@ def _save(spec: dict, mesh, out: dict) -> None:
 
 
 def _load(spec: dict, mesh, out: dict) -> None:
+    if "refs" not in spec:
+        _load_one(spec, spec["ref"], mesh, out)
+        return
+    out["loads"] = []
+    for ref in spec["refs"]:
+        out["loads"].append({})
+        _load_one(spec, ref, mesh, out["loads"][-1])
+
+
+def _load_one(spec: dict, ref: str, mesh, out: dict) -> None:
     import torch
 
     import ucp_store.distributed as ucpd
     from ucp_store.distributed import restore
 
-    ref = spec["ref"]
     if ref == "newest":
         pick = restore.newest_restorable(spec["store"], "r")
         out["note"], ref = pick.note, pick.ref

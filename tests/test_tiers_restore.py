@@ -28,7 +28,7 @@ from ucp_store.tiers import placement as tp
 from ucp_test_helpers import PG_ENV, postgres_schema_url, run_python
 
 
-def _run(tmp_path: Path, catalog: str | None, name: str, **spec) -> list[dict]:
+def _run(tmp_path: Path, catalog: str | None, name: str, may_fail: bool = False, **spec) -> list[dict]:
     out = tmp_path / "out" / name
     spec = {"store": str(tmp_path / "store"), "fast": str(tmp_path / "fast" / "{node}"), "out": str(out),
             "world": len(spec["nodes"]), **spec}
@@ -36,6 +36,8 @@ def _run(tmp_path: Path, catalog: str | None, name: str, **spec) -> list[dict]:
     proc = run_python(["tests/restore_ranks.py", json.dumps(spec)], timeout=400, **env)
     outs = [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None
             for r in range(spec["world"])]
+    if may_fail:
+        return outs
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(o is not None and "error" not in o for o in outs), [o and o.get("trace") for o in outs]
     return outs
@@ -100,3 +102,58 @@ def test_restore_after_node_loss_corruption_and_two_lost_nodes(tmp_path: Path, c
         assert o["ref"] == "r@1" and o["differ"] == [] and o["step"] == 1
     note = outs[0]["note"]
     assert note and "\n" not in note and "r@2" in note and "r@1 (durable)" in note, note
+
+
+def _listed(tmp_path: Path, catalog: str | None) -> list[tuple[str, str, str | None, dict]]:
+    """(ref, id, stored safety, copies) of every committed version of run r; the stored safety is what the
+    rows show, and every complete copy the rows list is in place with its size and crc32c."""
+    st = ucp_store.open_store(str(tmp_path / "store"), catalog=catalog)
+    out = []
+    try:
+        for v in st.list_checkpoints("r"):
+            with st.catalog.session() as s:
+                level, shown, copies = tp.safety_of(s, v["id"]), tp.compute_safety(s, v["id"]), tp.copies(s, v["id"])
+            assert level == shown, (v["step"], level, shown)
+            for key, cs in copies.items():
+                assert cs, f"r@{v['step']}: {key} has no complete copy"
+                for c in cs:
+                    root = tmp_path / "store" if c.tier == "durable" else tmp_path / "fast" / c.node
+                    tobj.read_checked(root, key, c.crc32c, c.nbytes)
+            out.append((f"r@{v['step']}", v["id"], level, copies))
+    finally:
+        st.catalog.close()
+    return out
+
+
+def _loads_exact(tmp_path: Path, catalog: str | None, name: str, nodes: list[str], refs: list[str]) -> None:
+    for o in _run(tmp_path, catalog, name, nodes=nodes, mesh=[len(nodes)], action="load", refs=refs):
+        for ref, got in zip(refs, o["loads"]):
+            assert got["differ"] == [] and got["verified"][0], (name, ref, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["tier.replicate", "tier.drain", "tier.evict"])
+def test_a_kill_loses_nothing_listed(tmp_path: Path, catalog, point):
+    """A rank SIGKILLed while its node replicates, drains or evicts step 2 (steps 1-3 saved, each waiting for
+    durable, the fast tier keeping 1): every version stays listed at a level its copies show; every version
+    listed replicated or durable loads exact after the loss of any single node (its folder hidden), and every
+    version listed durable from the durable tier alone."""
+    outs = _run(tmp_path, catalog, "save", may_fail=True, nodes=["n0", "n1", "n2"], mesh=[3], action="save",
+                steps=[1, 2, 3], drain=True, fast_keep=1, timeout_s=20, kill={"rank": 1, "step": 2, "point": point})
+    assert outs[1] is None  # the killed rank wrote nothing
+    listed = _listed(tmp_path, catalog)
+    assert [r for r, _, _, _ in listed][:1] == ["r@1"] and listed[0][2] == "durable"
+    safe = [r for r, _, level, _ in listed if level in ("replicated", "durable")]
+    fast = tmp_path / "fast"
+    for lost in ("n0", "n1", "n2"):
+        if (fast / lost).exists():
+            (fast / lost).rename(fast / f"lost-{lost}")
+        try:
+            _loads_exact(tmp_path, catalog, f"without-{lost}", [n for n in ("n0", "n1", "n2") if n != lost], safe)
+        finally:
+            if (fast / f"lost-{lost}").exists():
+                (fast / f"lost-{lost}").rename(fast / lost)
+    durable = [r for r, _, level, _ in listed if level == "durable"]
+    for n in ("n0", "n1", "n2"):
+        shutil.rmtree(fast / n, ignore_errors=True)
+    _loads_exact(tmp_path, catalog, "durable-only", ["m0", "m1"], durable)

@@ -163,6 +163,7 @@ def _restore(sd: dict, job: dict, out: dict) -> int:
     res = ucpd.load(sd, store=job["store"], ref=pick.ref, fast_tier=job["fast"], progress=False, per_rank=policy)
     out["nearest_s"] = _max(time.perf_counter() - t0)
     out["tier_bytes"], out["job_tier_bytes"], out["bad"] = res.tier_bytes, res.job_tier_bytes, res.bad_copies
+    out["tier_seconds"], out["bytes_read"] = res.tier_seconds, res.bytes_read
     report = ucpd.verify(sd, pick.ref, store=job["store"], fast_tier=job["fast"], progress=False, per_rank=policy)
     out["verify_nearest"] = [report.ok, str(report)[:400]]
     if pick.safety == "durable":  # the same version from the durable tier alone

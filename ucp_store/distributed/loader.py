@@ -40,6 +40,7 @@ class LoadResult:
     tier_bytes: dict[str, int] | None = None
     job_tier_bytes: dict[str, int] | None = None  # the same, summed over every rank of the load
     bad_copies: list[str] = field(default_factory=list)  # one line per bad copy this rank found
+    tier_seconds: dict[str, float] | None = None  # this rank's time checking local copies, with peers, durable
 
 
 @dataclass
@@ -212,6 +213,7 @@ def load(state_dict: dict, *, store: Any = None, ref: str, strict: bool = True, 
                                         f"load of {ref}")
         if got is not None:
             result.tier_bytes, result.job_tier_bytes, result.bad_copies = got["bytes"], got["job"], got["bad"]
+            result.tier_seconds = got["seconds"]
     if error is None and view is not None and prep is not None:
         try:
             consumed = _read_and_apply(state_dict, ctx, view, prep, ref, progress, result)

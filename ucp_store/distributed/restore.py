@@ -25,6 +25,7 @@ when that is not the newest (e.g. two nodes lost under a ``replicated`` version:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -145,6 +146,8 @@ class _Round:
     bad: list[list[str]] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     bytes: dict[str, int] = field(default_factory=lambda: {"local": 0, "peer": 0, "durable": 0})
+    seconds: dict[str, float] = field(default_factory=lambda: {"local": 0.0, "peer": 0.0, "durable": 0.0,
+                                                               "decide": 0.0})
 
     def report_bad(self, key: str, node: str, why: str) -> None:
         where = f"node {node!r}'s fast tier" if node else "the durable tier"
@@ -290,21 +293,27 @@ def hydrate(ctx: Ctx, tiers: TierCopies, needed: set[str] | None, error: BaseExc
         root.mkdir(parents=True, exist_ok=True)
         st = _Round(root, name, tiers.copies, Location(**tiers.durable))
         if error is None and needed is not None:
+            t0 = time.perf_counter()
             _local_pass(st, needed)
+            st.seconds["local"] += time.perf_counter() - t0
     except BaseException as exc:  # noqa: BLE001 - every rank must learn about it
         error = error or exc
     failed = None if error is None else f"{type(error).__name__}: {error}"
     for _ in range(_MAX_ROUNDS):
         mine = {"node": "" if st is None else st.node, "error": failed, "want": [] if st is None else st.want,
                 "bad": [] if st is None else st.bad, "bytes": None if st is None else st.bytes}
+        t0 = time.perf_counter()
         answer = ctx.settle(mine, lambda parts: _decide_round(parts, tiers.copies), f"{what} (nearest copies)")
+        if st is not None:
+            st.seconds["decide"] += time.perf_counter() - t0
         if "error" in answer:
             if error is not None:
                 raise error
             raise UcpError(f"{what}: {answer['error']}")
         if answer.get("done"):
             assert st is not None
-            return {"root": st.root, "bytes": dict(st.bytes), "job": answer["job"], "bad": list(st.lines)}
+            return {"root": st.root, "bytes": dict(st.bytes), "job": answer["job"], "bad": list(st.lines),
+                    "seconds": dict(st.seconds)}
         assert st is not None
         failed = _run_round(ctx, st, answer)
     raise UcpError(f"{what}: the nearest copies did not settle in {_MAX_ROUNDS} rounds (copies kept failing)")
@@ -317,6 +326,7 @@ def _run_round(ctx: Ctx, st: _Round, answer: dict) -> str | None:
 
     st.want = []
     error = None
+    t0 = time.perf_counter()
     try:
         parts = _serve(st, answer["send"], ctx.world)
     except BaseException as exc:  # noqa: BLE001 - the round's collective runs on every rank regardless
@@ -336,7 +346,10 @@ def _run_round(ctx: Ctx, st: _Round, answer: dict) -> str | None:
         arrived = [memoryview(b"".join(bytes(a) for a in p)) for p in parts]
     try:
         st.want += _take(st, answer["recv"], arrived)
+        t1 = time.perf_counter()
+        st.seconds["peer"] += t1 - t0
         st.want += _from_durable(st, answer["durable"])
+        st.seconds["durable"] += time.perf_counter() - t1
     except BaseException as exc:  # noqa: BLE001
         error = error or exc
     return None if error is None else f"{type(error).__name__}: {error}"
