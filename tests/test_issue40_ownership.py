@@ -136,6 +136,21 @@ def test_init_refuses_a_new_catalog_for_an_existing_location(two_stores, ucp, tm
     rc, _, err = ucp("--store", b_dir, "--catalog", f"sqlite:///{tmp_path}/fresh.db", "init")
     assert rc == 1 and "are not one store" in err and "refusing to create a second catalog" in err
     assert _tree(b_dir) == before
+    assert not (tmp_path / "fresh.db").exists()  # the refusal leaves no empty catalog behind
+
+
+@pytest.mark.parametrize("two_stores", CATALOGS, indirect=True)
+def test_a_catalog_with_arrays_refuses_a_location_without_any_of_them(two_stores, ucp, tmp_path):
+    """A's catalog in front of an empty folder, or of A's own arrays/ folder taken for a store: no identity
+    file is written there and nothing is deleted; the catalog's versions still verify."""
+    a_dir, a_url = two_stores["A"]
+    for where in (tmp_path / "empty", a_dir / "arrays"):
+        where.mkdir(exist_ok=True)
+        before = _tree(a_dir)
+        rc, _, err = ucp("--store", where, "--catalog", a_url, "gc")
+        assert rc == 1 and "the catalog names arrays, and the location has no version folder" in err, err
+        assert not (where / IDENTITY_FILE).exists() and _tree(a_dir) == before
+    _verify_ok(a_dir, a_url, "a@1")
 
 
 def _forget_ids(folder: Path, url: str) -> None:

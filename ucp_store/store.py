@@ -105,14 +105,13 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
     process on one host); ``'wal'`` / ``'delete'`` force that mode (``ucp --sqlite-journal``)."""
     url = url or config.store_url() or DEFAULT_STORE
     location = Location.parse(url, catalog)
-    if not create and location.catalog_url.startswith("sqlite"):
+    db = _sqlite_file(location.catalog_url)
+    if not create and db is not None and not os.path.exists(db):
         # opening must not conjure an empty SQLite catalog out of a typo'd path
-        from sqlalchemy.engine import make_url
-
-        db = make_url(location.catalog_url).database or ""
-        if db not in ("", ":memory:") and not os.path.exists(db):
-            raise CatalogError(f"no store at {location.root} (no catalog {db}); create one with `ucp init` "
-                               "or create=True")
+        raise CatalogError(f"no store at {location.root} (no catalog {db}); create one with `ucp init` "
+                           "or create=True")
+    if create and db is not None and not os.path.exists(db) and location.exists():
+        identity.refuse_new_catalog(location, location.catalog_url)  # before the new catalog file is made
     fresh_root = create and location.kind == "file" and not os.path.exists(location.root)
     if create:
         location.ensure_root()
@@ -133,6 +132,20 @@ def open_store(url: str | None = None, *, create: bool = False, catalog: str | N
     if create:
         store.created = store._init_settings(compression, chunk_target_bytes)
     return store
+
+
+def _sqlite_file(url: str) -> str | None:
+    """The file of a SQLite catalog URL (None: another database, in memory, or a URL that does not parse,
+    which opening the catalog then refuses with its own message)."""
+    if not url.startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    try:
+        db = make_url(url).database or ""
+    except Exception:  # noqa: BLE001 (catalog.db refuses it, naming the URL with its credentials masked)
+        return None
+    return None if db in ("", ":memory:") else db
 
 
 def _step_number(ref: str, step: str) -> int:

@@ -60,8 +60,8 @@ __all__ = [
     "open_catalog",
     "open_catalog_read_only",
     "unwritable_reason",
-    "revision_at",
     "current_revision",
+    "revision_at",
     "head_revision",
     "known_revisions",
     "upgrade",
@@ -108,6 +108,11 @@ def display_url(url: str | URL) -> str:
         return redact(make_url(url).render_as_string(hide_password=True))
     except (exc.ArgumentError, ValueError, TypeError):
         return redact(url)
+
+
+def _why(e: BaseException) -> str:
+    """A driver's error on one line (libpq's spans several), credentials masked."""
+    return " ".join(redact(getattr(e, "orig", e)).split())
 
 
 def _parse_url(url: str | URL) -> URL:
@@ -426,7 +431,7 @@ class Catalog:
         spent = f" and {waited:.0f} s" if waited is not None else ""
         return CatalogError(
             f"catalog {self.display_url}: could not start a write transaction after {attempts} attempts{spent} "
-            f"(another process held its write lock the whole time); last error: {redact(getattr(e, 'orig', e))}"
+            f"(another process held its write lock the whole time); last error: {_why(e)}"
         )
 
     def _lock_notice(self) -> threading.Timer | None:
@@ -562,7 +567,7 @@ def revision_at(url: str) -> str | None:
     try:
         return current_revision(catalog)
     except exc.DBAPIError as e:
-        raise CatalogError(f"catalog {catalog.display_url} cannot be read: {redact(getattr(e, 'orig', e))}") from None
+        raise CatalogError(f"catalog {catalog.display_url} cannot be read: {_why(e)}") from None
     finally:
         catalog.close()
 
@@ -640,7 +645,7 @@ def _unreadable(catalog: Catalog, e: exc.DatabaseError) -> str:
     """The message for a catalog the database refuses as a whole (not a lock or a connection problem)."""
     what = "an SQLite database file that is corrupt or of another format" if catalog.dialect == "sqlite" else \
         "a database the server refuses"
-    return (f"catalog {catalog.display_url} cannot be opened: {redact(getattr(e, 'orig', e))} (expected a ucp catalog; "
+    return (f"catalog {catalog.display_url} cannot be opened: {_why(e)} (expected a ucp catalog; "
             f"found {what})")
 
 
@@ -677,7 +682,7 @@ def open_catalog(
         if why is not None:
             raise CatalogError(f"catalog {catalog.display_url} cannot be opened for writing: {why} (commands that only "
                                "read, such as ls, show, verify and export, open it read-only and still work)") from e
-        raise CatalogError(f"catalog {catalog.display_url} cannot be opened: {redact(getattr(e, 'orig', e))}") from e
+        raise CatalogError(f"catalog {catalog.display_url} cannot be opened: {_why(e)}") from e
     except exc.DatabaseError as e:  # e.g. SQLite's "file is not a database": random bytes, another format
         catalog.close()
         raise CatalogError(_unreadable(catalog, e)) from e
@@ -696,7 +701,7 @@ def upgrade(url: str, revision: str = "head", *, create: bool = False) -> tuple[
     try:
         return _migrate(catalog, revision, create=create, allow_upgrade=True)
     except exc.OperationalError as e:
-        raise CatalogError(f"catalog {catalog.display_url} cannot be upgraded: {redact(getattr(e, 'orig', e))}") from e
+        raise CatalogError(f"catalog {catalog.display_url} cannot be upgraded: {_why(e)}") from e
     except exc.DatabaseError as e:
         raise CatalogError(_unreadable(catalog, e)) from e
     finally:

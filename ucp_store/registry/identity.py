@@ -36,7 +36,7 @@ from ucp_store.errors import CatalogError, ReadError
 from ucp_store.io.location import ARRAYS_DIR, Location, is_version_folder
 
 __all__ = ["IDENTITY_FILE", "SETTING_KEY", "MismatchedStoreError", "catalog_id", "ensure_owned", "location_id",
-           "new_store_id", "record_new"]
+           "new_store_id", "record_new", "refuse_new_catalog"]
 
 #: the file (object) at the location's root that holds the store's id
 IDENTITY_FILE = "ucp-store.json"
@@ -120,7 +120,22 @@ def _why_not_one_store(location: Location, catalog: Any, session: Any) -> str | 
     n, known = _unknown_folders(location, session)
     if n and not known:
         return f"none of the {n} version folder(s) under {ARRAYS_DIR}/ is a version of this catalog"
+    if not n and session.scalar(select(m.Array.id).limit(1)) is not None:
+        return f"the catalog names arrays, and the location has no version folder under {ARRAYS_DIR}/"
     return None
+
+
+def refuse_new_catalog(location: Location, catalog_url: str) -> None:
+    """Before a new SQLite catalog file is created for ``location`` (``ucp init --catalog NEW``): refuse when
+    the location already belongs to a store (it has an id), so that the refusal leaves no empty catalog."""
+    loc = location_id(location)
+    if loc is not None:
+        from ucp_store.redact import redact
+
+        raise MismatchedStoreError(
+            f"catalog {redact(catalog_url)} and location {location.url} are not one store: the location is store "
+            f"{loc} ({location.display(IDENTITY_FILE)}) and the catalog is new; refusing to create a second catalog "
+            "for it (open it with its own catalog)")
 
 
 def ensure_owned(location: Location, catalog: Any, *, adopt: bool = True) -> str | None:
