@@ -531,7 +531,9 @@ CASES: list[Case] = [
     refused("postgres-refused", "api", nothing, CatalogError, "127.0.0.1", api=open_pg(None, port=1)),
     refused("postgres-silent-server", "api", silent_pg_server, CatalogError, "timeout expired",
          api=open_pg("pg_port", timeout="?connect_timeout=2")),
-    refused("s3-unreachable-bucket-cli", "cli", torch_good, EXIT_FAIL, "s3://nobucket/p/arrays/",
+    # issue 40: a write first reads the store's identity (ucp-store.json), which names the bucket too
+    refused("s3-unreachable-bucket-cli", "cli", torch_good, EXIT_FAIL,
+            ("s3://nobucket/p/arrays/", "s3://nobucket/p/ucp-store.json cannot be read"),
         cli=lambda ctx: ["import", "torch", str(ctx.inp / "w.pt"), "--run", "imp", "--step", "1", "--store",
                          unreachable_bucket_url(ctx), "--no-progress"]),
 ]

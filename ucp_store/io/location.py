@@ -33,7 +33,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
 from ucp_store import config
-from ucp_store.errors import ConfigurationError, InvalidNameError, ReadError
+from ucp_store.errors import ConfigurationError, InvalidNameError, ReadError, WriteError
 from ucp_store.redact import redact
 
 __all__ = ["ARRAYS_DIR", "Location", "array_path", "array_checkpoint", "checkpoint_dir", "is_array_folder",
@@ -301,8 +301,10 @@ class Location:
         opened without following a link and must be a regular file of at most ``limit`` bytes."""
         name = safe_rel(name)
         if self.kind != "file":
-            ts = _ts()
-            res = ts.KvStore.open(self.kvstore()).result().read(name.encode()).result()
+            try:
+                res = _ts().KvStore.open(self.kvstore()).result().read(name.encode()).result()
+            except Exception as exc:  # noqa: BLE001 (TensorStore's errors: an unreachable or refused bucket)
+                raise ReadError(f"{self.display(name)} cannot be read: {_first_line(exc)}") from None
             return None if res.state == "missing" else bytes(res.value)[:limit + 1]
         try:
             fd = os.open(os.path.join(self.root, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -324,7 +326,10 @@ class Location:
         then the folder fsynced; on a bucket one PUT)."""
         name = safe_rel(name)
         if self.kind != "file":
-            _ts().KvStore.open(self.kvstore()).result().write(name.encode(), data).result()
+            try:
+                _ts().KvStore.open(self.kvstore()).result().write(name.encode(), data).result()
+            except Exception as exc:  # noqa: BLE001 (TensorStore's errors: an unreachable or refused bucket)
+                raise WriteError(f"{self.display(name)} cannot be written: {_first_line(exc)}") from None
             return
         path = os.path.join(self.root, name)
         tmp = f"{path}.{os.getpid()}.part"
@@ -402,6 +407,11 @@ class Location:
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return redact(text.splitlines()[0]) if text else type(exc).__name__
 
 
 def _is_url(text: str) -> bool:
