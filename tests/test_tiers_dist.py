@@ -125,6 +125,19 @@ def test_replicated_without_drain_survives_either_node(tmp_path):
         _loads_exact(_store(tmp_path), ck, 5, tmp_path / "fast" / node)
 
 
+def test_async_save_to_the_fast_tier(tmp_path):
+    outs = _run(tmp_path, world=2, per_node=1, steps=[1, 2], wait="durable", fast_keep=1, **{"async": True})
+    ids = [r["id"] for r in outs[0]["steps"]]
+    assert [(r["safety"], r["waited"]) for r in outs[1]["steps"]] == [("replicated", "durable")] * 2
+    store = _store(tmp_path)
+    for step, ck in zip([1, 2], ids):  # the state at the call, not the one changed after it
+        assert _safety(store, ck) == "durable"
+        _copies_check_out(store, tmp_path, ck)
+        _loads_exact(_store(tmp_path), ck, step)
+    for node in ("n0", "n1"):
+        _loads_exact(_store(tmp_path), ids[1], 2, tmp_path / "fast" / node)
+
+
 def test_kill_during_replication_leaves_it_local(tmp_path):
     outs = _run(tmp_path, world=2, per_node=1, steps=[1], kill={"1": "tier.replicate"}, timeout_s=15)
     assert outs[1] is None  # killed

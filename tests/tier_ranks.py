@@ -3,7 +3,8 @@
 Run as ``python tests/tier_ranks.py SPEC_JSON``: ``world`` plain rank processes (one killed leaves the others to
 report), rank ``r`` on node ``n<r // per_node>`` (``UCP_NODE``), each node's fast tier its own folder
 (``spec["fast"]``, a ``{node}`` template). Every rank saves ``steps`` versions of a DTensor state (Shard(0) over
-the world, plus a replicated tensor) with ``ucp_store.distributed.save(..., tier="fast")`` and writes
+the world, plus a replicated tensor) with ``ucp_store.distributed.save(..., tier="fast")`` (``async``:
+``async_save``, the state changed right after the call) and writes
 ``<out>/rank<r>.json``: per step the version id, the safety when save returned and, with ``wait``, the level
 ``wait`` returned (or the error). ``kill``: ``{rank: "point[:N]"}`` arms ``UCP_KILL_AT`` on that rank.
 """
@@ -68,9 +69,16 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
         for step in spec["steps"]:
             rec: dict = {"step": step}
             out["steps"].append(rec)
-            res = ucpd.save(state(rank, world, mesh, step), store=spec["store"], run="t", step=step, tier="fast",
-                              replicas=spec.get("replicas", 1), fast_tier=spec["fast"], progress=False,
-                              fast_keep=spec.get("fast_keep", 2), drain=spec.get("drain", True))
+            options = {"replicas": spec.get("replicas", 1), "fast_tier": spec["fast"],
+                       "fast_keep": spec.get("fast_keep", 2), "drain": spec.get("drain", True)}
+            sd = state(rank, world, mesh, step)
+            if spec.get("async"):  # async_save(tier="fast"): the state changed right after the call must not count
+                handle = ucpd.async_save(sd, store=spec["store"], run="t", step=step, tier="fast", **options)
+                for v in sd["model"].values():
+                    v.to_local().add_(1.0)
+                res = handle.result()
+            else:
+                res = ucpd.save(sd, store=spec["store"], run="t", step=step, tier="fast", progress=False, **options)
             rec.update(id=str(res), safety=res.safety)
             if spec.get("wait"):
                 rec["waited"] = res.wait(spec["wait"], timeout=120)

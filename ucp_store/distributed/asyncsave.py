@@ -387,7 +387,8 @@ def prepare_async(state_dict: dict, *, mode: str = "thread", group=None, mesh=No
 def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, message: str | None = None,
                parent: str | None = "auto", group=None, mode: str = "thread", create: bool = True,
                mesh=None, lazy: bool | None = None, optimizer=None, eager: tuple[str, ...] | list[str] = (),
-               writer_nice: int = 10, check: str = "background") -> AsyncSaveHandle:
+               writer_nice: int = 10, check: str = "background", tier: str = "durable",
+               **tiered: Any) -> AsyncSaveHandle:
     """Like ``save``, but return before the data is written; write and commit in the background.
 
     ``mode`` is ``"thread"`` or ``"process"`` (see the module docstring). Call on every rank. The returned
@@ -414,7 +415,11 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     afresh; when it changed on some ranks only, or which entries are equal on every rank changed, that save
     fails (``StalePlanError`` from ``result()``, nothing listed) and the next one plans afresh in its call.
     ``"call"`` (and process mode): the check is four small collectives in the call, and a changed plan is
-    made there, so no save fails for it."""
+    made there, so no save fails for it.
+
+    ``tier="fast"`` (thread mode; issue 38): the background writes to each node's fast tier, replicates and
+    queues the drain, as ``save(tier="fast")`` does; ``result()`` is then a ``TieredResult`` (its ``wait(level)``
+    and ``safety``). Its options (``replicas``, ``node``, ``fast_tier``, ...): ``distributed.tiered.setup``."""
     if mode not in _MODES:
         raise ConfigurationError(f"async_save: mode={mode!r}; expected one of {', '.join(_MODES)}")
     if check not in _CHECKS:
@@ -431,6 +436,7 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
     gated = snap_mod.gated_optimizers()
     lazy = bool(gated) if lazy is None else bool(lazy)
     ctx = Ctx(group)
+    tier_setup = _tier_setup(ctx, mode, tier, tiered)
     plan = plan_save(state_dict, ctx, mesh, cache=True)  # a cached plan: no collective; a first layout plans
     frozen = None
     if check == "call" or mode == "process":  # the cached plan's check: four small collectives, here
@@ -441,7 +447,7 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
         frozen = _freeze(state_dict)
     handle = AsyncSaveHandle(run, step, mode)
     job = {"store": store, "create": create, "run": run, "step": step, "message": message, "parent": parent,
-           "group": group, "nice": writer_nice, "frozen": frozen, "mesh": mesh}
+           "group": group, "nice": writer_nice, "frozen": frozen, "mesh": mesh, "tier": tier_setup}
     launch: Callable[[], None] | None
     if lazy:
         launch = _start_lazy(handle, plan, ctx, job, gated, tuple(eager))
@@ -452,6 +458,18 @@ def async_save(state_dict: dict, *, store: Any = None, run: str, step: int, mess
         launch()
     handle.blocked_s = time.perf_counter() - t0
     return handle
+
+
+def _tier_setup(ctx: Ctx, mode: str, tier: str, options: dict) -> Any:
+    """``async_save(tier="fast")``: the tiered save's call-time part (``tiered.setup``), or None."""
+    if tier == "durable" and not options:
+        return None
+    if tier != "fast" or mode != "thread":
+        raise ConfigurationError(f"async_save: tier={tier!r} with mode={mode!r}; expected tier 'durable', or 'fast' "
+                                 "in thread mode")
+    from ucp_store.distributed import tiered
+
+    return tiered.setup(ctx, **options)
 
 
 def _process_job(plan: SavePlan, job: dict) -> dict:
@@ -500,9 +518,13 @@ def _write_thread(handle: AsyncSaveHandle, plan: SavePlan, staged: list[torch.Te
     """The thread mode's writer (on the background thread, at the writer's priority)."""
     snap_mod.lower_writer_priority(job["nice"])
     plan, staged = _settle_in_background(plan, staged, bg, job)
-    st = open_everywhere(job["store"], job["create"], bg)
-    cid = write_plan(st, plan, staged, bg, run=job["run"], step=job["step"], message=job["message"],
-                      parent=job["parent"], progress=False)
+    if job.get("tier") is not None:  # tier="fast": written to the nodes' fast tiers, replicated, drain queued
+        cid = job["tier"].run(write_plan, plan, staged, bg, store=job["store"], create=job["create"], run=job["run"],
+                              step=job["step"], message=job["message"], parent=job["parent"], progress=False)
+    else:
+        st = open_everywhere(job["store"], job["create"], bg)
+        cid = write_plan(st, plan, staged, bg, run=job["run"], step=job["step"], message=job["message"],
+                         parent=job["parent"], progress=False)
     handle._finish(cid, None)
 
 

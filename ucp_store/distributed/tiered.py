@@ -47,8 +47,8 @@ from ucp_store.tiers import objects as tobj
 from ucp_store.tiers import placement as tplace
 from ucp_store.tiers.placement import ObjectInfo
 
-__all__ = ["NodeMap", "TierSave", "TieredResult", "save", "replicate", "node_map", "drain_idle", "DEFAULT_ROUND_BYTES",
-           "DEFAULT_FAST_KEEP"]
+__all__ = ["NodeMap", "TierSave", "TierSetup", "TieredResult", "save", "setup", "replicate", "node_map", "drain_idle",
+           "DEFAULT_ROUND_BYTES", "DEFAULT_FAST_KEEP", "LAST_TIMINGS"]
 
 DEFAULT_ROUND_BYTES = 256 << 20  # raw bytes one rank sends its partner per all_to_all round
 #: the timings of this process's last tiered save (``TieredResult.timings``; tools/bench_tier_save.py)
@@ -598,62 +598,90 @@ def _durable_and_evict(s, tier: TierSave, objs: list[ObjectInfo]) -> dict:
 
 
 # --------------------------------------------------------------------------------- save
+@dataclass
+class TierSetup:
+    """What a tiered save settles at the call, on the caller's thread (:func:`setup`): this node, its folder, the
+    job's :class:`NodeMap` and the drain's gloo group (collectives that must run in one order on every rank);
+    :meth:`run` then writes, replicates and queues the drain, on any thread (``async_save``'s writer too)."""
+
+    root: Path
+    node: str
+    nodes: NodeMap
+    replicas: int
+    fast_keep: int
+    round_bytes: int
+    drain: bool
+    drain_group: Any
+
+    def run(self, write, plan, staged, ctx, *, store: Any, create: bool, run: str, step: int,
+            message: str | None, parent: str | None, progress: bool, t0: float | None = None) -> TieredResult:
+        """Phases 1-3 on every rank of ``ctx`` (``write`` is ``saver.write_plan``), then phase 4 queued."""
+        t0 = time.perf_counter() if t0 is None else t0
+        tier = TierSave(root=self.root, node=self.node, nodes=self.nodes, rank=ctx.rank, replicas=self.replicas,
+                        fast_keep=self.fast_keep, round_bytes=self.round_bytes, run=run)
+        version = write(_Opener(store, create, tier), plan, staged, ctx, run=run, step=step, message=message,
+                        parent=parent, progress=progress)
+        result = TieredResult(version)
+        result.timings.update(tier.timings, committed_s=time.perf_counter() - t0)
+        result.reached("local")
+        if self.replicas:
+            result.reached(replicate(tier, ctx.group))
+            result.timings["replicated_s"] = time.perf_counter() - t0
+        if self.drain:
+            _enqueue(_DrainJob(tier, result, self.drain_group))
+        LAST_TIMINGS.clear()
+        LAST_TIMINGS.update(result.timings)
+        return result
+
+
+def setup(ctx, *, replicas: int = 1, node: str | None = None, fast_tier: str | None = None,
+          fast_keep: int = DEFAULT_FAST_KEEP, round_bytes: int = DEFAULT_ROUND_BYTES, drain: bool = True) -> TierSetup:
+    """Check a tiered save's options and settle what needs the caller's thread (a collective on ``ctx``'s
+    group at the job's first tiered save: every rank's node; the drain's group)."""
+    if replicas not in (0, 1):
+        raise ConfigurationError(f"replicas={replicas!r}: expected 0 or 1 (copies on other nodes' fast tiers)")
+    if isinstance(fast_keep, bool) or not isinstance(fast_keep, int) or fast_keep < 0:
+        raise ConfigurationError(f"fast_keep={fast_keep!r}: expected a number of versions, 0 or more")
+    if isinstance(round_bytes, bool) or not isinstance(round_bytes, int) or round_bytes < 1:
+        raise ConfigurationError(f"round_bytes={round_bytes!r}: expected a positive number of bytes")
+    name = tnode.node_name(node)
+    root = tnode.fast_tier_root(fast_tier, name)
+    if root is None:
+        raise ConfigurationError("tier='fast' needs a fast tier: pass fast_tier= (a folder; may contain {node}) "
+                                 "or set UCP_FAST_TIER")
+    nodes = node_map(ctx.group, name)
+    if replicas and len(nodes.order) < 2:
+        raise ConfigurationError(f"replicas={replicas}: every rank of the job is on node {name!r}; a replica "
+                                 "needs a second node (UCP_NODE per node), or pass replicas=0")
+    return TierSetup(root, name, nodes, replicas, fast_keep, round_bytes, drain, _drain_group(ctx) if drain else None)
+
+
 def save(state_dict: dict, *, write: Any, store: Any = None, run: str, step: int, message: str | None = None,
          parent: str | None = "auto", group=None, progress: bool = True, create: bool = True, mesh=None,
-         replicas: int = 1, node: str | None = None, fast_tier: str | None = None, fast_keep: int = DEFAULT_FAST_KEEP,
-         round_bytes: int = DEFAULT_ROUND_BYTES, drain: bool = True) -> TieredResult:
+         **options: Any) -> TieredResult:
     """``ucp_store.distributed.save(..., tier="fast")``, which passes its ``write_plan`` as ``write``: see the
-    module docstring. Returns a
-    :class:`TieredResult` once the version is ``replicated`` (``local`` with ``replicas=0``); the drain to the
-    durable tier goes on in the background (``drain=False``: not started)."""
+    module docstring; ``options``: :func:`setup`'s. Returns a :class:`TieredResult` once the version is
+    ``replicated`` (``local`` with ``replicas=0``); the drain to the durable tier goes on in the background
+    (``drain=False``: not started)."""
     from ucp_store.distributed.context import Ctx
     from ucp_store.distributed.inflight import wait
     from ucp_store.distributed.planner import forget_plan, plan_save
     from ucp_store.distributed.tensors import host_copy
     from ucp_store.errors import StalePlanError
 
-    if replicas not in (0, 1):
-        raise ConfigurationError(f"replicas={replicas!r}: expected 0 or 1 (copies on other nodes' fast tiers)")
-    if isinstance(fast_keep, bool) or not isinstance(fast_keep, int) or fast_keep < 0:
-        raise ConfigurationError(f"fast_keep={fast_keep!r}: expected a number of versions, 0 or more")
-    name = tnode.node_name(node)
-    root = tnode.fast_tier_root(fast_tier, name)
-    if root is None:
-        raise ConfigurationError("tier='fast' needs a fast tier: pass fast_tier= (a folder; may contain {node}) "
-                                 "or set UCP_FAST_TIER")
     wait()  # an async save in flight commits first
     t0 = time.perf_counter()
     ctx = Ctx(group)
-    nodes = node_map(ctx.group, name)
-    if replicas and len(nodes.order) < 2:
-        raise ConfigurationError(f"replicas={replicas}: every rank of the job is on node {name!r}; a replica "
-                                 "needs a second node (UCP_NODE per node), or pass replicas=0")
-    drain_group = _drain_group(ctx) if drain else None
+    tiers = setup(ctx, **options)
     for _ in range(2):
-        tier = TierSave(root=root, node=name, nodes=nodes, rank=ctx.rank, replicas=replicas, fast_keep=fast_keep,
-                        round_bytes=round_bytes, run=run)
         plan = plan_save(state_dict, ctx, mesh, cache=True)
-        opener = _Opener(store, create, tier)
         staged = [host_copy(src[sl] if sl else src) for src, sl in plan.sources]
         try:
-            version = write(opener, plan, staged, ctx, run=run, step=step, message=message, parent=parent,
-                                 progress=progress)
-            break
+            return tiers.run(write, plan, staged, ctx, store=store, create=create, run=run, step=step,
+                             message=message, parent=parent, progress=progress, t0=t0)
         except StalePlanError:
             forget_plan(ctx)
-    else:  # pragma: no cover - a fresh plan is never checked
-        raise UcpError(f"save of {run}@{step}: planning did not settle")
-    result = TieredResult(version)
-    result.timings.update(tier.timings, committed_s=time.perf_counter() - t0)
-    result.reached("local")
-    if replicas:
-        result.reached(replicate(tier, ctx.group))
-        result.timings["replicated_s"] = time.perf_counter() - t0
-    if drain:
-        _enqueue(_DrainJob(tier, result, drain_group))
-    LAST_TIMINGS.clear()
-    LAST_TIMINGS.update(result.timings)
-    return result
+    raise UcpError(f"save of {run}@{step}: planning did not settle")  # pragma: no cover - a fresh plan is never checked
 
 
 def _drain_group(ctx):
