@@ -46,6 +46,25 @@ def plan_array_layout(settings: Any, shape: Any, dtype: str, pattern: Any, bound
                            shard_shape=shard_shape, units=units)
 
 
+class Borrowed(dict):
+    """``ArrayWriter.borrowed``: a dict whose ``bases`` (a delta base's id -> its deltas' data in hand) goes
+    with it whenever it is cleared (the rows that need them are recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bases: dict[str, list[tuple]] = {}
+
+    def clear(self) -> None:
+        super().clear()
+        self.bases.clear()
+
+
+def _array_row_in(row: Any, ids: set[str]) -> bool:
+    if isinstance(row, dict):
+        return row.get("_table") == "array" and row.get("id") in ids
+    return isinstance(row, m.Array) and row.id in ids
+
+
 class ArrayWriter:
     """Writes whole arrays of one pending checkpoint, appending their rows to the writer's shared ``rows``.
 
@@ -69,8 +88,9 @@ class ArrayWriter:
         #: (future, (array kept alive until written, what)) in flight, at most MAX_INFLIGHT_BYTES
         self.window: FutureWindow[tuple[Any, str]] = FutureWindow(MAX_INFLIGHT_BYTES, self._complete_write)
         #: committed arrays this writer deduplicated against, with the data in hand, until its rows are
-        #: recorded: array id -> (array, dtype, pattern, what, content hash)
-        self.borrowed: dict[str, tuple] = {}
+        #: recorded: array id -> (array, dtype, pattern, what, content hash); a delta's base -> None, its
+        #: deltas' data in ``borrowed.bases`` (a base swept meanwhile: those tensors are written in full)
+        self.borrowed: Borrowed = Borrowed()
         self._seen: set[tuple[str, str]] = set()
 
     def _complete_write(self, future: Any, item: tuple[Any, str]) -> None:
@@ -121,12 +141,12 @@ class ArrayWriter:
             if not local:  # kept until the rows are recorded, in case a concurrent rm/gc sweeps the array
                 self.borrowed.setdefault(aid, (array, dtype, pattern, what, h))
             return aid, h, 0
-        choice = self.delta.choose(key, snapshot, dtype) if self.delta is not None else None
+        choice = self.delta.choose(key, snapshot, dtype, array) if self.delta is not None else None
         if choice is not None:
-            return self._new_delta(choice, dtype, what, h)
+            return self._new_delta(choice, dtype, pattern, what, h)
         return self._new_array(snapshot, dtype, pattern, what, h)
 
-    def _new_delta(self, choice: DeltaChoice, dtype: str, what: str, h: str) -> tuple[str, str, int]:
+    def _new_delta(self, choice: DeltaChoice, dtype: str, pattern: Any, what: str, h: str) -> tuple[str, str, int]:
         """Write a delta array (``save/delta.py``): the base's grid, only its non-zero chunks, every shard file."""
         layout, encoded = choice.layout, choice.encoded
         aid = m.new_id(32)
@@ -142,6 +162,8 @@ class ArrayWriter:
                                  codecs=layout.codecs(), nbytes=layout.nbytes, content_hash=h, status="ready",
                                  encoding="xor", base_array_id=choice.base.array_id, stored_nbytes=encoded.nbytes))
         self.dedup.local_arrays[h] = aid
+        self.borrowed.setdefault(choice.base.array_id, None)  # checked, locked, when the rows are inserted
+        self.borrowed.bases.setdefault(choice.base.array_id, []).append((aid, choice.values, dtype, pattern, what, h))
         for fut, data in zip(futures, encoded.files.values()):
             self.window.submit(fut, len(data), (None, what))
         return aid, h, encoded.nbytes
@@ -207,8 +229,15 @@ class ArrayWriter:
             with self.ctx.catalog.session() as s:
                 gone = set(self.borrowed) - existing_arrays(self.ctx, s, set(self.borrowed))
         remap: dict[str, str] = {}
+        dropped: set[str] = set()  # deltas whose base was swept: written in full instead
         for old in sorted(gone & set(self.borrowed)):
-            array, dtype, pattern, what, h = self.borrowed.pop(old)
+            entry = self.borrowed.pop(old)
+            for delta_aid, *data in self.borrowed.bases.pop(old, []):
+                remap[delta_aid] = self._rewrite(*data)
+                dropped.add(delta_aid)
+            if entry is None:
+                continue
+            array, dtype, pattern, what, h = entry
             copy, again = self._snapshot(array, dtype)
             if again != h:
                 raise CommitRaceError(f"{what}: the array it was deduplicated against was removed by a concurrent "
@@ -222,6 +251,23 @@ class ArrayWriter:
                     row["array_id"] = remap[row["array_id"]]
             elif getattr(row, "array_id", None) in remap:
                 row.array_id = remap[row.array_id]
+        if dropped:  # the deltas' own array rows and files go (written and drained before the rows were due)
+            for lst in (self.rows, rows):
+                if lst is not None:
+                    lst[:] = [r for r in lst if not _array_row_in(r, dropped)]
+            for aid in dropped:
+                self.ctx.location.delete_tree(array_path(self.id, aid))
+            for h, aid in list(self.dedup.local_arrays.items()):
+                if aid in remap:
+                    self.dedup.local_arrays[h] = remap[aid]
+
+    def _rewrite(self, array: np.ndarray, dtype: str, pattern: Any, what: str, h: str) -> str:
+        """A delta whose base a concurrent rm/gc swept: the tensor written again in full, from the data in hand."""
+        copy, again = self._snapshot(array, dtype)
+        if again != h:
+            raise CommitRaceError(f"{what}: the base of its delta was removed by a concurrent rm/gc and the tensor "
+                                  "was changed in place after write() returned; the save is aborted, retry it")
+        return self._new_array(copy, dtype, pattern, what, h)[0]
 
     def settle(self) -> None:
         """Every write has returned and is durable, and every committed array the pending rows deduplicated

@@ -27,7 +27,7 @@ import numpy as np
 
 from ucp_store import config
 from ucp_store.catalog import models as m
-from ucp_store.errors import ConfigurationError
+from ucp_store.errors import ConfigurationError, UcpError
 from ucp_store.io import delta as dl
 from ucp_store.io import deltaio
 from ucp_store.io import format as fmt
@@ -53,6 +53,8 @@ class DeltaChoice:
     layout: fmt.ArrayLayout
     encoded: deltaio.EncodedDelta
     base: TensorInfo
+    #: the tensor's values as ``write`` was given them (kept to write it in full if the base is swept)
+    values: np.ndarray
 
 
 class DeltaPlanner:
@@ -97,9 +99,12 @@ class DeltaPlanner:
         self._resolve()
         return self.mode == "auto" and bool(self._base_infos)
 
-    def choose(self, key: tuple[str, str] | None, array: np.ndarray, dtype: str) -> DeltaChoice | None:
+    def choose(self, key: tuple[str, str] | None, array: np.ndarray, dtype: str,
+               source: np.ndarray | None = None) -> DeltaChoice | None:
         """The delta to store for tensor-state ``key`` holding ``array`` (the writer's snapshot), or None: store
-        it in full (no base, a keyframe is due, or the delta is not small enough)."""
+        it in full (no base, a keyframe is due, or the delta is not small enough). ``source``: the caller's
+        array the snapshot was taken from (kept in the choice; default ``array``)."""
+        source = array if source is None else source
         if key is None or not self.active:
             return None
         assert self._base_infos is not None
@@ -115,7 +120,11 @@ class DeltaPlanner:
                                                    base.codecs)
         if not base_layout.sharded:
             return None
-        values = self._base_ck.tensor(*key).read_numpy()
+        try:
+            values = self._base_ck.tensor(*key).read_numpy()
+        except (UcpError, ValueError):  # the base went (a concurrent rm/gc) or is damaged: never chain onto it
+            self.full += 1
+            return None
         layout = deltaio.delta_layout(base_layout, settings.delta_codec)
         limit = int(settings.delta_max_fraction * base_layout.nbytes)
         encoded = deltaio.encode_delta(layout, dl.xor(np.ascontiguousarray(array), values), limit)
@@ -123,7 +132,7 @@ class DeltaPlanner:
             self.full += 1
             return None
         self.kept += 1
-        return DeltaChoice(layout, encoded, base)
+        return DeltaChoice(layout, encoded, base, source)
 
 
 def select_status(checkpoint_id: str) -> Any:

@@ -130,14 +130,16 @@ class CatalogRecorder:
         # arrays deduplicated against must still exist: a concurrent rm/gc may have swept them
         new_ids = {a["id"] for a in by_kind["array"]}
         wanted = {d["array_id"] for k in ("tensor", "object") for d in by_kind[k] if d.get("array_id")} - new_ids
+        wanted |= {a["base_array_id"] for a in by_kind["array"] if a.get("base_array_id")} - new_ids  # delta bases
         gone = wanted - existing_arrays(self.ctx, s, wanted, lock=True) if wanted else set()
         if gone and all(g in borrowed for g in gone):
             return gone
         if gone:
             names_ = ", ".join(sorted(g for g in gone if g not in borrowed))[:200]
             raise CommitRaceError(f"checkpoint {self.id}: array(s) {names_} that another rank of this save "
-                                  "deduplicated against were removed by a concurrent rm/gc after that rank handed "
-                                  "its rows over; the save is aborted (nothing is listed), retry it")
+                                  "deduplicated against (or stored a delta of) were removed by a concurrent rm/gc "
+                                  "after that rank handed its rows over; the save is aborted (nothing is listed), "
+                                  "retry it")
         if by_kind["array"]:
             s.execute(insert(m.Array), insert_params(m.Array, by_kind["array"]))
         killpoint("flush.mid_rows")
