@@ -7,9 +7,11 @@ far, kept as data so it stays fixed.
 - ``cases_issue30``: issue 30's adversarial pass, one case per reproduction, and their neighbours;
 - ``cases_issue40a``: issue 40's first part (ownership, read-only queries, secrets, references), one case per
   reproduction and variants;
+- ``cases_issue40b``: issue 40's second part (object types, safetensors tiling, FIFOs, full disks, read-only
+  stores, look-alike names, the universal export's path clash);
 - ``test_corpus``: runs every case in CI; ``tools/fault_table.py --corpus`` prints the counts.
 """
 
-from . import cases_bad_input, cases_issue30, cases_issue40a
+from . import cases_bad_input, cases_issue30, cases_issue40a, cases_issue40b
 
-CASES = cases_bad_input.CASES + cases_issue30.CASES + cases_issue40a.CASES
+CASES = cases_bad_input.CASES + cases_issue30.CASES + cases_issue40a.CASES + cases_issue40b.CASES
