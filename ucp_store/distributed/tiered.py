@@ -198,7 +198,7 @@ class TierSave:
         uneven or a small split) it reads back from the files, which on a fast tier lie on the nodes that wrote
         them. So every other node that wrote files of such an array sends them to the origin first (one rank per
         node; the coordinator decides from every rank's unit ids), and the origin's node holds them too."""
-        from ucp_store.distributed.commit import collective_errors, settle
+        from ucp_store.distributed.commit import all_ok, collective_errors, settle
         from ucp_store.io import format as fmt
 
         mine: dict = {"failed": error is not None, "arrays": [], "origin": []}
@@ -244,6 +244,8 @@ class TierSave:
             except BaseException as exc:  # noqa: BLE001 - it takes part in the move, sending nothing
                 error, outgoing = exc, {}
         _, moved = _move(self, group, outgoing, what)
+        with collective_errors(what):  # every copy is written before any rank of a node lists the node's folder
+            all_ok(error is None and moved is None, group)
         return error or moved
 
 
