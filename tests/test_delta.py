@@ -241,12 +241,12 @@ def test_auto_policy_falls_back_to_full_and_never_exceeds_it(store, tiny_layout)
 def test_run_setting_turns_deltas_on(store, tiny_layout):
     w = torch.randn(SHAPE)
     store.save("r", 0, {"w": w})
-    store.set_run_delta("r", "auto")
+    store.run_delta("r", "auto")
     w[0, 0] += 1
     assert store.save("r", 1, {"w": w}).info("w").encoding == "xor"
     w[0, 1] += 1
     assert store.save("r", 2, {"w": w}, delta="off").info("w").encoding == "plain"
-    store.set_run_delta("r", None)
+    assert store.run_delta("r", None) == "off"
     w[0, 2] += 1
     assert store.save("r", 3, {"w": w}).info("w").encoding == "plain"
 
@@ -488,7 +488,7 @@ def test_imports_follow_the_run_setting(store, tmp_path, tiny_layout):
     w = torch.randn(SHAPE).bfloat16()
     torch.save({"w": w, "n": 3}, tmp_path / "a.pt")
     import_torch_file(store, str(tmp_path / "a.pt"), "imp", 1, progress=False)
-    store.set_run_delta("imp", "auto")
+    store.run_delta("imp", "auto")
     w2 = w.clone()
     w2[5, 5] = 7
     torch.save({"w": w2, "n": 4}, tmp_path / "b.pt")

@@ -370,7 +370,7 @@ class Store:
               provenance: Mapping[str, Any] | None = None, delta: str | None = None) -> "CheckpointWriter":
         """Start a checkpoint. ``parent="auto"`` links the run's latest committed version. ``delta``: ``"auto"``
         stores tensor-states as deltas of the parent's where small enough (``save/delta.py``), ``"off"`` never,
-        None as the run's setting (:meth:`set_run_delta`)."""
+        None as the run's setting (:meth:`run_delta`)."""
         names.run_name(run)
         _check_delta_mode(delta)
         self._owned()
@@ -422,21 +422,17 @@ class Store:
 
         return CheckpointWriter(self, cid, owner=True, delta=delta)
 
-    def set_run_delta(self, run: str, mode: str | None) -> None:
-        """The run's delta policy for saves that do not pass ``delta=``: ``"auto"`` or None / ``"off"`` (full)."""
-        _check_delta_mode(mode)
-        with self.catalog.write_session() as s:
+    def run_delta(self, run: str, mode: Any = ...) -> str:
+        """The run's delta policy for saves that pass no ``delta=``: ``"auto"`` or ``"off"``. With ``mode``
+        (``"auto"``, ``"off"`` or None, which is off) it is set first."""
+        if mode is not ...:
+            _check_delta_mode(mode)
+        with self.catalog.write_session() if mode is not ... else self.catalog.session() as s:
             row = s.scalar(select(m.Run).where(m.Run.name == run))
             if row is None:
                 raise ReferenceNotFound(f"run {run!r} not found{did_you_mean(run, run_names(s))}")
-            row.delta = "auto" if mode == "auto" else None
-
-    def run_delta(self, run: str) -> str:
-        """The run's delta policy: ``"auto"`` or ``"off"``."""
-        with self.catalog.session() as s:
-            row = s.scalar(select(m.Run).where(m.Run.name == run))
-            if row is None:
-                raise ReferenceNotFound(f"run {run!r} not found{did_you_mean(run, run_names(s))}")
+            if mode is not ...:
+                row.delta = "auto" if mode == "auto" else None
             return row.delta or "off"
 
     def join(self, checkpoint_id: str) -> "CheckpointWriter":

@@ -81,9 +81,8 @@ def cmd_delta(args: Any) -> int:
     """Set (or show) a run's delta policy: saves that pass no ``delta=`` store tensor-states as deltas of the
     parent version where small enough (``auto``) or in full (``off``); imports follow it too."""
     store = open_from_args(args)
-    if args.mode is not None:
-        store.set_run_delta(args.run, args.mode)
-    print(f"delta policy of {args.run}: {store.run_delta(args.run)}")
+    policy = store.run_delta(args.run) if args.mode is None else store.run_delta(args.run, args.mode)
+    print(f"delta policy of {args.run}: {policy}")
     return EXIT_OK
 
 

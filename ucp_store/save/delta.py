@@ -1,7 +1,7 @@
 """The save side of delta versions (issue 39): which tensor-states a save stores as a delta, and of what.
 
 A save's ``delta`` (``Store.begin``/``save``, ``CheckpointWriter``, imports) is ``"auto"``, ``"off"`` or None
-(the run's setting, ``Store.set_run_delta``; none: off). With ``auto``, a whole tensor-state that is not a
+(the run's setting, ``Store.run_delta``; none: off). With ``auto``, a whole tensor-state that is not a
 dedup hit is stored as the XOR of its bits with the same tensor-state of the *base* version (the save's
 parent: the run's previous version, or ``parent=``), when all of these hold:
 
