@@ -141,8 +141,8 @@ def test_delta_files_are_standard_zarr(tmp_path):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**31 - 1),
        patterns=st.lists(st.sampled_from(["none", "one", "row", "sparse", "block", "all"]), min_size=2, max_size=6),
-       keyframe=st.integers(1, 4))
-def test_delta_versions_round_trip(tmp_path_factory, tiny_layout, dtype, seed, patterns, keyframe):
+       keyframe=st.integers(1, 4), codec=st.sampled_from(deltaio.DELTA_CODECS))
+def test_delta_versions_round_trip(tmp_path_factory, tiny_layout, dtype, seed, patterns, keyframe, codec):
     """Versions saved with delta="auto" over random change patterns read back bit-exact (Checkpoint reads,
     slices, load_shard, state_dict), verify clean, keep chains within the keyframe bound, and a tensor equal
     to its base stays a plain dedup."""
@@ -150,7 +150,7 @@ def test_delta_versions_round_trip(tmp_path_factory, tiny_layout, dtype, seed, p
     rng = np.random.default_rng(seed)
     w = _random(SHAPE, dtype, seed)
     versions = [w]
-    with config.override(delta_keyframe_every=keyframe, delta_max_fraction=1.0):
+    with config.override(delta_keyframe_every=keyframe, delta_max_fraction=1.0, delta_codec=codec):
         store.save("r", 0, {"w": w, "v": w[:1].clone()}, delta="auto")
         for step, pat in enumerate(patterns, 1):
             mask = np.zeros(SHAPE, bool)
