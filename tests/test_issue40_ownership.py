@@ -597,3 +597,29 @@ def test_a_port_that_is_no_number_is_a_clear_catalog_error(url, ucp, tmp_path):
     assert rc == 1 and "port" in err and "please report" not in err and "u:***@" in err, err
     with pytest.raises(CatalogError, match="port"):
         ucp_store.open_store(str(tmp_path / "s"), catalog=url)
+
+
+# --- found in the attacker pass ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", [IDENTITY_FILE, "catalog.db", "arrays", "arrays/x"])
+def test_gc_never_deletes_what_a_hand_edited_row_names_outside_an_array_folder(tmp_path, target):
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    store.save("r", 1, {"w": torch.ones(4)})
+    store.save("r", 2, {"w": torch.zeros(4)})
+    con = sqlite3.connect(tmp_path / "s" / "catalog.db")
+    with con:
+        con.execute("UPDATE arrays SET path = ? WHERE id = (SELECT array_id FROM tensors t JOIN checkpoints c "
+                    "ON c.id = t.checkpoint_id WHERE c.step = 1)", (target,))
+    con.close()
+    store.rm("r@1")
+    assert (tmp_path / "s" / IDENTITY_FILE).is_file() and (tmp_path / "s" / "catalog.db").is_file()
+    report = store.gc()
+    assert store.checkpoint("r@2").verify() == [] and (tmp_path / "s" / IDENTITY_FILE).is_file()
+    assert report.removed_arrays >= 0
+
+
+@pytest.mark.parametrize("url", [f"s3://AKIA:{SECRET}@bucket/p?catalog=sqlite:////tmp/x.db",
+                                 f"s3://bucket:{SECRET}@h/p?catalog=sqlite:////tmp/x.db"])
+def test_an_s3_url_with_credentials_in_the_bucket_is_refused_unprinted(url, ucp):
+    rc, out, err = ucp("--store", url, "ls")
+    assert rc == 1 and "the bucket name holds credentials" in err and SECRET not in out + err, err

@@ -131,6 +131,10 @@ class Location:
                 )
             if not parsed.netloc:
                 raise ConfigurationError(f"store {redact(repr(url))}: no bucket name (expected s3://BUCKET/PREFIX)")
+            if "@" in parsed.netloc or ":" in parsed.netloc:
+                raise ConfigurationError(f"store {redact(repr(url))}: the bucket name holds credentials or a port "
+                                         "(expected s3://BUCKET/PREFIX; credentials go in AWS_ACCESS_KEY_ID and "
+                                         "AWS_SECRET_ACCESS_KEY, the endpoint in ?endpoint=)")
             prefix = unquote(parsed.path).strip("/")
             return cls(
                 url=f"s3://{parsed.netloc}/{prefix}",

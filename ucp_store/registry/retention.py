@@ -273,7 +273,10 @@ def sweep_arrays(ctx: StoreContext, *, dry_run: bool, also: Iterable[str] = froz
                 # arrays of live pending saves have no rows yet or are referenced by pending rows: keep them
                 live_pending = set(s.scalars(select(m.Checkpoint.id).where(m.Checkpoint.status == "pending")))
                 live_pending -= set(gone)
-                victims = [a for a in orphans if array_checkpoint(a.path) not in live_pending]
+                # a row naming anything but an array folder (a catalog edited by hand) is reported, never followed
+                left.extend(a.path for a in orphans if not _is_array_path(a.path) and a.path not in left)
+                victims = [a for a in orphans
+                           if _is_array_path(a.path) and array_checkpoint(a.path) not in live_pending]
                 for layer in _unneeded_bases_last(s, victims):
                     for a in layer:
                         removed += 1
@@ -324,6 +327,13 @@ def sweep_arrays(ctx: StoreContext, *, dry_run: bool, also: Iterable[str] = froz
 #: what the top of an array folder holds: its metadata, its chunks, and a temporary metadata file a killed
 #: writer left (``zarr.json.<pid>-<thread>.part``, TensorStore's ``zarr.json.__lock``)
 _ARRAY_ENTRIES = ("zarr.json", "c")
+
+
+def _is_array_path(rel: str) -> bool:
+    """Whether an arrays row's path has the one form the store writes (``arrays/<hex>/<hex>.zarr``): gc never
+    deletes ``catalog.db``, ``ucp-store.json`` or another folder because a row names it."""
+    parts = rel.split("/")
+    return len(parts) == 3 and parts[0] == ARRAYS_DIR and is_version_folder(parts[1]) and is_array_folder(parts[2])
 
 
 def _is_our_array(location, folder: str, entry: str) -> bool:

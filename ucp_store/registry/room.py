@@ -84,6 +84,9 @@ def own_arrays(store: Any, victims: Iterable[str]) -> list[tuple[str, int]]:
 def free_own_arrays(store: Any, victims: Iterable[str]) -> tuple[int, int]:
     """Delete the files of :func:`own_arrays` (their rows stay until the operation commits); returns
     (arrays, bytes freed)."""
+    from ucp_store.registry.identity import ensure_owned
+
+    ensure_owned(store.location, store.catalog, adopt=False)  # never delete through another store's catalog
     n, freed = 0, 0
     for path, nbytes in own_arrays(store, victims):
         size = store.location.delete_tree(path)
