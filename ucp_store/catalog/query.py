@@ -47,7 +47,8 @@ DENIED_FUNCTIONS = frozenset({"fts3_tokenizer", "load_extension", "readfile", "w
 
 #: PostgreSQL functions ``ucp query`` refuses (regular expressions of whole words, lower case): server files
 #: and large objects, other databases, other sessions, the server's configuration and replication, locks that
-#: outlive the query, sequences, and the functions that run a query given as text (which no check here sees)
+#: outlive the query, sequences, the functions that run a query given as text (which no check here sees), and
+#: the views and tables of server state that hold secrets (password hashes, connection strings, query texts)
 PG_DENIED = (r"lo_\w*", r"pg_read_\w*", r"pg_ls_\w*", r"pg_stat_file", r"pg_file_\w*", r"pg_logdir_ls",
              r"dblink\w*", r"query_to_xml\w*", r"cursor_to_xml\w*", r"pg_terminate_backend",
              r"pg_cancel_backend", r"pg_signal_backend", r"pg_reload_conf", r"pg_rotate_logfile\w*",
@@ -56,7 +57,11 @@ PG_DENIED = (r"lo_\w*", r"pg_read_\w*", r"pg_ls_\w*", r"pg_stat_file", r"pg_file
              r"pg_backup_\w*", r"pg_start_backup", r"pg_stop_backup", r"pg_log_backend_memory_contexts",
              r"pg_stat_reset\w*", r"pg_wal_replay_\w*", r"pg_import_system_collations", r"binary_upgrade_\w*",
              r"pg_current_logfile", r"nextval", r"setval", r"pg_export_snapshot", r"pg_copy_\w*",
-             r"pg_sequence_last_value", r"txid_current", r"pg_current_xact_id")
+             r"pg_sequence_last_value", r"txid_current", r"pg_current_xact_id",
+             # server state holding secrets: password hashes, connection strings, other sessions' query texts
+             r"pg_authid", r"pg_shadow", r"pg_user_mappings?", r"pg_subscription", r"pg_foreign_server",
+             r"pg_stat_activity", r"pg_stat_statements\w*", r"pg_file_settings", r"pg_hba_file_rules",
+             r"pg_ident_file_mappings", r"pg_db_role_setting", r"pg_stat_replication", r"pg_stat_wal_receiver")
 _PG_DENIED_RE = re.compile(r"(?<![\w$])(" + "|".join(PG_DENIED) + r")(?![\w$])")
 _PG_FIRST_WORDS = ("select", "with", "values", "table", "explain", "show")
 _LEADING = re.compile(r"(\s+|--[^\n]*(\n|$)|/\*.*?\*/|\()", re.S)
@@ -129,8 +134,8 @@ def check_pg_text(sql: str) -> None:
                          "plainly)")
     found = _PG_DENIED_RE.search(lowered)
     if found:
-        raise QueryError(f"query refused: {found.group(1)} reaches outside the catalog or changes the server's "
-                         "state, and is not allowed in a catalog query")
+        raise QueryError(f"query refused: {found.group(1)} reaches outside the catalog, changes the server's state "
+                         "or holds its secrets, and is not allowed in a catalog query")
 
 
 def _sqlite_query(conn: Any, sql: str, timeout_s: float) -> tuple[list[str], list[tuple]]:

@@ -102,7 +102,7 @@ class Location:
     bucket: str | None = None
     endpoint: str | None = None
     region: str | None = None
-    catalog_url: str = ""
+    catalog_url: str = field(default="", repr=False)  # may hold a password: never in a repr
     extra: dict = field(default_factory=dict)
 
     # --- construction -------------------------------------------------------------------------
