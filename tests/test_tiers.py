@@ -184,7 +184,7 @@ def test_safety_by_reference_ls_show_and_wait(tmp_path, catalog, capsys):
         assert store.safety("r@1") == "durable" and store.safety(plain) == "durable"  # written durable directly
         assert store.safety("r@2") == "local"
         with pytest.raises(TimeoutError, match="'local'"):
-            store.wait_safety("r@2", "replicated", timeout=0.3, poll=0.05)
+            store.safety("r@2", wait="replicated", timeout=0.3, poll=0.05)
 
         def later():
             with store.catalog.write_session() as s:
@@ -192,7 +192,7 @@ def test_safety_by_reference_ls_show_and_wait(tmp_path, catalog, capsys):
 
         t = threading.Timer(0.3, later)
         t.start()
-        assert store.wait_safety("r@2", "replicated", timeout=30, poll=0.05) == "replicated"
+        assert store.safety("r@2", wait="replicated", timeout=30, poll=0.05) == "replicated"
         t.join()
         assert {r["step"]: r["safety"] for r in store.list_checkpoints("r")} == {1: "durable", 2: "replicated"}
         args = ["--store", str(tmp_path / "s")] + (["--catalog", store.location.catalog_url] if catalog != "sqlite"

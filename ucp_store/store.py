@@ -564,33 +564,15 @@ class Store:
         PostgreSQL: a READ ONLY transaction the text cannot leave), stopped after ``timeout`` seconds."""
         return read_only_query(self.catalog.engine, sql, timeout=timeout)
 
-    def safety(self, ref: str) -> str:
+    def safety(self, ref: str, *, wait: str | None = None, timeout: float | None = None, poll: float = 0.2) -> str:
         """A version's safety level (issue 38, ``ucp_store.tiers``): ``local`` (on the saving nodes' fast tiers),
         ``replicated`` (on two nodes' fast tiers, or durable) or ``durable`` (on the store's location; every
-        version saved straight there is)."""
+        version saved straight there is). ``wait``: first wait until it reaches that level (the catalog polled
+        every ``poll`` s; TimeoutError after ``timeout`` s, naming the level it has)."""
         from ucp_store.tiers import placement as tplace
 
         cid = self.resolve(ref)
-        with self.catalog.session() as s:
-            return tplace.safety_of(s, cid) or "durable"
-
-    def wait_safety(self, ref: str, level: str = "durable", *, timeout: float | None = None,
-                    poll: float = 0.2) -> str:
-        """Wait until the version ``ref`` reaches ``level`` (polling the catalog every ``poll`` s); returns its
-        level, or raises TimeoutError after ``timeout`` s naming the level it has."""
-        import time
-
-        from ucp_store.tiers import placement as tplace
-
-        tplace.level_index(level)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            now = self.safety(ref)
-            if tplace.reached(now, level):
-                return now
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{ref}: safety {level!r} not reached within {timeout} s (it is {now!r})")
-            time.sleep(poll)
+        return tplace.wait_for(self.catalog, cid, wait or "local", timeout=timeout, poll=poll)
 
     def resolve_many(self, refs: Iterable[str]) -> list[str]:
         return [self.resolve(r) for r in refs]

@@ -34,8 +34,8 @@ from ucp_store.catalog import models as m
 from ucp_store.errors import ValidationError
 
 __all__ = ["ObjectInfo", "Copy", "DURABLE", "FAST", "record", "set_state", "compute_safety", "refresh_safety",
-           "safety_of", "copies", "missing", "object_keys", "rows_of", "forget_node", "level_index", "reached",
-           "fast_versions"]
+           "safety_of", "wait_for", "copies", "missing", "object_keys", "rows_of", "forget_node", "level_index",
+           "reached", "fast_versions"]
 
 FAST, DURABLE = "fast", "durable"
 
@@ -187,6 +187,24 @@ def refresh_safety(session, checkpoint_id: str) -> str | None:
 def safety_of(session, checkpoint_id: str) -> str | None:
     """The stored safety of a version (None: written durable directly, or no such version)."""
     return session.scalar(select(m.Checkpoint.safety).where(m.Checkpoint.id == checkpoint_id))
+
+
+def wait_for(catalog, checkpoint_id: str, level: str, *, timeout: float | None = None, poll: float = 0.2) -> str:
+    """Poll ``catalog`` (every ``poll`` s, a read each) until the version has reached ``level``; returns its level
+    (None stored: ``durable``), or TimeoutError after ``timeout`` s naming the level it has."""
+    import time
+
+    level_index(level)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        with catalog.session() as s:
+            now = safety_of(s, checkpoint_id) or "durable"
+        if reached(now, level):
+            return now
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"version {checkpoint_id}: safety {level!r} not reached within {timeout} s (it is "
+                               f"{now!r})")
+        time.sleep(poll)
 
 
 def copies(session, checkpoint_id: str) -> dict[str, list[Copy]]:
