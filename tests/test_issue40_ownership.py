@@ -628,3 +628,30 @@ def test_gc_never_deletes_what_a_hand_edited_row_names_outside_an_array_folder(t
 def test_an_s3_url_with_credentials_in_the_bucket_is_refused_unprinted(url, ucp):
     rc, out, err = ucp("--store", url, "ls")
     assert rc == 1 and "the bucket name holds credentials" in err and SECRET not in out + err, err
+
+
+@pytest.mark.parametrize("inside", ["dead", "row"])
+def test_a_store_made_deep_inside_an_array_folder_survives_gc(tmp_path, inside):
+    """A store made inside the chunk folder of an array gc would delete (a dead version's folder, or the
+    array of a version just removed): the array's files are left, reported, and the inner store verifies."""
+    store = ucp_store.open_store(str(tmp_path / "s"), create=True)
+    cid = store.save("r", 1, {"w": torch.ones(4)}).id
+    store.save("r", 2, {"w": torch.zeros(4)})
+    if inside == "dead":
+        arr = tmp_path / "s" / "arrays" / "deadbeefdeadbeef" / ("ab" * 16 + ".zarr")
+        (arr / "c").mkdir(parents=True)
+        (arr / "zarr.json").write_text("{}")
+    else:
+        arr = next((tmp_path / "s" / "arrays" / cid).glob("*.zarr"))
+    inner = ucp_store.open_store(str(arr / "c" / "inner"), create=True)
+    inner.save("i", 1, {"w": torch.arange(3.0)})
+    inner.catalog.close()
+    if inside == "row":
+        store.rm("r@1")  # its array (holding the inner store) is the one a sweep would delete
+    report = store.gc()
+    again = ucp_store.open_store(str(arr / "c" / "inner"))
+    assert again.checkpoint("i@1").verify() == []
+    again.catalog.close()
+    if inside == "dead":
+        assert any(str(arr.relative_to(tmp_path / "s")).startswith(x) for x in report.left), report.left
+    assert store.checkpoint("r@2").verify() == []

@@ -37,7 +37,7 @@ from ucp_store.io.location import (
     is_version_folder,
 )
 from ucp_store.registry.context import StoreContext, did_you_mean, run_names
-from ucp_store.registry.identity import ensure_owned
+from ucp_store.registry.identity import IDENTITY_FILE, ensure_owned
 
 __all__ = ["DEFAULT_PENDING_TIMEOUT", "GcReport", "RetentionPolicy", "set_retention", "retention_victims", "gc",
            "sweep_arrays"]
@@ -294,6 +294,9 @@ def sweep_arrays(ctx: StoreContext, *, dry_run: bool, also: Iterable[str] = froz
     # Files go only once the rows' deletion has committed: a save that references one of these arrays
     # meanwhile fails on the foreign key (and aborts) instead of committing rows whose files are gone.
     for path, nbytes in doomed:
+        if _holds_a_store(location, path):  # a store made inside an array folder: never ours to delete
+            left.append(path)
+            continue
         freed += _remove(location, path, dry_run, default=nbytes)
     # files without any row (a killed save before its rows were flushed). List the folders first: a
     # checkpoint row is inserted before its folder exists, so a folder seen here whose row is absent
@@ -344,7 +347,19 @@ def _is_our_array(location, folder: str, entry: str) -> bool:
     rel = array_path(folder, entry[:-len(".zarr")])
     if not location.is_dir(rel):
         return False
-    return all(name in _ARRAY_ENTRIES or name.startswith("zarr.json.") for name in location.list_dirs(rel))
+    return all(name in _ARRAY_ENTRIES or name.startswith("zarr.json.") for name in location.list_dirs(rel)) \
+        and not _holds_a_store(location, rel)
+
+
+def _holds_a_store(location, rel: str) -> bool:
+    """Whether a folder of a folder store holds, anywhere below it, another store's identity file or SQLite
+    catalog (links not followed); a bucket's arrays are not walked (False)."""
+    if location.kind != "file":
+        return False
+    for _dirpath, _dirs, files in os.walk(os.path.join(location.root, rel), followlinks=False):
+        if IDENTITY_FILE in files or "catalog.db" in files:
+            return True
+    return False
 
 
 def _unneeded_bases_last(s, victims: list) -> list[list]:
