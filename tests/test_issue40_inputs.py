@@ -473,3 +473,54 @@ def test_a_failed_dcp_save_is_aborted_when_a_spawned_coordinator_exits(tmp_path)
     s = ucp_store.open_store(store)
     assert s.list_checkpoints(include_pending=True) == []
     assert not any((Path(store) / "arrays").iterdir())
+
+
+# ------------------------------------------------------------------- attacker pass: outputs that replace things
+def test_outputs_never_replace_a_fifo_a_device_or_a_link(tmp_path):
+    """``read --out /dev/stdout`` (a link) or ``/dev/null`` (a device) used to be replaced by a regular file
+    (the temporary file renamed over it, as root even in /dev); every such destination is refused unchanged."""
+    import stat as st_
+
+    store = tmp_path / "s"
+    ucp_store.open_store(str(store), create=True).save("r", 1, {"w": torch.ones(3)})
+    os.mkfifo(tmp_path / "fifo")
+    os.mknod(tmp_path / "null", st_.S_IFCHR | 0o666, os.makedev(1, 3))
+    (tmp_path / "file").write_bytes(b"keep")
+    os.symlink(tmp_path / "file", tmp_path / "link")
+    os.symlink("/proc/self/fd/1", tmp_path / "stdout")
+    for name, kind in (("fifo", "a FIFO"), ("null", "a character device"), ("link", "a symbolic link"),
+                       ("stdout", "a symbolic link")):
+        dest = tmp_path / name
+        before = os.lstat(dest)
+        for argv in (["read", "r@1", "w", "--out", dest], ["export", "torch", "r@1", dest]):
+            err = one_error_line(cli(*argv, "--store", store))
+            assert f"{dest} exists and is not a regular file ({kind})" in err, err
+            after = os.lstat(dest)
+            assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino), (argv, name)
+    assert (tmp_path / "file").read_bytes() == b"keep"
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "file", "link", "null", "s", "stdout"]
+
+
+def test_outputs_inside_the_store_are_refused(tmp_path):
+    """``read --out STORE/catalog.db`` replaced the catalog; an export into ``arrays/`` left files gc then
+    reports as foreign. Every output inside a folder store is refused, and the store is byte-identical."""
+    store = tmp_path / "s"
+    ucp_store.open_store(str(store), create=True).save("r", 1, {"w": torch.ones(3)},
+                                                       objects={"hf.config": {"model_type": "llama"}})
+    before = _tree(store)
+    for argv in (["read", "r@1", "w", "--out", store / "catalog.db"], ["export", "torch", "r@1", store / "catalog.db"],
+                 ["export", "dcp", "r@1", store / "arrays" / "d"], ["export", "hf", "r@1", store / "h"],
+                 ["export", "deepspeed-universal", "r@1", store / "u"],
+                 ["export", "torch", "r@1", store / ".." / "s" / "x.pt"]):
+        err = one_error_line(cli(*argv, "--store", store))
+        assert f"is inside the store {store}" in err, (argv, err)
+    assert _tree(store) == before
+
+
+def test_a_fifo_as_the_catalog_is_refused_without_blocking(tmp_path):
+    """A FIFO named catalog.db made ``ucp ls`` (a read-only open) wait forever."""
+    (tmp_path / "s").mkdir()
+    os.mkfifo(tmp_path / "s" / "catalog.db")
+    for argv in (["ls"], ["tag", "r@1", "t"], ["verify", "r@1"]):
+        err = one_error_line(ucp(*argv, "--store", tmp_path / "s", timeout=60))
+        assert f"{tmp_path / 's' / 'catalog.db'} is not a regular file (a FIFO)" in err, err

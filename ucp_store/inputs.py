@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ucp_store.errors import SourceFormatError, UcpError
 
-__all__ = ["file_kind", "present", "check_regular", "open_regular", "read_regular"]
+__all__ = ["file_kind", "present", "check_regular", "open_regular", "read_regular", "check_destination",
+           "check_outside"]
 
 _NONBLOCK = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
@@ -84,3 +85,33 @@ def read_regular(path: str, what: str = "", error: type[UcpError] = SourceFormat
             return f.read()
         except OSError as exc:
             raise error(f"{what + ' ' if what else ''}{path} cannot be read: {exc.strerror or exc}") from None
+
+
+def check_destination(path: str, what: str = "", error: type[UcpError] = UcpError) -> None:
+    """Refuse an output path that exists and is no regular file: a FIFO, a device such as ``/dev/null``, a
+    socket, or a symbolic link (``/dev/stdout`` is one). Exporters write a temporary file and rename it over
+    the destination, which would replace that node or link itself, not write through it."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # nothing there: the rename makes the file
+    except OSError as exc:
+        raise error(f"{what + ' ' if what else ''}{path} cannot be checked: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        raise error(f"{what + ' ' if what else ''}{path} exists and is not a regular file ({file_kind(st.st_mode)}); "
+                    "the output is written under a temporary name and renamed over it, which would replace it "
+                    "rather than write through it: give the path of a file")
+
+
+def check_outside(path: str, location: Any, what: str = "", error: type[UcpError] = UcpError) -> None:
+    """Refuse an output path inside a folder store's root (``location``: the store's ``Location``; a bucket
+    has nothing to check): an export or ``read --out`` there would replace the store's own files
+    (``catalog.db``, an array) or leave files in it that no catalog row names."""
+    if getattr(location, "kind", None) != "file":
+        return
+    root = location.root
+    base = os.path.realpath(root)
+    target = os.path.realpath(os.path.abspath(path))
+    if target == base or target.startswith(base.rstrip(os.sep) + os.sep):
+        raise error(f"{what + ' ' if what else ''}{path} is inside the store {root}; outputs are written outside "
+                    "the store, never over or among its own files")

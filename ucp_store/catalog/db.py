@@ -46,6 +46,7 @@ from sqlalchemy import create_engine, event, exc, inspect, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from ucp_store import inputs as _inputs
 from ucp_store.catalog import bulk as _bulk
 from ucp_store.catalog import fs as _fs
 from ucp_store.errors import CatalogError, SchemaVersionError
@@ -633,6 +634,7 @@ def _connect(
     journal = None
     if path is not None:
         journal = _fs.journal_mode(path, sqlite_journal, statfs=statfs)
+        _inputs.present(str(path), f"catalog {shown}:", CatalogError)  # a FIFO there would block the open
         if not path.exists():
             if not create:
                 raise CatalogError(f"catalog {shown} does not exist (no file {path}); pass create=True to create it")
@@ -803,7 +805,7 @@ def open_catalog_read_only(url: str, *, busy_timeout_ms: int = DEFAULT_BUSY_TIME
             def _read_only_txn(conn):
                 conn.exec_driver_sql("SET TRANSACTION READ ONLY")
         return catalog
-    if not path.exists():
+    if not _inputs.present(str(path), f"catalog {shown}:", CatalogError):  # a FIFO there would block the open
         raise CatalogError(f"catalog {shown} does not exist (no file {path})")
     failure: BaseException | None = None
     for immutable in (False, True):

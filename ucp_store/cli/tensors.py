@@ -20,7 +20,16 @@ def cmd_read(args: Any) -> int:
 
     from ucp_store.registry.checkpoint import parse_slice
 
+    if args.out:
+        from ucp_store.errors import ConfigurationError
+        from ucp_store.inputs import check_destination
+
+        check_destination(args.out, "--out", ConfigurationError)  # before anything is read
     ck = open_from_args(args).checkpoint(args.ref)
+    if args.out:
+        from ucp_store.inputs import check_outside
+
+        check_outside(args.out, ck.store.location, "--out", ConfigurationError)
     handle = ck.tensor(args.name, args.state)
     index = parse_slice(args.slice) if args.slice else ()
     data = handle.read_numpy(index)

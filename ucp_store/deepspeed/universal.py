@@ -346,6 +346,7 @@ def _export_paths(checkpoint, out_root: str | os.PathLike, tag: str | None, over
     tag = tag or f"global_step{checkpoint.step}_universal"
     _names.tag_name(tag)
     root = os.path.abspath(destination(out_root, "a DeepSpeed universal folder"))
+    inputs.check_outside(root, checkpoint.store.location, "universal folder")
     root_real = os.path.realpath(root)  # the folder is made once every check has passed
     final = os.path.join(root_real, tag)
     if os.path.lexists(final) and not overwrite:

@@ -165,6 +165,8 @@ def export_torch_file(checkpoint, path: str, *, state: str | None = None, progre
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ConfigurationError(f"cannot write torch file {path}: folder {parent} does not exist")
+    inputs.check_destination(path, "torch file", ConfigurationError)
+    inputs.check_outside(path, checkpoint.store.location, "torch file", ConfigurationError)
     infos = checkpoint.tensors(state=chosen)
     needed = sum(i.nbytes for i in infos)
     what = f"the torch file of {checkpoint.run}@{checkpoint.step}"

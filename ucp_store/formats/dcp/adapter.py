@@ -918,6 +918,7 @@ def export_dcp(checkpoint, dest: str, *, states: Iterable[str] | None = None, pr
     from ucp_store.progress import track
 
     dest = os.path.abspath(destination(dest, "a DCP folder"))
+    inputs.check_outside(dest, checkpoint.store.location, "DCP folder")
     if not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1:
         raise UcpError(f"thread_count (--threads) must be an integer >= 1, got {thread_count!r}")
     parent = os.path.dirname(dest)

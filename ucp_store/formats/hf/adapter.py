@@ -605,6 +605,7 @@ def export_hf(checkpoint, dest: str | os.PathLike, *, state: str | None = None, 
     ``name_map``: a map file, shipped map name or dict (:mod:`ucp_store.formats.hf.names`); ``config``:
     a ``config.json`` to write instead of the stored ``hf.config`` object. Returns a summary."""
     dest = os.path.abspath(destination(dest, "a Hugging Face folder"))
+    inputs.check_outside(dest, checkpoint.store.location, "Hugging Face folder")
     limit = parse_size(max_shard_size)
     parent = os.path.dirname(dest)
     if not os.path.isdir(parent):
