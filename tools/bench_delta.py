@@ -170,8 +170,15 @@ def safetensors_bytes(model, tmp: str) -> int:
     return n
 
 
-def publish(store, run: str, step: int, tensors: dict, delta: str) -> tuple[str, float]:
+def publish(store, run: str, step: int, tensors: dict, delta: str, how: str = "store") -> tuple[str, float]:
+    """One version: ``Store.save`` (its delta base read back from the store), or with ``how="dist"`` the trainer
+    path ``ucp_store.distributed.save`` (one process here; its base is what it published last, in memory)."""
     t0 = time.perf_counter()
+    if how == "dist" and not any(isinstance(v, dict) for v in tensors.values()):
+        import ucp_store.distributed as ucpd
+
+        ck_id = ucpd.save({"model": tensors}, store=store, run=run, step=step, delta=delta, progress=False)
+        return ck_id, time.perf_counter() - t0
     ck = store.save(run, step, tensors, delta=delta)
     return ck.id, time.perf_counter() - t0
 
@@ -202,7 +209,7 @@ def train(args, lr: float, store, runs: dict[str, str], tmp: str) -> dict[str, l
         for kind, tensors in sets.items():
             flat = {f"{n}|{s}": t for n, d in tensors.items() for s, t in (d.items() if isinstance(d, dict) else
                                                                              [("weight", d)])}
-            ck, secs = publish(store, runs[kind], step, tensors, "auto")
+            ck, secs = publish(store, runs[kind], step, tensors, "auto", args.publisher)
             row = {"step": step, "id": ck, "publish_s": secs, "stored": version_bytes(store, ck),
                    "full": sum(t.numel() * t.element_size() for t in flat.values())}
             if kind in prev:
@@ -302,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--opt-steps", type=int, default=None, help="steps whose fp32 master and moments are saved")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--publisher", choices=("store", "dist"), default="store",
+                    help="store: Store.save (base read back from the store); dist: ucp_store.distributed.save "
+                         "(base kept in memory from the last publish); the fp32 sequence always uses Store.save")
     ap.add_argument("--store", default=None, help="store folder (default: a temporary one, removed)")
     ap.add_argument("--out", default=None, help="write the figures as JSON")
     args = ap.parse_args(argv)
@@ -327,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             for kind, rows in got.items():
                 report["sequences"].append({**summarize(runs[kind], rows, hf if kind == "weights" else None),
                                             "lr": lr, "rows": rows})
-            starts = list(range(0, max(1, args.steps - 5), max(1, (args.steps - 5) // 3)))[:3]
             for hops in (1, 5):
-                prs = pull_figures(store, runs["weights"], [s for s in starts if s + hops <= args.steps], hops)
+                last = args.steps - hops  # up to three starting versions, spread over the run
+                starts = sorted({0, last // 2, last}) if last >= 0 else []
+                prs = pull_figures(store, runs["weights"], starts, hops)
                 report["pulls"].append({"run": runs["weights"], "hops": hops, **pull_summary(prs), "rows": prs})
             last = store.checkpoint(f"{runs['weights']}@{args.steps}")
             problems = last.verify()
