@@ -310,3 +310,26 @@ def test_pull_from_a_bucket(tmp_path):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_pull_and_chunk_diff_on_postgresql(tmp_path):
+    """The routes and the chunk diff read the catalog through SQLAlchemy alone: the same on PostgreSQL."""
+    from ucp_test_helpers import postgres_schema_url
+
+    with postgres_schema_url() as url:
+        st = ucp_store.open_store(str(tmp_path / "s"), create=True, catalog=url)
+        gen = torch.Generator().manual_seed(2)
+        vals = [torch.randn(SHAPE, generator=gen).to(torch.bfloat16)]
+        for step in range(1, 4):
+            vals.append(_changed(vals[-1], [33 * step], gen))
+        with config.override(delta_keyframe_every=3):
+            for step, w in enumerate(vals):
+                st.save("g", step, {"w": w}, delta="auto")
+        held = {"w": vals[0].clone()}
+        assert pull(st, "g@0", "g@2", held, verify=True).tensors[0].kind == "delta"
+        assert _bits_equal(held["w"], vals[2])
+        assert pull(st, "g@2", "g@3", held, verify=True).tensors[0].kind == "full"  # g@3 is a keyframe
+        assert _bits_equal(held["w"], vals[3])
+        rows = chunk_diff(st, "g@1", "g@2")
+        assert rows[0]["how"] == "index" and rows[0]["changed"] == [(66 // 32, 0)]
+        st.catalog.engine.dispose()
