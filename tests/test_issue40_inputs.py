@@ -524,3 +524,14 @@ def test_a_fifo_as_the_catalog_is_refused_without_blocking(tmp_path):
     for argv in (["ls"], ["tag", "r@1", "t"], ["verify", "r@1"]):
         err = one_error_line(ucp(*argv, "--store", tmp_path / "s", timeout=60))
         assert f"{tmp_path / 's' / 'catalog.db'} is not a regular file (a FIFO)" in err, err
+
+
+def test_a_row_that_only_looks_tagged_reads_as_plain_json():
+    """A value stored before the typed encoding (or by hand) whose dict happens to be one tag key with a
+    payload that is not the encoding's is read as the plain JSON it is, never an exception."""
+    from ucp_store import typed_json
+
+    for raw in ({"__ucp_np__": ["<f8", [], "zz"]}, {"__ucp_np__": ["no-dtype", [], "00"]}, {"__ucp_map__": [1]},
+                {"__ucp_tuple__": "text"}):
+        assert typed_json.decode(raw) == raw
+    assert typed_json.decode({"__ucp_tuple__": [1, {"__ucp_map__": [[2, 3]]}]}) == (1, {2: 3})

@@ -92,13 +92,16 @@ def decode(value: Any) -> Any:
         return value
     if len(value) == 1:
         (tag, inner), = value.items()
-        if tag == TUPLE and isinstance(inner, list):
-            return tuple(decode(v) for v in inner)
-        if tag == MAP and isinstance(inner, list):
-            return {_hashable(decode(k)): decode(v) for k, v in inner}
-        if tag == NP_SCALAR and isinstance(inner, list) and len(inner) == 3:
-            import numpy as np
+        try:
+            if tag == TUPLE and isinstance(inner, list):
+                return tuple(decode(v) for v in inner)
+            if tag == MAP and isinstance(inner, list):
+                return {_hashable(decode(k)): decode(v) for k, v in inner}
+            if tag == NP_SCALAR and isinstance(inner, list) and len(inner) == 3:
+                import numpy as np
 
-            dtype, _, raw = inner
-            return np.frombuffer(bytes.fromhex(raw), dtype=np.dtype(dtype))[0]
+                dtype, _, raw = inner
+                return np.frombuffer(bytes.fromhex(raw), dtype=np.dtype(dtype))[0]
+        except (TypeError, ValueError, IndexError):
+            pass  # not this encoding's (a row written before it, or by hand): the plain JSON value
     return {k: decode(v) for k, v in value.items()}
