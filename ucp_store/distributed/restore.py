@@ -34,7 +34,7 @@ from typing import Any
 
 from ucp_store.distributed.context import Ctx
 from ucp_store.errors import ConfigurationError, UcpError
-from ucp_store.io.location import Location
+from ucp_store.io.location import ARRAYS_DIR, Location
 from ucp_store.tiers import nearest
 from ucp_store.tiers import node as tnode
 
@@ -53,13 +53,14 @@ class TierCopies:
 
     copies: dict[str, list[list]]
     durable: dict
+    version: str = ""  # the version's id: a file of its own folder that no row lists is not one of its objects
 
     def to_json(self) -> dict:
-        return {"copies": self.copies, "durable": self.durable}
+        return {"copies": self.copies, "durable": self.durable, "version": self.version}
 
     @classmethod
     def from_json(cls, d: dict) -> TierCopies:
-        return cls({k: [list(c) for c in v] for k, v in d["copies"].items()}, d["durable"])
+        return cls({k: [list(c) for c in v] for k, v in d["copies"].items()}, d["durable"], d.get("version", ""))
 
 
 def tier_copies(ck) -> TierCopies | None:
@@ -73,7 +74,7 @@ def tier_copies(ck) -> TierCopies | None:
         got = tplace.copies(s, ck.id)
     loc = dict(ck.store.location.__dict__)
     loc["catalog_url"] = ""
-    return TierCopies({k: [[c.tier, c.node, c.crc32c, c.nbytes] for c in cs] for k, cs in got.items()}, loc)
+    return TierCopies({k: [[c.tier, c.node, c.crc32c, c.nbytes] for c in cs] for k, cs in got.items()}, loc, ck.id)
 
 
 def fast_location(root: Path) -> Location:
@@ -142,6 +143,7 @@ class _Round:
     node: str
     copies: dict[str, list[list]]
     durable: Location
+    own: str = ""  # the version's folder (``arrays/<id>/``): its objects are the rows' objects
     want: list[str] = field(default_factory=list)
     bad: list[list[str]] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
@@ -176,7 +178,9 @@ def _local_pass(st: _Round, needed: set[str]) -> None:
     for key in sorted(needed):
         cs = st.copies.get(key)
         if cs is None:
-            if _exists(st.root, key):  # an object outside the version's placements, already here
+            # not an object of the version (a file its save did not record, e.g. a zarr.json the readers do not
+            # need: they take the layout from the catalog), or one outside its folder (a delta's base) here already
+            if (st.own and key.startswith(st.own)) or _exists(st.root, key):
                 continue
             st.want.append(key)
             continue
@@ -291,7 +295,8 @@ def hydrate(ctx: Ctx, tiers: TierCopies, needed: set[str] | None, error: BaseExc
             raise ConfigurationError(f"{what}: the version is on the fast tiers; pass fast_tier= (a folder; may "
                                      "contain {node}) or set UCP_FAST_TIER, so this node has a folder to restore into")
         root.mkdir(parents=True, exist_ok=True)
-        st = _Round(root, name, tiers.copies, Location(**tiers.durable))
+        own = f"{ARRAYS_DIR}/{tiers.version}/" if tiers.version else ""
+        st = _Round(root, name, tiers.copies, Location(**tiers.durable), own)
         if error is None and needed is not None:
             t0 = time.perf_counter()
             _local_pass(st, needed)
