@@ -499,6 +499,9 @@ def test_outputs_never_replace_a_fifo_a_device_or_a_link(tmp_path):
             assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino), (argv, name)
     assert (tmp_path / "file").read_bytes() == b"keep"
     assert sorted(os.listdir(tmp_path)) == ["fifo", "file", "link", "null", "s", "stdout"]
+    os.mkfifo(tmp_path / "w.npy.tmp.npy")  # read --out's temporary file: np.save would wait on it forever
+    err = one_error_line(ucp("read", "r@1", "w", "--out", tmp_path / "w.npy", "--store", store, timeout=60))
+    assert "w.npy.tmp.npy exists and is not a regular file (a FIFO)" in err and not (tmp_path / "w.npy").exists()
 
 
 def test_outputs_inside_the_store_are_refused(tmp_path):

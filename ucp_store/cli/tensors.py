@@ -25,6 +25,7 @@ def cmd_read(args: Any) -> int:
         from ucp_store.inputs import check_destination
 
         check_destination(args.out, "--out", ConfigurationError)  # before anything is read
+        check_destination(args.out + ".tmp.npy", "--out's temporary file", ConfigurationError)  # np.save opens it
     ck = open_from_args(args).checkpoint(args.ref)
     if args.out:
         from ucp_store.inputs import check_outside
