@@ -125,6 +125,12 @@ class TierSave:
     shares: list[list[ObjectInfo]] = field(default_factory=list)  # coordinator: each rank's share
     timings: dict[str, float] = field(default_factory=dict)
 
+    def view(self, st) -> Any:
+        """On the coordinator: ``st`` (the store, its durable location) as a store whose location is this node's
+        fast tier and whose ``begin`` hands the writer to this save (:meth:`joined`)."""
+        self.durable, self.store = st.location, st
+        return _view(st, self)
+
     def location(self, catalog_url: str = "") -> Location:
         return Location(url=str(self.root), kind="file", root=str(self.root), catalog_url=catalog_url)
 
@@ -169,10 +175,8 @@ class TierSave:
         the files an origin rank must read back for a content hash are copied to its node (:meth:`_to_origins`),
         then each rank describes its share of its node's objects and the coordinator has them recorded in the
         commit's transaction. Returns this rank's error (every rank learns of it in the rows gather)."""
-        from ucp_store.distributed import coord
-
         t0 = time.perf_counter()
-        error = self._to_origins(writer, group, error)
+        error = self.to_origins(writer, group, error)
         self.timings["to_origins_s"] = time.perf_counter() - t0
         if error is None:
             try:
@@ -180,29 +184,57 @@ class TierSave:
             except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the rows gather
                 error = exc
         self.timings["before_commit_s"] = time.perf_counter() - t0
-        mine = {"node": self.node, "objects": [[o.key, o.nbytes, o.crc32c] for o in self.mine]}
-        parts = coord.gather_bytes(coord.encode(mine), group)
-        if parts is not None and error is None:
-            self.everyone = {}
-            self.shares = []
-            for p in parts:
-                d = coord.decode(p)
-                objs = [ObjectInfo(k, n, c) for k, n, c in d["objects"]]
-                self.everyone.setdefault(d["node"], []).extend(objs)
-                self.shares.append(objs)
+        if self.gather_shares(group) and error is None:
             writer.commit_hooks.append(self._record_fast)
         return error
 
-    def _to_origins(self, writer, group, error: BaseException | None) -> BaseException | None:
+    def gather_shares(self, group) -> bool:
+        """A collective of ``group``: every rank sends its share (``mine``); the coordinator learns every node's
+        objects (``everyone``) and every rank's share (``shares``). True on the coordinator."""
+        from ucp_store.distributed import coord
+
+        mine = {"node": self.node, "objects": [[o.key, o.nbytes, o.crc32c] for o in self.mine]}
+        parts = coord.gather_bytes(coord.encode(mine), group)
+        if parts is None:
+            return False
+        self.everyone, self.shares = {}, []
+        for p in parts:
+            d = coord.decode(p)
+            objs = [ObjectInfo(k, n, c) for k, n, c in d["objects"]]
+            self.everyone.setdefault(d["node"], []).extend(objs)
+            self.shares.append(objs)
+        return True
+
+    def describe_node(self) -> list[ObjectInfo]:
+        """Every object of this version in this node's fast-tier folder (complete files: no temporaries)."""
+        keys = tobj.walk_objects(self.root, f"{ARRAYS_DIR}/{self.checkpoint_id}")
+        return [tobj.describe(self.root, k) for k in keys if _is_object(k)]
+
+    def record_at_commit(self, writer, reported: dict[str, list[ObjectInfo]]) -> None:
+        """The fast copies of a version another writer commits (the DCP backend's ``finish``), recorded inside
+        ``writer``'s commit transaction: ``reported`` (node -> the objects its ranks wrote) merged with this
+        node's folder as walked in the commit (what the commit itself wrote there too)."""
+        def hook(session) -> None:
+            merged = {node: {o.key: o for o in objs} for node, objs in reported.items()}
+            merged.setdefault(self.node, {}).update({o.key: o for o in self.describe_node()})
+            self.everyone = {node: list(objs.values()) for node, objs in merged.items()}
+            self._record_fast(session)
+
+        writer.commit_hooks.append(hook)
+
+    def to_origins(self, writer, group, error: BaseException | None,
+                   origin_rank: int | None = None) -> BaseException | None:
         """The origin rank of an array hashes it from every rank's unit digests; the units no rank held whole (an
         uneven or a small split) it reads back from the files, which on a fast tier lie on the nodes that wrote
         them. So every other node that wrote files of such an array sends them to the origin first (one rank per
-        node; the coordinator decides from every rank's unit ids), and the origin's node holds them too."""
+        node; the coordinator decides from every rank's unit ids), and the origin's node holds them too.
+        ``origin_rank``: the origin of every array (the DCP backend: its coordinator hashes them all in
+        ``finish``); None: the rank whose writer holds the array's origin box. ``writer``: None after ``error``."""
         from ucp_store.distributed.commit import all_ok, collective_errors, settle
         from ucp_store.io import format as fmt
 
         mine: dict = {"failed": error is not None, "arrays": [], "origin": []}
-        if error is None:
+        if error is None and writer is not None:
             digests = writer.region_digests()
             for key, d in digests.items():
                 _, rel, layout, _ = writer.shards.sharded[key]
@@ -213,7 +245,7 @@ class TierSave:
         def decide(parts: list) -> list:
             if any(p["failed"] for p in parts):
                 return [{}] * len(parts)
-            origin = {rel: r for r, p in enumerate(parts) for rel in p["origin"]}
+            origin: dict[str, int | None] = {rel: r for r, p in enumerate(parts) for rel in p["origin"]}
             units: dict[str, Any] = {}
             writers: dict[str, list[int]] = {}
             for r, p in enumerate(parts):
@@ -224,7 +256,7 @@ class TierSave:
                     units[rel] = (dtype, shape, merged)
             sends: list[dict] = [{} for _ in parts]
             for rel, (dtype, shape, us) in units.items():
-                o = origin.get(rel)
+                o = origin.get(rel, origin_rank)
                 if o is None or (us is not None and not fmt.missing_units(dtype, shape, dict.fromkeys(us, b""))):
                     continue
                 senders = {nodes[w]: w for w in sorted(writers[rel], reverse=True) if nodes[w] != nodes[o]}
@@ -268,10 +300,7 @@ class _Opener:
     def __call__(self):
         from ucp_store.distributed.context import resolve_store
 
-        st = resolve_store(self.store, create=self.create)
-        self.tier.durable = st.location
-        self.tier.store = st
-        return _view(st, self.tier)
+        return self.tier.view(resolve_store(self.store, create=self.create))
 
 
 def _view(st, tier: TierSave):
@@ -623,6 +652,29 @@ class TierSetup:
                         fast_keep=self.fast_keep, round_bytes=self.round_bytes, run=run)
         version = write(_Opener(store, create, tier), plan, staged, ctx, run=run, step=step, message=message,
                         parent=parent, progress=progress)
+        return self.spread(tier, ctx, version, t0)
+
+    def committed(self, ctx, *, checkpoint_id: str, run: str, durable: Location, store: Any = None) -> TieredResult:
+        """Phases 3-4 of a version another writer committed with its fast copies recorded (the DCP backend's
+        ``UcpStorageWriter.replicate``, after ``dcp.save`` returned), on every rank of ``ctx``: each rank
+        describes its share of its node's objects (one gather to the coordinator), then :meth:`spread`.
+        ``store``: the coordinator's (its catalog); None elsewhere."""
+        t0 = time.perf_counter()
+        tier = TierSave(root=self.root, node=self.node, nodes=self.nodes, rank=ctx.rank, replicas=self.replicas,
+                        fast_keep=self.fast_keep, round_bytes=self.round_bytes, durable=durable, store=store, run=run,
+                        checkpoint_id=checkpoint_id)
+        tier.mine = tier._describe_share()
+        if ctx.group is None:
+            tier.everyone, tier.shares = {tier.node: tier.mine}, [tier.mine]
+        else:
+            from ucp_store.distributed.commit import collective_errors
+
+            with collective_errors(f"tiered save {checkpoint_id}: every rank's share"):
+                tier.gather_shares(ctx.group)
+        return self.spread(tier, ctx, checkpoint_id, t0)
+
+    def spread(self, tier: TierSave, ctx, version: str, t0: float) -> TieredResult:
+        """After the commit (``local``): phase 3 (``replicas=1``) on every rank of ``ctx``, phase 4 queued."""
         result = TieredResult(version)
         result.timings.update(tier.timings, committed_s=time.perf_counter() - t0)
         result.reached("local")

@@ -242,6 +242,7 @@ class _PlanData:
     checkpoint_id: str
     keys: dict[str, _Key]
     store: dict  # coord.store_facts: the other ranks write through a detached store, never the catalog
+    durable: dict | None = None  # a tiered save: ``TierSave.durable_facts`` (each rank writes to its fast tier)
 
 
 def _stand_in_metadata(plans: list[SavePlan]) -> Any:
@@ -405,6 +406,43 @@ def _catalog_commit(writer, keys: dict[str, _Key], paths: dict[str, Any], result
     writer.commit(reload=False)
 
 
+def tiered_node_map(group, node: str) -> Any:
+    """Every rank's node (``tiered.node_map``: a collective on ``group`` at its first tiered save)."""
+    from ucp_store.distributed import tiered
+
+    return tiered.node_map(group, node)
+
+
+def _tier_save(options: dict) -> Any:
+    """This rank's TierSave of a tiered save (``tier="fast"``): its node and fast-tier folder; the job's nodes
+    are learnt by ``replicate`` (``finish`` records the fast copies by node from the write results)."""
+    from ucp_store.distributed import tiered
+    from ucp_store.tiers import node as tnode
+
+    name = tnode.node_name(options["node"])
+    root = tnode.fast_tier_root(options["fast_tier"], name)
+    if root is None:
+        raise ConfigurationError("UcpStorageWriter tier='fast' needs a fast tier: pass fast_tier= (a folder; may "
+                                 "contain {node}) or set UCP_FAST_TIER")
+    root.mkdir(parents=True, exist_ok=True)
+    return tiered.TierSave(root=root, node=name, nodes=tiered.NodeMap(()), rank=0, replicas=options["replicas"])
+
+
+def _tier_commit(tier, writer, results: list[list[WriteResult]]) -> None:
+    """A tiered save's part of ``finish``: the fast copies every rank reported (node -> objects, in its first
+    write result), recorded in the commit's transaction. The units of a content hash no rank wrote whole are
+    read back from the coordinator's node, where ``write_data`` copied their files (``TierSave.to_origins``)."""
+    from ucp_store.tiers.placement import ObjectInfo
+
+    reported: dict[str, list] = {}
+    for rs in results:
+        for r in rs:
+            rep = r.storage_data.get("tier") if isinstance(r.storage_data, dict) else None
+            if rep is not None:
+                reported.setdefault(rep["node"], []).extend(ObjectInfo(*o) for o in rep["objects"])
+    tier.record_at_commit(writer, reported)
+
+
 def _merge_digests(parts: list[dict]) -> list[dict]:
     """Per-item chunk digests -> one dict per tensor-state (None wins: a box off the chunk grid)."""
     merged: dict = {}
@@ -519,10 +557,18 @@ class UcpStorageWriter(StorageWriter):
     bounds every collective of the save: a rank that dies or hangs gives every other rank an error within
     about twice that, never a hang, and nothing is listed. The writer lowers the timeout of
     ``process_group`` (the group passed to ``dcp.save``; default the world) to it for the save (see
-    :class:`_Bound`), never raises it."""
+    :class:`_Bound`), never raises it.
+
+    ``tier="fast"`` (issue 38; ``replicas``, ``node``, ``fast_tier``, ``fast_keep``, ``drain`` as in
+    ``ucp_store.distributed.save(..., tier="fast")``): every rank writes into its node's fast-tier folder, and
+    ``finish`` commits the version with its fast copies recorded (safety ``local``). Replication and the drain
+    are collectives DCP's calls leave no room for: call :meth:`replicate` on every rank after ``dcp.save``
+    returns (it returns the :class:`~ucp_store.distributed.tiered.TieredResult`, also kept as ``result``)."""
 
     def __init__(self, store: Any, run: str | None = None, step: int | None = None, *, message: str | None = None,
-                 create: bool = True, timeout: float | None = None, process_group: Any = None):
+                 create: bool = True, timeout: float | None = None, process_group: Any = None,
+                 tier: str | None = None, replicas: int = 1, node: str | None = None, fast_tier: Any = None,
+                 fast_keep: int | None = None, drain: bool = True):
         from ucp_store.distributed.commit import default_timeout
 
         seconds = default_timeout() if timeout is None else timeout
@@ -544,12 +590,21 @@ class UcpStorageWriter(StorageWriter):
         self._writer: Any = None  # the coordinator's pending version, from prepare_global_plan to finish
         self._keys: dict[str, _Key] = {}
         self._paths: dict[str, Any] = {}
+        if tier not in (None, "fast"):
+            raise ConfigurationError(f"UcpStorageWriter tier={tier!r}: expected None or 'fast'")
+        if tier is not None and replicas not in (0, 1):
+            raise ConfigurationError(f"UcpStorageWriter replicas={replicas!r}: expected 0 or 1")
+        self.tier_options: dict[str, Any] | None = None if tier is None else {
+            "replicas": replicas, "node": node, "fast_tier": None if fast_tier is None else os.fspath(fast_tier),
+            "drain": drain, **({} if fast_keep is None else {"fast_keep": fast_keep})}
+        self._tier: Any = None  # this rank's TierSave of the save in hand (tier="fast"), until replicate()
+        self.result: Any = None  # the TieredResult of the last replicate()
 
     # pickling for async_save's process executor: no open writer, store or process group crosses (the
     # checkpoint process saves on its own group, the default one there)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_writer=None, process_group=None, _lease=None, _lease_end=None)
+        state.update(_writer=None, process_group=None, _lease=None, _lease_end=None, _tier=None, result=None)
         return state
 
     def _bound(self) -> None:
@@ -598,6 +653,7 @@ class UcpStorageWriter(StorageWriter):
         _check_run_step(self.run, self.step)
         self.is_coordinator = bool(is_coordinator)
         self.rank = int(kwargs.get("rank", 0))
+        self._tier = None if self.tier_options is None else _tier_save(self.tier_options)
         self._bound()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -606,8 +662,8 @@ class UcpStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         keys, keep, md = _plan_keys(plans, self.store.settings["chunk_target_bytes"])
         assert self.run is not None and self.step is not None
-        writer = _catalog_begin(self.store, self.run, self.step,
-                                self.message or f"dcp.save from {len(plans)} rank(s) through {_SAVED_BY}")
+        writer = _catalog_begin(self.store if self._tier is None else self._tier.view(self.store), self.run,
+                                self.step, self.message or f"dcp.save from {len(plans)} rank(s) through {_SAVED_BY}")
         self._writer, self._keys = writer, keys
         with _PENDING_LOCK:  # at once: a failure from here on leaves a pending version that exit must abort
             _PENDING.add(writer)
@@ -617,10 +673,12 @@ class UcpStorageWriter(StorageWriter):
         self._paths = {k: list(v) for k, v in md.planner_data.items() if isinstance(v, (tuple, list))}
         out = []
         facts = store_facts(self.store)
+        durable = None if self._tier is None else self._tier.durable_facts()
         for rank, plan in enumerate(plans):
             items = [it for i, it in enumerate(plan.items) if keep[(rank, i)]]
             mine = {it.index.fqn: keys[it.index.fqn] for it in items}
-            out.append(dataclasses.replace(plan, items=items, storage_data=_PlanData(writer.id, mine, facts)))
+            out.append(dataclasses.replace(plan, items=items,
+                                           storage_data=_PlanData(writer.id, mine, facts, durable)))
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -632,13 +690,48 @@ class UcpStorageWriter(StorageWriter):
         return fut
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        if self._tier is None:
+            return self._write_items(plan, planner)[0]
+        return self._write_tiered(plan, planner)
+
+    def _write_tiered(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """A tiered save's ``write_data``: the items into this node's fast tier, then (a collective of every
+        rank) the files of arrays with units no rank wrote whole are copied to the coordinator's node, which
+        reads them back in ``finish`` (``TierSave.to_origins``); each rank reports its node's objects."""
+        from ucp_store.distributed.context import Ctx
+
+        tier = self._tier
+        ctx = Ctx(self.process_group)
+        error: BaseException | None = None
+        results: list[WriteResult] = []
+        writer: Any = None
+        try:
+            results, writer = self._write_items(plan, planner)
+        except BaseException as exc:  # noqa: BLE001 - every rank learns of it in the exchange that follows
+            error = exc
+        if ctx.group is not None:
+            tier.rank = ctx.rank
+            tier.nodes = tiered_node_map(ctx.group, tier.node)
+            error = tier.to_origins(writer, ctx.group, error, origin_rank=0)
+        if error is not None:
+            raise error
+        if results:  # the objects of this node's folder, for finish to record
+            objs = [[o.key, o.nbytes, o.crc32c] for o in tier.describe_node()]
+            results[0].storage_data["tier"] = {"node": tier.node, "objects": objs}
+        return results
+
+    def _write_items(self, plan: SavePlan, planner: SavePlanner) -> tuple[list[WriteResult], Any]:
         from ucp_store.save.writer import CheckpointWriter
 
         data = plan.storage_data
         if not isinstance(data, _PlanData):
             raise UcpError("UcpStorageWriter.write_data: the plan lacks the coordinator's storage data (was "
                            "prepare_global_plan of this writer run?)")
-        writer = self._writer if self.is_coordinator else CheckpointWriter(detached_store(data.store),
+        facts = data.store
+        if self._tier is not None and data.durable is not None:  # a tiered save: this node's fast-tier folder
+            self._tier.checkpoint_id = data.checkpoint_id
+            facts = self._tier.relocate_facts(facts, data.durable)
+        writer = self._writer if self.is_coordinator else CheckpointWriter(detached_store(facts),
                                                                            data.checkpoint_id, owner=False)
         writer.defer_durability()
         # every zarr.json has one writer: the coordinator, origin of every array, writes them in finish
@@ -671,7 +764,7 @@ class UcpStorageWriter(StorageWriter):
             v = data.keys[r.index.fqn]
             if v.kind == "tensor":
                 results[i] = dataclasses.replace(r, storage_data={"digests": digests.get((v.name, v.state))})
-        return results
+        return results, writer
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         writer, self._writer = self._writer, None
@@ -683,12 +776,35 @@ class UcpStorageWriter(StorageWriter):
         if isinstance(metadata.planner_data, dict):
             paths.update({k: list(v) for k, v in metadata.planner_data.items() if isinstance(v, (tuple, list))})
         try:
+            if self._tier is not None:
+                _tier_commit(self._tier, writer, results)
             _catalog_commit(writer, self._keys, paths, results, metadata.version)
         except BaseException:
             writer.abort()
             raise
         finally:
             self._unbound()  # DCP's last collective here is this rank's broadcast of the outcome
+
+    def replicate(self) -> Any:
+        """A tiered save's phases 3-4 (``tier="fast"``), on every rank of ``process_group`` after ``dcp.save``
+        returned (a collective): the version, committed ``local`` by ``finish``, is replicated to the partner
+        nodes (``replicas=1``) with ``ucp_store.distributed.tiered``'s own functions, and its drain to the durable
+        tier is queued (``drain=True``). Returns the ``TieredResult`` (also ``self.result``): ``.safety``,
+        ``.wait("durable", timeout)``."""
+        from ucp_store.distributed import tiered
+        from ucp_store.distributed.context import Ctx
+
+        tier, self._tier = self._tier, None
+        if tier is None or tier.durable is None or not tier.checkpoint_id:
+            raise UcpError("UcpStorageWriter.replicate: no tiered save to replicate (construct the writer with "
+                           "tier='fast' and call replicate() on every rank once dcp.save has returned)")
+        assert self.run is not None and self.tier_options is not None
+        ctx = Ctx(self.process_group)
+        options = {k: v for k, v in self.tier_options.items() if k != "node"}
+        tiers = tiered.setup(ctx, node=tier.node, **options)
+        self.result = tiers.committed(ctx, checkpoint_id=tier.checkpoint_id, run=self.run, durable=tier.durable,
+                                      store=tier.store if ctx.rank == 0 else None)
+        return self.result
 
     def _drop_pending(self) -> None:
         writer, self._writer = self._writer, None
