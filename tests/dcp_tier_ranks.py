@@ -2,10 +2,11 @@
 
 Run as ``python tests/dcp_tier_ranks.py SPEC_JSON``: ``world`` rank processes, rank ``r`` on node
 ``n<r // per_node>`` (``UCP_NODE``), each node's fast tier its own folder (``spec["fast"]``, a ``{node}``
-template). Every rank saves ``steps`` versions of tests/tier_ranks.py's DTensor state with ``dcp.save`` and a
-``UcpStorageWriter(tier="fast")``, then calls ``writer.replicate()`` and waits for ``durable``; rank 0 reads the
-catalog's safety after each phase. Every rank then loads each version back through ``UcpStorageReader`` and
-through ``ucp_store.distributed.load`` and compares its shards bit for bit. Writes ``<out>/rank<r>.json``.
+template; ``kill``: ``{rank: "point[:N]"}`` arms ``UCP_KILL_AT`` there). Every rank saves ``steps`` versions of
+tests/tier_ranks.py's DTensor state with ``dcp.save`` and a ``UcpStorageWriter(tier="fast")``, then calls
+``writer.replicate()`` and waits for ``durable``; rank 0 reads the catalog's safety after each phase. Every rank
+then loads each version back through ``UcpStorageReader`` and through ``ucp_store.distributed.load`` and
+compares its shards bit for bit. Writes ``<out>/rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def _safety(store_path: str, ck: str) -> str | None:
 def _rank_main(rank: int, spec: dict, port: int) -> None:
     world = spec["world"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      UCP_NODE=f"n{rank // spec['per_node']}", UCP_DIST_TIMEOUT="30")
+                      UCP_NODE=f"n{rank // spec['per_node']}", UCP_DIST_TIMEOUT=str(spec.get("timeout_s", 30)))
+    if str(rank) in spec.get("kill", {}):  # UCP_KILL_AT on that rank: killed there (SIGKILL)
+        os.environ["UCP_KILL_AT"] = spec["kill"][str(rank)]
     import datetime
 
     import torch

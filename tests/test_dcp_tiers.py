@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,12 +31,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tier_ranks import SHAPES, full_tensor  # noqa: E402
 
 
-def run_ranks(tmp_path: Path, **spec) -> list[dict]:
+def run_ranks(tmp_path: Path, **spec) -> list[Any]:
     spec = {"store": str(tmp_path / "store"), "fast": str(tmp_path / "fast" / "{node}"), "out": str(tmp_path / "out"),
             **spec}
     (tmp_path / "out").mkdir()
     proc = run_python(["tests/dcp_tier_ranks.py", json.dumps(spec)], timeout=300)
-    outs = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(spec["world"])]
+    paths = [tmp_path / "out" / f"rank{r}.json" for r in range(spec["world"])]
+    outs: list[Any] = [json.loads(p.read_text()) if p.exists() else None for p in paths]
+    if spec.get("kill"):
+        return outs  # a killed rank wrote nothing (None)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all("error" not in o for o in outs), [o.get("trace") for o in outs]
     return outs
@@ -119,3 +123,20 @@ def test_dcp_tiered_save_one_process_replicas_0(tmp_path):
     back = {"w": torch.zeros(SHAPES["w1"]), "b": torch.zeros(SHAPES["b"])}
     dcp.load(back, storage_reader=UcpStorageReader(str(tmp_path / "store"), ck))
     assert torch.equal(back["w"], sd["w"]) and torch.equal(back["b"], sd["b"])
+
+
+def test_dcp_kill_during_replication_leaves_it_local(tmp_path):
+    outs = run_ranks(tmp_path, world=2, per_node=1, steps=[1], kill={"1": "tier.replicate"}, timeout_s=15)
+    assert outs[1] is None  # killed while writing the replica it received
+    rec = outs[0]["steps"][0]
+    assert rec["after_save"] == "local" and "replicat" in outs[0]["error"]
+    store = ucp_store.open_store(str(tmp_path / "store"))
+    (ck,) = [c["id"] for c in store.list_checkpoints("t")]
+    with store.catalog.session() as s:
+        assert tp.safety_of(s, ck) == "local"  # committed, never listed above what it reached
+        copies = tp.copies(s, ck)
+    assert all(c.tier == "fast" for cs in copies.values() for c in cs)  # nothing durable
+    for key, cs in copies.items():
+        for c in cs:
+            tobj.read_checked(tmp_path / "fast" / c.node, key, c.crc32c, c.nbytes)
+    assert any(len(cs) == 1 for cs in copies.values())  # some object on one node only: 'replicated' would overstate
