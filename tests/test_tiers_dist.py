@@ -80,6 +80,19 @@ def _safety(store, ck: str) -> str | None:
         return tp.safety_of(s, ck)
 
 
+def _durable_is_plain_zarr(store, tmp_path: Path, ck: str, step: int) -> None:
+    """The drained copy is a complete Zarr v3 store: zarr-python opens each array from its zarr.json alone."""
+    import numpy as np
+    import zarr
+
+    c = store.checkpoint(ck)
+    for name in c.names():
+        rel = c.info(name).array
+        got = np.asarray(zarr.open_array(str(tmp_path / "store" / rel), mode="r")[...])
+        want = _expected(name, step)
+        assert got.tobytes() == want.contiguous().view(torch.uint8).numpy().tobytes(), (ck, name)
+
+
 def _durable_roundtrip(tmp_path: Path, catalog: str | None) -> None:
     outs = _run(tmp_path, world=4, per_node=2, steps=[1, 2, 3], wait="durable", fast_keep=1, catalog=catalog)
     ids = [rec["id"] for rec in outs[0]["steps"]]
@@ -90,13 +103,16 @@ def _durable_roundtrip(tmp_path: Path, catalog: str | None) -> None:
         assert _safety(store, ck) == "durable"
         copies = _copies_check_out(store, tmp_path, ck)
         fast = {(c.node) for cs in copies.values() for c in cs if c.tier == "fast"}
-        if step == 3:  # the newest keeps its fast copies: every object on both nodes and on the durable tier
+        meta = {k for k in copies if k.endswith("/zarr.json")}  # made from the catalog's layout by the drain
+        assert meta and all({(c.tier, c.node) for c in copies[k]} == {("durable", "")} for k in meta)
+        if step == 3:  # the newest keeps its fast copies: every shard file on both nodes and on the durable tier
             assert all({(c.tier, c.node) for c in cs} == {("fast", "n0"), ("fast", "n1"), ("durable", "")}
-                       for cs in copies.values())
+                       for k, cs in copies.items() if k not in meta)
         else:  # fast_keep=1: evicted from the fast tier (rows, then folders), durable only
             assert fast == set()
             assert not any((tmp_path / "fast" / n / "arrays" / ck).exists() for n in ("n0", "n1"))
         _loads_exact(store, ck, step)
+        _durable_is_plain_zarr(store, tmp_path, ck, step)
     for node in ("n0", "n1"):  # one node's fast folder alone holds all of the newest version
         _loads_exact(_store(tmp_path, catalog), ids[2], 3, tmp_path / "fast" / node)
 

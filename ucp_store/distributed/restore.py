@@ -85,9 +85,10 @@ def fast_location(root: Path) -> Location:
 # ----------------------------------------------------------------------------------------- what a plan touches
 def array_keys(array: str, layout, boxes: Iterable | None) -> set[str]:
     """The objects of array ``array`` (its path relative to the store root) that reading ``boxes`` (each a
-    sequence of ``(lo, hi)`` per dim; None: the whole array) touches: its ``zarr.json`` and the shard files
-    the boxes intersect."""
-    keys = {f"{array}/zarr.json"}
+    sequence of ``(lo, hi)`` per dim; None: the whole array) touches: the shard files the boxes intersect (never
+    its ``zarr.json``: the store's readers take the layout from the catalog, and the drain makes the durable one
+    from it, so a restore reads no durable byte for metadata)."""
+    keys: set[str] = set()
     if not layout.sharded:
         keys.add(f"{array}/c")
         return keys

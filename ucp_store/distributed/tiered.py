@@ -602,7 +602,7 @@ def drain(tier: TierSave, group) -> str:
         failed = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if p["error"]]
         if failed:
             return {"failed": "; ".join(failed)}
-        objs = [ObjectInfo(*d) for p in parts for d in p["done"]]
+        objs = [ObjectInfo(*d) for p in parts for d in p["done"]] + _drain_metadata(tier)
         return tier.store.catalog.run_write(lambda s: _durable_and_evict(s, tier, objs))
 
     if group is None:
@@ -617,6 +617,30 @@ def drain(tier: TierSave, group) -> str:
             killpoint("tier.evict")
             tobj.remove_version(tier.root, ck)
     return str(answer["safety"])
+
+
+def _drain_metadata(tier: TierSave) -> list[ObjectInfo]:
+    """On the coordinator: each array of the version gets its zarr.json on the durable tier, made from the
+    catalog's layout (the bytes TensorStore writes), so the drained copy is a complete Zarr store for any reader;
+    the fast tiers need none (the store's readers take the layout from the catalog)."""
+    from sqlalchemy import select
+
+    from ucp_store.catalog.models import Array, StoredObject, Tensor
+    from ucp_store.io import format as fmt
+
+    assert tier.durable is not None
+    own = f"{ARRAYS_DIR}/{tier.checkpoint_id}/"
+    with tier.store.catalog.session() as s:
+        rows = list(s.scalars(select(Array).where(Array.id.in_(
+            select(Tensor.array_id).where(Tensor.checkpoint_id == tier.checkpoint_id).union(
+                select(StoredObject.array_id).where(StoredObject.checkpoint_id == tier.checkpoint_id,
+                                                    StoredObject.array_id.is_not(None)))))))
+    done = []
+    for a in rows:
+        if a.path.startswith(own):  # the version's own arrays (a tiered save deduplicates nothing)
+            layout = fmt.ArrayLayout.from_catalog(a.dtype, a.shape, a.chunk_shape, a.shard_shape, a.codecs)
+            done.append(tobj.put_durable(tier.durable, f"{a.path}/zarr.json", fmt.zarr_json(layout)))
+    return done
 
 
 def _durable_and_evict(s, tier: TierSave, objs: list[ObjectInfo]) -> dict:
