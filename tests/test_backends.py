@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -26,7 +25,7 @@ from ucp_store.errors import InvalidNameError, UcpError
 from ucp_store.io.location import Location
 from ucp_store.topology import Topology
 
-from ucp_test_helpers import REPO, bits, postgres_schema_url, python_env
+from ucp_test_helpers import REPO, bits, moto_s3, postgres_schema_url, python_env
 
 BUCKET = "ucp-test"
 
@@ -51,20 +50,8 @@ def catalog_url(request, tmp_path):
 @pytest.fixture(scope="module")
 def s3_server():
     """moto's S3 server on a free local port, with dummy credentials in the environment."""
-    moto_server = pytest.importorskip("moto.server")
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with moto_s3() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from ucp_store.errors import ChecksumError, UcpError
 from ucp_store.io import format as fmt
 from ucp_store.save.writer import CheckpointWriter
 
-from ucp_test_helpers import flip_byte, shard_file_and_range
+from ucp_test_helpers import flip_byte, moto_s3, shard_file_and_range
 
 SHAPE, CHUNK, SHARD = (32, 6), (4, 6), (16, 6)  # 8 chunks in 2 shard files (c/0/0: chunks 0-3, c/1/0: 4-7)
 X = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
@@ -103,19 +103,8 @@ def damaged(template, tmp_path, request):
 
 @pytest.fixture(scope="module")
 def moto_endpoint():
-    moto_server = pytest.importorskip("moto.server")
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        import boto3
-
-        boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1").create_bucket(Bucket="bad")
-        yield f"http://{host}:{port}"
-        server.stop()
+    with moto_s3("bad") as endpoint:
+        yield endpoint
 
 
 def _upload(folder: Path, endpoint: str, prefix: str) -> None:

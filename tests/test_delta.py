@@ -26,7 +26,7 @@ from ucp_store.io import format as fmt
 from ucp_store.io.location import Location
 from ucp_store.save.writer import CheckpointWriter
 
-from ucp_test_helpers import flip_byte, postgres_schema_url, shard_file_and_range
+from ucp_test_helpers import flip_byte, moto_s3, postgres_schema_url, shard_file_and_range
 
 DTYPES = {
     "bfloat16": (torch.bfloat16, ml_dtypes.bfloat16),
@@ -441,25 +441,11 @@ def test_show_and_ls_print_encoding_depth_and_stored_bytes(store, store_path, ti
 @pytest.fixture(scope="module")
 def s3_url():
     """A store URL in a fresh bucket of moto's S3 server on a free local port (dummy credentials)."""
-    moto_server = pytest.importorskip("moto.server")
     import boto3
 
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    client.create_bucket(Bucket="deltas")
-    yield f"s3://deltas/store?endpoint={endpoint}&region=us-east-1", client
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with moto_s3("deltas") as endpoint:
+        yield (f"s3://deltas/store?endpoint={endpoint}&region=us-east-1",
+               boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1"))
 
 
 def test_delta_chain_on_a_bucket(s3_url, tmp_path, tiny_layout):

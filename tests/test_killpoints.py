@@ -23,7 +23,7 @@ import torch
 import ucp_store
 from ucp_store import _killpoints
 
-from ucp_test_helpers import PG_ENV, REPO, python_env, run_python
+from ucp_test_helpers import PG_ENV, REPO, moto_s3, python_env, run_python
 
 sys.path.insert(0, os.path.dirname(__file__))
 from killpoint_driver import CASES  # noqa: E402
@@ -93,12 +93,8 @@ def test_ucp_rm_killed_through_the_cli_then_gc_finishes_it(store, store_path, uc
 
 @pytest.fixture(scope="module")
 def moto_endpoint():
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_s3() as endpoint:
+        yield endpoint
 
 
 @pytest.mark.slow

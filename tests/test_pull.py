@@ -25,6 +25,8 @@ from ucp_store.io import format as fmt
 from ucp_store.puller import pull
 from ucp_store.registry.pull import chunk_diff, plan_pull
 
+from ucp_test_helpers import moto_s3, postgres_schema_url
+
 SHAPE = (256, 256)  # bf16: 128 KiB; chunks of 32 rows (16 KiB, aligned for 64-way splits): 8 per tensor
 
 
@@ -278,18 +280,7 @@ def test_one_process_publisher_xors_against_what_it_published(tmp_path, monkeypa
 def test_pull_from_a_bucket(tmp_path):
     """On S3 (moto's server over real HTTP) the pull reads shard indexes by suffix ranges and chunks by byte
     ranges through TensorStore's kvstore: exact, and the bytes are the indexes plus the changed chunks."""
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
-
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="pulls")
+    with moto_s3("pulls") as endpoint:
         st = ucp_store.open_store(f"s3://pulls/store?endpoint={endpoint}&region=us-east-1", create=True,
                                   catalog=f"sqlite:///{tmp_path}/c.db")
         gen = torch.Generator().manual_seed(9)
@@ -303,18 +294,10 @@ def test_pull_from_a_bucket(tmp_path):
         assert _bits_equal(held["w"], w1) and res.tensors[0].verified is True
         data, index = _independent_bytes(st, "b@0", "b@1", "w", None)
         assert res.tensors[0].bytes_read == data + index and res.tensors[0].changed == [(1, 0)]
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_pull_and_chunk_diff_on_postgresql(tmp_path):
     """The routes and the chunk diff read the catalog through SQLAlchemy alone: the same on PostgreSQL."""
-    from ucp_test_helpers import postgres_schema_url
 
     with postgres_schema_url() as url:
         st = ucp_store.open_store(str(tmp_path / "s"), create=True, catalog=url)

@@ -231,3 +231,37 @@ def store_on(catalog: str, folder):
         store = ucp_store.open_store(str(folder), create=True, catalog=url)
         yield store
         store.catalog.close()
+
+
+#: the dummy credentials moto's S3 server accepts
+MOTO_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@contextmanager
+def moto_s3(*buckets: str):
+    """moto's S3 server over real HTTP on a free local port, with ``buckets`` made and the dummy credentials in
+    the environment (restored after); yields its endpoint URL. Skips the test where moto is not installed."""
+    import pytest
+
+    moto_server = pytest.importorskip("moto.server")
+    saved = {k: os.environ.get(k) for k in MOTO_ENV}
+    os.environ.update(MOTO_ENV)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        if buckets:
+            import boto3
+
+            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+            for b in buckets:
+                client.create_bucket(Bucket=b)
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
