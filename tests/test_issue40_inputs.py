@@ -508,8 +508,9 @@ def test_outputs_inside_the_store_are_refused(tmp_path):
     """``read --out STORE/catalog.db`` replaced the catalog; an export into ``arrays/`` left files gc then
     reports as foreign. Every output inside a folder store is refused, and the store is byte-identical."""
     store = tmp_path / "s"
-    ucp_store.open_store(str(store), create=True).save("r", 1, {"w": torch.ones(3)},
-                                                       objects={"hf.config": {"model_type": "llama"}})
+    s = ucp_store.open_store(str(store), create=True)
+    s.save("r", 1, {"w": torch.ones(3)}, objects={"hf.config": {"model_type": "llama"}})
+    s.catalog.close()  # the writer's last connection checkpoints its WAL now, not when GC closes it mid-test
     before = _tree(store)
     for argv in (["read", "r@1", "w", "--out", store / "catalog.db"], ["export", "torch", "r@1", store / "catalog.db"],
                  ["export", "dcp", "r@1", store / "arrays" / "d"], ["export", "hf", "r@1", store / "h"],
