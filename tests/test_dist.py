@@ -564,3 +564,39 @@ def test_killed_rank_lists_nothing_and_gc_reclaims(tmp_path):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+_REINIT = r"""
+import gc, os, sys, tempfile, datetime
+import torch, torch.distributed as dist
+from ucp_store.distributed import commit
+def init(path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+d = tempfile.mkdtemp()
+init(os.path.join(d, "a"))
+first = commit.control_group(tag="t")
+assert commit.control_group(tag="t") is first  # cached while the world lives
+t = torch.ones(3); dist.all_reduce(t, group=first)
+dist.destroy_process_group()
+init(os.path.join(d, "b"))  # a job that re-initialises after a failure
+second = commit.control_group(tag="t")
+assert second is not first, "a destroyed group was handed out again"
+t = torch.ones(3); dist.all_reduce(t, group=second)
+assert t.tolist() == [1.0, 1.0, 1.0]
+print("ok", len(commit._GROUPS))
+"""
+
+
+def test_control_groups_are_renewed_after_a_reinit_and_released_at_exit():
+    """A cached control group dies with ``destroy_process_group``: after a re-init the next call makes a new
+    one (not the dead one), and the cache is emptied at exit, before the interpreter is torn down."""
+    proc = run_python(["-c", _REINIT], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["ok", "1"], proc.stdout
+    assert "terminate called" not in proc.stderr
+    from ucp_store.distributed import commit
+
+    commit._GROUPS[("k",)] = object()
+    commit._release_groups()
+    assert commit._GROUPS == {}

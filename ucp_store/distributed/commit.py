@@ -16,6 +16,7 @@ objects of a job whose default backend is NCCL.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as _dt
 import threading
@@ -34,6 +35,27 @@ __all__ = ["EXCHANGES", "agree", "all_ok", "control_group", "default_timeout", "
 
 _GROUPS: dict[tuple, object] = {}
 _GROUPS_LOCK = threading.Lock()
+
+
+def _release_groups() -> None:
+    """Drop the cached groups while the interpreter is alive (at exit): a group kept until finalisation is
+    destroyed then, and a gloo worker thread that frees a Python-owned tensor at that moment takes the GIL of
+    a dying interpreter, which aborts the process ("terminate called without an active exception")."""
+    with _GROUPS_LOCK:
+        _GROUPS.clear()
+
+
+atexit.register(_release_groups)
+
+
+def _drop_destroyed_groups() -> None:
+    """Forget cached groups that ``destroy_process_group`` has destroyed (a job that re-initialises, as after a
+    rank failure, gets new groups instead of dead ones). Holds ``_GROUPS_LOCK``."""
+    live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    if live is None:
+        return
+    for key in [k for k, pg in _GROUPS.items() if pg not in live]:
+        del _GROUPS[key]
 
 
 def default_timeout() -> float:
@@ -64,6 +86,7 @@ def control_group(group=None, *, timeout: float | None = None, tag: str = "contr
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
     key = (ranks, seconds, tag)
     with _GROUPS_LOCK:
+        _drop_destroyed_groups()
         pg = _GROUPS.get(key)
         if pg is None:
             pg = _GROUPS[key] = _new_group(ranks, seconds, tag)
