@@ -272,6 +272,198 @@ def pull_figures(store, run: str, steps: list[int], hops: int) -> list[dict]:
     return rows
 
 
+def _boxes(ck, names: list[str], rank: int) -> dict[str, tuple]:
+    return {n: tp_box(n, ck.info(n, "weight").shape, rank) for n in names}
+
+
+def _empty(ck, boxes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    from ucp_store import dtypes
+
+    return {n: torch.empty([b - a for a, b in box], dtype=dtypes.torch_dtype(ck.info(n, "weight").dtype))
+            for n, box in boxes.items()}
+
+
+def _stored_chunks(store, routes: dict, boxes: dict[str, tuple], arrays_of) -> list[tuple]:
+    """The stored chunks of the arrays ``arrays_of(route)`` (in order) that each box intersects, read into memory
+    beforehand: ``[(name, reader's decode or None, chunk shape, numpy dtype, raw bytes, src box, dst box,
+    mode)]`` (mode ``copy`` for a route's first full array, else ``xor``)."""
+    from ucp_store.geometry import Box
+    from ucp_store.io.chunkread import ChunkReader
+    from ucp_store.plan.pull import chunk_cuts
+
+    out = []
+    for (name, _state), tr in routes.items():
+        box = Box(tuple(boxes[name]))
+        for i, a in enumerate(arrays_of(tr)):
+            mode = "copy" if a.encoding != "xor" and i == 0 else "xor"
+            r = ChunkReader(store.location, a.path, shape=a.shape, dtype=a.dtype, shard_shape=a.shard_shape,
+                            codecs=a.codecs)
+            for c in chunk_cuts(r.shape, r.chunk_shape, r.shard_shape, box):
+                raw = r.raw(c.shard, c.slot)
+                if raw is not None:
+                    out.append((name, r.decode, r.chunk_shape, r.np_dtype, raw, c.src, c.dst, mode))
+    return out
+
+
+def _apply_in_memory(chunks: list[tuple], dest: dict[str, np.ndarray], threads: int) -> tuple[float, float]:
+    """The least work of a pull or a load given its stored chunks already in memory: each decoded (a plain
+    array's bytes used as they are) and XORed or copied into ``dest``; no I/O, no plan, no crc check. Runs on
+    ``threads`` threads (the pull's pool size), chunks of one tensor in order. Wall and process CPU seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ucp_store.io import delta as dl
+
+    by_name: dict[str, list[tuple]] = {}
+    for c in chunks:
+        by_name.setdefault(c[0], []).append(c)
+
+    def work(items: list[tuple]) -> None:
+        for name, decode, shape, dtype, raw, src, dst, mode in items:
+            body = memoryview(raw)[:-4]
+            data = decode(body, int(np.prod(shape)) * dtype.itemsize) if decode is not None else body
+            part = np.frombuffer(data, dtype).reshape(shape)[src.slices()]
+            if mode == "copy":
+                dest[name][dst.slices()] = part
+            else:
+                dl.xor_into(dest[name][dst.slices()], part)
+
+    # a tensor's chunks are disjoint except between levels (copy, then xor): one task per tensor and level
+    tasks = []
+    for items in by_name.values():
+        level: list[tuple] = []
+        for c in items:
+            if level and c[7] == "copy" and level[-1][7] != "copy":
+                tasks.append(level)
+                level = []
+            level.append(c)
+        tasks.append(level)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(len, [()] * threads))  # the threads started before the clock
+        t0, c0 = time.perf_counter(), time.process_time()
+        list(pool.map(work, tasks))
+        return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _best(fn, repeats: int) -> tuple[float, Any]:
+    best, got = math.inf, None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        if dt < best:
+            best, got = dt, out
+    return best, got
+
+
+def phase_figures(store, run: str, m_step: int, hops: int, rank: int, keyframe_step: int, repeats: int = 3) -> dict:
+    """One rank's pull M -> M+hops against full loads of the same boxes, phase by phase (best of ``repeats``,
+    page cache warm), beside the ceilings: the same stored chunks already in memory, decoded and XORed (the
+    pull) or copied (a version stored full) with nothing else. The loads: ``full_chain`` (N as stored: its
+    keyframe, then every delta above it, through the pull's reader), ``full_stored`` (a version stored full,
+    the keyframe ``keyframe_step``: what a registry without deltas reads per version) and ``checkpoint``
+    (``Checkpoint`` reads of N, the library's ordinary read path)."""
+    from ucp_store import dtypes
+    from ucp_store.io.pools import LazyPool
+    from ucp_store.registry.pull import plan_pull
+
+    have, want, key = f"{run}@{m_step}", f"{run}@{m_step + hops}", f"{run}@{keyframe_step}"
+    ck_m, ck_n, ck_k = store.checkpoint(have), store.checkpoint(want), store.checkpoint(key)
+    names = [i.name for i in ck_n.tensors(state="weight")]
+    boxes = _boxes(ck_n, names, rank)
+    held = _full_load(ck_m, names, rank)
+    rec: dict[str, Any] = {"run": run, "from": m_step, "to": m_step + hops, "rank": rank, "keyframe": keyframe_step,
+                           "box_bytes": sum(t.numel() * t.element_size() for t in held.values())}
+
+    def run_pull(h, w, start):
+        tensors = {n: t.clone() for n, t in start.items()}
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = pull(store, h, w, tensors, boxes=boxes)
+        return time.perf_counter() - t0, res, tensors, time.process_time() - c0
+
+    cases = {"pull": (have, want, held), "full_chain": (None, want, _empty(ck_n, boxes)),
+             "full_stored": (None, key, _empty(ck_k, boxes))}
+    results = {}
+    for case, (h, w, start) in cases.items():
+        runs = [run_pull(h, w, start) for _ in range(repeats)]
+        secs, res, tensors, cpu = min(runs, key=lambda x: x[0])
+        results[case] = tensors
+        rec[case] = {"s": secs, "cpu_s": cpu, "bytes_read": res.bytes_read, "delta_bytes": res.delta_bytes,
+                     "phases": dict(res.phases),
+                     "routes": {k: sum(t.kind == k for t in res.tensors) for k in ("same", "delta", "full")}}
+    c0 = time.process_time()
+    rec["checkpoint"] = {"s": _best(lambda: _full_load(ck_n, names, rank), repeats)[0],
+                         "cpu_s": (time.process_time() - c0) / repeats}
+    full = _full_load(ck_n, names, rank)
+    for case in ("pull", "full_chain"):
+        if not all(torch.equal(results[case][n].view(torch.int16), full[n].view(torch.int16)) for n in names):
+            raise SystemExit(f"{case} {have} -> {want} rank {rank}: not bit-exact against a Checkpoint read")
+
+    # ceilings: the stored chunks already in memory (bytes read beforehand), decoded and applied, nothing else
+    threads = LazyPool("bench", "read_threads", lambda cpus: max(4, min(32, 2 * cpus))).size()
+    routes_pull = plan_pull(store, have, want, [(n, "weight") for n in names])
+    routes_key = plan_pull(store, None, key, [(n, "weight") for n in names])
+    for case, routes, arrays_of, start in (("pull", routes_pull, lambda tr: tr.deltas, held),
+                                           ("full_stored", routes_key, lambda tr: tr.full, None)):
+        chunks = _stored_chunks(store, routes, boxes, arrays_of)
+        secs = (math.inf, math.inf)
+        for _ in range(repeats):  # a fresh destination each time (an XOR applied twice undoes itself)
+            dest_t = {n: t.clone() for n, t in start.items()} if start is not None else _empty(ck_k, boxes)
+            secs = min(secs, _apply_in_memory(chunks, {n: dtypes.numpy_view(t) for n, t in dest_t.items()},
+                                              threads))
+        if not all(torch.equal(dest_t[n].view(torch.int16), results[case][n].view(torch.int16)) for n in names):
+            raise SystemExit(f"ceiling of {case} {have} -> {want} rank {rank}: differs from the pull's result")
+        rec[case]["ceiling_s"], rec[case]["ceiling_cpu_s"] = secs
+        rec[case]["ceiling_bytes"] = sum(len(c[4]) for c in chunks)
+        rec[case]["ceiling_threads"] = threads
+    return rec
+
+
+def s3_figures(store, run: str, m_step: int, rank: int, keyframe_step: int, tmp: str, repeats: int = 2) -> dict:
+    """The pull M -> M+1 and the full loads of ``phase_figures`` against a bucket: versions ``keyframe_step`` ..
+    M+1 of ``run`` published again (the same values, ``delta="auto"``) into a store on moto's S3 server over
+    real HTTP on this host (``tests/ucp_test_helpers.moto_s3``), then read back through the kvstore's
+    byte-range reads. Localhost HTTP to a Python server: it shows what the bytes cost where requests carry them,
+    not a real bucket's bandwidth."""
+    import logging
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from ucp_test_helpers import moto_s3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
+
+    have, want, key = f"{run}@{m_step}", f"{run}@{m_step + 1}", f"{run}@{keyframe_step}"
+    with moto_s3("bench") as endpoint:
+        s3 = ucp_store.open_store(f"s3://bench/store?endpoint={endpoint}&region=us-east-1", create=True,
+                                  catalog=f"sqlite:///{os.path.join(tmp, 's3-catalog.db')}")
+        t0 = time.perf_counter()
+        for step in range(keyframe_step, m_step + 2):
+            ck = store.checkpoint(f"{run}@{step}")
+            s3.save(run, step, {i.name: ck.tensor(i.name, "weight").read() for i in ck.tensors(state="weight")},
+                    delta="auto")
+        rec: dict[str, Any] = {"run": run, "from": m_step, "to": m_step + 1, "rank": rank, "endpoint": "moto",
+                               "publish_s": time.perf_counter() - t0}
+        ck_m, ck_n = store.checkpoint(have), s3.checkpoint(want)
+        names = [i.name for i in ck_n.tensors(state="weight")]
+        boxes = _boxes(ck_n, names, rank)
+        held = _full_load(ck_m, names, rank)
+        expect = _full_load(store.checkpoint(want), names, rank)
+        for case, (h, w, start) in {"pull": (have, want, held), "full_chain": (None, want, _empty(ck_n, boxes)),
+                                    "full_stored": (None, key, _empty(ck_n, boxes))}.items():
+            best: dict[str, Any] = {"s": math.inf}
+            for _ in range(repeats):
+                tensors = {n: t.clone() for n, t in start.items()}
+                t0, c0 = time.perf_counter(), time.process_time()
+                res = pull(s3, h, w, tensors, boxes=boxes)
+                secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if secs < best["s"]:
+                    best = {"s": secs, "cpu_s": cpu, "bytes_read": res.bytes_read, "phases": dict(res.phases)}
+            if case != "full_stored" and not all(torch.equal(tensors[n].view(torch.int16), expect[n].view(torch.int16))
+                                                 for n in names):
+                raise SystemExit(f"S3 {case} {have} -> {want} rank {rank}: not bit-exact")
+            rec[case] = best
+    return rec
+
+
 def summarize(name: str, rows: list[dict], hf_bytes: int | None) -> dict:
     later = rows[1:]
     s: dict[str, Any] = {"sequence": name, "versions": len(rows), "full_bytes": rows[0]["full"]}
@@ -314,13 +506,29 @@ def main(argv: list[str] | None = None) -> int:
                          "(base kept in memory from the last publish); the fp32 sequence always uses Store.save")
     ap.add_argument("--store", default=None, help="store folder (default: a temporary one, removed)")
     ap.add_argument("--out", default=None, help="write the figures as JSON")
+    ap.add_argument("--pull-only", action="store_true",
+                    help="no training: the phase breakdown, ceilings and S3 column on the runs an earlier run left "
+                         "in --store")
+    ap.add_argument("--no-s3", action="store_true", help="skip the S3 column (moto's server)")
     args = ap.parse_args(argv)
+    if args.pull_only and not args.store:
+        ap.error("--pull-only needs --store (a folder an earlier run of this benchmark filled)")
     args.steps = args.steps or (6 if args.small else 20)
     args.opt_steps = args.opt_steps if args.opt_steps is not None else (args.steps if args.small else 3)
     tmp = tempfile.mkdtemp(prefix="bench-delta-")
     root = args.store or os.path.join(tmp, "store")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     try:
+        if args.pull_only:
+            store = ucp_store.open_store(root)
+            report = {"load": os.getloadavg(), "pulls": [], "sequences": []}
+            report["phases"] = pull_phases(store, args, tmp)
+            report["load_after"] = os.getloadavg()
+            print_phases(report)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(report, f, indent=1, default=str)
+            return 0
         store = ucp_store.open_store(root, create=True)
         model, _cfg = build_model(args.small)
         n_params = sum(p.numel() for p in model.parameters())
@@ -346,8 +554,10 @@ def main(argv: list[str] | None = None) -> int:
             problems = last.verify()
             if problems:
                 raise SystemExit(f"verify {last}: {problems[:3]}")
+        report["phases"] = pull_phases(store, args, tmp)
         report["load_after"] = os.getloadavg()
         print_report(report)
+        print_phases(report)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1, default=str)
@@ -355,6 +565,51 @@ def main(argv: list[str] | None = None) -> int:
         if not args.store:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def pull_phases(store, args, tmp: str) -> dict:
+    """One rank's one-step pull 1 -> 2 of each bf16 sequence (keyframe: version 0) phase by phase, with the
+    ceilings, and (unless ``--no-s3``) the RL sequence's against a bucket."""
+    out: dict[str, Any] = {"local": [], "s3": []}
+    have = {r["run"]: r["latest_step"] for r in store.runs()}
+    runs = [r for r in ("rl-bf16", "sft-bf16") if (have.get(r) or 0) >= 2]
+    for run in runs:
+        print(f"  phases: {run} 1 -> 2, rank 0", file=sys.stderr)
+        out["local"].append(phase_figures(store, run, 1, 1, 0, 0))
+    if runs and not args.no_s3:
+        print(f"  S3: {runs[0]} 1 -> 2, rank 0", file=sys.stderr)
+        out["s3"].append(s3_figures(store, runs[0], 1, 0, 0, tmp))
+    return out
+
+
+def print_phases(r: dict) -> None:
+    ph = r.get("phases") or {}
+    cols = ("plan", "prepare", "index", "read", "crc", "decode", "apply", "execute")
+    print(f"one rank's one-step pull against full loads of its boxes, ms (wall: s, plan, prepare, execute, index, "
+          f"read; CPU summed over threads: cpu, crc, decode, apply); load {r['load'][0]:.1f} -> "
+          f"{r['load_after'][0]:.1f}")
+    print(f"{'where':<6} {'run':<9} {'case':<12} {'MiB read':>8} {'s':>7} {'cpu':>7} "
+          + " ".join(f"{c:>7}" for c in cols) + f" {'ceiling':>7} {'ceil cpu':>8}")
+    for where in ("local", "s3"):
+        for rec in ph.get(where, []):
+            for case in ("pull", "full_chain", "full_stored", "checkpoint"):
+                c = rec.get(case)
+                if c is None:
+                    continue
+                p = c.get("phases", {})
+                ms = lambda v: f"{1e3 * v:7.1f}" if v is not None else f"{'-':>7}"  # noqa: E731
+                print(f"{where:<6} {rec['run']:<9} {case:<12} "
+                      f"{c.get('bytes_read', 0) / 2**20:8.2f} {ms(c['s'])} {ms(c.get('cpu_s'))} "
+                      + " ".join(ms(p.get(k)) for k in cols)
+                      + f" {ms(c.get('ceiling_s'))} {ms(c.get('ceiling_cpu_s')):>8}")
+            pull_s = rec["pull"]["s"]
+            ratios = ", ".join(f"{case} / pull {rec[case]['s'] / pull_s:.2f}x"
+                               for case in ("full_chain", "full_stored", "checkpoint") if case in rec)
+            if "ceiling_s" in rec["pull"]:
+                fs, pl = rec["full_stored"], rec["pull"]
+                ratios += (f"; ceilings: full_stored / pull {fs['ceiling_s'] / pl['ceiling_s']:.2f}x"
+                           f" (CPU {fs['ceiling_cpu_s'] / pl['ceiling_cpu_s']:.2f}x)")
+            print(f"    {where} {rec['run']}: {ratios}")
 
 
 def print_report(r: dict) -> None:

@@ -10,6 +10,7 @@ pull through ``ucp_store.distributed.pull`` (one catalog client, DTensors too).
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -141,6 +142,7 @@ def pull(store, have: str | None, want: str, tensors: Mapping[str, Any], *, boxe
     chosen = dtensor_targets(chosen, boxes)
     control = _multi_rank(group)
     if control is None:
+        t0 = time.perf_counter()
         if isinstance(store, str):
             from ucp_store.store import open_store
 
@@ -148,7 +150,10 @@ def pull(store, have: str | None, want: str, tensors: Mapping[str, Any], *, boxe
         ck = store.checkpoint(want)
         targets = resolve_targets(ck, chosen, boxes=boxes, state=state, name_map=name_map, config=config)
         routes = plan_pull(store, have, want, {(t.name, t.state) for t in targets})
-        return apply_pull(store.location, routes, targets, have=str(have), want=want, verify=verify)
+        planned = time.perf_counter() - t0
+        result = apply_pull(store.location, routes, targets, have=str(have), want=want, verify=verify)
+        result.phases["plan"] = planned
+        return result
     return _pull_ranks(store, have, want, chosen, boxes, state=state, name_map=name_map, config=config,
                        verify=verify, control=control)
 

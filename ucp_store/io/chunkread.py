@@ -19,7 +19,8 @@ import math
 import os
 import stat
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,8 +90,13 @@ class ChunkReader:
         self.decode = _decoder(inner)
         self.chunk_nbytes = math.prod(self.chunk_shape) * self.np_dtype.itemsize
         self.n_index = math.prod(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
+        self.index_nbytes = 16 * self.n_index + 4  # delta.index_nbytes: what reading one shard's index fetches
         self.bytes_read = 0
         self.chunks_read = 0
+        #: seconds per phase summed over the threads that read: wall time of ``index`` (fetching and checking
+        #: shard indexes) and ``read`` (fetching chunk bytes: I/O), the threads' CPU time of ``crc`` (checking
+        #: chunks) and ``decode`` (decompressing them), which a busy machine does not inflate
+        self.seconds = {"index": 0.0, "read": 0.0, "crc": 0.0, "decode": 0.0}
         self._lock = threading.Lock()
         self._index_lock = threading.Lock()
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
@@ -156,13 +162,19 @@ class ChunkReader:
             if hit is not None:
                 return hit
             key = self._key(shard)
-            raw = self._read_range(key, None, 16 * self.n_index + 4)  # delta.index_nbytes
+            t0 = time.perf_counter()
+            raw = self._read_range(key, None, self.index_nbytes)
             try:
                 entries = dl.decode_index(raw, self.n_index, f"{self.what} shard file {key}")
             except dl.DeltaReadError as exc:
                 raise ChecksumError(f"{exc} (crc32c checksum mismatch)") from None
             self._indexes[shard] = entries
+            self._spent("index", time.perf_counter() - t0)
             return entries
+
+    def _spent(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[phase] += seconds
 
     def stored(self, shard: tuple[int, ...], slot: int) -> int:
         """The stored bytes of the chunk at ``slot`` of ``shard`` (0: not stored, it holds zero)."""
@@ -174,6 +186,13 @@ class ChunkReader:
         """``[(decoded chunk or None, stored bytes)]`` for ``wanted`` (``(slot, grid index)`` of one shard file),
         chunks adjacent in the file fetched in one read (unchanged chunks are not stored, so the changed chunks
         of a box are mostly one run): exactly their bytes, each crc-checked and decoded as :meth:`chunk`."""
+        return list(self.iter_chunks(shard, wanted))
+
+    def iter_chunks(self, shard: tuple[int, ...], wanted: Sequence[tuple[int, Sequence[int]]]
+                    ) -> Iterator[tuple[np.ndarray | None, int]]:
+        """:meth:`chunks` as it is consumed: every byte fetched first (the runs of adjacent chunks), then each
+        chunk checked and decoded when the caller asks for it, so a caller that applies each chunk before the
+        next finds it still in the CPU's cache (and holds one decoded chunk at a time)."""
         entries = self.index(shard)
         key = self._key(shard)
         items = []
@@ -183,36 +202,52 @@ class ChunkReader:
                 raise ChecksumError(f"{self.what}: chunk {list(index)} (shard file {key}): index entry of {nb} bytes "
                                     "is too short (Invalid shard index)")
             items.append((off, nb, index))
-        out: list[tuple[np.ndarray | None, int]] = [(None, 0)] * len(items)
+        data: list[memoryview | None] = [None] * len(items)
         stored = sorted((off, nb, i) for i, (off, nb, _) in enumerate(items) if off != dl.MISSING)
         run: list[tuple[int, int, int]] = []
         for item in stored + [(-1, 0, -1)]:
             if run and item[0] != run[-1][0] + run[-1][1]:
                 start = run[0][0]
-                data = memoryview(self._read_range(key, start, run[-1][0] + run[-1][1] - start))
+                t0 = time.perf_counter()
+                got = memoryview(self._read_range(key, start, run[-1][0] + run[-1][1] - start))
+                self._spent("read", time.perf_counter() - t0)
                 for off, nb, i in run:
-                    out[i] = (self._decode(data[off - start:off - start + nb], items[i][2], key), nb)
+                    data[i] = got[off - start:off - start + nb]
                 with self._lock:
                     self.chunks_read += len(run)
                 run = []
             if item[2] >= 0:
                 run.append(item)
-        return out
+        for (_off, nb, index), raw in zip(items, data):
+            yield (None, 0) if raw is None else (self._decode(raw, index, key), nb)
 
     def _decode(self, data: memoryview, index: Sequence[int], key: str) -> np.ndarray:
-        where = f"{self.what}: chunk {list(index)} (shard file {key})"
         body = data[:-4]
+        t0 = time.thread_time()
         if crc.value(body) != int.from_bytes(data[-4:], "little"):
-            raise ChecksumError(f"{where}: crc32c checksum mismatch")
+            raise ChecksumError(f"{self.what}: chunk {list(index)} (shard file {key}): crc32c checksum mismatch")
         raw: Any = body
+        t1 = time.thread_time()
         if self.decode is not None:
             try:
-                raw = self.decode(bytes(body), self.chunk_nbytes)
+                raw = self.decode(body, self.chunk_nbytes)
             except Exception as exc:  # noqa: BLE001 - any decoder failure is a corrupt chunk
-                raise ChecksumError(f"{where}: does not decode: {exc}") from None
+                raise ChecksumError(f"{self.what}: chunk {list(index)} (shard file {key}): does not decode: "
+                                    f"{exc}") from None
+        t2 = time.thread_time()
+        with self._lock:
+            self.seconds["crc"] += t1 - t0
+            self.seconds["decode"] += t2 - t1
         if len(raw) != self.chunk_nbytes:
-            raise ChecksumError(f"{where}: {len(raw)} bytes decoded, expected {self.chunk_nbytes}")
+            raise ChecksumError(f"{self.what}: chunk {list(index)} (shard file {key}): {len(raw)} bytes decoded, "
+                                f"expected {self.chunk_nbytes}")
         return np.frombuffer(raw, self.np_dtype).reshape(self.chunk_shape)
+
+    def raw(self, shard: tuple[int, ...], slot: int) -> bytes | None:
+        """The stored bytes of the chunk at ``slot`` of ``shard`` (encoded body and its crc32c), or None when it is
+        not stored; unchecked (what a benchmark holds in memory to time decoding alone)."""
+        off, nb = (int(x) for x in self.index(shard)[slot])
+        return None if off == dl.MISSING else self._read_range(self._key(shard), off, nb)
 
     def chunk(self, shard: tuple[int, ...], slot: int, index: Sequence[int] = ()) -> np.ndarray | None:
         """The decoded inner chunk at ``slot`` of ``shard`` (shape ``chunk_shape``, a read-only view), or None

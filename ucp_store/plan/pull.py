@@ -17,6 +17,7 @@ Both are property-tested (tests/test_pull.py, hypothesis). The I/O that executes
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,21 +72,27 @@ def chunk_cuts(shape: Sequence[int], chunk_shape: Sequence[int], shard_shape: Se
                ) -> Iterator[ChunkCut]:
     """Every inner chunk of an array of ``shape`` (inner chunks ``chunk_shape``, shard files ``shard_shape``) that
     ``box`` intersects, in C order of the chunk grid, with the intersection in both coordinate systems. The
-    cuts' ``dst`` boxes tile ``box`` exactly (no overlap, no gap)."""
+    cuts' ``dst`` boxes tile ``box`` exactly (no overlap, no gap). Each dim is cut once and the cuts are the
+    product of the dims' pieces (a box of thousands of chunks costs no per-chunk box arithmetic)."""
     if len(shape) == 0:  # a 0-d array is one chunk
         yield ChunkCut((), (), 0, Box(()), Box(()))
         return
     if any(c <= 0 for c in chunk_shape) or any(s % c for s, c in zip(shard_shape, chunk_shape)):
         raise PlanError(f"chunk shape {list(chunk_shape)} does not divide shard shape {list(shard_shape)}")
-    start = box.start
-    for index in box.chunk_indices(chunk_shape):
-        cbox = Box.of_chunk(index, chunk_shape, shape)
-        part = cbox.intersect(box)
-        if part is None:  # pragma: no cover - chunk_indices yields only touched chunks
-            continue
-        shard, slot = shard_slot(index, chunk_shape, shard_shape)
-        yield ChunkCut(tuple(index), shard, slot,
-                       part.translate([-a for a in cbox.start]), part.translate([-a for a in start]))
+    per = [sh // c for sh, c in zip(shard_shape, chunk_shape)]
+    strides = [math.prod(per[d + 1:]) for d in range(len(per))]
+    dims = []  # per dim: (chunk index, shard index, slot term, src range, dst range) of each touched chunk
+    for (lo, hi), c, n, p, k in zip(box.ranges, chunk_shape, shape, per, strides):
+        if hi <= lo:
+            return
+        pieces = []
+        for i in range(lo // c, (hi - 1) // c + 1):
+            a, b = max(lo, i * c), min(hi, (i + 1) * c, n)
+            pieces.append((i, i // p, (i % p) * k, (a - i * c, b - i * c), (a - lo, b - lo)))
+        dims.append(pieces)
+    for combo in itertools.product(*dims):
+        yield ChunkCut(tuple(d[0] for d in combo), tuple(d[1] for d in combo), sum(d[2] for d in combo),
+                       Box(tuple(d[3] for d in combo)), Box(tuple(d[4] for d in combo)))
 
 
 @dataclass(frozen=True)

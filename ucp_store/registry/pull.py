@@ -16,6 +16,7 @@ says which chunks changed between two versions per tensor-state (``ucp diff --ch
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -147,6 +148,11 @@ class PullResult:
     want: str
     tensors: list[TensorPull]
     seconds: float = 0.0
+    #: where the time went: wall seconds of ``plan`` (catalog; set by the caller that planned), ``prepare``
+    #: (readers, chunk cuts, shard indexes), ``execute`` and ``verify``; seconds summed over the pool's
+    #: threads of ``index``, ``read``, ``crc``, ``decode`` (the readers') and ``apply`` (XOR or copy into
+    #: the held tensors, with the check that a cut part of a delta chunk holds a change)
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def bytes_read(self) -> int:
@@ -163,7 +169,8 @@ class PullResult:
 
     def to_json(self) -> dict:
         return {"have": self.have, "want": self.want, "seconds": self.seconds, "bytes_read": self.bytes_read,
-                "delta_bytes": self.delta_bytes, "tensors": [t.to_json() for t in self.tensors]}
+                "delta_bytes": self.delta_bytes, "phases": dict(self.phases),
+                "tensors": [t.to_json() for t in self.tensors]}
 
 
 # --- the plan (catalog) ------------------------------------------------------------------------------
@@ -260,37 +267,62 @@ def _cuts(reader, box: Box) -> list[ChunkCut]:
 
 
 def _stored_in(reader, cuts: Sequence[ChunkCut]) -> int:
-    return sum(reader.stored(c.shard, c.slot) for c in cuts)
+    """The stored bytes of the chunks ``cuts`` name (each shard's index read once, looked up at once)."""
+    slots: dict[tuple[int, ...], list[int]] = {}
+    for c in cuts:
+        slots.setdefault(c.shard, []).append(c.slot)
+    total = 0
+    for shard, got in slots.items():
+        entries = reader.index(shard)[np.asarray(got, dtype=np.intp)]
+        total += int(entries[entries[:, 0] != delta.MISSING, 1].sum())
+    return total
 
 
 #: decoded bytes one pool task applies (chunks of one shard file, adjacent ones read at once)
 _BATCH_BYTES = 8 << 20
 
 
-def _run_batch(reader, shard: tuple[int, ...], cuts: Sequence[ChunkCut], dest: _Dest, mode: str
+class _Clock:
+    """Seconds per phase summed over the pool's threads."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+
+def _run_batch(reader, shard: tuple[int, ...], cuts: Sequence[ChunkCut], dest: _Dest, mode: str, clock: _Clock
                ) -> list[tuple[int, bool]]:
-    """Cuts of one shard file: their chunks read (adjacent ones in one read), copied (``copy``: a full array
-    stores every chunk) or XORed (``xor``) into ``dest``; per cut ``(bytes read, whether the box changed)``."""
-    got = reader.chunks(shard, [(c.slot, c.index) for c in cuts])
+    """Cuts of one shard file: their chunks read (adjacent ones in one read), each decoded and at once copied
+    (``copy``: a full array stores every chunk) or XORed (``xor``) into ``dest`` while it is in the CPU's
+    cache; per cut ``(bytes read, whether the box changed)``. ``clock`` gets the CPU time of applying."""
     out = []
-    for c, (chunk, nbytes) in zip(cuts, got):
-        if chunk is None:
-            if mode == "copy":
-                raise ChecksumError(f"{reader.what}: chunk {list(c.index)} is missing (a full array stores every "
-                                    "chunk)")
-            out.append((0, False))
-            continue
-        part = chunk[c.src.slices()]
-        if mode == "copy":
-            dest.put(c.dst, part)
-        # a stored delta chunk holds a non-zero bit (zero chunks are never written), but maybe outside this box
-        elif part.shape != chunk.shape and not delta.bits(part).any():
-            out.append((nbytes, False))
-            continue
-        else:
-            dest.xor(c.dst, part)
-        out.append((nbytes, True))
+    spent = 0.0
+    for c, (chunk, nbytes) in zip(cuts, reader.iter_chunks(shard, [(c.slot, c.index) for c in cuts])):
+        t0 = time.thread_time()
+        out.append(_apply_chunk(reader, c, chunk, nbytes, dest, mode))
+        spent += time.thread_time() - t0
+    clock.add("apply", spent)
     return out
+
+
+def _apply_chunk(reader, c: ChunkCut, chunk, nbytes: int, dest: _Dest, mode: str) -> tuple[int, bool]:
+    if chunk is None:
+        if mode == "copy":
+            raise ChecksumError(f"{reader.what}: chunk {list(c.index)} is missing (a full array stores every chunk)")
+        return 0, False
+    part = chunk[c.src.slices()]
+    if mode == "copy":
+        dest.put(c.dst, part)
+    # a stored delta chunk holds a non-zero bit (zero chunks are never written), but maybe outside this box
+    elif part.shape != chunk.shape and not delta.bits(part).any():
+        return nbytes, False
+    else:
+        dest.xor(c.dst, part)
+    return nbytes, True
 
 
 def _batches(reader, cuts: Sequence[ChunkCut]) -> list[tuple[tuple[int, ...], list[ChunkCut]]]:
@@ -315,25 +347,70 @@ class _Job:
     steps: list = field(default_factory=list)
 
 
-def _prepare(tr: TensorRoute, target: PullTarget, location, readers: dict[str, Any]) -> _Job:
+class _Shared:
+    """What the targets of one pull share: readers by array id, cuts by ``(array id, box)`` and the shard
+    indexes already counted (a shard's index is read once, counted for the first target that needs it)."""
+
+    def __init__(self, location) -> None:
+        self.location = location
+        self.readers: dict[str, Any] = {}
+        self.cuts: dict[tuple[str, Box], list[ChunkCut]] = {}
+        self.counted: set[tuple[str, tuple[int, ...]]] = set()
+
+    def cuts_of(self, a: ChainArray, box: Box) -> list[ChunkCut]:
+        _readers([a], self.location, self.readers)
+        got = self.cuts.get((a.id, box))
+        if got is None:
+            got = self.cuts[(a.id, box)] = _cuts(self.readers[a.id], box)
+        return got
+
+    def count_indexes(self, a: ChainArray, cuts: Sequence[ChunkCut]) -> int:
+        new = {(a.id, c.shard) for c in cuts} - self.counted
+        self.counted |= new
+        return len(new) * self.readers[a.id].index_nbytes
+
+
+def _target_box(tr: TensorRoute, target: PullTarget) -> tuple[str, Box]:
+    label = target.label or f"{tr.name} [{tr.state}]"
+    return label, box_in(target.box if target.box is not None else Box.full(tr.shape), tr.shape, label)
+
+
+def _prefetch_indexes(pairs: Sequence[tuple[TensorRoute, PullTarget]], shared: _Shared) -> None:
+    """The shard indexes every target surely reads (its deltas, or N's chain for a ``full`` route), fetched
+    at once on the pool: one round trip per index in parallel instead of one after another (a bucket)."""
+    wanted: dict[tuple[str, tuple[int, ...]], Any] = {}
+    for tr, tg in pairs:
+        if tr.kind == "same":
+            continue
+        _label, box = _target_box(tr, tg)
+        for a in tr.deltas if tr.kind == "delta" else tr.full:
+            for c in shared.cuts_of(a, box):
+                wanted.setdefault((a.id, c.shard), shared.readers[a.id])
+    if len(wanted) > 1:
+        for fut in [_pool.get().submit(reader.index, shard) for (_aid, shard), reader in wanted.items()]:
+            fut.result()
+
+
+def _prepare(tr: TensorRoute, target: PullTarget, shared: _Shared) -> _Job:
     """The arrays a target reads, in order, with the route weighed: several deltas that store more bytes of
     the box than N's own chain give way to that chain. Reads the shard indexes involved (counted)."""
-    label = target.label or f"{tr.name} [{tr.state}]"
-    box = box_in(target.box if target.box is not None else Box.full(tr.shape), tr.shape, label)
+    label, box = _target_box(tr, target)
     job = _Job(TensorPull(label, tr.name, tr.state, tr.kind, tr.reason))
     out = job.result
     if tr.kind == "same":
         return job
     job.dest = _Dest(target.tensor, tr.dtype, box, label)
-    _readers(tr.deltas + tr.full, location, readers)
-    before = {a.id: readers[a.id].bytes_read for a in tr.deltas + tr.full}  # one entry per array
+    readers = shared.readers
     cuts: dict[str, list[ChunkCut]] = {}
 
     def cuts_of(arrays):
+        total = 0
         for a in arrays:
             if a.id not in cuts:
-                cuts[a.id] = _cuts(readers[a.id], box)
-        return sum(_stored_in(readers[a.id], cuts[a.id]) for a in arrays)  # reads their indexes
+                cuts[a.id] = shared.cuts_of(a, box)
+                out.bytes_read += shared.count_indexes(a, cuts[a.id])
+            total += _stored_in(readers[a.id], cuts[a.id])  # reads the indexes not fetched yet
+        return total
 
     kind = tr.kind
     if kind == "delta":
@@ -349,23 +426,23 @@ def _prepare(tr: TensorRoute, target: PullTarget, location, readers: dict[str, A
         job.steps = [(readers[a.id], cuts[a.id], "xor") for a in tr.deltas]
     else:
         job.steps = [(readers[a.id], cuts[a.id], "copy" if i == 0 else "xor") for i, a in enumerate(tr.full)]
-    top = tr.full[-1].id
-    out.chunks = len(cuts[top]) if top in cuts else len(_cuts(readers[top], box))
-    out.bytes_read = sum(readers[aid].bytes_read - n for aid, n in before.items())  # the indexes
+    top = tr.full[-1]
+    out.chunks = len(cuts[top.id]) if top.id in cuts else len(shared.cuts_of(top, box))
     return job
 
 
-def _execute(jobs: Sequence[_Job]) -> None:
+def _execute(jobs: Sequence[_Job], clock: _Clock | None = None) -> None:
     """Every job's arrays applied level by level: all jobs' first arrays at once on the pool, then the second,
     ... (two arrays of one job touch the same elements, so they never run concurrently)."""
     pool = _pool.get()
+    clock = clock or _Clock()
     depth = max((len(j.steps) for j in jobs), default=0)
     for level in range(depth):
         running = []
         for j in jobs:
             if level < len(j.steps):
                 reader, cuts, mode = j.steps[level]
-                running += [(j, group, pool.submit(_run_batch, reader, shard, group, j.dest, mode))
+                running += [(j, group, pool.submit(_run_batch, reader, shard, group, j.dest, mode, clock))
                             for shard, group in _batches(reader, cuts)]
         for j, group, fut in running:
             for c, (nbytes, changed) in zip(group, fut.result()):
@@ -392,15 +469,21 @@ def apply_pull(location, routes: Mapping[Key, TensorRoute], targets: Sequence[Pu
                want: str = "", verify: bool = False) -> PullResult:
     """Execute a plan (:func:`plan_pull`) for ``targets`` in place; no catalog use (any rank can run it)."""
     t0 = time.perf_counter()
-    readers: dict[str, Any] = {}
-    jobs, trs = [], []
+    shared = _Shared(location)
+    pairs = []
     for tg in targets:
         tr = routes.get((tg.name, tg.state))
         if tr is None:
             raise ValidationError(f"pull: the plan has no tensor-state {tg.name!r} [{tg.state}]")
-        jobs.append(_prepare(tr, tg, location, readers))
-        trs.append(tr)
-    _execute(jobs)
+        pairs.append((tr, tg))
+    _prefetch_indexes(pairs, shared)
+    jobs = [_prepare(tr, tg, shared) for tr, tg in pairs]
+    trs = [tr for tr, _tg in pairs]
+    readers = shared.readers
+    t1 = time.perf_counter()
+    clock = _Clock()
+    _execute(jobs, clock)
+    t2 = time.perf_counter()
     if verify:
         for job, tr, tg in zip(jobs, trs, targets):
             if tr.kind == "same":
@@ -409,7 +492,13 @@ def apply_pull(location, routes: Mapping[Key, TensorRoute], targets: Sequence[Pu
             if job.result.verified is False:
                 raise ChecksumError(f"pull {have} -> {want}: {job.result.label} does not match version {want}'s "
                                     f"content hash after the pull (did the tensor hold version {have}'s values?)")
-    return PullResult(have, want, [j.result for j in jobs], time.perf_counter() - t0)
+    t3 = time.perf_counter()
+    phases = {"prepare": t1 - t0, "execute": t2 - t1, "verify": t3 - t2}
+    for r in readers.values():
+        for k, v in r.seconds.items():
+            phases[k] = phases.get(k, 0.0) + v
+    phases.update(clock.seconds)
+    return PullResult(have, want, [j.result for j in jobs], t3 - t0, phases)
 
 
 # --- which chunks changed ----------------------------------------------------------------------------
