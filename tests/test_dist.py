@@ -358,6 +358,34 @@ def test_checkpointer_retention_and_resume(tmp_path):
         ucpd.Checkpointer(tmp_path / "s", "run", every=0)
 
 
+def test_checkpointer_on_the_fast_tier(tmp_path):
+    """``Checkpointer(tier="fast")``: every save goes to the node's fast tier (the catalog lists where), and
+    ``load_latest`` resumes from the newest restorable version, from the fast tier's copies; bad options are
+    refused naming them."""
+    cfg, model, opt = _trained(steps=0)
+    opts = {"replicas": 0, "fast_tier": str(tmp_path / "fast" / "{node}"), "node": "n0", "drain": False}
+    ck = ucpd.Checkpointer(tmp_path / "s", "run", every=2, tier="fast", **opts)
+    for s in range(1, 5):
+        train_step(model, opt, *batch(cfg, s))
+        ck.maybe_save(s, _sd(model, opt))
+    ck.close()
+    assert list((tmp_path / "fast" / "n0").rglob("*"))  # the bytes are on the node's fast tier
+    st = ucp_store.open_store(str(tmp_path / "s"))
+    assert [(v["step"], v.get("safety")) for v in st.list_checkpoints("run")] == [(2, "local"), (4, "local")]
+    _, m2, o2 = _trained(seed=3, steps=0)
+    sd2 = _sd(m2, o2)
+    back = ucpd.Checkpointer(tmp_path / "s", "run", tier="fast", **opts)
+    assert back.load_latest(sd2) == 4 and back.last_note is None
+    _set(m2, o2, sd2)
+    assert train_step(model, opt, *batch(cfg, 5)) == train_step(m2, o2, *batch(cfg, 5))
+    with pytest.raises(ConfigurationError, match="tier='disk'"):
+        ucpd.Checkpointer(tmp_path / "s", "run", tier="disk")
+    with pytest.raises(ConfigurationError, match="replicas need tier='fast'"):
+        ucpd.Checkpointer(tmp_path / "s", "run", replicas=1)
+    with pytest.raises(ConfigurationError, match="replica are not options"):
+        ucpd.Checkpointer(tmp_path / "s", "run", tier="fast", replica=1)
+
+
 # ----------------------------------------------------------------------------------------- real gloo ranks
 def _spawn(tmp_path, name, spec, timeout=900):
     out = tmp_path / name

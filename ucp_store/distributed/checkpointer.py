@@ -11,6 +11,11 @@ The way torchtitan's ``CheckpointManager`` is used in a training loop::
 
 Retention goes through the registry: the run's stored policy (``Store.set_retention``, the same one
 ``ucp retention`` sets) and ``Store.gc`` after each commit, on rank 0 only.
+
+With ``tier="fast"`` (issue 38) every save goes to the nodes' fast tiers (``replicas``, ``fast_tier``, ``node``,
+``fast_keep``, ``drain``: as ``save(tier="fast")`` takes them), and ``load_latest`` resumes from the newest
+version this job can restore from its surviving nodes' copies or the durable tier (``newest_restorable``; one
+line says so when that is not the newest), reading each object from the nearest copy.
 """
 
 from __future__ import annotations
@@ -27,16 +32,20 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpointer"]
 
+#: the options of ``tier="fast"`` a Checkpointer passes to every save (``distributed.tiered.setup``'s)
+_TIER_OPTIONS = ("replicas", "fast_tier", "node", "fast_keep", "drain", "round_bytes")
+
 
 class Checkpointer:
     """Saves ``run`` every ``every`` steps into ``store``, keeps the newest ``keep_last`` (and every
     ``keep_every``-th step), and resumes from the newest committed version.
 
-    ``async_mode``: ``None`` (synchronous ``save``), ``"thread"`` or ``"process"`` (``async_save``)."""
+    ``async_mode``: ``None`` (synchronous ``save``), ``"thread"`` or ``"process"`` (``async_save``).
+    ``tier``: ``"durable"`` (default) or ``"fast"``, with the fast tier's options in ``tiered``."""
 
     def __init__(self, store: Any, run: str, *, every: int = 1, keep_last: int | None = None,
                  keep_every: int | None = None, async_mode: str | None = None, group=None, create: bool = True,
-                 mesh=None):
+                 mesh=None, tier: str = "durable", **tiered: Any):
         from ucp_store.names import run_name
 
         run_name(run)
@@ -47,12 +56,21 @@ class Checkpointer:
                 raise ConfigurationError(f"Checkpointer: {what} must be an integer >= 1 or None, got {v!r}")
         if async_mode not in (None, "thread", "process"):
             raise ConfigurationError(f"Checkpointer: async_mode={async_mode!r}; expected None, 'thread' or 'process'")
+        if tier not in ("durable", "fast"):
+            raise ConfigurationError(f"Checkpointer: tier={tier!r}; expected 'durable' or 'fast'")
+        unknown = sorted(set(tiered) - set(_TIER_OPTIONS))
+        if unknown or (tiered and tier != "fast"):
+            raise ConfigurationError(f"Checkpointer: {', '.join(unknown or sorted(tiered))} "
+                                     + ("are not options" if unknown else "need tier='fast'")
+                                     + f"; the fast tier's options are {', '.join(_TIER_OPTIONS)}")
+        self.tier, self.tiered = tier, dict(tiered)
         self.store_arg, self.run, self.every = store, run, every
         self.keep_last, self.keep_every, self.async_mode = keep_last, keep_every, async_mode
         self.group, self.create, self.mesh = group, create, mesh  # mesh: keys per-rank state (see dist.save)
         self._pending: AsyncSaveHandle | None = None  # the save in flight
         self._policy_set = False
         self.last_id: str | None = None
+        self.last_note: str | None = None  # load_latest's line when it passed over newer versions
 
     # --- saving ---------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -65,20 +83,23 @@ class Checkpointer:
             return None
         self._finish_pending()
         if self.async_mode is None:
-            self.last_id = save(state_dict, store=self.store_arg, run=self.run, step=step, group=self.group,
-                                create=self.create, progress=False, mesh=self.mesh)
+            self.last_id = str(save(state_dict, store=self.store_arg, run=self.run, step=step, group=self.group,
+                                    create=self.create, progress=False, mesh=self.mesh, **self._tier_args()))
             self._retain()
             return self.last_id
         from ucp_store.distributed.asyncsave import async_save
 
         self._pending = async_save(state_dict, store=self.store_arg, run=self.run, step=step, group=self.group,
-                                   mode=self.async_mode, create=self.create, mesh=self.mesh)
+                                   mode=self.async_mode, create=self.create, mesh=self.mesh, **self._tier_args())
         return self._pending
+
+    def _tier_args(self) -> dict:
+        return {"tier": "fast", **self.tiered} if self.tier == "fast" else {}
 
     def _finish_pending(self) -> None:
         if self._pending is not None:
             handle, self._pending = self._pending, None
-            self.last_id = handle.result()  # raises the background error here, on every rank
+            self.last_id = str(handle.result())  # raises the background error here, on every rank
             self._retain()
 
     def _retain(self) -> None:
@@ -117,13 +138,33 @@ class Checkpointer:
     def load_latest(self, state_dict: dict, *, strict: bool = True, per_rank: dict | None = None,
                     mesh=None) -> int | None:
         """Load the newest committed version into ``state_dict`` in place; returns its step (None: nothing).
-        ``per_rank`` and ``mesh``: as ``ucp_store.distributed.load`` takes them."""
+        ``per_rank`` and ``mesh``: as ``ucp_store.distributed.load`` takes them. With ``tier="fast"``: the newest
+        version restorable from this job's nodes (``restore.newest_restorable``), from the nearest copies."""
         self._finish_pending()
-        ctx = Ctx(self.group)
+        if self.tier == "fast":
+            return self._load_restorable(state_dict, strict, per_rank, mesh)
         # the coordinator alone asks the catalog (one client per job); the others take its answer
-        step = ctx.agree(self.latest_step() if ctx.rank == 0 else None, lambda everyone: everyone[0])
+        step = self._latest_step_agreed()
         if step is None:
             return None
         load(state_dict, store=self.store_arg, ref=f"{self.run}@{step}", strict=strict, group=self.group,
              progress=False, per_rank=per_rank, mesh=self.mesh if mesh is None else mesh)
         return step
+
+    def _load_restorable(self, state_dict: dict, strict: bool, per_rank: dict | None, mesh) -> int | None:
+        from ucp_store.distributed.restore import newest_restorable
+
+        if self._latest_step_agreed() is None:
+            return None
+        node = self.tiered.get("node")
+        pick = newest_restorable(self.store_arg, self.run, group=self.group, node=node)
+        self.last_note = pick.note
+        load(state_dict, store=self.store_arg, ref=pick.ref, strict=strict, group=self.group, progress=False,
+             per_rank=per_rank, mesh=self.mesh if mesh is None else mesh, node=node,
+             fast_tier=self.tiered.get("fast_tier"))
+        return pick.step
+
+    def _latest_step_agreed(self) -> int | None:
+        """``latest_step`` asked by the coordinator alone and given to every rank (a collective)."""
+        ctx = Ctx(self.group)
+        return ctx.agree(self.latest_step() if ctx.rank == 0 else None, lambda everyone: everyone[0])
