@@ -99,6 +99,12 @@ def test_one_step_pull_reads_only_the_changed_chunks_and_is_exact(versions):
     # two rows changed: at most two chunks of 32 rows were read, of the 8 the tensor has
     assert len(by["a"].changed) <= 2 < by["a"].chunks
     assert res.bytes_read < fmt.ArrayLayout("bfloat16", SHAPE, (32, 256), SHAPE).nbytes // 4
+    # the reads issued: the index of 'a''s one shard file, then one per run of adjacent stored chunks
+    assert 2 <= res.requests <= 1 + len(by["a"].changed)
+    # where the time went: every phase reported, none negative, the CPU of decoding and applying counted
+    assert {"plan", "prepare", "execute", "verify", "index", "read", "crc", "decode", "apply"} <= set(res.phases)
+    assert all(v >= 0 for v in res.phases.values())
+    assert res.phases["execute"] <= res.seconds and res.to_json()["requests"] == res.requests
 
 
 @pytest.mark.parametrize("half", [0, 1])

@@ -388,6 +388,7 @@ def phase_figures(store, run: str, m_step: int, hops: int, rank: int, keyframe_s
         secs, res, tensors, cpu = min(runs, key=lambda x: x[0])
         results[case] = tensors
         rec[case] = {"s": secs, "cpu_s": cpu, "bytes_read": res.bytes_read, "delta_bytes": res.delta_bytes,
+                     "requests": res.requests,
                      "phases": dict(res.phases),
                      "routes": {k: sum(t.kind == k for t in res.tensors) for k in ("same", "delta", "full")}}
     c0 = time.process_time()
@@ -456,7 +457,8 @@ def s3_figures(store, run: str, m_step: int, rank: int, keyframe_step: int, tmp:
                 res = pull(s3, h, w, tensors, boxes=boxes)
                 secs, cpu = time.perf_counter() - t0, time.process_time() - c0
                 if secs < best["s"]:
-                    best = {"s": secs, "cpu_s": cpu, "bytes_read": res.bytes_read, "phases": dict(res.phases)}
+                    best = {"s": secs, "cpu_s": cpu, "bytes_read": res.bytes_read, "requests": res.requests,
+                            "phases": dict(res.phases)}
             if case != "full_stored" and not all(torch.equal(tensors[n].view(torch.int16), expect[n].view(torch.int16))
                                                  for n in names):
                 raise SystemExit(f"S3 {case} {have} -> {want} rank {rank}: not bit-exact")
@@ -588,7 +590,7 @@ def print_phases(r: dict) -> None:
     print(f"one rank's one-step pull against full loads of its boxes, ms (wall: s, plan, prepare, execute, index, "
           f"read; CPU summed over threads: cpu, crc, decode, apply); load {r['load'][0]:.1f} -> "
           f"{r['load_after'][0]:.1f}")
-    print(f"{'where':<6} {'run':<9} {'case':<12} {'MiB read':>8} {'s':>7} {'cpu':>7} "
+    print(f"{'where':<6} {'run':<9} {'case':<12} {'MiB read':>8} {'reads':>5} {'s':>7} {'cpu':>7} "
           + " ".join(f"{c:>7}" for c in cols) + f" {'ceiling':>7} {'ceil cpu':>8}")
     for where in ("local", "s3"):
         for rec in ph.get(where, []):
@@ -599,7 +601,8 @@ def print_phases(r: dict) -> None:
                 p = c.get("phases", {})
                 ms = lambda v: f"{1e3 * v:7.1f}" if v is not None else f"{'-':>7}"  # noqa: E731
                 print(f"{where:<6} {rec['run']:<9} {case:<12} "
-                      f"{c.get('bytes_read', 0) / 2**20:8.2f} {ms(c['s'])} {ms(c.get('cpu_s'))} "
+                      f"{c.get('bytes_read', 0) / 2**20:8.2f} {c.get('requests', 0):>5} {ms(c['s'])} "
+                      f"{ms(c.get('cpu_s'))} "
                       + " ".join(ms(p.get(k)) for k in cols)
                       + f" {ms(c.get('ceiling_s'))} {ms(c.get('ceiling_cpu_s')):>8}")
             pull_s = rec["pull"]["s"]

@@ -93,6 +93,7 @@ class ChunkReader:
         self.index_nbytes = 16 * self.n_index + 4  # delta.index_nbytes: what reading one shard's index fetches
         self.bytes_read = 0
         self.chunks_read = 0
+        self.requests = 0  # reads issued (a pread, or one ranged GET of a bucket)
         #: seconds per phase summed over the threads that read: wall time of ``index`` (fetching and checking
         #: shard indexes) and ``read`` (fetching chunk bytes: I/O), the threads' CPU time of ``crc`` (checking
         #: chunks) and ``decode`` (decompressing them), which a busy machine does not inflate
@@ -135,6 +136,7 @@ class ChunkReader:
             data = got
         with self._lock:
             self.bytes_read += len(data)
+            self.requests += 1
         if len(data) != length:
             raise ChecksumError(f"{self.what}: shard file {key}: short read ({len(data)} of {length} bytes)")
         return data

@@ -153,6 +153,8 @@ class PullResult:
     #: threads of ``index``, ``read``, ``crc``, ``decode`` (the readers') and ``apply`` (XOR or copy into
     #: the held tensors, with the check that a cut part of a delta chunk holds a change)
     phases: dict[str, float] = field(default_factory=dict)
+    #: reads issued (shard indexes and runs of adjacent chunks): what a bucket's per-request cost multiplies
+    requests: int = 0
 
     @property
     def bytes_read(self) -> int:
@@ -169,7 +171,7 @@ class PullResult:
 
     def to_json(self) -> dict:
         return {"have": self.have, "want": self.want, "seconds": self.seconds, "bytes_read": self.bytes_read,
-                "delta_bytes": self.delta_bytes, "phases": dict(self.phases),
+                "delta_bytes": self.delta_bytes, "phases": dict(self.phases), "requests": self.requests,
                 "tensors": [t.to_json() for t in self.tensors]}
 
 
@@ -498,7 +500,8 @@ def apply_pull(location, routes: Mapping[Key, TensorRoute], targets: Sequence[Pu
         for k, v in r.seconds.items():
             phases[k] = phases.get(k, 0.0) + v
     phases.update(clock.seconds)
-    return PullResult(have, want, [j.result for j in jobs], t3 - t0, phases)
+    return PullResult(have, want, [j.result for j in jobs], t3 - t0, phases,
+                      sum(r.requests for r in readers.values()))
 
 
 # --- which chunks changed ----------------------------------------------------------------------------
