@@ -116,3 +116,23 @@ def test_route_xors_back_to_the_wanted_values(case, data):
 def test_route_refuses_a_loop():
     with pytest.raises(PlanError, match="loops"):
         route("x", "a", {"a": ("xor", "b"), "b": ("xor", "a")})
+
+
+def test_cut_cache_gives_what_a_fresh_cut_gives_and_stays_bounded():
+    """registry/pull keeps chunk cuts by geometry and box (a puller moves the same boxes every version): a hit
+    is the fresh cut, the least recently used entries go past the limit, a box with more cuts than the limit
+    is cut and not kept."""
+    from ucp_store.registry import pull as rp
+
+    cache = rp._CutCache(limit=12)
+    geo = ((64, 40), (8, 10), (32, 20))
+    a, b = Box(((0, 32), (0, 40))), Box(((32, 64), (0, 20)))  # 16 cuts (over the limit), 8 cuts
+    for box in (a, b, b):
+        assert cache.get(*geo, box) == tuple(chunk_cuts(*geo, box))
+    assert cache.size == 8  # a was too large to keep, b kept once
+    c = Box(((0, 16), (0, 20)))  # 4 more: 12, at the limit
+    assert cache.get(*geo, c) == tuple(chunk_cuts(*geo, c))
+    assert cache.size == 12
+    d = Box(((0, 8), (0, 10)))  # 1 more: b (least recently used) goes
+    assert cache.get(*geo, d) == tuple(chunk_cuts(*geo, d))
+    assert cache.size == 5 and cache.get(*geo, b) == tuple(chunk_cuts(*geo, b))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -264,8 +265,41 @@ def _readers(arrays: Iterable[ChainArray], location, cache: dict[str, Any]) -> N
                                                 shard_shape=a.shard_shape, codecs=a.codecs, what=f"array {a.path}")
 
 
-def _cuts(reader, box: Box) -> list[ChunkCut]:
-    return list(chunk_cuts(reader.shape, reader.chunk_shape, reader.shard_shape, box))
+class _CutCache:
+    """Chunk cuts by geometry and box, the least recently used dropped past ``limit`` cuts in all: a puller
+    moves its same boxes of same-shaped arrays every version, and cutting a box of thousands of chunks costs
+    more than the plan (tests/test_pull.py checks a hit equals a fresh cut)."""
+
+    def __init__(self, limit: int = 1 << 20):
+        self.limit = limit
+        self.size = 0
+        self._entries: OrderedDict[tuple, tuple[ChunkCut, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, shape, chunk_shape, shard_shape, box: Box) -> tuple[ChunkCut, ...]:
+        key = (shape, chunk_shape, shard_shape, box)
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit
+        cuts = tuple(chunk_cuts(shape, chunk_shape, shard_shape, box))
+        if len(cuts) <= self.limit:
+            with self._lock:
+                if key not in self._entries:
+                    self._entries[key] = cuts
+                    self.size += len(cuts)
+                while self.size > self.limit:
+                    _k, old = self._entries.popitem(last=False)
+                    self.size -= len(old)
+        return cuts
+
+
+_cut_cache = _CutCache()
+
+
+def _cuts(reader, box: Box) -> Sequence[ChunkCut]:
+    return _cut_cache.get(reader.shape, reader.chunk_shape, reader.shard_shape, box)
 
 
 def _stored_in(reader, cuts: Sequence[ChunkCut]) -> int:
@@ -356,10 +390,10 @@ class _Shared:
     def __init__(self, location) -> None:
         self.location = location
         self.readers: dict[str, Any] = {}
-        self.cuts: dict[tuple[str, Box], list[ChunkCut]] = {}
+        self.cuts: dict[tuple[str, Box], Sequence[ChunkCut]] = {}
         self.counted: set[tuple[str, tuple[int, ...]]] = set()
 
-    def cuts_of(self, a: ChainArray, box: Box) -> list[ChunkCut]:
+    def cuts_of(self, a: ChainArray, box: Box) -> Sequence[ChunkCut]:
         _readers([a], self.location, self.readers)
         got = self.cuts.get((a.id, box))
         if got is None:
@@ -379,7 +413,10 @@ def _target_box(tr: TensorRoute, target: PullTarget) -> tuple[str, Box]:
 
 def _prefetch_indexes(pairs: Sequence[tuple[TensorRoute, PullTarget]], shared: _Shared) -> None:
     """The shard indexes every target surely reads (its deltas, or N's chain for a ``full`` route), fetched
-    at once on the pool: one round trip per index in parallel instead of one after another (a bucket)."""
+    at once on the pool from a bucket: one round trip per index in parallel instead of one after another. A
+    folder store reads each index where it is needed (a ``pread`` costs less than handing it to a thread)."""
+    if shared.location.kind == "file":
+        return
     wanted: dict[tuple[str, tuple[int, ...]], Any] = {}
     for tr, tg in pairs:
         if tr.kind == "same":
@@ -403,7 +440,7 @@ def _prepare(tr: TensorRoute, target: PullTarget, shared: _Shared) -> _Job:
         return job
     job.dest = _Dest(target.tensor, tr.dtype, box, label)
     readers = shared.readers
-    cuts: dict[str, list[ChunkCut]] = {}
+    cuts: dict[str, Sequence[ChunkCut]] = {}
 
     def cuts_of(arrays):
         total = 0
