@@ -5,9 +5,13 @@ is on node ``spec["nodes"][r]`` (``UCP_NODE``); each node's fast tier is its own
 ``{node}`` template). The ranks hold a state of DTensors on a 1-D mesh (``Shard(0)``) or a 2-D ``dp x tp`` mesh
 (``Shard(0), Shard(1)``), and a replicated one, and then:
 
-- ``"save"``: save ``steps`` with ``tier="fast", replicas=1`` (``drain``: each waits until ``durable``);
-- ``"load"``: load ``ref`` (``"newest"``: ``newest_restorable``'s pick) into zeros and compare every local
-  shard with the saved tensor, bit for bit.
+- ``"save"``: save ``steps`` with ``tier="fast", replicas=1`` (``drain``: each waits until ``durable``;
+  ``drain_steps``: those steps only);
+- ``"load"``: load ``ref`` (``"latest"``: ``Checkpointer.load_latest`` with ``tier="fast"``, which
+  resumes from ``newest_restorable``'s pick) into zeros and compare every local
+  shard with the saved tensor, bit for bit; with ``scenarios`` (``name``, ``nodes``, ``fast``, ``refs``), each
+  scenario's refs in turn, rank ``r`` on node ``nodes[r]`` with that scenario's fast-tier folders (one launch
+  for several restores).
 
 Each rank writes ``<out>/rank<r>.json``: the versions saved, or what the load reported (its tier bytes, bad
 copies, the version and the note) and the tensors that differ.
@@ -73,17 +77,27 @@ def _save(spec: dict, mesh, out: dict) -> None:
             from ucp_store import _killpoints
 
             _killpoints.rearm(kill["point"])  # this rank SIGKILLs itself there (this save or its drain)
+        drain = step in spec["drain_steps"] if "drain_steps" in spec else spec.get("drain", False)
         res = ucpd.save(state(mesh, step), store=spec["store"], run="r", step=step, tier="fast", replicas=1,
-                        fast_tier=spec["fast"], progress=False, drain=spec.get("drain", False),
-                        fast_keep=spec.get("fast_keep", 2))
+                        fast_tier=spec["fast"], progress=False, drain=drain, fast_keep=spec.get("fast_keep", 2))
         rec = {"step": step, "id": str(res), "safety": res.safety}
-        if spec.get("drain"):
+        if drain:
             rec["waited"] = res.wait("durable", timeout=120)
         out["saved"].append(rec)
     tiered.drain_idle(120)
 
 
 def _load(spec: dict, mesh, out: dict) -> None:
+    if "scenarios" in spec:  # several restores in one launch, each on its own nodes and fast-tier folders
+        rank = int(os.environ["RANK"])
+        out["scenarios"] = {}
+        for sc in spec["scenarios"]:
+            got = out["scenarios"][sc["name"]] = {"loads": []}
+            one = {**spec, "fast": sc["fast"], "node": sc["nodes"][rank]}
+            for ref in sc["refs"]:
+                got["loads"].append({})
+                _load_one(one, ref, mesh, got["loads"][-1])
+        return
     if "refs" not in spec:
         _load_one(spec, spec["ref"], mesh, out)
         return
@@ -97,17 +111,23 @@ def _load_one(spec: dict, ref: str, mesh, out: dict) -> None:
     import torch
 
     import ucp_store.distributed as ucpd
-    from ucp_store.distributed import restore
 
-    if ref == "newest":
-        pick = restore.newest_restorable(spec["store"], "r")
-        out["note"], ref = pick.note, pick.ref
+    node = spec.get("node")  # else UCP_NODE
+    if ref == "latest":  # what a training loop calls: Checkpointer.load_latest with the fast tier's options
+        sd = state(mesh, 0, zeros=True)
+        ck = ucpd.Checkpointer(spec["store"], "r", tier="fast", fast_tier=spec["fast"], node=node)
+        step = ck.load_latest(sd)
+        out.update(ref=f"r@{step}", note=ck.last_note, step=sd["step"])
+        want = state(mesh, step)
+        out["differ"] = [name for name, t in sd["model"].items() if not torch.equal(
+            t.to_local().view(torch.int32), want["model"][name].to_local().view(torch.int32))]
+        return
     step = int(ref.rsplit("@", 1)[1])
     sd = state(mesh, step, zeros=True)
-    res = ucpd.load(sd, store=spec["store"], ref=ref, fast_tier=spec["fast"], progress=False)
+    res = ucpd.load(sd, store=spec["store"], ref=ref, fast_tier=spec["fast"], progress=False, node=node)
     out.update(ref=ref, id=res.checkpoint_id, tier_bytes=res.tier_bytes, job=res.job_tier_bytes,
                bad=res.bad_copies, step=sd["step"])
-    report = ucpd.verify(sd, ref, store=spec["store"], fast_tier=spec["fast"], progress=False)
+    report = ucpd.verify(sd, ref, store=spec["store"], fast_tier=spec["fast"], progress=False, node=node)
     out["verified"] = [report.ok, str(report)[:500]]
     want = state(mesh, step)
     out["differ"] = [name for name, t in sd["model"].items() if not torch.equal(

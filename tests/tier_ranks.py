@@ -52,6 +52,9 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
                       UCP_NODE=f"n{rank // spec['per_node']}", UCP_DIST_TIMEOUT=str(spec.get("timeout_s", 30)))
     if str(rank) in spec.get("kill", {}):
         os.environ["UCP_KILL_AT"] = spec["kill"][str(rank)]
+        from ucp_store import _killpoints
+
+        _killpoints.rearm()  # read at import, and the launcher may have imported ucp_store before the fork
     import datetime
 
     import torch

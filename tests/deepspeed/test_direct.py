@@ -27,6 +27,9 @@ import pytest
 
 from ucp_test_helpers import torchrun
 
+# one xdist worker runs the module: its fixture (four torchrun launches, about a minute) would run on each
+pytestmark = pytest.mark.xdist_group("ds_direct")
+
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "ds_direct.py"
 TAG = "global_step3"
