@@ -103,7 +103,7 @@ def _pulls(spec, rank, versions) -> list[dict]:
         rec = {"have": have, "want": want, "exact": exact, "kinds": {t.label: t.kind for t in res.tensors},
                "bytes": {t.label: t.bytes_read for t in res.tensors},
                "verified": {t.label: t.verified for t in res.tensors},
-               "delta_bytes": {t.label: t.delta_bytes for t in res.tensors}}
+               "delta_bytes": {t.label: t.delta_bytes for t in res.tensors}, "phases": res.phases}
         if st is not None:  # for both ranks' boxes (rank 0 alone has the catalog)
             rec["independent"] = [{k: _independent(st, f"pub@{have}", f"pub@{want}", k,
                                                    tuple(map(tuple, _boxes(r)[k]))) for k in SHAPES}

@@ -39,6 +39,9 @@ def test_publish_and_pull_on_two_ranks(tmp_path):
             # the ranks' boxes, digested where they are and merged on rank 0, hash to the version's content hash;
             # column halves of 'c' cut every unit of its hash (rows of 1 KiB), so no rank can vouch for one: None
             assert rec["verified"] == {"a": True, "c": None, "n": True}, (rank, rec["verified"])
+            # every rank reports where its time went: the plan it waited for, its reads, the collective verify
+            assert {"plan", "prepare", "execute", "decode", "apply", "verify"} <= set(rec["phases"]), rec["phases"]
+            assert all(v >= 0 for v in rec["phases"].values()) and rec["phases"]["plan"] > 0
             hop = (rec["have"], rec["want"])
             kinds = set(rec["kinds"].values())
             assert kinds == ({"full"} if hop == (2, 5) else {"delta"}), (rank, hop, rec["kinds"])

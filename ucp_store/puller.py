@@ -173,6 +173,7 @@ def _pull_ranks(store, have, want, chosen, boxes, *, state, name_map, config, ve
         payload["routes"] = [r.to_json() for r in routes.values()]
         return (st, ck, routes), payload
 
+    t0 = time.perf_counter()
     value, answer = coord.from_coordinator(work, control, f"pull {have} -> {want}")
     if value is not None:
         st, ck, routes = value
@@ -183,9 +184,13 @@ def _pull_ranks(store, have, want, chosen, boxes, *, state, name_map, config, ve
 
         routes = {(r["name"], r["state"]): TensorRoute.from_json(r) for r in answer["routes"]}
     targets = resolve_targets(ck, chosen, boxes=boxes, state=state, name_map=name_map, config=config)
+    planned = time.perf_counter() - t0  # rank 0's catalog work and the broadcast, as every rank waited for it
     result = apply_pull(st.location, routes, targets, have=str(have), want=want, verify=False)
+    result.phases["plan"] = planned
     if verify:
+        t1 = time.perf_counter()
         verify_boxes(routes, targets, result, control, f"pull {have} -> {want}")
+        result.phases["verify"] = time.perf_counter() - t1
     return result
 
 
