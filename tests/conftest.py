@@ -87,3 +87,50 @@ def small_chunks(monkeypatch):
         monkeypatch.setattr(CheckpointWriter, "_layout", _layout)
 
     return install
+
+
+# ------------------------------------------------------------------ how the suite is spread over xdist workers
+# One unit of work per test file (xdist's loadscope, by file), so a module's costly fixture is made once; a
+# unit given by test is split over both workers and made twice or more. (pytest 9 ignores xdist_group: the
+# mark renames items after they are reported, so it cannot be relied on.)
+
+#: files whose tests share a session fixture (tests/deepspeed/conftest.py ``ds``, ``resumes``): one unit
+SHARED_UNITS = dict.fromkeys(("tests/deepspeed/test_bad_input.py", "tests/deepspeed/test_zero_import.py",
+                              "tests/deepspeed/test_universal_and_distributed.py"), "deepspeed-session")
+
+#: worker seconds of the longest units (a full run's --durations, rounded): they start first, so that no long
+#: unit is left to run alone at the end while the other worker idles
+UNIT_SECONDS = {
+    "tests/test_dist.py": 220, "tests/test_scale_faults.py": 200, "tests/test_killpoints.py": 135,
+    "deepspeed-session": 140, "tests/deepspeed/test_direct.py": 130, "tests/test_demo.py": 120,
+    "tests/test_dist_device.py": 115, "tests/test_dcp_storage.py": 110, "tests/test_tiers_restore.py": 100,
+    "tests/test_scale.py": 90, "tests/test_perrank.py": 80, "tests/deepspeed/test_moe.py": 80,
+    "tests/test_tiers_dist.py": 80, "tests/test_issue40_inputs.py": 65, "tests/deepspeed/test_3d.py": 65,
+    "tests/test_dcp_tiers.py": 60, "tests/deepspeed/test_one_writer_ds.py": 55,
+    "tests/deepspeed/test_direct_tp.py": 50, "tests/deepspeed/test_one_client.py": 50,
+    "tests/deepspeed/test_autoep.py": 45, "tests/test_dcp_roundtrip.py": 40, "tests/test_one_writer.py": 35,
+    "tests/deepspeed/test_moe_tp.py": 30, "tests/test_perrank_paths.py": 30, "tests/test_arch_b_cli.py": 30,
+    "tests/test_distributed.py": 28, "tests/test_perrank_imports.py": 28,
+}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or the shared unit of files that share a fixture."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_UNITS.get(path, path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # the order is the collection's, longest units first (below)
+    return FileUnits(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest units first (``UNIT_SECONDS``); the collection's order otherwise (a stable sort)."""
+    items.sort(key=lambda item: -UNIT_SECONDS.get(unit_of(item.nodeid), 0))

@@ -28,4 +28,5 @@ echo "ruff check ucp_store tests tools; mypy (files from pyproject: ucp_store, s
 .venv/bin/mypy
 
 export UCP_PROGRESS=0
-exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15 "$@"
+# -n 2: tests/conftest.py spreads the files over the two workers (one unit per file, longest first)
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25 "$@"
