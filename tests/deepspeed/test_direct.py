@@ -1,6 +1,6 @@
 """Issue 14: DeepSpeed saves straight into the store and resumes straight from it (real DeepSpeed, gloo).
 
-One module fixture runs four torchrun launches (tools/ds_direct.py):
+One module fixture runs three phases of ranks forked by tools/fork_ranks.py (harness tools/ds_direct.py):
 
 1. 2 processes (DP=2, or PP=2 for the pipeline engine): train ZeRO-1/2/3 bf16 and a 2-stage pipeline, save the
    same step twice: to files with DeepSpeed's own engine (+ ``ds_to_universal``), and through the ucp engine;
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ucp_test_helpers import torchrun
+from ucp_test_helpers import tools_on_path, torchrun
 
 # one xdist worker runs the module: its fixture (four torchrun launches, about a minute) would run on each
 pytestmark = pytest.mark.xdist_group("ds_direct")
@@ -96,7 +96,7 @@ def direct(tmp_path_factory):
         jobs.append({"kind": "save", **cfg, "steps": 3, "save_dir": str(root / name), "tag": TAG, "convert": True,
                      "store": store, "run": name, "next_steps": 2, "out": str(root / f"save_{name}.json"),
                      **({"durability": "background"} if name == "z1" else {})})
-    _launch(jobs, 2, root, "saves")
+    phases = [{"ranks": 2, "jobs": jobs, "harness": "ds_direct"}]
     for world in (1, 4):
         jobs = []
         for name, target, w in RESUMES:
@@ -109,7 +109,17 @@ def direct(tmp_path_factory):
             if not _cross(name, target):
                 jobs.append({"kind": "resume_ds", **target, "load_dir": str(root / name), "tag": UTAG, "steps": 2,
                              "out": str(root / f"ds_{key}.json"), "state_prefix": str(root / f"ds_{key}")})
-        _launch(jobs, world, root, f"resumes_{world}")
+        phases.append({"ranks": world, "jobs": jobs, "harness": "ds_direct"})
+    # every rank forked from one interpreter that imported torch and DeepSpeed once (tools/fork_ranks.py), the
+    # launch folder (the ranks' working directory) holding nothing else
+    tools_on_path()
+    from fork_ranks import launch
+
+    (root / "launch").mkdir()
+    try:
+        launch(phases, root / "launch", 1200)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     return root
 
 
@@ -190,7 +200,7 @@ def test_durability_in_background_commits_the_saved_step(direct):
 def test_ucp_engine_writes_no_files(direct):
     # save_checkpoint through the ucp engine defaults save_dir to "ucp-store:<run>": nothing may appear there,
     # nor a 'latest' file or DeepSpeed's recovery script in the launch folder
-    assert list((direct / "cwd_saves").iterdir()) == []
+    assert [p.name for p in (direct / "launch").iterdir()] == ["phases.json"]
     assert not list(direct.rglob("ucp-store:*"))
     # the background save had no file save beside it: its run left no folder
     assert not (direct / "z2bg").exists()
