@@ -335,6 +335,9 @@ def test_prepare_async_makes_the_buffers_the_first_call_uses(tmp_path):
         assert torch.equal(ck.tensor(k, "weight").read(), v), k
     with pytest.raises(ConfigurationError, match="mode='fork'"):
         ucpd.prepare_async(sd, mode="fork")
+    # an argument neither async_save nor the fast tier takes is named, with what it does take
+    with pytest.raises(ConfigurationError, match=r"unexpected argument\(s\) progress; .* replicas"):
+        ucpd.async_save(sd, store=tmp_path / "s", run="p", step=2, tier="fast", progress=False)
 
 
 def test_checkpointer_retention_and_resume(tmp_path):

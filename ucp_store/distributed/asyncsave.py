@@ -464,11 +464,18 @@ def _tier_setup(ctx: Ctx, mode: str, tier: str, options: dict) -> Any:
     """``async_save(tier="fast")``: the tiered save's call-time part (``tiered.setup``), or None."""
     if tier == "durable" and not options:
         return None
+    import inspect
+
+    from ucp_store.distributed import tiered
+
+    known = [p for p in inspect.signature(tiered.setup).parameters if p != "ctx"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigurationError(f"async_save: unexpected argument(s) {', '.join(unknown)}; besides save's own, it "
+                                 f"takes the fast tier's options {', '.join(known)} (with tier='fast')")
     if tier != "fast" or mode != "thread":
         raise ConfigurationError(f"async_save: tier={tier!r} with mode={mode!r}; expected tier 'durable', or 'fast' "
                                  "in thread mode")
-    from ucp_store.distributed import tiered
-
     return tiered.setup(ctx, **options)
 
 
