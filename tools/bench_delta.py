@@ -475,6 +475,13 @@ def summarize(name: str, rows: list[dict], hf_bytes: int | None) -> dict:
         s["stored_over_full_max"] = float(max(r["stored"] / r["full"] for r in later))
         s["floor_over_full_mean"] = float(np.mean([r["floor"] / r["full"] for r in later]))
         s["publish_s_mean"] = float(np.mean([r["publish_s"] for r in later]))
+        # the versions stored as deltas apart from the keyframes (every K-th version is stored full, by design)
+        deltas = [r for r in later if any(f["xor"] for f in (r.get("states") or {}).values())]
+        s["keyframes"] = [r["step"] for r in later if r not in deltas]
+        if deltas:
+            s["delta_stored_over_full_mean"] = float(np.mean([r["stored"] / r["full"] for r in deltas]))
+            s["delta_stored_over_full_max"] = float(max(r["stored"] / r["full"] for r in deltas))
+            s["delta_changed_frac_mean"] = float(np.mean([r["changed_frac"] for r in deltas]))
     s["first_publish_s"] = rows[0]["publish_s"]
     if hf_bytes:
         s["stored_over_safetensors_mean"] = float(np.mean([r["stored"] / hf_bytes for r in later])) if later else None
@@ -488,7 +495,10 @@ def pull_summary(rows: list[dict]) -> dict:
     def mean(k):
         return float(np.mean([r[k] for r in rows])) if rows else None
 
-    return {"bytes_read_over_delta": float(np.mean([r["bytes_read"] / max(1, r["delta_bytes"]) for r in rows])),
+    # a pull across a keyframe reads N's own chain (route "full"): no delta bytes to compare its reads with
+    via_deltas = [r for r in rows if not r.get("routes", {}).get("full")]
+    return {"bytes_read_over_delta": float(np.mean([r["bytes_read"] / max(1, r["delta_bytes"]) for r in via_deltas]))
+            if via_deltas else math.nan, "across_keyframe": len(rows) - len(via_deltas),
             "bytes_read_over_box": float(np.mean([r["bytes_read"] / r["box_bytes"] for r in rows])),
             "pull_warm_s": mean("pull_warm_s"), "full_warm_s": mean("full_warm_s"),
             "pull_cold_s": mean("pull_cold_s"), "full_cold_s": mean("full_cold_s"),
@@ -635,6 +645,10 @@ def print_report(r: dict) -> None:
               f"{pct(s, 'stored_over_full_mean'):>12} {pct(s, 'stored_over_full_max'):>6} "
               f"{pct(s, 'stored_over_safetensors_mean'):>6} {s.get('publish_s_mean', math.nan):>9.3f} "
               f"{s['first_publish_s']:>8.3f}")
+        if s.get("delta_stored_over_full_mean") is not None:
+            print(f"    {s['sequence']}: the versions stored as deltas: {pct(s, 'delta_changed_frac_mean')} changed, "
+                  f"stored {pct(s, 'delta_stored_over_full_mean')} of full (max "
+                  f"{pct(s, 'delta_stored_over_full_max')}); keyframes (stored full) at steps {s['keyframes']}")
     print(f"{'pull':<10} {'hops':>4} {'read/delta':>10} {'read/box':>9} {'pull warm':>9} {'full warm':>9} "
           f"{'x':>5} {'pull cold':>9} {'full cold':>9} {'x':>5}")
     for p in r["pulls"]:
@@ -642,7 +656,9 @@ def print_report(r: dict) -> None:
             continue
         print(f"{p['run']:<10} {p['hops']:>4} {p['bytes_read_over_delta']:>10.3f} {p['bytes_read_over_box']:>9.4f} "
               f"{p['pull_warm_s']:>9.4f} {p['full_warm_s']:>9.4f} {p['speedup_warm']:>5.1f} "
-              f"{p['pull_cold_s']:>9.4f} {p['full_cold_s']:>9.4f} {p['speedup_cold']:>5.1f}")
+              f"{p['pull_cold_s']:>9.4f} {p['full_cold_s']:>9.4f} {p['speedup_cold']:>5.1f}"
+              + (f"  ({p['across_keyframe']}/{len(p['rows'])} across a keyframe: N's chain read, read/delta over the "
+                 "others)" if p.get("across_keyframe") else ""))
 
 
 if __name__ == "__main__":
