@@ -120,6 +120,7 @@ def unit_of(nodeid: str) -> str:
     return SHARED_UNITS.get(path, path)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: none without xdist (or with -p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
@@ -129,6 +130,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # the order is the collection's, longest units first (below)
     return FileUnits(config, log)
+
 
 
 def pytest_collection_modifyitems(config, items):
