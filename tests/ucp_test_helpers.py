@@ -37,6 +37,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fork_jobs(jobs: list[dict], nproc: int, where: Path, name: str, *, timeout: float = 600,
+              harness: str = "ucp_store.demo.ds_train") -> None:
+    """``nproc`` DeepSpeed ranks running ``jobs`` in order (``harness``'s ``main``: the ``--job`` arguments of
+    ``ucp_store.demo.ds_train``), forked by tools/fork_ranks.py from one interpreter that imported torch and
+    DeepSpeed once (torchrun starts a fresh one per rank); the launch folder is ``where / name``."""
+    import pytest
+
+    tools_on_path()
+    from fork_ranks import launch
+
+    folder = Path(where) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        launch([{"ranks": nproc, "jobs": jobs, "harness": harness}], folder, timeout)
+    except RuntimeError as exc:
+        pytest.fail(f"{name}: {exc}")
+
+
 def ds_env() -> dict:
     """The environment of a DeepSpeed job on CPU (gloo): this checkout importable, no progress bars."""
     env = dict(os.environ)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ucp_test_helpers import torchrun
+from ucp_test_helpers import fork_jobs, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = ["-m", "ucp_store.demo.ds_train"]  # the harness `ucp demo --deepspeed` runs
@@ -43,9 +43,8 @@ RESUME_AS = {
 
 
 def run_jobs(jobs: list[dict], nproc: int, where: Path, name: str, *, timeout: int = 600) -> None:
-    path = where / f"{name}.json"
-    path.write_text(json.dumps(jobs, indent=1))
-    torchrun([*TRAIN, "--jobs", str(path)], nproc, timeout=timeout)
+    """``nproc`` ranks of the ``ucp demo --deepspeed`` harness running ``jobs`` in order (``fork_jobs``)."""
+    fork_jobs(jobs, nproc, where, name, timeout=timeout)
 
 
 class DSSession:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ucp_test_helpers import torchrun
+from ucp_test_helpers import fork_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed")]
 
@@ -35,10 +35,8 @@ def _moe_jobs(root: Path) -> list[dict]:
 
 
 def run_jobs(jobs: list[dict], nproc: int, where: Path, name: str) -> None:
-    """One torchrun launch of ``tools/ds_moe.py`` running ``jobs`` in order (gloo, CPU)."""
-    path = where / f"{name}.json"
-    path.write_text(json.dumps(jobs, indent=1))
-    torchrun([str(DRIVER), "--jobs", str(path)], nproc, timeout=900)
+    """``nproc`` ranks of ``tools/ds_moe.py`` running ``jobs`` in order (gloo, CPU), forked by tools/fork_ranks.py."""
+    fork_jobs(jobs, nproc, where, name, timeout=900, harness="ds_moe")
 
 
 class MoESession:
