@@ -11,11 +11,9 @@ compares its shards bit for bit. Writes ``<out>/rank<r>.json``.
 
 from __future__ import annotations
 
-import json
-import os
 import traceback
 
-from tier_ranks import SHAPES, full_tensor, state
+from tier_ranks import SHAPES, finish, full_tensor, start, state
 
 from ucp_test_helpers import rank_main_or_launch
 
@@ -53,28 +51,14 @@ def _safety(store_path: str, ck: str) -> str | None:
 
 
 def _rank_main(rank: int, spec: dict, port: int) -> None:
-    world = spec["world"]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      UCP_NODE=f"n{rank // spec['per_node']}", UCP_DIST_TIMEOUT=str(spec.get("timeout_s", 30)))
-    if str(rank) in spec.get("kill", {}):  # UCP_KILL_AT on that rank: killed there (SIGKILL)
-        os.environ["UCP_KILL_AT"] = spec["kill"][str(rank)]
-        from ucp_store import _killpoints
-
-        _killpoints.rearm()  # read at import, and the launcher may have imported ucp_store before the fork
-    import datetime
-
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
 
     import ucp_store.distributed as ucpd
-    from ucp_store.distributed import tiered
     from ucp_store.formats.dcp.storage import UcpStorageReader, UcpStorageWriter
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (world,))
+    world = spec["world"]
+    mesh = start(rank, spec, port)
     out: dict = {"steps": []}
     try:
         for step in spec["steps"]:
@@ -106,12 +90,7 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
     except BaseException as exc:  # noqa: BLE001 - recorded for the test
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["trace"] = traceback.format_exc()[-3000:]
-    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    if "error" not in out:
-        tiered.drain_idle(120)
-        dist.barrier()
-        dist.destroy_process_group()
+    finish(rank, spec, out)
 
 
 assert SHAPES  # the state's tensors: tests/tier_ranks.py

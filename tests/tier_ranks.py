@@ -46,11 +46,14 @@ def state(rank: int, world: int, mesh, step: int) -> dict:
     return sd
 
 
-def _rank_main(rank: int, spec: dict, port: int) -> None:
+def start(rank: int, spec: dict, port: int):
+    """A rank of a tiered-save script (this one, tests/dcp_tier_ranks.py): its environment (node
+    ``n<rank // per_node>``, ``timeout_s``, ``UCP_KILL_AT`` where ``kill`` names the rank), the gloo group and
+    a 1-D mesh over the world, which it returns."""
     world = spec["world"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       UCP_NODE=f"n{rank // spec['per_node']}", UCP_DIST_TIMEOUT=str(spec.get("timeout_s", 30)))
-    if str(rank) in spec.get("kill", {}):
+    if str(rank) in spec.get("kill", {}):  # UCP_KILL_AT on that rank: killed there (SIGKILL)
         os.environ["UCP_KILL_AT"] = spec["kill"][str(rank)]
         from ucp_store import _killpoints
 
@@ -61,12 +64,31 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import ucp_store.distributed as ucpd
-    from ucp_store.distributed import tiered
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (world,))
+
+
+def finish(rank: int, spec: dict, out: dict) -> None:
+    """Write ``out`` as ``<out>/rank<rank>.json``; without an error, wait for this rank's drains and leave the
+    group together."""
+    import torch.distributed as dist
+
+    from ucp_store.distributed import tiered
+
+    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    if "error" not in out:
+        tiered.drain_idle(120)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _rank_main(rank: int, spec: dict, port: int) -> None:
+    import ucp_store.distributed as ucpd
+
+    world = spec["world"]
+    mesh = start(rank, spec, port)
     out: dict = {"steps": []}
     try:
         for step in spec["steps"]:
@@ -88,12 +110,7 @@ def _rank_main(rank: int, spec: dict, port: int) -> None:
     except BaseException as exc:  # noqa: BLE001 - recorded for the test
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["trace"] = traceback.format_exc()[-3000:]
-    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    if "error" not in out:
-        tiered.drain_idle(120)
-        dist.barrier()
-        dist.destroy_process_group()
+    finish(rank, spec, out)
 
 
 if __name__ == "__main__":
