@@ -464,11 +464,9 @@ def _tier_setup(ctx: Ctx, mode: str, tier: str, options: dict) -> Any:
     """``async_save(tier="fast")``: the tiered save's call-time part (``tiered.setup``), or None."""
     if tier == "durable" and not options:
         return None
-    import inspect
-
     from ucp_store.distributed import tiered
 
-    known = [p for p in inspect.signature(tiered.setup).parameters if p != "ctx"]
+    known = tiered.option_names()
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ConfigurationError(f"async_save: unexpected argument(s) {', '.join(unknown)}; besides save's own, it "

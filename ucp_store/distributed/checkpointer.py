@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpointer"]
 
-#: the options of ``tier="fast"`` a Checkpointer passes to every save (``distributed.tiered.setup``'s)
-_TIER_OPTIONS = ("replicas", "fast_tier", "node", "fast_keep", "drain", "round_bytes")
-
 
 class Checkpointer:
     """Saves ``run`` every ``every`` steps into ``store``, keeps the newest ``keep_last`` (and every
@@ -58,11 +55,14 @@ class Checkpointer:
             raise ConfigurationError(f"Checkpointer: async_mode={async_mode!r}; expected None, 'thread' or 'process'")
         if tier not in ("durable", "fast"):
             raise ConfigurationError(f"Checkpointer: tier={tier!r}; expected 'durable' or 'fast'")
-        unknown = sorted(set(tiered) - set(_TIER_OPTIONS))
+        from ucp_store.distributed.tiered import option_names
+
+        known = option_names()
+        unknown = sorted(set(tiered) - set(known))
         if unknown or (tiered and tier != "fast"):
             raise ConfigurationError(f"Checkpointer: {', '.join(unknown or sorted(tiered))} "
                                      + ("are not options" if unknown else "need tier='fast'")
-                                     + f"; the fast tier's options are {', '.join(_TIER_OPTIONS)}")
+                                     + f"; the fast tier's options are {', '.join(known)}")
         self.tier, self.tiered = tier, dict(tiered)
         self.store_arg, self.run, self.every = store, run, every
         self.keep_last, self.keep_every, self.async_mode = keep_last, keep_every, async_mode

@@ -47,8 +47,8 @@ from ucp_store.tiers import objects as tobj
 from ucp_store.tiers import placement as tplace
 from ucp_store.tiers.placement import ObjectInfo
 
-__all__ = ["NodeMap", "TierSave", "TierSetup", "TieredResult", "save", "setup", "replicate", "node_map", "drain_idle",
-           "DEFAULT_ROUND_BYTES", "DEFAULT_FAST_KEEP", "LAST_TIMINGS"]
+__all__ = ["NodeMap", "TierSave", "TierSetup", "TieredResult", "save", "setup", "option_names", "replicate", "node_map",
+           "drain_idle", "DEFAULT_ROUND_BYTES", "DEFAULT_FAST_KEEP", "LAST_TIMINGS"]
 
 DEFAULT_ROUND_BYTES = 256 << 20  # raw bytes one rank sends its partner per all_to_all round
 #: the timings of this process's last tiered save (``TieredResult.timings``; tools/bench_tier_save.py)
@@ -732,6 +732,13 @@ def setup(ctx, *, replicas: int = 1, node: str | None = None, fast_tier: str | N
         raise ConfigurationError(f"replicas={replicas}: every rank of the job is on node {name!r}; a replica "
                                  "needs a second node (UCP_NODE per node), or pass replicas=0")
     return TierSetup(root, name, nodes, replicas, fast_keep, round_bytes, drain, _drain_group(ctx) if drain else None)
+
+
+def option_names() -> tuple[str, ...]:
+    """The fast tier's options a save, ``async_save`` or ``Checkpointer`` takes: ``setup``'s keyword parameters."""
+    import inspect
+
+    return tuple(p for p in inspect.signature(setup).parameters if p != "ctx")
 
 
 def save(state_dict: dict, *, write: Any, store: Any = None, run: str, step: int, message: str | None = None,
