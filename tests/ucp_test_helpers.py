@@ -205,30 +205,17 @@ RANK_PRELOAD = ("torch.distributed", "torch.distributed.tensor", "torch.distribu
                 "torch.distributed.checkpoint", "ucp_store.distributed", "tensorstore", "sqlalchemy")
 
 
-def _forked_rank(rank_main, script: str, rank: int, spec: dict, port: int) -> None:
-    """The body of a forked rank: ``rank_main`` as ``script --rank R SPEC PORT`` would run it, then the exit a
-    finished interpreter makes (atexit handlers, flushed streams) and ``os._exit`` with its code (never returns:
-    the launcher's own frames must not go on in the child)."""
+def _rank_body(rank_main, script: str, rank: int, spec: dict, port: int) -> None:
+    """A forked rank: ``rank_main`` as ``script --rank R SPEC PORT`` would run it, then the atexit handlers a
+    finished interpreter runs (``fork_ranks.child`` then leaves with its exit code)."""
     import atexit
     import json
-    import traceback
 
-    code = 0
     try:
         sys.argv = [script, "--rank", str(rank), json.dumps(spec), str(port)]
         rank_main(rank, spec, port)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported as the rank's failure, as an uncaught error would be
-        traceback.print_exc()
-        code = 1
     finally:
-        try:
-            atexit._run_exitfuncs()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+        atexit._run_exitfuncs()
 
 
 def _start_ranks(script: str, rank_main, spec: dict, port: int) -> list:
@@ -247,11 +234,14 @@ def _start_ranks(script: str, rank_main, spec: dict, port: int) -> list:
         if threading.active_count() == 1:
             sys.stdout.flush()
             sys.stderr.flush()
+            tools_on_path()
+            from fork_ranks import child
+
             pids = []
             for r in range(world):
                 pid = os.fork()
                 if pid == 0:
-                    _forked_rank(rank_main, script, r, spec, port)
+                    child(_rank_body, rank_main, script, r, spec, port)  # never returns
                 pids.append(pid)
             return pids
     return [subprocess.Popen([sys.executable, script, "--rank", str(r), json.dumps(spec), str(port)])

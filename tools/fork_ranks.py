@@ -78,7 +78,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, *args) -> None:
+def child(fn, *args) -> None:
     """In a forked child: run ``fn(*args)`` and leave with its exit code (never returns)."""
     code = 1
     try:
@@ -178,12 +178,12 @@ def main(argv=None) -> int:
         if "ucp" in phase:
             pid = os.fork()
             if pid == 0:
-                _child(_run_ucp, phase["ucp"])
+                child(_run_ucp, phase["ucp"])
             pids[pid] = f"phase {i} (ucp {' '.join(map(str, phase['ucp'][:2]))})"
         elif "module" in phase:
             pid = os.fork()
             if pid == 0:
-                _child(_run_module, phase["module"], phase.get("argv", []))
+                child(_run_module, phase["module"], phase.get("argv", []))
             pids[pid] = f"phase {i} (python -m {phase['module']})"
         else:
             world, port = int(phase["ranks"]), _free_port()
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
             for rank in range(world):
                 pid = os.fork()
                 if pid == 0:
-                    _child(_run_rank, harness, rank, world, port, phase["jobs"])
+                    child(_run_rank, harness, rank, world, port, phase["jobs"])
                 pids[pid] = f"phase {i} rank {rank} of {world}"
         _wait(pids, deadline)
         timings[f"phase{i}"] = round(time.time() - t1, 2)
